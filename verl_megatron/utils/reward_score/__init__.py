@@ -1,0 +1,72 @@
+"""Rule-based scorers and the default scorer that dispatches on ``data_source``.
+
+A scorer is ``compute_score(data_source, solution_str, ground_truth,
+extra_info=None, **kwargs) -> float | dict``; a dict carries its reward under
+``"score"`` and every other key is logged per sample.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from verl_megatron.utils.reward_score import gsm8k, math_dapo, math_verify_score, synthetic
+
+GSM8K_SOURCES = ("openai/gsm8k",)
+MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
+DAPO_SOURCES = ("math_dapo",)
+DAPO_SOURCE_PREFIXES = ("aime",)
+SYNTHETIC_SOURCES = ("synthetic/reverse", "synthetic/copy")
+
+
+def known_data_sources() -> list[str]:
+    """Every data source the default scorer handles (prefixes end with ``*``)."""
+    prefixes = [f"{prefix}*" for prefix in DAPO_SOURCE_PREFIXES]
+    return [*GSM8K_SOURCES, *MATH_SOURCES, *DAPO_SOURCES, *prefixes, *SYNTHETIC_SOURCES]
+
+
+def default_compute_score(
+    data_source: str,
+    solution_str: str,
+    ground_truth: Any,
+    extra_info: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> float | dict[str, Any]:
+    """Score one response with the rule that fits its data source.
+
+    Returns a float (gsm8k, MATH-style, synthetic) or a dict with ``score``,
+    ``acc`` and ``pred`` (DAPO/AIME: +1/-1). Extra keyword arguments (e.g.
+    from ``custom_reward_function.reward_kwargs``) are accepted and ignored.
+    Raises NotImplementedError naming an unknown data source.
+    """
+    del extra_info, kwargs  # the rule-based scorers need neither
+    if data_source in GSM8K_SOURCES:
+        return gsm8k.compute_score(solution_str, ground_truth)
+    if data_source in MATH_SOURCES:
+        return math_verify_score.compute_score(solution_str, ground_truth)
+    if data_source in DAPO_SOURCES or str(data_source).startswith(DAPO_SOURCE_PREFIXES):
+        return math_dapo.compute_score(solution_str, ground_truth)
+    if data_source in SYNTHETIC_SOURCES:
+        return synthetic.compute_score(solution_str, ground_truth)
+    raise NotImplementedError(
+        f"default_compute_score: no reward rule for data_source={data_source!r}; known data sources: "
+        f"{', '.join(known_data_sources())}. Set custom_reward_function.path to score other data."
+    )
+
+
+def batch_default_compute_score(
+    data_sources: Any,
+    solution_strs: list[str],
+    ground_truths: list[Any],
+    extra_infos: Any = None,
+    **kwargs: Any,
+) -> list[float | dict[str, Any]]:
+    """``default_compute_score`` over a batch, in the BatchRewardManager form."""
+    if extra_infos is None:
+        extra_infos = [None] * len(solution_strs)
+    return [
+        default_compute_score(source, solution, truth, extra, **kwargs)
+        for source, solution, truth, extra in zip(data_sources, solution_strs, ground_truths, extra_infos)
+    ]
+
+
+__all__ = ["batch_default_compute_score", "default_compute_score", "known_data_sources"]

@@ -1,0 +1,243 @@
+"""Calling user scorers safely: contained exceptions, validated results and a
+hard per-call time limit enforced by killable worker processes.
+
+A scorer may raise, return NaN or a string, or never return (a ``while True``
+in C, a ``time.sleep``). None of these may stop or hang training: each call
+ends as a :class:`ScoreOutcome` whose ``status`` says what happened, and a
+failed call scores 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import multiprocessing
+import multiprocessing.connection
+import numbers
+import signal
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+OK, TIMEOUT, ERROR, INVALID = "ok", "timeout", "error", "invalid"
+
+# Worker start-up (fork: milliseconds; spawn: an interpreter plus imports)
+# does not count against a call's time limit, but a worker that cannot start
+# at all is a configuration error.
+_WORKER_START_TIMEOUT_S = 120.0
+_WORKER_STOP_TIMEOUT_S = 5.0
+
+
+@dataclass
+class ScoreOutcome:
+    """Result of one scorer call: the reward, the dict it came in (if any),
+    and ``status`` in {"ok", "timeout", "error", "invalid"} with a message."""
+
+    score: float = 0.0
+    info: dict[str, Any] | None = None
+    status: str = OK
+    message: str = ""
+
+
+@dataclass
+class ScoreTask:
+    """Keyword arguments of one scorer call."""
+
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def coerce_result(result: Any) -> ScoreOutcome:
+    """Check a scorer's return value: a finite real number, or a dict whose
+    ``"score"`` is one. Anything else is ``invalid`` and scores 0."""
+    info = None
+    value = result
+    if isinstance(result, dict):
+        info = result
+        if "score" not in result:
+            return ScoreOutcome(
+                0.0, info, INVALID, f"dict result has no 'score' key (keys: {sorted(result)})"
+            )
+        value = result["score"]
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:
+        value = value.item()  # a 0-d numpy array / torch tensor
+    if not isinstance(value, numbers.Real):
+        return ScoreOutcome(
+            0.0, info, INVALID, f"score is a {type(value).__name__} ({value!r:.80}), not a number"
+        )
+    value = float(value)
+    if not math.isfinite(value):
+        return ScoreOutcome(0.0, info, INVALID, f"score is {value}")
+    return ScoreOutcome(value, info, OK)
+
+
+def call_contained(fn: Callable[..., Any], kwargs: dict[str, Any]) -> ScoreOutcome:
+    """Call ``fn(**kwargs)`` in this process; an exception becomes ``error``."""
+    try:
+        result = fn(**kwargs)
+    except Exception as err:
+        return ScoreOutcome(0.0, None, ERROR, f"{type(err).__name__}: {err}")
+    return coerce_result(result)
+
+
+def _worker_main(conn: multiprocessing.connection.Connection, fn: Callable[..., Any]) -> None:
+    # Ctrl-C goes to the whole process group; the trainer handles it and our
+    # pipe closing ends this loop, so the worker itself ignores it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    conn.send(("ready", None, None))
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return  # parent went away
+        if message is None:
+            return
+        task_id, kwargs = message
+        try:
+            result = fn(**kwargs)
+        except BaseException as err:
+            conn.send((task_id, ERROR, f"{type(err).__name__}: {err}"))
+            continue
+        try:
+            conn.send((task_id, OK, result))
+        except Exception as err:  # pickling happens before any byte is written
+            conn.send((task_id, ERROR, f"scorer result cannot be sent between processes: {err}"))
+
+
+class _Worker:
+    def __init__(self, ctx: Any, fn: Callable[..., Any]) -> None:
+        self.conn, child_conn = ctx.Pipe(duplex=True)
+        self.process = ctx.Process(target=_worker_main, args=(child_conn, fn), daemon=True)
+        self.process.start()
+        child_conn.close()
+        self.task_id: int | None = None
+        self.deadline = math.inf
+
+    def wait_ready(self) -> None:
+        if not self.conn.poll(_WORKER_START_TIMEOUT_S):
+            self.kill()
+            raise RuntimeError(f"reward scorer worker did not start within {_WORKER_START_TIMEOUT_S:.0f} s")
+        try:
+            self.conn.recv()
+        except (EOFError, OSError) as err:
+            code = self.process.exitcode
+            self.kill()
+            raise RuntimeError(
+                f"reward scorer worker died while starting (exit code {code}); with the 'spawn' start "
+                "method the scorer must be importable/picklable in a fresh interpreter"
+            ) from err
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(_WORKER_STOP_TIMEOUT_S)
+        self.conn.close()
+
+
+class ScorerPool:
+    """Worker processes that run ``fn(**kwargs)`` with a hard time limit.
+
+    A call still running ``timeout`` seconds after it was handed to a worker
+    is ended by killing that worker (SIGKILL: works for C loops and sleeps),
+    and a fresh worker takes its place. Workers start on first use and are
+    reused across calls until :meth:`close`.
+
+    ``start_method``: "fork" (default where available) starts a worker in
+    milliseconds and inherits the scorer as loaded, closures included; the
+    worker only runs Python scoring code, never torch/CUDA, so the parent's
+    torch threads and CUDA context are not a hazard there. "spawn" or
+    "forkserver" start clean interpreters; the scorer must then pickle.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        num_workers: int = 1,
+        timeout: float | None = None,
+        start_method: str | None = None,
+    ) -> None:
+        if num_workers < 1:
+            raise ValueError(f"ScorerPool: num_workers must be >= 1, got {num_workers}")
+        if timeout is not None and not timeout > 0:
+            raise ValueError(
+                f"ScorerPool: timeout must be a positive number of seconds or None, got {timeout}"
+            )
+        if start_method is None:
+            methods = multiprocessing.get_all_start_methods()
+            start_method = "fork" if "fork" in methods else "spawn"
+        self.fn = fn
+        self.num_workers = num_workers
+        self.timeout = timeout
+        self.ctx = multiprocessing.get_context(start_method)
+        self._workers: list[_Worker] = []
+
+    def _ensure_workers(self, count: int) -> None:
+        fresh = [_Worker(self.ctx, self.fn) for _ in range(count - len(self._workers))]
+        for worker in fresh:
+            worker.wait_ready()
+        self._workers.extend(fresh)
+
+    def _replace(self, worker: _Worker) -> _Worker:
+        worker.kill()
+        self._workers.remove(worker)
+        self._ensure_workers(len(self._workers) + 1)
+        return self._workers[-1]
+
+    def map(self, tasks: Sequence[ScoreTask]) -> list[ScoreOutcome]:
+        """Run every task; outcomes come back in task order."""
+        if not tasks:
+            return []
+        outcomes: list[ScoreOutcome] = [ScoreOutcome()] * len(tasks)
+        self._ensure_workers(min(self.num_workers, len(tasks)))
+        pending = list(range(len(tasks) - 1, -1, -1))  # popped from the end, so in order
+        idle = list(self._workers)
+        busy: dict[Any, _Worker] = {}
+        while pending or busy:
+            while pending and idle:
+                worker = idle.pop()
+                worker.task_id = pending.pop()
+                worker.deadline = time.monotonic() + self.timeout if self.timeout else math.inf
+                worker.conn.send((worker.task_id, tasks[worker.task_id].kwargs))
+                busy[worker.conn] = worker
+            wait_s = min(w.deadline for w in busy.values()) - time.monotonic()
+            ready = multiprocessing.connection.wait(
+                list(busy), timeout=None if wait_s == math.inf else max(wait_s, 0.0)
+            )
+            for conn in ready:
+                worker = busy.pop(conn)
+                outcomes[worker.task_id], healthy = self._receive(worker)
+                idle.append(worker if healthy else self._replace(worker))
+            now = time.monotonic()
+            for conn, worker in list(busy.items()):
+                if worker.deadline <= now:
+                    del busy[conn]
+                    message = f"scorer did not return within {self.timeout:g} s (worker process killed)"
+                    outcomes[worker.task_id] = ScoreOutcome(0.0, None, TIMEOUT, message)
+                    idle.append(self._replace(worker))
+        return outcomes
+
+    def _receive(self, worker: _Worker) -> tuple[ScoreOutcome, bool]:
+        """The finished call's outcome, and whether the worker is still usable."""
+        try:
+            _, status, payload = worker.conn.recv()
+        except (EOFError, OSError):
+            worker.process.join(_WORKER_STOP_TIMEOUT_S)
+            message = f"scorer process died (exit code {worker.process.exitcode})"
+            return ScoreOutcome(0.0, None, ERROR, message), False
+        if status == ERROR:
+            return ScoreOutcome(0.0, None, ERROR, payload), True
+        return coerce_result(payload), True
+
+    def close(self) -> None:
+        """Stop every worker (politely, then by force)."""
+        for worker in self._workers:
+            with contextlib.suppress(OSError, ValueError):
+                worker.conn.send(None)
+        for worker in self._workers:
+            worker.process.join(_WORKER_STOP_TIMEOUT_S)
+            worker.kill()
+        self._workers = []
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
