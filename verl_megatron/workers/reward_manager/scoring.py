@@ -38,6 +38,7 @@ class ScoreOutcome:
     info: dict[str, Any] | None = None
     status: str = OK
     message: str = ""
+    raw: Any = None  # the scorer's return value, when the caller checks it itself
 
 
 @dataclass
@@ -71,13 +72,15 @@ def coerce_result(result: Any) -> ScoreOutcome:
     return ScoreOutcome(value, info, OK)
 
 
-def call_contained(fn: Callable[..., Any], kwargs: dict[str, Any]) -> ScoreOutcome:
+def call_contained(
+    fn: Callable[..., Any], kwargs: dict[str, Any], coerce: Callable[[Any], ScoreOutcome] = coerce_result
+) -> ScoreOutcome:
     """Call ``fn(**kwargs)`` in this process; an exception becomes ``error``."""
     try:
         result = fn(**kwargs)
     except Exception as err:
         return ScoreOutcome(0.0, None, ERROR, f"{type(err).__name__}: {err}")
-    return coerce_result(result)
+    return coerce(result)
 
 
 def _worker_main(conn: multiprocessing.connection.Connection, fn: Callable[..., Any]) -> None:
@@ -183,8 +186,11 @@ class ScorerPool:
         self._ensure_workers(len(self._workers) + 1)
         return self._workers[-1]
 
-    def map(self, tasks: Sequence[ScoreTask]) -> list[ScoreOutcome]:
-        """Run every task; outcomes come back in task order."""
+    def map(
+        self, tasks: Sequence[ScoreTask], coerce: Callable[[Any], ScoreOutcome] = coerce_result
+    ) -> list[ScoreOutcome]:
+        """Run every task; outcomes come back in task order. ``coerce`` turns a
+        returned value into an outcome (default: check it is a valid score)."""
         if not tasks:
             return []
         outcomes: list[ScoreOutcome] = [ScoreOutcome()] * len(tasks)
@@ -205,7 +211,7 @@ class ScorerPool:
             )
             for conn in ready:
                 worker = busy.pop(conn)
-                outcomes[worker.task_id], healthy = self._receive(worker)
+                outcomes[worker.task_id], healthy = self._receive(worker, coerce)
                 idle.append(worker if healthy else self._replace(worker))
             now = time.monotonic()
             for conn, worker in list(busy.items()):
@@ -216,7 +222,7 @@ class ScorerPool:
                     idle.append(self._replace(worker))
         return outcomes
 
-    def _receive(self, worker: _Worker) -> tuple[ScoreOutcome, bool]:
+    def _receive(self, worker: _Worker, coerce: Callable[[Any], ScoreOutcome]) -> tuple[ScoreOutcome, bool]:
         """The finished call's outcome, and whether the worker is still usable."""
         try:
             _, status, payload = worker.conn.recv()
@@ -226,7 +232,7 @@ class ScorerPool:
             return ScoreOutcome(0.0, None, ERROR, message), False
         if status == ERROR:
             return ScoreOutcome(0.0, None, ERROR, payload), True
-        return coerce_result(payload), True
+        return coerce(payload), True
 
     def close(self) -> None:
         """Stop every worker (politely, then by force)."""

@@ -1,0 +1,271 @@
+"""What every reward manager shares: decode the batch, score each response,
+write the reward at its last valid token, and report failures.
+
+``__call__(data, return_dict=False)`` returns the reward tensor, float32
+[B, T_resp] with the reward at each response's last valid token and zeros
+elsewhere, or with ``return_dict=True``::
+
+    {"reward_tensor": [B, T_resp],
+     "reward_extra_info": {key: list of B values},
+     "reward_metrics": {"reward/timeout_count": int, "reward/error_count": int,
+                        "reward/invalid_count": int}}
+
+``reward_extra_info`` holds every key of dict-valued scores (a sample whose
+scorer failed gets 0.0 in numeric columns and None in others) and the
+per-sample failure counts (0 or 1) under the ``reward/*_count`` names, so the
+batch's count is their sum and every list has one entry per sample, as
+verl's trainer expects.
+"""
+
+from __future__ import annotations
+
+import numbers
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from verl_megatron.utils.reward_score import default_compute_score
+from verl_megatron.workers.reward_manager.scoring import (
+    ERROR,
+    INVALID,
+    TIMEOUT,
+    ScoreOutcome,
+    ScorerPool,
+    ScoreTask,
+    call_contained,
+)
+
+FAILURE_METRICS = {
+    TIMEOUT: "reward/timeout_count",
+    ERROR: "reward/error_count",
+    INVALID: "reward/invalid_count",
+}
+
+
+@dataclass
+class Sample:
+    """One response to score, decoded."""
+
+    index: int
+    data_source: Any
+    response_str: str
+    ground_truth: Any
+    extra_info: Any
+    valid_response_length: int
+
+
+def _column(non_tensor_batch: dict[str, Any], key: str, size: int) -> Sequence[Any]:
+    if key not in non_tensor_batch:
+        raise KeyError(
+            f"reward manager: non_tensor_batch has no {key!r} (available: {sorted(non_tensor_batch)})"
+        )
+    column = non_tensor_batch[key]
+    if len(column) != size:
+        raise ValueError(
+            f"reward manager: non_tensor_batch[{key!r}] has {len(column)} entries for {size} samples"
+        )
+    return column
+
+
+def _ground_truth(reward_model: Any, index: int) -> Any:
+    if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
+        raise KeyError(
+            f"reward manager: sample {index} has reward_model={reward_model!r}; expected a dict with 'ground_truth'"
+        )
+    return reward_model["ground_truth"]
+
+
+class RewardManagerBase:
+    """Shared driver; subclasses choose how scores are computed (``_score``)
+    and may adjust each reward (``_adjust``)."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        num_examine: int,
+        compute_score: Callable[..., Any] | None = None,
+        reward_fn_key: str = "data_source",
+        compute_score_timeout: float | None = None,
+    ) -> None:
+        if compute_score_timeout is not None and not compute_score_timeout > 0:
+            raise ValueError(
+                f"{type(self).__name__}: compute_score_timeout must be a positive number of seconds "
+                f"or None, got {compute_score_timeout!r}"
+            )
+        self.tokenizer = tokenizer
+        self.num_examine = num_examine  # decoded samples printed per data source and call
+        self.compute_score = compute_score or default_compute_score
+        self.reward_fn_key = reward_fn_key
+        self.compute_score_timeout = compute_score_timeout
+        self.last_metrics: dict[str, int] = {}
+        self._pool: ScorerPool | None = None
+
+    # ---- scoring strategies -------------------------------------------------
+
+    def _score(self, samples: list[Sample]) -> list[ScoreOutcome]:
+        """One outcome per sample; in this process unless a hard time limit
+        is asked for, which needs a killable worker process."""
+        tasks = [self._task(sample) for sample in samples]
+        if self.compute_score_timeout is None:
+            return [call_contained(self.compute_score, task.kwargs) for task in tasks]
+        return self._get_pool(num_workers=1).map(tasks)
+
+    def _task(self, sample: Sample) -> ScoreTask:
+        return ScoreTask(
+            {
+                "data_source": sample.data_source,
+                "solution_str": sample.response_str,
+                "ground_truth": sample.ground_truth,
+                "extra_info": sample.extra_info,
+            }
+        )
+
+    def _get_pool(self, num_workers: int, start_method: str | None = None) -> ScorerPool:
+        if self._pool is None:
+            self._pool = ScorerPool(self.compute_score, num_workers, self.compute_score_timeout, start_method)
+        return self._pool
+
+    def _adjust(self, sample: Sample, score: float) -> tuple[float, dict[str, Any]]:
+        """Final reward from the score, plus extra per-sample values to log."""
+        return score, {}
+
+    # ---- the driver ---------------------------------------------------------
+
+    def __call__(self, data: Any, return_dict: bool = False) -> torch.Tensor | dict[str, Any]:
+        """Score ``data`` (a DataProto); see the module docstring for the result."""
+        if "rm_scores" in data.batch:
+            # A model-based reward was computed upstream: pass it through, as verl does.
+            rm_scores = data.batch["rm_scores"]
+            return {"reward_tensor": rm_scores, "reward_extra_info": {}} if return_dict else rm_scores
+        samples = self._decode(data)
+        outcomes = self._score(samples)
+        reward_tensor = torch.zeros_like(data.batch["responses"], dtype=torch.float32)
+        extras: list[dict[str, Any]] = []
+        for sample, outcome in zip(samples, outcomes):
+            reward, logged = self._adjust(sample, outcome.score)
+            if sample.valid_response_length > 0:  # an empty response has no token to carry it
+                reward_tensor[sample.index, sample.valid_response_length - 1] = reward
+            extras.append({**(outcome.info or {}), **logged})
+        self.last_metrics = self._report_failures(samples, outcomes)
+        self._print_examples(data, samples, outcomes)
+        if not return_dict:
+            return reward_tensor
+        extra_info = _columns(extras)
+        for status, key in FAILURE_METRICS.items():
+            extra_info[key] = [int(outcome.status == status) for outcome in outcomes]
+        return {
+            "reward_tensor": reward_tensor,
+            "reward_extra_info": extra_info,
+            "reward_metrics": dict(self.last_metrics),
+        }
+
+    def _decode(self, data: Any) -> list[Sample]:
+        batch = data.batch
+        for key in ("prompts", "responses", "attention_mask"):
+            if key not in batch:
+                raise KeyError(
+                    f"reward manager: data.batch has no {key!r} (available: {sorted(batch.keys())})"
+                )
+        prompt_len = batch["prompts"].shape[-1]
+        response_len = batch["responses"].shape[-1]
+        mask = batch["attention_mask"]
+        if mask.shape[-1] != prompt_len + response_len:
+            raise ValueError(
+                f"reward manager: attention_mask has {mask.shape[-1]} columns, expected prompts ({prompt_len}) "
+                f"+ responses ({response_len}) = {prompt_len + response_len}"
+            )
+        lengths = mask[:, prompt_len:].sum(dim=-1).tolist()
+        rows = batch["responses"].tolist()
+        response_ids = [row[:length] for row, length in zip(rows, lengths)]
+        texts = self._decode_many(response_ids)
+        size = len(rows)
+        sources = _column(data.non_tensor_batch, self.reward_fn_key, size)
+        reward_models = _column(data.non_tensor_batch, "reward_model", size)
+        extra_infos = data.non_tensor_batch.get("extra_info")
+        return [
+            Sample(
+                index=i,
+                data_source=sources[i],
+                response_str=texts[i],
+                ground_truth=_ground_truth(reward_models[i], i),
+                extra_info=None if extra_infos is None else extra_infos[i],
+                valid_response_length=int(lengths[i]),
+            )
+            for i in range(size)
+        ]
+
+    def _decode_many(self, id_lists: list[list[int]]) -> list[str]:
+        if hasattr(self.tokenizer, "batch_decode"):
+            return list(self.tokenizer.batch_decode(id_lists, skip_special_tokens=True))
+        return [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in id_lists]
+
+    def _report_failures(self, samples: list[Sample], outcomes: list[ScoreOutcome]) -> dict[str, int]:
+        """Count failures per kind and warn once per kind with the first one."""
+        metrics = {key: 0 for key in FAILURE_METRICS.values()}
+        first: dict[str, tuple[Sample, ScoreOutcome]] = {}
+        for sample, outcome in zip(samples, outcomes):
+            if outcome.status in FAILURE_METRICS:
+                metrics[FAILURE_METRICS[outcome.status]] += 1
+                first.setdefault(outcome.status, (sample, outcome))
+        for status, (sample, outcome) in first.items():
+            count = metrics[FAILURE_METRICS[status]]
+            warnings.warn(
+                f"{type(self).__name__}: {count} of {len(samples)} sample(s) scored 0 because compute_score "
+                f"{'timed out' if status == TIMEOUT else status}; first: sample {sample.index}, "
+                f"data_source={sample.data_source!r}: {outcome.message}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return metrics
+
+    def _print_examples(self, data: Any, samples: list[Sample], outcomes: list[ScoreOutcome]) -> None:
+        if self.num_examine <= 0:
+            return
+        printed: dict[Any, int] = {}
+        prompt_len = data.batch["prompts"].shape[-1]
+        for sample, outcome in zip(samples, outcomes):
+            if printed.get(sample.data_source, 0) >= self.num_examine:
+                continue
+            printed[sample.data_source] = printed.get(sample.data_source, 0) + 1
+            prompt_valid = int(data.batch["attention_mask"][sample.index, :prompt_len].sum())
+            prompt_ids = data.batch["prompts"][sample.index, prompt_len - prompt_valid :].tolist()
+            print("[prompt]", self.tokenizer.decode(prompt_ids, skip_special_tokens=True))
+            print("[response]", sample.response_str)
+            print("[ground_truth]", sample.ground_truth)
+            print("[score]", outcome.score)
+            for key, value in (outcome.info or {}).items():
+                if key != "score":
+                    print(f"[{key}]", value)
+            if outcome.status in FAILURE_METRICS:
+                print(f"[{outcome.status}]", outcome.message)
+
+    # ---- lifecycle ----------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop scorer worker processes (they also stop with this process)."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Worker processes and pipes do not pickle; a copy starts its own.
+        state = dict(self.__dict__)
+        state["_pool"] = None
+        return state
+
+
+def _columns(extras: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    """Per-sample dicts -> one list per key, with one entry for every sample."""
+    keys: dict[str, None] = {}
+    for extra in extras:
+        keys.update(dict.fromkeys(extra))
+    columns: dict[str, list[Any]] = {}
+    for key in keys:
+        present = [extra[key] for extra in extras if key in extra]
+        numeric = all(isinstance(v, numbers.Real) for v in present)
+        fill = 0.0 if numeric else None
+        columns[key] = [extra.get(key, fill) for extra in extras]
+    return columns

@@ -1,0 +1,86 @@
+"""DAPO's reward manager: the score plus a soft penalty for overlong responses."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from verl_megatron.workers.reward_manager.base import RewardManagerBase, Sample
+from verl_megatron.workers.reward_manager.registry import register
+
+
+def _field(cfg: Any, name: str, default: Any = None) -> Any:
+    # overlong_buffer_cfg arrives as a DictConfig, a dict or a dataclass.
+    if isinstance(cfg, dict):
+        return cfg.get(name, default)
+    return getattr(cfg, name, default)
+
+
+def overlong_penalty(
+    valid_response_length: int, max_resp_len: int, buffer_len: int, penalty_factor: float
+) -> float:
+    """DAPO's soft overlong punishment, <= 0.
+
+    Responses up to ``max_resp_len - buffer_len`` tokens are free; past that
+    the penalty grows linearly and reaches ``-penalty_factor`` at
+    ``max_resp_len`` tokens: ``min(-(L - expected) / buffer_len * factor, 0)``.
+    """
+    exceed = valid_response_length - (max_resp_len - buffer_len)
+    return min(-exceed / buffer_len * penalty_factor, 0.0)
+
+
+@register("dapo")
+class DAPORewardManager(RewardManagerBase):
+    """Like NaiveRewardManager, with the overlong penalty added to each score.
+
+    ``overlong_buffer_cfg`` has ``enable``, ``len`` (buffer length in tokens),
+    ``penalty_factor`` and ``log`` (add ``overlong_reward`` and ``overlong``
+    to reward_extra_info). None disables the penalty (verl crashes there).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        num_examine: int,
+        compute_score: Callable[..., Any] | None = None,
+        reward_fn_key: str = "data_source",
+        max_resp_len: int | None = None,
+        overlong_buffer_cfg: Any = None,
+        compute_score_timeout: float | None = None,
+    ) -> None:
+        super().__init__(tokenizer, num_examine, compute_score, reward_fn_key, compute_score_timeout)
+        self.max_resp_len = max_resp_len
+        self.overlong_buffer_cfg = overlong_buffer_cfg
+        self.overlong_enabled = bool(
+            overlong_buffer_cfg is not None and _field(overlong_buffer_cfg, "enable", False)
+        )
+        if not self.overlong_enabled:
+            return
+        self.buffer_len = _field(overlong_buffer_cfg, "len")
+        self.penalty_factor = float(_field(overlong_buffer_cfg, "penalty_factor", 1.0))
+        self.log_overlong = bool(_field(overlong_buffer_cfg, "log", False))
+        if max_resp_len is None:
+            raise ValueError(
+                "DAPORewardManager: overlong_buffer_cfg.enable is set, so max_resp_len must be given"
+            )
+        if not isinstance(self.buffer_len, int) or self.buffer_len <= 0:
+            raise ValueError(
+                f"DAPORewardManager: overlong_buffer_cfg.len must be a positive int, got {self.buffer_len!r}"
+            )
+        if self.buffer_len > max_resp_len:
+            warnings.warn(
+                f"DAPORewardManager: overlong_buffer_cfg.len ({self.buffer_len}) > max_resp_len ({max_resp_len}): "
+                "every response length is penalised",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    def _adjust(self, sample: Sample, score: float) -> tuple[float, dict[str, Any]]:
+        if not self.overlong_enabled:
+            return score, {}
+        penalty = overlong_penalty(
+            sample.valid_response_length, self.max_resp_len, self.buffer_len, self.penalty_factor
+        )
+        logged = {"overlong_reward": penalty, "overlong": penalty < 0} if self.log_overlong else {}
+        return score + penalty, logged

@@ -1,0 +1,71 @@
+"""Reward managers that score samples concurrently in a process pool."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from verl_megatron.workers.reward_manager.base import RewardManagerBase, Sample
+from verl_megatron.workers.reward_manager.registry import register
+from verl_megatron.workers.reward_manager.scoring import ScoreOutcome
+
+# Scorers that hang would otherwise hold a worker for ever; verl's PRIME
+# manager uses the same 300 s limit per sample.
+DEFAULT_TIMEOUT_S = 300.0
+
+
+@register("parallel")
+class ParallelRewardManager(RewardManagerBase):
+    """Scores samples in ``num_processes`` worker processes at once.
+
+    Each call has a hard time limit (``compute_score_timeout``, default
+    300 s; None for none). Workers start on the first call and are reused.
+    ``mp_start_method`` is "fork" by default (fast, no pickling of the
+    scorer); use "spawn" to keep workers clear of the parent's state.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        num_examine: int,
+        compute_score: Callable[..., Any] | None = None,
+        reward_fn_key: str = "data_source",
+        num_processes: int | None = None,
+        compute_score_timeout: float | None = DEFAULT_TIMEOUT_S,
+        mp_start_method: str | None = None,
+    ) -> None:
+        super().__init__(tokenizer, num_examine, compute_score, reward_fn_key, compute_score_timeout)
+        self.num_processes = num_processes or min(8, os.cpu_count() or 1)
+        if self.num_processes < 1:
+            raise ValueError(f"{type(self).__name__}: num_processes must be >= 1, got {num_processes}")
+        self.mp_start_method = mp_start_method
+
+    def _score(self, samples: list[Sample]) -> list[ScoreOutcome]:
+        pool = self._get_pool(self.num_processes, self.mp_start_method)
+        return pool.map([self._task(sample) for sample in samples])
+
+
+@register("prime")
+class PrimeRewardManager(ParallelRewardManager):
+    """verl's name and signature for the process-pool manager (PRIME)."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        num_examine: int,
+        compute_score: Callable[..., Any] | None = None,
+        reward_fn_key: str = "data_source",
+        num_processes: int = 64,
+        compute_score_timeout: float | None = DEFAULT_TIMEOUT_S,
+        mp_start_method: str | None = None,
+    ) -> None:
+        super().__init__(
+            tokenizer,
+            num_examine,
+            compute_score,
+            reward_fn_key,
+            num_processes,
+            compute_score_timeout,
+            mp_start_method,
+        )
