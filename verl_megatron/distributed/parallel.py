@@ -1,0 +1,286 @@
+"""Parallel layout and the distributed runtime, created once and passed in.
+
+``ParallelLayout`` is the user's choice of tp/pp/vpp/cp/ep; ``dp`` follows from
+the world size. ``init_runtime`` starts torch.distributed from torchrun's
+environment (NCCL with CUDA, gloo without), installs the CPU compatibility
+layer when there is no GPU, builds megatron's parallel state and seeds every
+RNG. Everything downstream receives the returned :class:`Runtime`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import socket
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+class ParallelConfigError(ValueError):
+    """A parallel layout that cannot work for this world size or model."""
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How one model is split over the processes of a job.
+
+    Attributes:
+        tp: tensor-parallel size (attention heads and MLP columns are split).
+        pp: pipeline-parallel size (transformer layers are split into stages).
+        vpp: virtual pipeline stages per pipeline rank (None or 1: no interleaving).
+        cp: context-parallel size (sequence split; needs Transformer Engine, GPU only).
+        ep: expert-parallel size for MoE layers.
+        dp: data-parallel size; derived as world_size // (tp * pp * cp) when None.
+    """
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    cp: int = 1
+    ep: int = 1
+    dp: int | None = None
+
+    def resolve(self, world_size: int) -> ParallelLayout:
+        """Return a copy with ``dp`` filled in, or raise ParallelConfigError."""
+        for name in ("tp", "pp", "cp", "ep"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ParallelConfigError(f"parallel.{name} must be a positive integer, got {value!r}")
+        if self.vpp is not None and (not isinstance(self.vpp, int) or self.vpp < 1):
+            raise ParallelConfigError(f"parallel.vpp must be a positive integer or null, got {self.vpp!r}")
+        if self.vpp is not None and self.vpp > 1 and self.pp == 1:
+            raise ParallelConfigError(
+                "parallel.vpp > 1 needs parallel.pp > 1 (interleaving splits pipeline stages)"
+            )
+        model_parallel = self.tp * self.pp * self.cp
+        if world_size % model_parallel != 0:
+            raise ParallelConfigError(
+                f"tp*pp*cp = {self.tp}*{self.pp}*{self.cp} = {model_parallel} does not divide "
+                f"the world size {world_size}"
+            )
+        dp = world_size // model_parallel
+        if self.dp is not None and self.dp != dp:
+            raise ParallelConfigError(
+                f"parallel.dp={self.dp} but world size {world_size} / (tp*pp*cp={model_parallel}) = {dp}"
+            )
+        if (dp * self.cp * self.tp) % self.ep != 0:
+            raise ParallelConfigError(
+                f"parallel.ep={self.ep} must divide dp*cp*tp = {dp * self.cp * self.tp} "
+                "(experts are spread over the data/context/tensor-parallel ranks)"
+            )
+        return ParallelLayout(tp=self.tp, pp=self.pp, vpp=self.vpp, cp=self.cp, ep=self.ep, dp=dp)
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.vpp or 1
+
+    def check_model(
+        self,
+        *,
+        num_layers: int,
+        num_attention_heads: int,
+        num_query_groups: int | None = None,
+        num_experts: int | None = None,
+    ) -> None:
+        """Raise ParallelConfigError when the model cannot be split this way."""
+        groups = num_query_groups or num_attention_heads
+        if num_attention_heads % self.tp != 0:
+            raise ParallelConfigError(
+                f"num_attention_heads={num_attention_heads} is not divisible by tp={self.tp}"
+            )
+        if groups % self.tp != 0:
+            raise ParallelConfigError(
+                f"num_key_value_heads={groups} is not divisible by tp={self.tp} "
+                "(each tensor-parallel rank needs whole key/value heads)"
+            )
+        stages = self.pp * self.virtual_stages
+        if num_layers % stages != 0:
+            raise ParallelConfigError(
+                f"num_layers={num_layers} is not divisible by pp*vpp = {self.pp}*{self.virtual_stages} = {stages}"
+            )
+        if num_experts and num_experts % self.ep != 0:
+            raise ParallelConfigError(f"num_experts={num_experts} is not divisible by ep={self.ep}")
+        if self.ep > 1 and not num_experts:
+            raise ParallelConfigError(
+                f"ep={self.ep} needs a mixture-of-experts model (num_experts is not set)"
+            )
+
+
+@dataclass
+class Runtime:
+    """The process's place in the job; created once by :func:`init_runtime`."""
+
+    layout: ParallelLayout
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    seed: int
+    cpu_compat: bool = False
+    _owns_process_group: bool = field(default=False, repr=False)
+
+    # Megatron parallel state is global to the process; these accessors keep
+    # call sites from reaching into it directly.
+    @property
+    def tp_rank(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_tensor_model_parallel_rank()
+
+    @property
+    def pp_rank(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_pipeline_model_parallel_rank()
+
+    @property
+    def dp_rank(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_rank()
+
+    @property
+    def cp_rank(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_context_parallel_rank()
+
+    def tp_group(self):
+        from megatron.core import parallel_state as ps
+
+        return ps.get_tensor_model_parallel_group()
+
+    def pp_group(self):
+        from megatron.core import parallel_state as ps
+
+        return ps.get_pipeline_model_parallel_group()
+
+    def dp_group(self, with_cp: bool = False):
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_group(with_context_parallel=with_cp)
+
+    def cp_group(self):
+        from megatron.core import parallel_state as ps
+
+        return ps.get_context_parallel_group()
+
+    def mp_group(self):
+        from megatron.core import parallel_state as ps
+
+        return ps.get_model_parallel_group()
+
+    @property
+    def is_pp_first(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_pp_last(self) -> bool:
+        return self.pp_rank == self.layout.pp - 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (and the megatron TP RNG tracker if initialised)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+
+
+def init_process_group(timeout_minutes: int = 30) -> tuple[int, int, int, str]:
+    """Start torch.distributed from torchrun's variables (or as a lone process).
+
+    Returns (rank, world_size, local_rank, backend).
+    """
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+                raise RuntimeError(
+                    "WORLD_SIZE > 1 but MASTER_PORT is unset: start multi-process jobs with torchrun"
+                )
+            os.environ["MASTER_PORT"] = str(_free_port())
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    backend = dist.get_backend()
+    return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), backend
+
+
+def init_runtime(layout: ParallelLayout, seed: int = 1234, timeout_minutes: int = 30) -> Runtime:
+    """Create the job's distributed runtime; call once per process.
+
+    Raises ParallelConfigError before any model is built when the layout
+    does not fit the world size. Calling it again (e.g. in tests) rebuilds
+    megatron's parallel state for the new layout on the same process group.
+    """
+    from verl_megatron.distributed import cpu_compat
+
+    compat = cpu_compat.install()
+    owns = not dist.is_initialized()
+    rank, world_size, local_rank, backend = init_process_group(timeout_minutes)
+    layout = layout.resolve(world_size)
+    if layout.cp > 1 and not torch.cuda.is_available():
+        raise ParallelConfigError(
+            "parallel.cp > 1 needs Transformer Engine attention, which needs CUDA; this machine has no GPU"
+        )
+
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if (layout.vpp or 1) > 1 else None,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        distributed_timeout_minutes=timeout_minutes,
+    )
+    seed_everything(seed)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    return Runtime(
+        layout=layout,
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        device=device,
+        backend=backend,
+        seed=seed,
+        cpu_compat=compat,
+        _owns_process_group=owns,
+    )
+
+
+def shutdown(runtime: Runtime | None = None) -> None:
+    """Tear down megatron's parallel state and the process group."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
