@@ -169,14 +169,14 @@ def _assert_same(run: dict, ref: dict) -> None:
     assert run["grads"].keys() == ref["grads"].keys() == ref["weights"].keys() == run["weights"].keys()
     for name, grad in ref["grads"].items():
         torch.testing.assert_close(
-            run["grads"][name], grad, rtol=1e-5, atol=1e-7, msg=lambda m: f"grad {name}: {m}"
+            run["grads"][name], grad, rtol=1e-5, atol=1e-7, msg=f"grad of {name} differs"
         )
     # Adam divides by sqrt(v): where a gradient is ~0, float32 summation-order
     # noise can move one element by a sizeable fraction of lr. 2e-5 is 0.1% of
     # one lr=1e-2 step per step taken.
     for name, tensor in ref["weights"].items():
         torch.testing.assert_close(
-            run["weights"][name], tensor, rtol=0, atol=2e-5, msg=lambda m: f"{name}: {m}"
+            run["weights"][name], tensor, rtol=0, atol=2e-5, msg=f"weight {name} differs"
         )
 
 

@@ -13,6 +13,7 @@ parallel state for the layout they need on the shared process group.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import multiprocessing as mp
 import os
@@ -110,10 +111,8 @@ class DistPool:
     def close(self, force: bool = False) -> None:
         for conn, proc in zip(self._conns, self._procs):
             if proc.is_alive() and not force:
-                try:
+                with contextlib.suppress(BrokenPipeError, OSError):
                     conn.send(None)
-                except (BrokenPipeError, OSError):
-                    pass
         for proc in self._procs:
             proc.join(timeout=0 if force else 20)
             if proc.is_alive():
