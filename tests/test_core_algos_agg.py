@@ -1,0 +1,289 @@
+"""agg_loss numbers per mode, and the Megatron micro-batch contract.
+
+The layout test replays what megatron-core does with a 2-tuple loss: the schedule
+multiplies the returned loss by cp and divides it by num_microbatches, backward runs
+per micro-batch, and DDP sums the gradients over the dp x cp group and divides by
+dp * cp. The result must equal the gradient of agg_loss over the global batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from verl_megatron.trainer.ppo.core_algos import (
+    LOSS_AGG_MODES,
+    agg_loss,
+    get_policy_loss_fn,
+    megatron_microbatch_loss,
+)
+
+L = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
+M = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        ("token-mean", 7 / 3),  # (1 + 2 + 4) / 3 tokens
+        ("token-sum", 7.0),
+        ("seq-mean-token-sum", 3.5),  # (3 + 4) / 2 valid rows; the empty row does not count
+        ("seq-mean-token-mean", 2.75),  # (1.5 + 4) / 2
+        ("seq-mean-token-sum-norm", 3.5 / 3),  # seq-mean-token-sum / T
+    ],
+)
+def test_agg_loss_local_counts(mode: str, expected: float) -> None:
+    assert agg_loss(L, M, mode).item() == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        ("token-mean", 7 / 7 * 2),  # N = 7 global tokens, dp = 2
+        ("token-sum", 7 * 2),
+        ("seq-mean-token-sum", 7 / 4 * 2),  # G = 4 global sequences
+        ("seq-mean-token-mean", 5.5 / 4 * 2),
+        ("seq-mean-token-sum-norm", 7 / 4 * 2 / 5),  # loss_scale_factor 5
+    ],
+)
+def test_agg_loss_global_counts(mode: str, expected: float) -> None:
+    got = agg_loss(L, M, mode, dp_size=2, batch_num_tokens=7, global_batch_size=4, loss_scale_factor=5)
+    assert got.item() == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+def test_agg_loss_requires_global_counts_with_dp(mode: str) -> None:
+    with pytest.raises(ValueError, match="required when dp_size > 1"):
+        agg_loss(L, M, mode, dp_size=2)
+
+
+def test_agg_loss_unknown_mode_lists_valid_ones() -> None:
+    with pytest.raises(ValueError, match="seq-mean-token-sum-norm") as err:
+        agg_loss(L, M, "token-median")
+    assert "token-median" in str(err.value)
+
+
+def test_agg_loss_shape_mismatch() -> None:
+    with pytest.raises(ValueError, match=r"loss_mat \(3, 3\) and loss_mask \(3, 2\)"):
+        agg_loss(L, M[:, :2], "token-mean")
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_agg_loss_all_masked_is_zero_with_zero_grad(mode: str) -> None:
+    loss_mat = torch.full((2, 3), 5.0, requires_grad=True)
+    loss = agg_loss(loss_mat, torch.zeros(2, 3), mode)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert torch.equal(loss_mat.grad, torch.zeros(2, 3))
+    # Global counts of 0 (a whole global batch without tokens) are also finite.
+    assert agg_loss(loss_mat, torch.zeros(2, 3), mode, batch_num_tokens=0, global_batch_size=0).item() == 0.0
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_agg_loss_ignores_nan_and_inf_under_the_mask(mode: str) -> None:
+    poisoned = L.clone()
+    poisoned[2] = float("nan")
+    poisoned[0, 2] = float("inf")
+    assert agg_loss(poisoned, M, mode).item() == pytest.approx(agg_loss(L, M, mode).item())
+
+
+def test_megatron_microbatch_loss_scales_by_num_microbatches() -> None:
+    assert megatron_microbatch_loss(torch.tensor(0.5), 4).item() == 2.0
+    with pytest.raises(ValueError, match="num_microbatches must be >= 1"):
+        megatron_microbatch_loss(torch.tensor(0.5), 0)
+
+
+# ---------------------------------------------------------------- layout equivalence
+
+B, T, D = 10, 7, 3
+
+
+def _global_batch(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    lengths[3] = 0  # fully masked rows inside a shard
+    lengths[7] = 0
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).double()
+    mask[1, 0] = 0.0  # a hole: masks need not be prefixes
+    return {
+        "x": torch.randn(B, T, D, generator=g, dtype=torch.float64),
+        "mask": mask,
+        "adv": torch.randn(B, 1, generator=g, dtype=torch.float64).expand(B, T).contiguous(),
+        "noise": 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64),
+    }
+
+
+def _log_probs(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return -torch.nn.functional.softplus(x @ w)
+
+
+def _token_loss(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    z = x @ w
+    return torch.tanh(z) + 0.1 * z**2
+
+
+def _split(n: int, parts: int, g: torch.Generator, min_size: int = 1) -> list[tuple[int, int]]:
+    """`parts` contiguous, randomly uneven slices of range(n), each at least `min_size` long."""
+    sizes = [min_size] * parts
+    for part in torch.randint(0, parts, (n - parts * min_size,), generator=g).tolist():
+        sizes[part] += 1
+    bounds = [0, *torch.tensor(sizes).cumsum(0).tolist()]
+    return list(itertools.pairwise(bounds))
+
+
+def _megatron_grad(batch, w0, dp: int, cp: int, microbatches: int, seed: int, loss_of) -> torch.Tensor:
+    """Gradient after megatron's schedule + DDP for a dp x cp x micro-batch split of the batch.
+
+    `loss_of(w_live, rows, cols_live, global_info)` returns the micro-batch loss where
+    only the tokens in `cols_live` carry gradient (a cp rank's own slice).
+    """
+    g = torch.Generator().manual_seed(seed)
+    mask = batch["mask"]
+    info = {
+        "dp_size": dp,
+        "batch_num_tokens": int(mask.sum()),
+        "global_batch_size": int((mask.sum(-1) > 0).sum()),
+        "loss_scale_factor": T,
+    }
+    total = torch.zeros_like(w0)
+    for d0, d1 in _split(B, dp, g, min_size=microbatches):
+        for m0, m1 in _split(d1 - d0, microbatches, g):
+            rows = slice(d0 + m0, d0 + m1)
+            for c0, c1 in _split(T, cp, g):
+                w = w0.clone().requires_grad_(True)
+                loss = loss_of(w, rows, (c0, c1), info)
+                returned = megatron_microbatch_loss(loss, microbatches)
+                scheduled = returned * cp / microbatches  # what forward_backward_func does
+                (grad,) = torch.autograd.grad(scheduled, w)
+                total += grad
+    return total / (dp * cp)  # DDP: sum over dp x cp, scaled by 1 / (dp * cp)
+
+
+def _live_on(tensor_fn, w, cols):
+    """Values of tensor_fn(w), with gradient only through the columns [c0, c1)."""
+    live = tensor_fn(w)
+    frozen = tensor_fn(w.detach())
+    col = torch.arange(T)
+    keep = (col >= cols[0]) & (col < cols[1])
+    return torch.where(keep, live, frozen)
+
+
+def _trim(rows_mask: torch.Tensor) -> int:
+    """Micro-batches are padded only to their own longest response (ragged T)."""
+    valid_cols = torch.nonzero(rows_mask.sum(0) > 0)
+    return int(valid_cols.max()) + 1 if valid_cols.numel() else 1
+
+
+LAYOUTS = [(1, 1, 1), (1, 1, 3), (2, 1, 2), (2, 2, 2), (3, 1, 3), (1, 2, 1), (2, 3, 1)]
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_megatron_gradient_equals_global_batch_gradient(mode: str) -> None:
+    batch = _global_batch(seed=0)
+    w0 = torch.tensor([0.4, -0.3, 0.2], dtype=torch.float64)
+    w = w0.clone().requires_grad_(True)
+    reference = agg_loss(_token_loss(w, batch["x"]), batch["mask"], mode, loss_scale_factor=T)
+    (expected,) = torch.autograd.grad(reference, w)
+
+    def loss_of(w_live, rows, cols, info):
+        x, mask = batch["x"][rows], batch["mask"][rows]
+        t = _trim(mask)
+        loss_mat = _live_on(lambda v: _token_loss(v, x), w_live, cols)[:, :t]
+        return agg_loss(loss_mat, mask[:, :t], mode, **info)
+
+    for i, (dp, cp, micro) in enumerate(LAYOUTS):
+        got = _megatron_grad(batch, w0, dp, cp, micro, seed=i, loss_of=loss_of)
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=0, msg=f"layout dp={dp} cp={cp} mb={micro}")
+    assert expected.abs().max() > 1e-3  # the check is not vacuous
+
+
+class _ActorCfg:
+    clip_ratio = 0.2
+    clip_ratio_low = 0.2
+    clip_ratio_high = 0.28
+    clip_ratio_c = 3.0
+    tau_pos = 1.0
+    tau_neg = 1.05
+
+
+@pytest.mark.parametrize(
+    ("loss_mode", "agg_mode"),
+    [
+        ("vanilla", "token-mean"),
+        ("vanilla", "seq-mean-token-sum-norm"),
+        ("gspo", "seq-mean-token-mean"),
+        ("sapo", "seq-mean-token-mean"),
+        ("gpg", "seq-mean-token-sum"),
+        ("cispo", "token-mean"),
+        ("geo_mean", "token-mean"),
+    ],
+)
+def test_registered_policy_losses_are_layout_invariant(loss_mode: str, agg_mode: str) -> None:
+    batch = _global_batch(seed=1)
+    w0 = torch.tensor([0.5, 0.1, -0.6], dtype=torch.float64)
+    old = (_log_probs(w0, batch["x"]) + batch["noise"]).detach()
+    fn = get_policy_loss_fn(loss_mode)
+    w = w0.clone().requires_grad_(True)
+    reference, _ = fn(old, _log_probs(w, batch["x"]), batch["adv"], batch["mask"], agg_mode, _ActorCfg())
+    (expected,) = torch.autograd.grad(reference, w)
+
+    def loss_of(w_live, rows, cols, info):
+        x = batch["x"][rows]
+        log_prob = _live_on(lambda v: _log_probs(v, x), w_live, cols)
+        args = (old[rows], log_prob, batch["adv"][rows], batch["mask"][rows], agg_mode, _ActorCfg())
+        return fn(*args, global_batch_info=info)[0]
+
+    for i, (dp, cp, micro) in enumerate(LAYOUTS):
+        got = _megatron_grad(batch, w0, dp, cp, micro, seed=10 + i, loss_of=loss_of)
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=0, msg=f"layout dp={dp} cp={cp} mb={micro}")
+    assert expected.abs().max() > 1e-4
+
+
+# ---------------------------------------------------------------- properties
+
+_finite = st.floats(-100, 100, allow_nan=False, width=64)
+
+
+def _t(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float64)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 4),
+    cols=st.integers(1, 5),
+    pad=st.integers(1, 3),
+    data=st.data(),
+)
+def test_padding_columns_do_not_change_agg_loss(rows: int, cols: int, pad: int, data) -> None:
+    values = _t(data.draw(st.lists(_finite, min_size=rows * cols, max_size=rows * cols)))
+    mask = torch.tensor(
+        data.draw(st.lists(st.sampled_from([0.0, 1.0]), min_size=rows * cols, max_size=rows * cols))
+    )
+    loss_mat, loss_mask = values.view(rows, cols), mask.view(rows, cols)
+    junk = _t(data.draw(st.lists(_finite, min_size=rows * pad, max_size=rows * pad))).view(rows, pad)
+    padded_mat = torch.cat([loss_mat, junk], dim=1)
+    padded_mask = torch.cat([loss_mask, torch.zeros(rows, pad, dtype=torch.float64)], dim=1)
+    for mode in LOSS_AGG_MODES:
+        # sum-norm divides by T by default, so pin the scale to compare different paddings.
+        a = agg_loss(loss_mat, loss_mask, mode, loss_scale_factor=7)
+        b = agg_loss(padded_mat, padded_mask, mode, loss_scale_factor=7)
+        assert math.isfinite(b.item())
+        assert b.item() == pytest.approx(a.item(), rel=1e-9, abs=1e-9), mode
+
+
+@settings(max_examples=30, deadline=None)
+@given(perm_seed=st.integers(0, 1000), data=st.data())
+def test_row_order_does_not_change_agg_loss(perm_seed: int, data) -> None:
+    values = _t(data.draw(st.lists(_finite, min_size=12, max_size=12))).view(4, 3)
+    mask = _t(data.draw(st.lists(st.sampled_from([0.0, 1.0]), min_size=12, max_size=12))).view(4, 3)
+    perm = torch.randperm(4, generator=torch.Generator().manual_seed(perm_seed))
+    for mode in LOSS_AGG_MODES:
+        assert agg_loss(values[perm], mask[perm], mode).item() == pytest.approx(
+            agg_loss(values, mask, mode).item(), rel=1e-9, abs=1e-9
+        )
