@@ -287,3 +287,13 @@ def test_row_order_does_not_change_agg_loss(perm_seed: int, data) -> None:
         assert agg_loss(values[perm], mask[perm], mode).item() == pytest.approx(
             agg_loss(values, mask, mode).item(), rel=1e-9, abs=1e-9
         )
+
+
+def test_agg_loss_counts_exactly_in_bfloat16() -> None:
+    # 1001 is not a bfloat16 number (it rounds to 1000): the reduction must run in float32.
+    loss_mat = torch.ones(1, 1001, dtype=torch.bfloat16)
+    assert torch.ones(1001, dtype=torch.bfloat16).sum().item() == 1000.0
+    loss = agg_loss(loss_mat, torch.ones(1, 1001, dtype=torch.bool), "token-sum")
+    assert loss.dtype == torch.float32
+    assert loss.item() == 1001.0
+    assert agg_loss(loss_mat * 3, torch.ones(1, 1001), "seq-mean-token-mean").item() == 3.0

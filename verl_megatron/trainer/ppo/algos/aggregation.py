@@ -72,6 +72,7 @@ def agg_loss(
     With dp_size > 1 the global counts (N for token-mean, G for the seq modes) are
     required. An all-masked batch gives a finite 0 with a zero gradient (verl: NaN).
     Values of `loss_mat` at masked positions never reach the result, even inf/NaN.
+    Low-precision inputs are reduced (and returned) in float32.
     """
     if loss_mat.shape != loss_mask.shape:
         raise ValueError(
@@ -79,7 +80,10 @@ def agg_loss(
         )
     if dp_size < 1:
         raise ValueError(f"agg_loss: dp_size must be >= 1, got {dp_size}")
-    mask = loss_mask.to(loss_mat.dtype)
+    # Reduce in at least float32: a bf16 sum of a mask is not an exact token count past 256.
+    acc_dtype = torch.promote_types(loss_mat.dtype, torch.float32)
+    loss_mat = loss_mat.to(acc_dtype)
+    mask = loss_mask.to(acc_dtype)
 
     if loss_agg_mode == "token-mean":
         n = _denominator(batch_num_tokens, mask.sum(), dp_size, "batch_num_tokens", loss_agg_mode)
