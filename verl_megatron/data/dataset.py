@@ -1,0 +1,342 @@
+"""Prompt datasets in verl's row format, and the seeded, resumable loader over them.
+
+A row (one line of jsonl, or one parquet record) looks like::
+
+    {"data_source": "openai/gsm8k",
+     "prompt": [{"role": "user", "content": "..."}],
+     "ability": "math",
+     "reward_model": {"style": "rule", "ground_truth": "72"},
+     "extra_info": {"split": "train", "index": 0}}
+
+``RLHFDataset`` reads and checks every row up front (a malformed row fails
+with the file, the row number and the field), applies the tokenizer's chat
+template, and drops or cuts prompts longer than ``max_prompt_length``.
+``collate_prompts`` turns a list of items into a ``DataProto`` with
+left-padded ``input_ids``/``attention_mask``/``position_ids`` [B, Tp].
+``PromptLoader`` yields batches in a seeded order and can resume mid-epoch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from verl_megatron.data.config import TRUNCATION_MODES, DataConfig
+from verl_megatron.protocol import DataProto
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DataFormatError", "PromptLoader", "RLHFDataset", "collate_prompts", "read_rows"]
+
+
+class DataFormatError(ValueError):
+    """A data file or row that does not follow verl's row format."""
+
+
+def read_rows(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """All rows of a ``.parquet`` or ``.jsonl``/``.json`` file as dicts, in file order."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"data file '{path}' does not exist")
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    if path.endswith((".jsonl", ".json")):
+        rows = []
+        with open(path, encoding="utf-8") as f:
+            for line_no, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as err:
+                    raise DataFormatError(f"{path}: line {line_no} is not valid JSON ({err})") from err
+        return rows
+    raise DataFormatError(f"data file '{path}': unsupported extension (use .parquet or .jsonl)")
+
+
+@dataclass
+class PromptItem:
+    """One checked, tokenized prompt: ``input_ids`` [Tp] (unpadded) and the row's other fields."""
+
+    input_ids: list[int]
+    data_source: str
+    reward_model: dict[str, Any]
+    extra_info: dict[str, Any]
+    ability: str
+    raw_prompt: list[dict[str, str]]
+    index: int
+
+
+def _check_messages(messages: Any, where: str, key: str) -> list[dict[str, str]]:
+    if not isinstance(messages, (list, tuple, np.ndarray)) or len(messages) == 0:
+        raise DataFormatError(
+            f"{where}: field '{key}' must be a non-empty list of chat messages "
+            f"({{'role': ..., 'content': ...}}), got {type(messages).__name__}"
+        )
+    checked = []
+    for i, message in enumerate(messages):
+        if (
+            not isinstance(message, dict)
+            or not isinstance(message.get("role"), str)
+            or not isinstance(message.get("content"), str)
+        ):
+            raise DataFormatError(
+                f"{where}: field '{key}[{i}]' must be a dict with string 'role' and 'content', got {message!r}"
+            )
+        checked.append({"role": message["role"], "content": message["content"]})
+    return checked
+
+
+def _check_row(row: Any, where: str, config: DataConfig) -> dict[str, Any]:
+    """The row's fields, checked; raises DataFormatError naming ``where`` and the field."""
+    if not isinstance(row, dict):
+        raise DataFormatError(f"{where}: a row must be an object, got {type(row).__name__}")
+    for key in (config.prompt_key, config.reward_fn_key, "reward_model"):
+        if key not in row or row[key] is None:
+            raise DataFormatError(f"{where}: missing field '{key}' (row has {sorted(row)})")
+    messages = _check_messages(row[config.prompt_key], where, config.prompt_key)
+    source = row[config.reward_fn_key]
+    if not isinstance(source, str) or not source:
+        raise DataFormatError(f"{where}: field '{config.reward_fn_key}' must be a non-empty string")
+    reward_model = row["reward_model"]
+    if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
+        raise DataFormatError(
+            f"{where}: field 'reward_model' must be a dict with a 'ground_truth', got {reward_model!r}"
+        )
+    extra_info = row.get("extra_info") or {}
+    if not isinstance(extra_info, dict):
+        raise DataFormatError(f"{where}: field 'extra_info' must be a dict, got {type(extra_info).__name__}")
+    ability = row.get("ability") or ""
+    if not isinstance(ability, str):
+        raise DataFormatError(f"{where}: field 'ability' must be a string, got {type(ability).__name__}")
+    return {
+        "messages": messages,
+        "data_source": source,
+        "reward_model": dict(reward_model),
+        "extra_info": dict(extra_info),
+        "ability": ability,
+    }
+
+
+def _truncate(ids: list[int], max_len: int, mode: str) -> list[int]:
+    if mode == "left":  # keep the end of the prompt, where the question usually is
+        return ids[-max_len:]
+    if mode == "right":
+        return ids[:max_len]
+    head = max_len // 2  # "middle": keep both ends
+    return ids[:head] + ids[len(ids) - (max_len - head) :]
+
+
+class RLHFDataset:
+    """Prompts from verl-format files, tokenized with the tokenizer's chat template.
+
+    Over-long prompts (more than ``config.max_prompt_length`` tokens) are dropped
+    when ``config.filter_overlong_prompts`` (``num_filtered`` counts them), else
+    cut or rejected according to ``config.truncation``.
+    """
+
+    def __init__(self, data_files: str | Sequence[str], tokenizer: Any, config: DataConfig) -> None:
+        if config.truncation not in TRUNCATION_MODES:
+            raise ValueError(f"data.truncation={config.truncation!r}; expected one of {TRUNCATION_MODES}")
+        files = [data_files] if isinstance(data_files, (str, os.PathLike)) else list(data_files)
+        if not files:
+            raise ValueError("RLHFDataset: no data files given")
+        self.config = config
+        self.tokenizer = tokenizer
+        self.items: list[PromptItem] = []
+        self.num_filtered = 0
+        self.num_truncated = 0
+        for path in files:
+            self._load_file(os.fspath(path))
+        if not self.items:
+            raise DataFormatError(
+                f"no prompts left in {files} after filtering {self.num_filtered} prompt(s) "
+                f"longer than data.max_prompt_length={config.max_prompt_length}"
+            )
+        if self.num_filtered:
+            logger.warning(
+                "filtered %d prompt(s) longer than data.max_prompt_length=%d from %s; %d remain",
+                self.num_filtered,
+                config.max_prompt_length,
+                files,
+                len(self.items),
+            )
+
+    def _tokenize(self, messages: list[dict[str, str]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **self.config.apply_chat_template_kwargs
+        )
+        # The template already placed every special token the model expects.
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _load_file(self, path: str) -> None:
+        max_len = self.config.max_prompt_length
+        for row_no, row in enumerate(read_rows(path)):
+            where = f"{path}: row {row_no}"
+            fields = _check_row(row, where, self.config)
+            ids = self._tokenize(fields["messages"])
+            if len(ids) > max_len:
+                if self.config.filter_overlong_prompts:
+                    self.num_filtered += 1
+                    continue
+                if self.config.truncation == "error":
+                    raise DataFormatError(
+                        f"{where}: prompt has {len(ids)} tokens > data.max_prompt_length={max_len}; "
+                        "set data.filter_overlong_prompts=True or data.truncation=left|right|middle"
+                    )
+                ids = _truncate(ids, max_len, self.config.truncation)
+                self.num_truncated += 1
+            self.items.append(
+                PromptItem(
+                    input_ids=ids,
+                    data_source=fields["data_source"],
+                    reward_model=fields["reward_model"],
+                    extra_info=fields["extra_info"],
+                    ability=fields["ability"],
+                    raw_prompt=fields["messages"],
+                    index=int(fields["extra_info"].get("index", row_no)),
+                )
+            )
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> PromptItem:
+        return self.items[i]
+
+
+def _object_array(values: list[Any]) -> np.ndarray:
+    array = np.empty(len(values), dtype=object)
+    for i, value in enumerate(values):
+        array[i] = value
+    return array
+
+
+def collate_prompts(
+    items: Sequence[PromptItem], pad_token_id: int, max_prompt_length: int, return_raw_chat: bool = False
+) -> DataProto:
+    """Left-pad prompts to ``max_prompt_length`` and batch them.
+
+    Returns a DataProto with ``input_ids``, ``attention_mask``, ``position_ids``
+    [B, max_prompt_length] and non-tensors ``data_source``, ``reward_model``,
+    ``extra_info``, ``ability``, ``index`` (and ``raw_prompt`` when asked).
+    A fixed width (verl's choice) lets batches from several generation rounds
+    be concatenated.
+    """
+    if not items:
+        raise ValueError("collate_prompts: empty batch")
+    B = len(items)
+    input_ids = torch.full((B, max_prompt_length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, max_prompt_length), dtype=torch.long)
+    for i, item in enumerate(items):
+        n = len(item.input_ids)
+        if n > max_prompt_length:
+            raise ValueError(
+                f"collate_prompts: prompt {i} has {n} tokens > max_prompt_length={max_prompt_length}"
+            )
+        input_ids[i, max_prompt_length - n :] = torch.tensor(item.input_ids, dtype=torch.long)
+        attention_mask[i, max_prompt_length - n :] = 1
+    position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
+    non_tensors = {
+        "data_source": _object_array([item.data_source for item in items]),
+        "reward_model": _object_array([item.reward_model for item in items]),
+        "extra_info": _object_array([item.extra_info for item in items]),
+        "ability": _object_array([item.ability for item in items]),
+        "index": _object_array([item.index for item in items]),
+    }
+    if return_raw_chat:
+        non_tensors["raw_prompt"] = _object_array([item.raw_prompt for item in items])
+    return DataProto.from_dict(
+        tensors={"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids},
+        non_tensors=non_tensors,
+    )
+
+
+class PromptLoader:
+    """Batches of ``batch_size`` prompts, reshuffled each epoch with a seeded permutation.
+
+    The order depends only on ``(seed, epoch)``, so every process of an SPMD job
+    draws the same batches, and ``load_state_dict`` of a saved position replays
+    exactly the batches an uninterrupted run would have drawn next. An
+    incomplete last batch of an epoch is dropped (as verl's ``drop_last``).
+    """
+
+    def __init__(
+        self,
+        dataset: RLHFDataset,
+        batch_size: int,
+        *,
+        shuffle: bool,
+        seed: int,
+        pad_token_id: int,
+        drop_last: bool = True,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"PromptLoader: batch_size must be >= 1, got {batch_size}")
+        if drop_last and len(dataset) < batch_size:
+            raise ValueError(
+                f"the dataset has {len(dataset)} prompts, fewer than one batch of {batch_size} "
+                "(data.train_batch_size)"
+            )
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.pad_token_id = pad_token_id
+        self.drop_last = drop_last
+        self.epoch = 0
+        self.batch_in_epoch = 0
+
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        n = len(self.dataset)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(len(self.dataset))
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset))
+
+    def next_batch(self) -> DataProto:
+        """The next batch, moving to a new epoch (and a new order) when this one is used up."""
+        if self.batch_in_epoch >= len(self):
+            self.epoch += 1
+            self.batch_in_epoch = 0
+        order = self._order(self.epoch)
+        start = self.batch_in_epoch * self.batch_size
+        idx = order[start : start + self.batch_size]
+        self.batch_in_epoch += 1
+        config = self.dataset.config
+        return collate_prompts(
+            [self.dataset[int(i)] for i in idx],
+            self.pad_token_id,
+            config.max_prompt_length,
+            return_raw_chat=config.return_raw_chat,
+        )
+
+    def epoch_batches(self) -> Iterator[DataProto]:
+        """Every batch of one pass, in order (used for validation)."""
+        self.epoch, self.batch_in_epoch = 0, 0
+        for _ in range(len(self)):
+            yield self.next_batch()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if int(state["seed"]) != self.seed:
+            raise ValueError(
+                f"the checkpoint's data order was drawn with seed {state['seed']}, this run uses {self.seed}; "
+                "resume with the same data.seed/trainer.seed"
+            )
+        self.epoch = int(state["epoch"])
+        self.batch_in_epoch = int(state["batch_in_epoch"])

@@ -1,0 +1,222 @@
+"""Where metrics go: console lines with a progress bar, a JSONL file, TensorBoard, wandb, a PNG curve.
+
+``Tracking`` lives on rank 0 only (other ranks get one with ``enabled=False``,
+which does nothing). The JSONL file ``metrics.jsonl`` is always written, one
+object per step with ``"step"`` and every metric; when a run resumes from step
+``k`` the lines past ``k`` (logged by the interrupted run after its last
+checkpoint) are dropped, so the file is one consistent history.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["TRACKING_BACKENDS", "Tracking", "plot_curves", "read_jsonl_metrics"]
+
+TRACKING_BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
+
+# The handful of numbers worth a glance on the console; everything is in the JSONL file.
+_CONSOLE_KEYS = (
+    "critic/score/mean",
+    "critic/rewards/mean",
+    "response_length/mean",
+    "actor/pg_loss",
+    "actor/entropy",
+    "critic/vf_loss",
+    "actor/grad_norm",
+    "timing_s/step",
+)
+
+
+def _as_float(value: Any) -> float:
+    if hasattr(value, "item"):
+        value = value.item()
+    return float(value)
+
+
+def read_jsonl_metrics(path: str | os.PathLike) -> list[dict[str, float]]:
+    """Every step's metrics from a ``metrics.jsonl`` file, in file order."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class Tracking:
+    """Log one dict of metrics per step to the configured backends.
+
+    Args:
+        project_name, experiment_name: run names (wandb project/run, TensorBoard folder).
+        backends: any of ``TRACKING_BACKENDS``; ``jsonl`` is always on.
+        log_dir: folder for ``metrics.jsonl``, ``tensorboard/`` and ``curves.png``.
+        config: the full config as a plain dict (sent to wandb, saved as ``config.json``).
+        total_steps: length of the progress bar.
+        resume_step: drop JSONL lines logged after this step (None: start a new file).
+        enabled: False on every rank but 0.
+    """
+
+    def __init__(
+        self,
+        project_name: str,
+        experiment_name: str,
+        backends: list[str],
+        log_dir: str,
+        config: Mapping[str, Any] | None = None,
+        total_steps: int | None = None,
+        resume_step: int | None = None,
+        enabled: bool = True,
+    ) -> None:
+        unknown = sorted(set(backends) - set(TRACKING_BACKENDS))
+        if unknown:
+            raise ValueError(
+                f"trainer.logger: unknown backend(s) {unknown}; known: {list(TRACKING_BACKENDS)}"
+            )
+        self.enabled = enabled
+        self.backends = set(backends) | {"jsonl"}
+        self.log_dir = log_dir
+        self.jsonl_path = os.path.join(log_dir, "metrics.jsonl")
+        self._tb = self._wandb = self._progress = self._task = None
+        if not enabled:
+            return
+        os.makedirs(log_dir, exist_ok=True)
+        if config is not None:
+            with open(os.path.join(log_dir, "config.json"), "w", encoding="utf-8") as f:
+                json.dump(config, f, indent=2, default=str)
+        self._start_jsonl(resume_step)
+        if "tensorboard" in self.backends:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(os.path.join(log_dir, "tensorboard", project_name, experiment_name))
+        if "wandb" in self.backends:
+            self._wandb = self._start_wandb(project_name, experiment_name, config)
+        if "console" in self.backends and total_steps:
+            self._start_progress(total_steps, resume_step or 0)
+
+    def _start_jsonl(self, resume_step: int | None) -> None:
+        kept = []
+        if resume_step is not None and os.path.exists(self.jsonl_path):
+            kept = [m for m in read_jsonl_metrics(self.jsonl_path) if m.get("step", 0) <= resume_step]
+        with open(self.jsonl_path, "w", encoding="utf-8") as f:
+            for metrics in kept:
+                f.write(json.dumps(metrics) + "\n")
+
+    @staticmethod
+    def _start_wandb(project: str, experiment: str, config: Mapping[str, Any] | None) -> Any:
+        try:
+            import wandb
+        except ImportError as err:
+            raise ImportError(
+                "trainer.logger includes 'wandb' but wandb is not installed: pip install 'verl-megatron[wandb]'"
+            ) from err
+        return wandb.init(project=project, name=experiment, config=dict(config or {}))
+
+    def _start_progress(self, total_steps: int, done: int) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        # Only a live terminal gets the bar; in a log file it would be noise.
+        if not sys.stdout.isatty():
+            return
+        self._progress = Progress(
+            TextColumn("[bold]training"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[score]}"),
+        )
+        self._task = self._progress.add_task("train", total=total_steps, completed=done, score="")
+        self._progress.start()
+
+    def print(self, message: str) -> None:
+        """A console message (above the progress bar when there is one)."""
+        if not self.enabled:
+            return
+        if self._progress is not None:
+            self._progress.console.print(message, markup=False, highlight=False)
+        else:
+            print(message, flush=True)
+
+    def log(self, data: Mapping[str, Any], step: int) -> None:
+        """Record ``data`` as the metrics of ``step``."""
+        if not self.enabled:
+            return
+        metrics = {name: _as_float(value) for name, value in data.items()}
+        with open(self.jsonl_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self._tb is not None:
+            for name, value in metrics.items():
+                self._tb.add_scalar(name, value, step)
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
+        if "console" in self.backends:
+            self._console(metrics, step)
+
+    def _console(self, metrics: Mapping[str, float], step: int) -> None:
+        shown = [k for k in _CONSOLE_KEYS if k in metrics] + sorted(
+            k for k in metrics if k.startswith("val/")
+        )
+        parts = [f"{k}={_fmt(metrics[k])}" for k in shown]
+        self.print(f"step {step}: " + "  ".join(parts))
+        if self._progress is not None:
+            score = metrics.get("critic/score/mean")
+            self._progress.update(
+                self._task, completed=step, score="" if score is None else f"score {score:.3f}"
+            )
+
+    def finish(self, plot: bool = True) -> str | None:
+        """Close the backends; draw ``curves.png`` from the JSONL file. Returns the PNG path."""
+        if not self.enabled:
+            return None
+        if self._progress is not None:
+            self._progress.stop()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+        if not plot:
+            return None
+        return plot_curves(self.jsonl_path, os.path.join(self.log_dir, "curves.png"))
+
+
+def _fmt(value: float) -> str:
+    if not math.isfinite(value):
+        return str(value)
+    return f"{value:.4g}"
+
+
+def plot_curves(jsonl_path: str, png_path: str) -> str | None:
+    """Reward (train score and validation scores) and response length against step, as a PNG."""
+    rows = read_jsonl_metrics(jsonl_path) if os.path.exists(jsonl_path) else []
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on training nodes
+    import matplotlib.pyplot as plt
+
+    def series(key: str) -> tuple[list[int], list[float]]:
+        points = [(r["step"], r[key]) for r in rows if key in r]
+        return [p[0] for p in points], [p[1] for p in points]
+
+    fig, (ax_reward, ax_len) = plt.subplots(1, 2, figsize=(11, 4))
+    keys = ["critic/score/mean", *sorted({k for r in rows for k in r if k.startswith("val/test_score/")})]
+    for key in keys:
+        steps, values = series(key)
+        if steps:
+            ax_reward.plot(steps, values, marker="o" if key.startswith("val/") else None, label=key)
+    ax_reward.set_xlabel("step")
+    ax_reward.set_ylabel("reward")
+    ax_reward.legend(fontsize=8)
+    ax_reward.grid(alpha=0.3)
+    steps, values = series("response_length/mean")
+    ax_len.plot(steps, values, label="response_length/mean")
+    ax_len.set_xlabel("step")
+    ax_len.set_ylabel("tokens")
+    ax_len.legend(fontsize=8)
+    ax_len.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return png_path
