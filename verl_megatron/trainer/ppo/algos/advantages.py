@@ -126,7 +126,9 @@ def _check_rewards(where: str, token_level_rewards: torch.Tensor, response_mask:
         )
 
 
-def _outcome(where: str, token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any):
+def _outcome(
+    where: str, token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Scores [B] (float) and group ids [B] for the outcome estimators."""
     _check_rewards(where, token_level_rewards, response_mask)
     scores = token_level_rewards.detach().sum(dim=-1)

@@ -16,7 +16,7 @@ import torch
 from verl_megatron.trainer.ppo.algos.aggregation import agg_loss
 from verl_megatron.trainer.ppo.algos.policy_losses import (
     cfg_value,
-    check_shapes,
+    check_inputs,
     clip_ratios,
     global_batch_kwargs,
     register_policy_loss,
@@ -51,10 +51,7 @@ def compute_policy_loss_clip_cov(
     random (torch's global RNG) when there are more, get a loss of 0.
     pg_clipfrac is the fraction of tokens so dropped.
     """
-    check_shapes(
-        "clip_cov", response_mask, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages
-    )
-    check_shapes("clip_cov", response_mask, rollout_is_weights=rollout_is_weights)
+    check_inputs("clip_cov", old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
     clip_cov_ratio = _policy_loss_field(config, "clip_cov_ratio", 0.0002)
     clip_cov_lb = _policy_loss_field(config, "clip_cov_lb", 1.0)
     clip_cov_ub = _policy_loss_field(config, "clip_cov_ub", 5.0)
@@ -113,8 +110,7 @@ def compute_policy_loss_kl_cov(
     (config.policy_loss.kl_cov_ratio, default 2e-4; ppo_kl_coef, default 1.0).
     The metric actor/ppo_kl is the masked mean of |log r| here, as in verl.
     """
-    check_shapes("kl_cov", response_mask, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages)
-    check_shapes("kl_cov", response_mask, rollout_is_weights=rollout_is_weights)
+    check_inputs("kl_cov", old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
     kl_cov_ratio = _policy_loss_field(config, "kl_cov_ratio", 0.0002)
     ppo_kl_coef = _policy_loss_field(config, "ppo_kl_coef", 1.0)
     if kl_cov_ratio <= 0:

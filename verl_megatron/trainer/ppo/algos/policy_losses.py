@@ -96,9 +96,22 @@ def clip_ratios(config: Any) -> tuple[float, float]:
     return float(low), float(high)
 
 
-def check_shapes(where: str, response_mask: torch.Tensor, **tensors: torch.Tensor | None) -> None:
-    """Every given tensor must have the [B, T] shape of response_mask."""
-    for name, tensor in tensors.items():
+def check_inputs(
+    where: str,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> None:
+    """Every tensor input of a policy loss must have the [B, T] shape of response_mask."""
+    named = {
+        "old_log_prob": old_log_prob,
+        "log_prob": log_prob,
+        "advantages": advantages,
+        "rollout_is_weights": rollout_is_weights,
+    }
+    for name, tensor in named.items():
         if tensor is not None and tensor.shape != response_mask.shape:
             raise ValueError(
                 f"{where}: {name} has shape {tuple(tensor.shape)}, "
@@ -165,8 +178,7 @@ def compute_policy_loss(
 
     Returns (pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower), all scalars.
     """
-    check_shapes("compute_policy_loss", response_mask, old_log_prob=old_log_prob, log_prob=log_prob)
-    check_shapes("compute_policy_loss", response_mask, advantages=advantages)
+    check_inputs("compute_policy_loss", old_log_prob, log_prob, advantages, response_mask)
     low = cliprange if cliprange_low is None else cliprange_low
     high = cliprange if cliprange_high is None else cliprange_high
     if low is None or high is None:
@@ -191,10 +203,7 @@ def compute_policy_loss_vanilla(
     global_batch_info: Mapping[str, Any] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO with clip-higher and dual clip (config: clip_ratio[_low/_high], clip_ratio_c=3.0)."""
-    check_shapes(
-        "vanilla", response_mask, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages
-    )
-    check_shapes("vanilla", response_mask, rollout_is_weights=rollout_is_weights)
+    check_inputs("vanilla", old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
     low, high = clip_ratios(config)
     token_losses, pg_clipfrac, ppo_kl, pg_clipfrac_lower = _dual_clip_token_losses(
         old_log_prob,
@@ -231,8 +240,7 @@ def compute_policy_loss_gspo(
     log-prob. Always aggregated with seq-mean-token-mean (the `loss_agg_mode`
     argument is ignored, as in verl).
     """
-    check_shapes("gspo", response_mask, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages)
-    check_shapes("gspo", response_mask, rollout_is_weights=rollout_is_weights)
+    check_inputs("gspo", old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
     low, high = clip_ratios(config)
     mask = response_mask.to(log_prob.dtype)
     log_ratio = log_prob - old_log_prob
@@ -269,8 +277,7 @@ def compute_policy_loss_sapo(
     A > 0 else config.tau_neg (1.05); r as in vanilla. Aggregated with
     seq-mean-token-mean whatever `loss_agg_mode` says (as in verl).
     """
-    check_shapes("sapo", response_mask, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages)
-    check_shapes("sapo", response_mask, rollout_is_weights=rollout_is_weights)
+    check_inputs("sapo", old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
     tau_pos = torch.as_tensor(float(cfg_value(config, "tau_pos", 1.0)), dtype=advantages.dtype)
     tau_neg = torch.as_tensor(float(cfg_value(config, "tau_neg", 1.05)), dtype=advantages.dtype)
     log_ratio = torch.clamp(log_prob - old_log_prob, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
@@ -299,8 +306,7 @@ def compute_policy_loss_gpg(
     global_batch_info: Mapping[str, Any] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GPG: plain policy gradient -A * log_prob (no ratio, no clip); no metrics."""
-    check_shapes("gpg", response_mask, log_prob=log_prob, advantages=advantages)
-    check_shapes("gpg", response_mask, rollout_is_weights=rollout_is_weights)
+    check_inputs("gpg", log_prob, log_prob, advantages, response_mask, rollout_is_weights)
     pg_losses = _weighted(-log_prob * advantages, rollout_is_weights)
     pg_loss = agg_loss(
         pg_losses, response_mask, loss_agg_mode, **global_batch_kwargs(config, global_batch_info)
@@ -325,8 +331,7 @@ def compute_policy_loss_cispo(
     The clipped ratio is a constant weight, so every token keeps a REINFORCE gradient;
     pg_clipfrac counts tokens whose ratio was clipped.
     """
-    check_shapes("cispo", response_mask, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages)
-    check_shapes("cispo", response_mask, rollout_is_weights=rollout_is_weights)
+    check_inputs("cispo", old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
     low, high = clip_ratios(config)
     log_ratio = torch.clamp(log_prob - old_log_prob, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
@@ -362,10 +367,7 @@ def compute_policy_loss_geo_mean(
     is what makes the global-count normalisation (global_batch_size) layout-invariant.
     Token-level rollout_is_weights enter as their per-sequence geometric mean.
     """
-    check_shapes(
-        "geo_mean", response_mask, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages
-    )
-    check_shapes("geo_mean", response_mask, rollout_is_weights=rollout_is_weights)
+    check_inputs("geo_mean", old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
     low, high = clip_ratios(config)
     mask = response_mask.to(log_prob.dtype)
     log_ratio = log_prob - old_log_prob
