@@ -130,7 +130,9 @@ def megatron_microbatch_loss(loss: torch.Tensor, num_microbatches: int) -> torch
     across cp with the gradient kept for the local slice). The net gradient is then the
     gradient of `agg_loss` over the global mini-batch in one shot, for every mode and any
     dp x cp x micro-batch layout. There is deliberately no cp_size argument: dividing by
-    cp here would make the gradient cp times too small.
+    cp here would make the gradient cp times too small. Report `loss` (not the returned
+    value) in the metrics: with global counts, summing `loss` over micro-batches and dp
+    ranks and dividing by dp_size gives the global mini-batch loss.
 
     Args:
         loss: scalar loss of the micro-batch (global counts, see above).
