@@ -16,6 +16,7 @@ import multiprocessing.connection
 import numbers
 import signal
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,6 +84,13 @@ def call_contained(
     return coerce(result)
 
 
+def _run_one(fn: Callable[..., Any], task_id: int, kwargs: dict[str, Any]) -> tuple[int, str, Any]:
+    try:
+        return task_id, OK, fn(**kwargs)
+    except BaseException as err:  # SystemExit from user code must not end the worker either
+        return task_id, ERROR, f"{type(err).__name__}: {err}"
+
+
 def _worker_main(conn: multiprocessing.connection.Connection, fn: Callable[..., Any]) -> None:
     # Ctrl-C goes to the whole process group; the trainer handles it and our
     # pipe closing ends this loop, so the worker itself ignores it.
@@ -90,21 +98,20 @@ def _worker_main(conn: multiprocessing.connection.Connection, fn: Callable[..., 
     conn.send(("ready", None, None))
     while True:
         try:
-            message = conn.recv()
+            chunk = conn.recv()
         except (EOFError, OSError):
             return  # parent went away
-        if message is None:
+        if chunk is None:
             return
-        task_id, kwargs = message
-        try:
-            result = fn(**kwargs)
-        except BaseException as err:
-            conn.send((task_id, ERROR, f"{type(err).__name__}: {err}"))
-            continue
-        try:
-            conn.send((task_id, OK, result))
-        except Exception as err:  # pickling happens before any byte is written
-            conn.send((task_id, ERROR, f"scorer result cannot be sent between processes: {err}"))
+        for task_id, kwargs in chunk:
+            # One message per result, sent as soon as it is known: the parent
+            # times each call from the previous result and, on a kill, knows
+            # exactly which call hung.
+            message = _run_one(fn, task_id, kwargs)
+            try:
+                conn.send(message)
+            except Exception as err:  # pickling fails before any byte is written
+                conn.send((task_id, ERROR, f"scorer result cannot be sent between processes: {err}"))
 
 
 class _Worker:
@@ -113,7 +120,7 @@ class _Worker:
         self.process = ctx.Process(target=_worker_main, args=(child_conn, fn), daemon=True)
         self.process.start()
         child_conn.close()
-        self.task_id: int | None = None
+        self.in_flight: deque[int] = deque()  # task ids sent, in the order they run
         self.deadline = math.inf
 
     def wait_ready(self) -> None:
@@ -130,6 +137,9 @@ class _Worker:
                 "method the scorer must be importable/picklable in a fresh interpreter"
             ) from err
 
+    def restart_clock(self, timeout: float | None) -> None:
+        self.deadline = time.monotonic() + timeout if timeout else math.inf
+
     def kill(self) -> None:
         if self.process.is_alive():
             self.process.kill()
@@ -140,10 +150,12 @@ class _Worker:
 class ScorerPool:
     """Worker processes that run ``fn(**kwargs)`` with a hard time limit.
 
-    A call still running ``timeout`` seconds after it was handed to a worker
-    is ended by killing that worker (SIGKILL: works for C loops and sleeps),
-    and a fresh worker takes its place. Workers start on first use and are
-    reused across calls until :meth:`close`.
+    A call still running ``timeout`` seconds after it started is ended by
+    killing its worker (SIGKILL: works for C loops and sleeps); a fresh
+    worker takes its place and the calls queued behind it are handed out
+    again. Tasks go to workers in chunks (one pipe message per chunk, one
+    per result) because a cheap scorer costs less than a message round trip.
+    Workers start on first use and are reused until :meth:`close`.
 
     ``start_method``: "fork" (default where available) starts a worker in
     milliseconds and inherits the scorer as loaded, closures included; the
@@ -158,6 +170,7 @@ class ScorerPool:
         num_workers: int = 1,
         timeout: float | None = None,
         start_method: str | None = None,
+        max_chunk: int = 32,
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"ScorerPool: num_workers must be >= 1, got {num_workers}")
@@ -171,6 +184,7 @@ class ScorerPool:
         self.fn = fn
         self.num_workers = num_workers
         self.timeout = timeout
+        self.max_chunk = max_chunk
         self.ctx = multiprocessing.get_context(start_method)
         self._workers: list[_Worker] = []
 
@@ -180,7 +194,9 @@ class ScorerPool:
             worker.wait_ready()
         self._workers.extend(fresh)
 
-    def _replace(self, worker: _Worker) -> _Worker:
+    def _replace(self, worker: _Worker, pending: deque[int]) -> _Worker:
+        """Kill ``worker``; its queued (not yet started) calls go back to ``pending``."""
+        pending.extendleft(reversed(worker.in_flight))
         worker.kill()
         self._workers.remove(worker)
         self._ensure_workers(len(self._workers) + 1)
@@ -195,44 +211,60 @@ class ScorerPool:
             return []
         outcomes: list[ScoreOutcome] = [ScoreOutcome()] * len(tasks)
         self._ensure_workers(min(self.num_workers, len(tasks)))
-        pending = list(range(len(tasks) - 1, -1, -1))  # popped from the end, so in order
+        # Several chunks per worker keep the load balanced when call costs vary.
+        chunk = max(1, min(self.max_chunk, len(tasks) // (4 * len(self._workers))))
+        pending = deque(range(len(tasks)))
         idle = list(self._workers)
         busy: dict[Any, _Worker] = {}
         while pending or busy:
             while pending and idle:
                 worker = idle.pop()
-                worker.task_id = pending.pop()
-                worker.deadline = time.monotonic() + self.timeout if self.timeout else math.inf
-                worker.conn.send((worker.task_id, tasks[worker.task_id].kwargs))
+                worker.in_flight = deque(pending.popleft() for _ in range(min(chunk, len(pending))))
+                worker.conn.send([(task_id, tasks[task_id].kwargs) for task_id in worker.in_flight])
+                worker.restart_clock(self.timeout)
                 busy[worker.conn] = worker
             wait_s = min(w.deadline for w in busy.values()) - time.monotonic()
             ready = multiprocessing.connection.wait(
-                list(busy), timeout=None if wait_s == math.inf else max(wait_s, 0.0)
+                list(busy), timeout=None if wait_s == math.inf else max(wait_s, 0)
             )
             for conn in ready:
-                worker = busy.pop(conn)
-                outcomes[worker.task_id], healthy = self._receive(worker, coerce)
-                idle.append(worker if healthy else self._replace(worker))
+                worker = busy[conn]
+                if not self._drain(worker, outcomes, coerce):
+                    del busy[conn]
+                    idle.append(self._replace(worker, pending))
+                elif not worker.in_flight:
+                    del busy[conn]
+                    idle.append(worker)
             now = time.monotonic()
             for conn, worker in list(busy.items()):
                 if worker.deadline <= now:
                     del busy[conn]
                     message = f"scorer did not return within {self.timeout:g} s (worker process killed)"
-                    outcomes[worker.task_id] = ScoreOutcome(0.0, None, TIMEOUT, message)
-                    idle.append(self._replace(worker))
+                    outcomes[worker.in_flight.popleft()] = ScoreOutcome(0.0, None, TIMEOUT, message)
+                    idle.append(self._replace(worker, pending))
         return outcomes
 
-    def _receive(self, worker: _Worker, coerce: Callable[[Any], ScoreOutcome]) -> tuple[ScoreOutcome, bool]:
-        """The finished call's outcome, and whether the worker is still usable."""
-        try:
-            _, status, payload = worker.conn.recv()
-        except (EOFError, OSError):
-            worker.process.join(_WORKER_STOP_TIMEOUT_S)
-            message = f"scorer process died (exit code {worker.process.exitcode})"
-            return ScoreOutcome(0.0, None, ERROR, message), False
-        if status == ERROR:
-            return ScoreOutcome(0.0, None, ERROR, payload), True
-        return coerce(payload), True
+    def _drain(
+        self, worker: _Worker, outcomes: list[ScoreOutcome], coerce: Callable[[Any], ScoreOutcome]
+    ) -> bool:
+        """Record every result ``worker`` has sent; False if it died (the call
+        it was running is then recorded as an error)."""
+        while worker.in_flight:
+            try:
+                task_id, status, payload = worker.conn.recv()
+            except (EOFError, OSError):
+                worker.process.join(_WORKER_STOP_TIMEOUT_S)
+                message = f"scorer process died (exit code {worker.process.exitcode})"
+                outcomes[worker.in_flight.popleft()] = ScoreOutcome(0.0, None, ERROR, message)
+                return False
+            worker.in_flight.popleft()  # results arrive in the order the calls were sent
+            outcomes[task_id] = (
+                ScoreOutcome(0.0, None, ERROR, payload) if status == ERROR else coerce(payload)
+            )
+            worker.restart_clock(self.timeout)
+            if not worker.conn.poll():
+                break
+        return True
 
     def close(self) -> None:
         """Stop every worker (politely, then by force)."""
