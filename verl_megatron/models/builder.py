@@ -1,0 +1,194 @@
+"""Build megatron GPT model chunks for a Hugging Face dense checkpoint (policy or critic).
+
+``build_gpt_chunks`` returns one ``GPTModel`` per virtual pipeline stage held by this rank,
+with random weights; ``verl_megatron.models.convert.load_hf_weights`` fills them.
+
+How to call a chunk (``megatron.core.models.gpt.GPTModel.forward``)::
+
+    out = chunk(input_ids, position_ids, attention_mask=None,
+                packed_seq_params=None, runtime_gather_output=None)
+
+- ``input_ids`` and ``position_ids`` are [B, T] token ids and positions. Only the first pipeline
+  stage reads ``input_ids``; later stages receive hidden states through ``set_input_tensor``,
+  which megatron's ``get_forward_backward_func`` schedule calls: run multi-stage models through it.
+- Rotary positions are the column index 0..T-1 of each row: megatron's ``RotaryEmbedding``
+  ignores ``position_ids``. Every sequence must therefore start at column 0. Right padding is
+  harmless under the causal mask; LEFT-padded batches (verl's prompts) must be re-aligned or
+  unpadded first.
+- ``attention_mask=None`` selects the causal mask of the layer spec (no padding mask is needed
+  for right-padded rows, whose pad positions only attend to earlier tokens and are ignored).
+- Packed sequences (verl's ``use_remove_padding``): ``input_ids`` [1, total_tokens] and
+  ``PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=m,
+  max_seqlen_kv=m)`` with ``cu`` the int32 cumulative lengths [0, l1, l1+l2, ...]; rotary
+  positions then restart at each sequence. This needs Transformer Engine attention (GPU): the
+  local spec's attention rejects ``packed_seq_params``.
+- Output on the last stage, policy: logits [B, T, V_pad / tp], vocabulary-parallel (each tp rank
+  holds a contiguous slice of columns); ``runtime_gather_output=True`` gathers [B, T, V_pad].
+  Critic (``value_head=True``): values [B, T, 1], identical on every tp rank.
+
+Vocabulary padding: the vocabulary is padded to ``padded_vocab_size`` (a multiple of tp) so it
+splits evenly. The converter fills padded embedding / output rows with zeros, so padded logits
+start at exactly 0 — but 0 is not "impossible", and training updates those rows through the
+softmax normaliser. Callers must never let padded columns take part: slice logits to
+``[..., :info.vocab_size]`` when gathered, and with vocabulary-parallel logits set the columns
+at global index >= ``vocab_size`` to -inf (on the tp ranks whose slice contains them) before
+any softmax, log-prob, entropy or sampling. Export drops the padded rows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from verl_megatron.distributed.parallel import Runtime
+from verl_megatron.models.config import (
+    HFArchitecture,
+    ModelConfig,
+    RopeSettings,
+    hf_to_transformer_config,
+    read_hf_architecture,
+)
+from verl_megatron.models.megatron_model import build_chunks
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a built model is, attached to every chunk as ``chunk.verl_model_info``."""
+
+    arch: HFArchitecture
+    padded_vocab_size: int
+    value_head: bool
+
+    @property
+    def vocab_size(self) -> int:
+        """The checkpoint's true vocabulary size: logit columns from here on are padding."""
+        return self.arch.vocab_size
+
+    @property
+    def tied_embeddings(self) -> bool:
+        """Whether the output layer reuses the input embedding (never for a critic)."""
+        return self.arch.tie_word_embeddings and not self.value_head
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    """Smallest multiple of ``tp`` that holds ``vocab_size`` rows."""
+    return math.ceil(vocab_size / tp) * tp
+
+
+def model_info(chunks: list[torch.nn.Module]) -> ModelInfo:
+    """The ModelInfo of chunks made by :func:`build_gpt_chunks` (DDP-wrapped or not)."""
+    inner = _unwrap(chunks[0])
+    info = getattr(inner, "verl_model_info", None)
+    if info is None:
+        raise ValueError(f"{type(inner).__name__} was not built by build_gpt_chunks (no verl_model_info)")
+    return info
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeSettings) -> torch.Tensor:
+    """Llama 3.x long-context rotary frequencies [D/2] from the plain ones [D/2].
+
+    Long wavelengths (beyond ``original_max_position_embeddings / low_freq_factor``) are slowed
+    by ``factor``, short ones (below ``... / high_freq_factor``) kept, and the band in between
+    blended linearly in 1/wavelength. megatron's own switch fixes the three constants to Llama
+    3.1's values, so the frequencies are recomputed here from the checkpoint's.
+    """
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
+    high_freq_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
+    smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
+    blended = (1 - smooth) * inv_freq / rope.factor + smooth * inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
+class ValueHead(torch.nn.Linear):
+    """Critic output layer: hidden -> 1 value, replicated on every tp rank (not vocab-parallel).
+
+    Called like megatron's output layer: ``(values [S, B, 1], None)``. With sequence
+    parallelism each tp rank sees S/tp positions: values are gathered along S, and the
+    weight is marked ``sequence_parallel`` so megatron all-reduces its gradient over tp.
+    Named ``score`` in Hugging Face's ``*ForTokenClassification`` layout (with bias).
+    """
+
+    def __init__(self, hidden_size: int, config: Any, seed: int, device: torch.device) -> None:
+        super().__init__(hidden_size, 1, bias=True, dtype=config.params_dtype)
+        # Same seed on every rank, so the replicated copies start identical.
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            self.weight.copy_(torch.randn(self.weight.shape, generator=generator) * config.init_method_std)
+            self.bias.zero_()
+        self.to(device)
+        self.sequence_parallel = bool(config.sequence_parallel)
+        for param in self.parameters():
+            param.sequence_parallel = self.sequence_parallel
+
+    def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
+        values = super().forward(hidden_states)
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            # Downstream the loss is computed identically on every tp rank, so the backward
+            # only splits the gradient (no sum over ranks).
+            values = gather_from_sequence_parallel_region(values, tensor_parallel_output_grad=False)
+        return values, None
+
+
+def _layer_spec(arch: HFArchitecture, use_te: bool):
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if use_te:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+
+
+def build_gpt_chunks(
+    hf_config: Any, runtime: Runtime, model_cfg: ModelConfig, *, value_head: bool = False
+) -> list[torch.nn.Module]:
+    """Random-init megatron GPTModel chunks (one per virtual stage) for a Llama-family HF config.
+
+    ``value_head=True`` builds the critic: the last stage ends in a :class:`ValueHead` and the
+    embeddings are never tied. The layout and settings are validated before anything is built.
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    config = hf_to_transformer_config(hf_config, runtime.layout, model_cfg)
+    arch = read_hf_architecture(hf_config)
+    info = ModelInfo(arch, padded_vocab_size(arch.vocab_size, runtime.layout.tp), value_head)
+    spec = _layer_spec(arch, model_cfg.resolve_use_te())
+    rope = arch.rope
+
+    def make_chunk(pre_process: bool, post_process: bool, vp_stage: int | None) -> torch.nn.Module:
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=info.padded_vocab_size,
+            max_sequence_length=arch.max_position_embeddings,
+            pre_process=pre_process,
+            post_process=post_process,
+            share_embeddings_and_output_weights=info.tied_embeddings,
+            position_embedding_type="rope",
+            rotary_base=rope.theta,
+            seq_len_interpolation_factor=rope.factor if rope.rope_type == "linear" else None,
+            vp_stage=vp_stage,
+        )
+        if rope.rope_type == "llama3":
+            rotary = model.rotary_pos_emb
+            rotary.inv_freq = llama3_inv_freq(rotary.inv_freq, rope)
+        if value_head and post_process:
+            model.output_layer = ValueHead(config.hidden_size, config, runtime.seed, runtime.device)
+        model.verl_model_info = info
+        return model
+
+    return build_chunks(runtime, make_chunk)

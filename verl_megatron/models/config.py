@@ -1,0 +1,363 @@
+"""Model settings, and the translation of a Hugging Face config into megatron's TransformerConfig.
+
+``ModelConfig`` is the user's choice (checkpoint path, dtype, recomputation, GPU-only switches).
+``read_hf_architecture`` reads the facts of a dense Llama-family checkpoint from its HF config
+into one typed object that the builder and the weight converter share, and
+``hf_to_transformer_config`` turns it, with the parallel layout and the ``ModelConfig``, into the
+``TransformerConfig`` megatron builds from. Unsupported models and settings raise
+``ModelConfigError`` naming the field at fault before anything is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from verl_megatron.distributed.parallel import ParallelLayout
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_RECOMPUTE_KEYS = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules")
+
+
+class ModelConfigError(ValueError):
+    """A model or model setting that verl-megatron cannot build."""
+
+
+def transformer_engine_available() -> bool:
+    """True when Transformer Engine imports and a GPU is present (its kernels need CUDA)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass
+class ModelConfig:
+    """Which checkpoint to build and how (verl's ``actor_rollout_ref.model`` + megatron settings).
+
+    ``tie_word_embeddings`` is not a setting: it is read from the checkpoint's config.json.
+    """
+
+    path: str = ""
+    """Local folder of a Hugging Face checkpoint (config.json + safetensors)."""
+    tokenizer_path: str | None = None
+    """Tokenizer folder; ``None`` means ``path``."""
+    dtype: str = "bfloat16"
+    """Parameter dtype: ``float32`` or ``bfloat16`` (verl's megatron default; slow on CPU)."""
+    use_te: bool | None = None
+    """Transformer Engine layer spec: ``None`` picks it when TE and CUDA are present, ``True`` requires it."""
+    sequence_parallel: bool = False
+    """Split activations outside attention/MLP over tp ranks; needs tp > 1 and Transformer Engine."""
+    enable_gradient_checkpointing: bool = False
+    """Recompute activations in backward; without explicit recompute_* fields: full, uniform, 1 layer."""
+    recompute_granularity: str | None = None
+    """``full`` (whole layers) or ``selective`` (only ``recompute_modules``, e.g. core attention)."""
+    recompute_method: str | None = None
+    """For ``full``: ``uniform`` (every ``recompute_num_layers`` layers) or ``block`` (first N per stage)."""
+    recompute_num_layers: int | None = None
+    """Layers per recomputed group (uniform) or recomputed layers per pipeline stage (block)."""
+    recompute_modules: list[str] | None = None
+    """For ``selective``: megatron module names, e.g. ``["core_attn"]`` (megatron's default)."""
+    override_transformer_config: dict[str, Any] = field(default_factory=dict)
+    """Any other ``TransformerConfig`` field (verl's ``megatron.override_transformer_config``)."""
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    def resolve_use_te(self) -> bool:
+        """Whether the Transformer Engine spec is used; raises when ``use_te=True`` cannot be honoured."""
+        available = transformer_engine_available()
+        if self.use_te and not available:
+            why = (
+                "no GPU is present"
+                if not torch.cuda.is_available()
+                else "transformer_engine is not installed"
+            )
+            raise ModelConfigError(
+                f"model.use_te=True needs Transformer Engine on CUDA, but {why}; set use_te to null (auto) or false"
+            )
+        return available if self.use_te is None else bool(self.use_te)
+
+    def validate(self, layout: ParallelLayout) -> None:
+        """Raise ModelConfigError for settings that cannot work with this layout on this machine."""
+        if self.dtype not in _DTYPES:
+            raise ModelConfigError(f"model.dtype must be one of {list(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype == "bfloat16" and not torch.cuda.is_available():
+            warnings.warn(
+                "model.dtype=bfloat16 on a machine without a GPU: matmuls run slowly and logits differ "
+                "from float32 by ~1e-2; use dtype=float32 on CPU",
+                stacklevel=2,
+            )
+        use_te = self.resolve_use_te()
+        if self.sequence_parallel and layout.tp == 1:
+            raise ModelConfigError(
+                "model.sequence_parallel=True needs tp > 1 (it splits activations over tp)"
+            )
+        if self.sequence_parallel and not use_te:
+            raise ModelConfigError(
+                "model.sequence_parallel=True needs the Transformer Engine layer spec (megatron's local "
+                "spec uses torch norms, which do not support it); that needs CUDA and transformer_engine"
+            )
+        self.recompute_settings()
+        unknown = sorted(set(self.override_transformer_config) - _transformer_config_fields())
+        if unknown:
+            raise ModelConfigError(
+                f"model.override_transformer_config has keys that are not TransformerConfig fields: {unknown}"
+            )
+
+    def recompute_settings(self) -> dict[str, Any]:
+        """The recompute_* TransformerConfig fields implied by this config (empty: no recomputation)."""
+        explicit = {k: getattr(self, k) for k in _RECOMPUTE_KEYS if getattr(self, k) is not None}
+        for key, value in explicit.items():
+            other = self.override_transformer_config.get(key, value)
+            if other != value:
+                raise ModelConfigError(
+                    f"model.{key}={value!r} conflicts with model.override_transformer_config.{key}={other!r}"
+                )
+        if self.enable_gradient_checkpointing and not explicit:
+            explicit = {
+                "recompute_granularity": "full",
+                "recompute_method": "uniform",
+                "recompute_num_layers": 1,
+            }
+        granularity = explicit.get("recompute_granularity")
+        if granularity not in (None, "full", "selective"):
+            raise ModelConfigError(
+                f"model.recompute_granularity must be full or selective, got {granularity!r}"
+            )
+        method = explicit.get("recompute_method")
+        if method not in (None, "uniform", "block"):
+            raise ModelConfigError(f"model.recompute_method must be uniform or block, got {method!r}")
+        if granularity == "full" and (method is None or explicit.get("recompute_num_layers") is None):
+            raise ModelConfigError(
+                "model.recompute_granularity=full needs recompute_method (uniform|block) and recompute_num_layers"
+            )
+        if granularity != "full" and (method is not None or explicit.get("recompute_num_layers") is not None):
+            raise ModelConfigError(
+                "model.recompute_method and recompute_num_layers only apply to recompute_granularity=full"
+            )
+        if granularity is None and explicit:
+            raise ModelConfigError(f"model.{next(iter(explicit))} is set but recompute_granularity is not")
+        return explicit
+
+
+def _transformer_config_fields() -> set[str]:
+    from megatron.core.transformer import TransformerConfig
+
+    return {f.name for f in dataclasses.fields(TransformerConfig)}
+
+
+def load_hf_config(path: str | os.PathLike) -> Any:
+    """The ``PretrainedConfig`` of a local checkpoint folder; raises naming the path when absent."""
+    from transformers import AutoConfig
+
+    path = os.path.expanduser(os.fspath(path))
+    if not os.path.isdir(path):
+        raise FileNotFoundError(
+            f"model path '{path}' is not a directory (expected a Hugging Face checkpoint)"
+        )
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"model path '{path}' has no config.json: {sorted(os.listdir(path))[:10]}")
+    return AutoConfig.from_pretrained(path, local_files_only=True)
+
+
+@dataclass(frozen=True)
+class RopeSettings:
+    """Rotary embedding of a checkpoint: base frequency and (optional) long-context scaling."""
+
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class HFArchitecture:
+    """Shape facts of a dense Llama-family checkpoint, shared by the builder and the converter."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    linear_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    rope: RopeSettings
+    initializer_range: float = 0.02
+
+
+def read_rope_settings(hf_config: Any) -> RopeSettings:
+    """Rotary settings from transformers 5's ``rope_parameters``, falling back to ``rope_theta``/``rope_scaling``."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    legacy = dict(getattr(hf_config, "rope_scaling", None) or {})
+    scaling = {**legacy, **params}
+    theta = scaling.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    if theta is None:
+        raise ModelConfigError(
+            f"{hf_config.model_type} config has neither rope_parameters.rope_theta nor rope_theta"
+        )
+    rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelConfigError(
+            f"rope type {rope_type!r} of this {hf_config.model_type} checkpoint is not supported; "
+            f"supported: {list(SUPPORTED_ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return RopeSettings(theta=float(theta))
+    if rope_type == "linear":
+        return RopeSettings(theta=float(theta), rope_type=rope_type, factor=float(scaling["factor"]))
+    return RopeSettings(
+        theta=float(theta),
+        rope_type=rope_type,
+        factor=float(scaling["factor"]),
+        low_freq_factor=float(scaling["low_freq_factor"]),
+        high_freq_factor=float(scaling["high_freq_factor"]),
+        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+    )
+
+
+def read_hf_architecture(hf_config: Any) -> HFArchitecture:
+    """Read and check a dense Llama-family HF config; unsupported models raise ModelConfigError."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelConfigError(
+            f"model_type {model_type!r} is not supported; supported model types: {list(SUPPORTED_MODEL_TYPES)}"
+        )
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise ModelConfigError(
+            f"{model_type}: hidden_act={hf_config.hidden_act!r}; only silu (SwiGLU) is supported"
+        )
+    _reject_sliding_window(hf_config)
+    heads = hf_config.num_attention_heads
+    qkv_bias, linear_bias = _bias_layout(hf_config)
+    return HFArchitecture(
+        model_type=model_type,
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+        intermediate_size=hf_config.intermediate_size,
+        vocab_size=hf_config.vocab_size,
+        rms_norm_eps=hf_config.rms_norm_eps,
+        qkv_bias=qkv_bias,
+        linear_bias=linear_bias,
+        qk_norm=model_type == "qwen3",
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        max_position_embeddings=hf_config.max_position_embeddings,
+        rope=read_rope_settings(hf_config),
+        initializer_range=getattr(hf_config, "initializer_range", 0.02),
+    )
+
+
+def _bias_layout(hf_config: Any) -> tuple[bool, bool]:
+    """(bias on q/k/v, bias on every linear) as megatron can express it."""
+    if hf_config.model_type == "qwen2":
+        return True, False  # Qwen2 always has q/k/v biases and nothing else
+    attention_bias = bool(getattr(hf_config, "attention_bias", False))
+    mlp_bias = bool(getattr(hf_config, "mlp_bias", False)) if hf_config.model_type == "llama" else False
+    if attention_bias != mlp_bias:
+        # megatron has one switch for the biases of o_proj and the MLP together.
+        raise ModelConfigError(
+            f"{hf_config.model_type}: attention_bias={attention_bias} with mlp_bias={mlp_bias} is not "
+            "supported (megatron's add_bias_linear sets both)"
+        )
+    return attention_bias, attention_bias
+
+
+def _reject_sliding_window(hf_config: Any) -> None:
+    window = getattr(hf_config, "sliding_window", None)
+    used = hf_config.model_type == "mistral" or getattr(hf_config, "use_sliding_window", False)
+    if used and window is not None:
+        raise ModelConfigError(
+            f"{hf_config.model_type}: sliding-window attention (sliding_window={window}) is not supported; "
+            "if your sequences never exceed the window, set sliding_window to null in config.json"
+        )
+
+
+def hf_to_transformer_config(hf_config: Any, layout: ParallelLayout, model_cfg: ModelConfig):
+    """The megatron ``TransformerConfig`` for a dense Llama/Qwen2/Qwen3/Mistral checkpoint.
+
+    The layout is checked against the model (heads, kv heads and layers divisible) and
+    ``model_cfg`` against the machine before anything else. Rotary settings are not
+    TransformerConfig fields: the builder passes ``read_rope_settings(hf_config)`` to GPTModel.
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    arch = read_hf_architecture(hf_config)
+    layout.check_model(
+        num_layers=arch.num_layers,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_key_value_heads,
+    )
+    if arch.intermediate_size % layout.tp != 0:
+        raise ModelConfigError(
+            f"intermediate_size={arch.intermediate_size} is not divisible by tp={layout.tp}"
+        )
+    model_cfg.validate(layout)
+    use_te = model_cfg.resolve_use_te()
+    dtype = model_cfg.torch_dtype
+    kwargs: dict[str, Any] = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_key_value_heads,
+        kv_channels=arch.head_dim,
+        ffn_hidden_size=arch.intermediate_size,
+        layernorm_epsilon=arch.rms_norm_eps,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=arch.linear_bias,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0) or 0.0),
+        init_method_std=arch.initializer_range,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.virtual_stages > 1 else None,
+        context_parallel_size=layout.cp,
+        sequence_parallel=model_cfg.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        # RL micro-batches have different lengths; pipeline stages exchange shapes first.
+        variable_seq_lengths=True,
+        # megatron refuses variable lengths with its default MoE dispatcher, even for dense models.
+        moe_token_dispatcher_type="alltoall",
+        use_cpu_initialization=not torch.cuda.is_available(),
+        # Fused kernels are CUDA code; the local spec on CPU runs the plain torch versions.
+        bias_activation_fusion=use_te,
+        bias_dropout_fusion=use_te,
+        masked_softmax_fusion=use_te,
+        apply_rope_fusion=use_te,
+    )
+    kwargs.update(model_cfg.recompute_settings())
+    kwargs.update(model_cfg.override_transformer_config)
+    try:
+        return TransformerConfig(**kwargs)
+    except (AssertionError, ValueError, TypeError) as err:
+        raise ModelConfigError(
+            f"megatron rejected the TransformerConfig for this {arch.model_type} model: {err}"
+        ) from err
