@@ -1,0 +1,253 @@
+"""A whole GRPO step (rollout + reward + log-probs + update): our trainer vs TRL's GRPOTrainer.
+
+Both sides start from the same tiny HF checkpoint built on the spot, get the same prompts (one
+token per character, all exactly ``prompt_len`` long), sample ``group`` responses per prompt of up
+to ``response_len`` tokens at temperature 1, score them with the same Python reward function, and
+take one optimizer step over the whole batch in micro-batches of ``micro_batch``. The result is
+seconds per step and the ratio ours / TRL (below 1 means ours is faster).
+
+Run alone: ``python benchmarks/bench_grpo_step.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import (
+    HEADLINE_THREADS,
+    ModelShape,
+    Section,
+    build_assets,
+    error_text,
+    machine_info,
+    ratio,
+    shape_text,
+)
+
+
+@dataclass(frozen=True)
+class GRPOBenchConfig:
+    """One GRPO step's sizes; ``prompts * group`` sequences per step."""
+
+    shape: ModelShape
+    prompts: int = 8
+    group: int = 8
+    prompt_len: int = 64
+    response_len: int = 128
+    micro_batch: int = 16
+    lr: float = 1e-6
+    steps: int = 2  # timed steps, after one warm-up step
+    seed: int = 0
+
+
+FULL = GRPOBenchConfig(
+    shape=ModelShape(
+        vocab_size=8192, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=704
+    )
+)
+QUICK = GRPOBenchConfig(
+    shape=ModelShape(
+        vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128
+    ),
+    prompts=2,
+    group=2,
+    prompt_len=8,
+    response_len=8,
+    micro_batch=2,
+    steps=1,
+)
+
+
+def make_prompts(count: int, length: int, seed: int = 0) -> list[str]:
+    """``count`` distinct arithmetic prompts, each exactly ``length`` characters (= tokens)."""
+    import random
+
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(count):
+        text = f"#{i} What is {rng.randint(10, 99)} + {rng.randint(10, 99)}? "
+        text = (text * (length // len(text) + 1))[:length]
+        prompts.append(text)
+    return prompts
+
+
+def digit_fraction(text: str) -> float:
+    """The reward both trainers use: the fraction of characters that are digits (cheap, varied)."""
+    return sum(c.isdigit() for c in text) / max(len(text), 1)
+
+
+# ----------------------------------------------------------------------------- TRL (the peer)
+
+
+class _StepClock:
+    """A transformers TrainerCallback recording seconds from step begin to step end."""
+
+    def __new__(cls):
+        from transformers import TrainerCallback
+
+        class Clock(TrainerCallback):
+            def __init__(self) -> None:
+                self.seconds: list[float] = []
+                self._start = 0.0
+
+            def on_step_begin(self, args, state, control, **kwargs):
+                self._start = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                self.seconds.append(time.perf_counter() - self._start)
+
+        return Clock()
+
+
+def run_trl(model_dir: str, tokenizer, cfg: GRPOBenchConfig, out_dir: str) -> dict[str, Any]:
+    """TRL GRPOTrainer for ``1 + cfg.steps`` steps; seconds of each step (the first is warm-up).
+
+    Gradient accumulation equals steps_per_generation, so one generation round feeds one optimizer
+    step, as in ours. beta=0 (no reference model), one iteration per generation: TRL then skips the
+    separate old-log-prob forward pass (it reuses the detached current log-probs), a pass ours runs.
+    """
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+
+    batch = cfg.prompts * cfg.group
+    accumulation = batch // cfg.micro_batch
+    args = GRPOConfig(
+        output_dir=out_dir,
+        use_cpu=True,
+        per_device_train_batch_size=cfg.micro_batch,
+        gradient_accumulation_steps=accumulation,
+        steps_per_generation=accumulation,
+        num_generations=cfg.group,
+        max_completion_length=cfg.response_len,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        beta=0.0,
+        num_iterations=1,
+        loss_type="dapo",  # token-mean over the batch, like ours
+        learning_rate=cfg.lr,
+        optim="adamw_torch",
+        weight_decay=0.01,
+        max_grad_norm=1.0,
+        max_steps=1 + cfg.steps,
+        gradient_checkpointing=False,
+        bf16=False,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        disable_dropout=True,
+        shuffle_dataset=False,
+        seed=cfg.seed,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    prompts = make_prompts(cfg.prompts, cfg.prompt_len, cfg.seed)
+    dataset = Dataset.from_dict({"prompt": prompts * (1 + cfg.steps)})
+
+    def reward(completions: list[str], **kwargs: Any) -> list[float]:
+        return [digit_fraction(text) for text in completions]
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    clock = _StepClock()
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[clock],
+    )
+    threads = torch.get_num_threads()
+    with contextlib.redirect_stdout(io.StringIO()):  # TRL prints a log dict per step
+        trainer.train()
+    torch.set_num_threads(threads)  # accelerate may touch the thread count
+    lengths = [
+        h.get("completions/mean_length") for h in trainer.state.log_history if "completions/mean_length" in h
+    ]
+    return {"step_seconds": clock.seconds, "mean_completion_length": lengths}
+
+
+# ----------------------------------------------------------------------------- ours
+
+
+def run_ours(model_dir: str, tokenizer, cfg: GRPOBenchConfig, out_dir: str) -> dict[str, Any]:
+    """Our trainer for ``1 + cfg.steps`` GRPO steps; seconds of each step (the first is warm-up)."""
+    raise NotImplementedError("verl_megatron.trainer.ppo_trainer is not in the tree yet")
+
+
+# ----------------------------------------------------------------------------- section
+
+
+def run(cfg: GRPOBenchConfig, workdir: Path) -> Section:
+    """Both trainers on one checkpoint; a missing side is reported with its error text."""
+    model_dir, tokenizer = build_assets(workdir / "grpo_model", cfg.shape, cfg.seed)
+    section = Section(
+        name="grpo_step",
+        title="Whole GRPO step (rollout + reward + log-probs + update): verl-megatron vs TRL GRPOTrainer",
+        columns=["impl", "step_s (best)", "step_s (median)", "timed steps", "mean response tokens"],
+        config={
+            "model": shape_text(cfg.shape),
+            "prompts x group": f"{cfg.prompts} x {cfg.group}",
+            "prompt_len": cfg.prompt_len,
+            "response_len": cfg.response_len,
+            "micro_batch": cfg.micro_batch,
+            "threads": torch.get_num_threads(),
+        },
+    )
+    results: dict[str, dict[str, Any]] = {}
+    for impl, fn in (("verl-megatron", run_ours), ("TRL GRPOTrainer", run_trl)):
+        try:
+            with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+                results[impl] = fn(model_dir, tokenizer, cfg, tmp)
+        except Exception as exc:  # report the peer's (or our) failure instead of dying
+            section.errors[impl] = error_text(exc)
+            continue
+        timed = results[impl]["step_seconds"][1:] or results[impl]["step_seconds"]
+        lengths = results[impl].get("mean_completion_length") or []
+        section.rows.append(
+            {
+                "impl": impl,
+                "step_s (best)": min(timed),
+                "step_s (median)": sorted(timed)[len(timed) // 2],
+                "timed steps": len(timed),
+                "mean response tokens": sum(lengths) / len(lengths) if lengths else None,
+            }
+        )
+    by_impl = {row["impl"]: row for row in section.rows}
+    section.ratios["step time ours / TRL (best; < 1 = ours faster)"] = ratio(
+        by_impl.get("verl-megatron", {}).get("step_s (best)"),
+        by_impl.get("TRL GRPOTrainer", {}).get("step_s (best)"),
+    )
+    section.notes.append(
+        "TRL runs with beta=0 and one iteration per generation, so it skips the old-log-prob forward "
+        "pass (reusing detached current log-probs); ours recomputes old log-probs as verl does."
+    )
+    section.notes.append("first step of each side is warm-up and excluded")
+    section.extra = {"raw": results, "config": asdict(cfg)}
+    return section
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(HEADLINE_THREADS)
+    with tempfile.TemporaryDirectory() as tmp:
+        section = run(QUICK if args.quick else FULL, Path(tmp))
+    print(machine_info())
+    print(section.to_markdown())
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

@@ -1,0 +1,361 @@
+"""Shared pieces of the benchmark harness: machine description, timing, FLOP counts, result files.
+
+Every benchmark section returns a :class:`Section`: a table of rows (one per implementation or
+setting), the ratios ours / peer, notes and the configuration it ran. ``run.py`` prints each as
+markdown and saves it as JSON beside a markdown copy, with the machine description attached.
+
+Timing on a shared machine: implementations that are compared are run *interleaved* (A, B, A,
+B, ...) after a warm-up call each, so a burst of load from other processes hits both sides alike;
+the headline is the fastest repeat (least disturbed), the median is reported beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# The scripts run from a checkout (`python benchmarks/run.py`), installed with `pip install -e .` or not.
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+HEADLINE_THREADS = 2
+
+# Per-token FLOPs, stated in every result that uses them. N counts the parameters that take part in
+# a matmul (everything but the input embedding table, which is a lookup); the attention term counts
+# the full T x T score matrix for QK^T and AV, as PaLM's MFU convention does.
+FLOPS_FORMULA_TRAIN = "6*N + 12*L*T*d_attn  (N = matmul params incl. LM head, excl. input embedding; d_attn = heads*head_dim; T = sequence length)"
+FLOPS_FORMULA_FORWARD = "2*N + 4*L*T*d_attn  (forward only)"
+
+
+# ----------------------------------------------------------------------------- machine
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _physical_cores() -> int | None:
+    """Distinct (physical id, core id) pairs in /proc/cpuinfo; None where it is not readable."""
+    try:
+        cores, phys = set(), "0"
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("physical id"):
+                    phys = line.split(":", 1)[1].strip()
+                elif line.startswith("core id"):
+                    cores.add((phys, line.split(":", 1)[1].strip()))
+        return len(cores) or None
+    except OSError:
+        return None
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU model, cores, threads in use, load and library versions: attached to every result."""
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except AttributeError:
+        affinity = os.cpu_count()
+    return {
+        "cpu_model": _cpu_model(),
+        "physical_cores": _physical_cores(),
+        "logical_cpus": os.cpu_count(),
+        "cpus_usable_by_process": affinity,
+        "torch_threads": torch.get_num_threads(),
+        "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"),
+        "load_average_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
+        "memory_gib": _memory_gib(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "versions": {
+            name: _version(name)
+            for name in ("torch", "transformers", "megatron-core", "trl", "accelerate", "numpy")
+        },
+    }
+
+
+def _memory_gib() -> float | None:
+    try:
+        with open("/proc/meminfo") as f:
+            kib = int(f.readline().split()[1])
+        return round(kib / 2**20, 1)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def machine_line(info: dict[str, Any]) -> str:
+    """One markdown line describing the machine, for the top of each table."""
+    versions = ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v)
+    return (
+        f"{info['cpu_model']}, {info['physical_cores']} cores / {info['logical_cpus']} logical CPUs, "
+        f"{info['torch_threads']} torch threads, load avg {info['load_average_1m']}, "
+        f"{info['memory_gib']} GiB RAM; {versions}"
+    )
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+@dataclass
+class Timing:
+    """Seconds of each timed repeat (warm-up excluded)."""
+
+    seconds: list[float]
+
+    @property
+    def best(self) -> float:
+        return min(self.seconds)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"best_s": self.best, "median_s": self.median, "repeats_s": self.seconds}
+
+
+def time_interleaved(fns: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1) -> dict[str, Timing]:
+    """Time each callable ``repeats`` times, alternating between them (A B A B ...).
+
+    Each gets ``warmup`` untimed calls first (allocator, lazy init, thread pools).
+    """
+    if repeats < 1:
+        raise ValueError(f"time_interleaved: repeats must be >= 1, got {repeats}")
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    seconds: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            seconds[name].append(time.perf_counter() - start)
+    return {name: Timing(s) for name, s in seconds.items()}
+
+
+def time_once(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """Seconds for one call, and its return value."""
+    start = time.perf_counter()
+    value = fn()
+    return time.perf_counter() - start, value
+
+
+# ----------------------------------------------------------------------------- FLOPs
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a llama-style decoder that FLOP counts and matmul shapes need."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def d_attn(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def matmul_params(self) -> int:
+        """Weights used in a matmul per token: q, k, v, o, gate/up/down per layer, plus the LM head."""
+        h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
+        per_layer = h * self.d_attn + 2 * h * kv + self.d_attn * h + 3 * h * self.intermediate_size
+        return self.num_layers * per_layer + h * self.vocab_size
+
+    def gemm_shapes(self, tokens: int) -> list[tuple[int, int, int]]:
+        """(M, K, N) of the forward matmuls for ``tokens`` rows: the shapes the peak is measured at."""
+        h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
+        return [
+            (tokens, h, self.d_attn),  # q
+            (tokens, h, kv),  # k, v
+            (tokens, self.d_attn, h),  # o
+            (tokens, h, self.intermediate_size),  # gate, up
+            (tokens, self.intermediate_size, h),  # down
+            (tokens, h, self.vocab_size),  # LM head
+        ]
+
+
+def train_flops_per_token(shape: ModelShape, seq_len: int) -> float:
+    """Forward + backward FLOPs per token; see FLOPS_FORMULA_TRAIN."""
+    return 6.0 * shape.matmul_params + 12.0 * shape.num_layers * seq_len * shape.d_attn
+
+
+def forward_flops_per_token(shape: ModelShape, seq_len: int) -> float:
+    """Forward FLOPs per token; see FLOPS_FORMULA_FORWARD."""
+    return 2.0 * shape.matmul_params + 4.0 * shape.num_layers * seq_len * shape.d_attn
+
+
+def measure_matmul_peak(
+    shapes: Sequence[tuple[int, int, int]], repeats: int = 5, dtype: torch.dtype = torch.float32
+) -> dict[str, Any]:
+    """Best FLOP/s of ``torch.matmul`` at each (M, K, N), with the current thread count.
+
+    The peak is the best over the shapes: the dense rate this machine reaches on this model's own
+    matmuls, the denominator of the CPU MFU.
+    """
+    per_shape = []
+    for m, k, n in dict.fromkeys(shapes):  # unique, order kept
+        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+        torch.matmul(a, b)  # warm-up: thread pool and packing buffers
+        best = min(time_once(lambda a=a, b=b: torch.matmul(a, b))[0] for _ in range(repeats))
+        per_shape.append({"m": m, "k": k, "n": n, "gflops": 2.0 * m * k * n / best / 1e9})
+    peak = max(row["gflops"] for row in per_shape)
+    return {"peak_gflops": peak, "threads": torch.get_num_threads(), "dtype": str(dtype), "shapes": per_shape}
+
+
+def build_assets(out_dir: Path, shape: ModelShape, seed: int = 0) -> tuple[str, Any]:
+    """A random-init llama of ``shape`` with a character tokenizer saved beside it, in ``out_dir``.
+
+    The model's vocabulary is larger than the tokenizer's (about 100 characters): sampled ids past
+    the tokenizer decode to nothing, which keeps text rewards cheap and the vocabulary realistic.
+    """
+    from verl_megatron.utils.local_assets import build_char_tokenizer, build_tiny_hf_model
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_char_tokenizer(out_dir / "tokenizer")
+    build_tiny_hf_model(
+        out_dir,
+        "llama",
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        num_layers=shape.num_layers,
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads,
+        intermediate_size=shape.intermediate_size,
+        seed=seed,
+        tokenizer=tokenizer,
+    )
+    return str(out_dir), tokenizer
+
+
+def shape_text(shape: ModelShape) -> str:
+    """``llama L4 h512 heads 8/2 ffn 1408 V32000``: the model, in one table cell."""
+    return (
+        f"llama L{shape.num_layers} h{shape.hidden_size} heads {shape.num_heads}/{shape.num_kv_heads} "
+        f"ffn {shape.intermediate_size} V{shape.vocab_size}"
+    )
+
+
+# ----------------------------------------------------------------------------- results
+
+
+@dataclass
+class Section:
+    """One benchmark's result: a table, ratios ours / peer, notes, the configuration it ran."""
+
+    name: str
+    title: str
+    columns: list[str]
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    ratios: dict[str, float | None] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    config: dict[str, Any] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    seconds: float | None = None
+
+    def to_markdown(self) -> str:
+        lines = [f"### {self.title}", ""]
+        if self.config:
+            lines += ["config: " + ", ".join(f"{k}={_fmt(v)}" for k, v in self.config.items()), ""]
+        if self.rows:
+            lines.append(markdown_table(self.columns, self.rows))
+            lines.append("")
+        for key, value in self.ratios.items():
+            lines.append(f"- **{key}**: {_fmt(value)}")
+        for note in self.notes:
+            lines.append(f"- {note}")
+        for who, err in self.errors.items():
+            lines.append(f"- **{who} could not run**: `{err}`")
+        return "\n".join(lines).rstrip() + "\n"
+
+    def to_json(self, machine: dict[str, Any]) -> dict[str, Any]:
+        return {**asdict(self), "machine": machine}
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        if value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-2):
+            return f"{value:.3g}"
+        return f"{value:,.3f}" if abs(value) < 10 else f"{value:,.1f}"
+    return str(value)
+
+
+def markdown_table(columns: Sequence[str], rows: Sequence[dict[str, Any]]) -> str:
+    """A GitHub markdown table; numbers right-aligned, missing cells as n/a."""
+    numeric = [all(isinstance(r.get(c), (int, float)) for r in rows if r.get(c) is not None) for c in columns]
+    head = "| " + " | ".join(columns) + " |"
+    rule = "|" + "|".join("---:" if num else "---" for num in numeric) + "|"
+    body = ["| " + " | ".join(_fmt(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join([head, rule, *body])
+
+
+def ratio(ours: float | None, peer: float | None) -> float | None:
+    """ours / peer, or None when either side is missing or the peer is zero."""
+    if ours is None or peer is None or peer == 0 or not math.isfinite(ours) or not math.isfinite(peer):
+        return None
+    return ours / peer
+
+
+def write_section(out_dir: Path, section: Section, machine: dict[str, Any]) -> tuple[Path, Path]:
+    """Save ``<name>.json`` and ``<name>.md`` under ``out_dir``; return their paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out_dir / f"{section.name}.json", out_dir / f"{section.name}.md"
+    json_path.write_text(json.dumps(section.to_json(machine), indent=2, default=str) + "\n")
+    md_path.write_text(section.to_markdown())
+    return json_path, md_path
+
+
+def error_text(exc: BaseException, limit: int = 600) -> str:
+    """``Type: message`` on one line, trimmed: what a result file records for a side that failed."""
+    text = f"{type(exc).__name__}: {exc}".replace("\n", " ").strip()
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def fit_exponent(xs: Sequence[float], ys: Sequence[float]) -> float | None:
+    """Least-squares slope of log(y) on log(x): y ~ x^k. None with fewer than two usable points."""
+    pts = [(math.log(x), math.log(y)) for x, y in zip(xs, ys) if x > 0 and y and y > 0]
+    if len(pts) < 2:
+        return None
+    mx = sum(p[0] for p in pts) / len(pts)
+    my = sum(p[1] for p in pts) / len(pts)
+    sxx = sum((p[0] - mx) ** 2 for p in pts)
+    if sxx == 0:
+        return None
+    return sum((p[0] - mx) * (p[1] - my) for p in pts) / sxx
