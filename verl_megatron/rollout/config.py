@@ -1,0 +1,168 @@
+"""Rollout settings (verl's ``actor_rollout_ref.rollout``), with verl's field names and defaults.
+
+``RolloutConfig.name`` picks the engine (``verl_megatron.rollout.build_rollout``): ``native``
+generates with the actor's megatron chunks (CPU and GPU), ``vllm`` / ``sglang`` run those
+engines colocated with the trainer (GPU). Fields that only one kind of engine reads say so.
+Bad values raise ``RolloutConfigError`` naming the field; nothing is silently rewritten.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["ENGINE_NAMES", "MultiTurnConfig", "RolloutConfig", "RolloutConfigError", "SamplingConfig"]
+
+ENGINE_NAMES = ("native", "vllm", "sglang")
+
+
+class RolloutConfigError(ValueError):
+    """A rollout setting that cannot work; the message names the field."""
+
+
+@dataclass
+class SamplingConfig:
+    """How tokens are drawn (verl's ``rollout.val_kwargs``).
+
+    The defaults are verl's validation settings: greedy, one sample per prompt.
+    """
+
+    temperature: float = 0.0
+    """Softmax temperature; 0 means greedy."""
+    top_k: int = -1
+    """Keep only the k most likely tokens; -1 (or 0) keeps all."""
+    top_p: float = 1.0
+    """Keep the smallest set of most likely tokens whose probability reaches top_p; 1.0 keeps all."""
+    do_sample: bool = False
+    """False: greedy decoding whatever the temperature."""
+    n: int = 1
+    """Samples per prompt."""
+
+
+@dataclass
+class MultiTurnConfig:
+    """Multi-turn generation with tool / environment turns (see ``verl_megatron.rollout.multiturn``)."""
+
+    enable: bool = False
+    """Run conversations of several turns instead of one response per prompt."""
+    max_assistant_turns: int | None = None
+    """Most policy turns per conversation; None: until the environment ends it or the budget is spent."""
+    max_user_turns: int | None = None
+    """Most environment (user / tool) turns per conversation; None: no limit."""
+    max_tool_response_length: int = 256
+    """Environment replies longer than this many tokens are truncated."""
+    tool_response_truncate_side: str = "middle"
+    """Which part of an over-long environment reply is dropped: ``left``, ``right`` or ``middle``."""
+
+
+@dataclass
+class RolloutConfig:
+    """verl's rollout section. Sampling fields apply to training rollouts; ``val_kwargs`` to validation."""
+
+    name: str = "native"
+    """Engine: ``native`` (megatron chunks, CPU/GPU), ``vllm`` or ``sglang`` (GPU, ``pip install verl-megatron[gpu]``)."""
+    mode: str = "sync"
+    """``sync``: the trainer calls generate_sequences on every rank (the only mode implemented)."""
+    temperature: float = 1.0
+    """Sampling temperature for training rollouts; 0 means greedy."""
+    top_k: int = -1
+    """Top-k filter for training rollouts; -1 (or 0) disables it."""
+    top_p: float = 1.0
+    """Nucleus (top-p) filter for training rollouts; 1.0 disables it."""
+    do_sample: bool = True
+    """False: greedy training rollouts (n is then 1)."""
+    n: int = 1
+    """Responses per prompt; a prompt's n responses are adjacent rows of the output."""
+    seed: int | None = None
+    """Sampling seed; None uses the runtime's seed. Same seed, same calls: same tokens."""
+    prompt_length: int = 512
+    """Longest prompt (tokens) the engine accepts."""
+    response_length: int = 512
+    """Most new tokens per response; responses are right-padded to exactly this length."""
+    dtype: str = "bfloat16"
+    """vllm/sglang: weight dtype inside the engine. The native engine uses the actor's dtype."""
+    gpu_memory_utilization: float = 0.5
+    """vllm/sglang: fraction of GPU memory the engine may take (weights + KV cache)."""
+    ignore_eos: bool = False
+    """Keep generating after EOS / stop tokens until response_length."""
+    enforce_eager: bool = True
+    """vllm: no CUDA graphs."""
+    free_cache_engine: bool = True
+    """vllm/sglang: release the KV cache (sleep) after each generation so training has the memory."""
+    tensor_model_parallel_size: int = 2
+    """vllm/sglang: tensor-parallel size inside the engine. The native engine uses the actor's layout."""
+    max_num_batched_tokens: int = 8192
+    """vllm/sglang: most tokens in one engine step."""
+    max_model_len: int | None = None
+    """vllm/sglang: longest sequence; None means prompt_length + response_length."""
+    max_num_seqs: int = 1024
+    """vllm/sglang: most sequences in flight."""
+    val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)
+    """Sampling for validation batches (``meta_info['validate']``)."""
+    log_prob_micro_batch_size: int | None = None
+    """Deprecated global micro-batch size for recomputing log-probs (verl field)."""
+    log_prob_micro_batch_size_per_gpu: int | None = None
+    """Micro-batch size per rank when the actor recomputes log-probs of rollouts."""
+    log_prob_use_dynamic_bsz: bool = False
+    """Recompute log-probs with token-budget micro-batches instead of a fixed size."""
+    log_prob_max_token_len_per_gpu: int = 16384
+    """Token budget per micro-batch with log_prob_use_dynamic_bsz."""
+    disable_log_stats: bool = True
+    """vllm: no periodic engine statistics in the log."""
+    enable_chunked_prefill: bool = True
+    """vllm: split long prefills into max_num_batched_tokens chunks."""
+    enable_prefix_caching: bool = True
+    """vllm/sglang: reuse the KV cache of shared prompt prefixes."""
+    load_format: str = "dummy"
+    """vllm/sglang: ``dummy`` starts from random weights, which the first sync_weights replaces."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """vllm/sglang: extra keyword arguments for the engine's constructor."""
+    calculate_log_probs: bool = False
+    """vllm/sglang: also return rollout_log_probs (the native engine always returns them)."""
+    update_weights_bucket_megabytes: int = 512
+    """vllm/sglang: weights stream into the engine in buckets of at most this many MB."""
+    layer_name_map: dict[str, str] = field(default_factory=dict)
+    """vllm/sglang: rename weights before loading, {HF name prefix: engine name prefix}."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Tokens that end a response like EOS (kept in the response with mask 1)."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Multi-turn generation settings."""
+
+    def __post_init__(self) -> None:
+        if self.name not in ENGINE_NAMES:
+            raise RolloutConfigError(f"rollout.name must be one of {list(ENGINE_NAMES)}, got {self.name!r}")
+        if self.mode not in ("sync", "async"):
+            raise RolloutConfigError(f"rollout.mode must be 'sync' or 'async', got {self.mode!r}")
+        _check_sampling("rollout", self.temperature, self.top_k, self.top_p, self.n)
+        _check_sampling("rollout.val_kwargs", **_sampling_fields(self.val_kwargs))
+        for key in ("prompt_length", "response_length", "update_weights_bucket_megabytes", "max_num_seqs"):
+            if getattr(self, key) < 1:
+                raise RolloutConfigError(f"rollout.{key} must be >= 1, got {getattr(self, key)}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise RolloutConfigError(
+                f"rollout.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.multi_turn.tool_response_truncate_side not in ("left", "right", "middle"):
+            raise RolloutConfigError(
+                "rollout.multi_turn.tool_response_truncate_side must be 'left', 'right' or 'middle', "
+                f"got {self.multi_turn.tool_response_truncate_side!r}"
+            )
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise RolloutConfigError(
+                f"rollout.stop_token_ids must be token ids >= 0, got {self.stop_token_ids}"
+            )
+
+
+def _sampling_fields(cfg: SamplingConfig) -> dict[str, Any]:
+    return {"temperature": cfg.temperature, "top_k": cfg.top_k, "top_p": cfg.top_p, "n": cfg.n}
+
+
+def _check_sampling(where: str, temperature: float, top_k: int, top_p: float, n: int) -> None:
+    if temperature < 0:
+        raise RolloutConfigError(f"{where}.temperature must be >= 0, got {temperature}")
+    if top_k < -1:
+        raise RolloutConfigError(f"{where}.top_k must be -1 (off) or >= 0, got {top_k}")
+    if not 0.0 < top_p <= 1.0:
+        raise RolloutConfigError(f"{where}.top_p must be in (0, 1], got {top_p}")
+    if n < 1:
+        raise RolloutConfigError(f"{where}.n must be >= 1, got {n}")
