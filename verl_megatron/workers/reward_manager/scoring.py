@@ -118,8 +118,16 @@ class _Worker:
     def __init__(self, ctx: Any, fn: Callable[..., Any]) -> None:
         self.conn, child_conn = ctx.Pipe(duplex=True)
         self.process = ctx.Process(target=_worker_main, args=(child_conn, fn), daemon=True)
-        self.process.start()
-        child_conn.close()
+        try:
+            self.process.start()
+        except Exception as err:  # spawn/forkserver pickle the scorer here
+            self.conn.close()
+            raise RuntimeError(
+                f"cannot start a {ctx.get_start_method()!r} reward scorer worker for {fn!r}: "
+                f"{type(err).__name__}: {err}. Use a module-level function or the 'fork' start method."
+            ) from err
+        finally:
+            child_conn.close()
         self.in_flight: deque[int] = deque()  # task ids sent, in the order they run
         self.deadline = math.inf
 
