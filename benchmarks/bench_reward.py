@@ -118,7 +118,7 @@ def bench_workload(tokenizer, name: str, num_samples: int, repeats: int) -> list
                 "manager": manager_name,
                 "seconds": seconds,
                 "samples_per_s": num_samples / seconds,
-                "mean_reward": float(reward.sum() / num_samples),
+                "mean_reward": float(reward.double().sum()) / num_samples,
             }
         )
     return rows
