@@ -1,0 +1,258 @@
+"""Peak memory of the log-prob stage vs the size of the full [B, T, V] float32 logits.
+
+Each implementation runs in a fresh Python process (``--child``), so nothing allocated by the
+harness or the other side is counted. The child builds its model and batch, records its resident
+set size (RSS), resets the kernel's high-water mark (``/proc/self/clear_refs``), computes the
+log-probs of every response token of the batch once, and reads the new high-water mark
+(``VmHWM``). The stage's peak is that mark minus the RSS before the stage. Where the reset is not
+allowed, ``ru_maxrss`` is used instead and the result says so.
+
+- ours: ``MegatronActor.compute_log_prob`` (micro-batches of ``micro_batch``, vocabulary-parallel
+  log-probs: softmax statistics per token, no log-softmax tensor).
+- peer: ``AutoModelForCausalLM`` forward on the same micro-batches and
+  ``log_softmax(logits).gather(labels)``: what a user writes.
+
+A large vocabulary (64k in the full run) makes [B, T, V] the dominant term.
+
+Run alone: ``python benchmarks/bench_memory.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import HEADLINE_THREADS, ModelShape, Section, build_assets, error_text, machine_info, shape_text
+
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class MemoryBenchConfig:
+    """Sizes of the log-prob stage whose memory is measured."""
+
+    shape: ModelShape
+    batch: int = 8
+    prompt_len: int = 32
+    response_len: int = 480
+    micro_batch: int = 2
+    seed: int = 0
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.response_len
+
+    def logits_bytes(self, rows: int) -> int:
+        """float32 logits [rows, T, V]."""
+        return rows * self.seq_len * self.shape.vocab_size * 4
+
+
+FULL = MemoryBenchConfig(
+    shape=ModelShape(
+        vocab_size=65536, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=704
+    )
+)
+QUICK = MemoryBenchConfig(
+    shape=ModelShape(
+        vocab_size=8192, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128
+    ),
+    batch=4,
+    prompt_len=8,
+    response_len=56,
+    micro_batch=2,
+)
+
+
+# ----------------------------------------------------------------------------- inside the child
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        match = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.MULTILINE)
+    if match is None:
+        raise RuntimeError(f"/proc/self/status has no {field}")
+    return int(match.group(1))
+
+
+def _reset_high_water_mark() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0); False where not permitted."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _batch(cfg: MemoryBenchConfig) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(cfg.seed)
+    b, tp, tr = cfg.batch, cfg.prompt_len, cfg.response_len
+    input_ids = torch.randint(3, cfg.shape.vocab_size, (b, tp + tr), generator=gen)
+    return {
+        "prompts": input_ids[:, :tp],
+        "responses": input_ids[:, tp:],
+        "input_ids": input_ids,
+        "attention_mask": torch.ones(b, tp + tr, dtype=torch.long),
+        "position_ids": torch.arange(tp + tr).expand(b, -1).contiguous(),
+        "response_mask": torch.ones(b, tr, dtype=torch.long),
+    }
+
+
+def _hf_log_probs(model_dir: str, cfg: MemoryBenchConfig):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    @torch.no_grad()
+    def stage(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        out = []
+        for start in range(0, cfg.batch, cfg.micro_batch):
+            mb = {k: t[start : start + cfg.micro_batch] for k, t in batch.items()}
+            logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"]).logits
+            logits = logits[:, cfg.prompt_len - 1 : -1]
+            out.append(
+                torch.log_softmax(logits.float(), -1).gather(-1, mb["responses"].unsqueeze(-1)).squeeze(-1)
+            )
+        return torch.cat(out)
+
+    return stage
+
+
+def _ours_log_probs(model_dir: str, cfg: MemoryBenchConfig):
+    raise NotImplementedError("verl_megatron.workers.actor (MegatronActor) is not in the tree yet")
+
+
+def child_main(impl: str, model_dir: str, cfg: MemoryBenchConfig) -> dict[str, Any]:
+    """Measure one implementation's log-prob stage in this (fresh) process."""
+    torch.set_num_threads(HEADLINE_THREADS)
+    stage = {"ours": _ours_log_probs, "hf": _hf_log_probs}[impl](model_dir, cfg)
+    batch = _batch(cfg)
+    rss_before = _status_kib("VmRSS")
+    reset = _reset_high_water_mark()
+    log_probs = stage(batch)
+    peak = _status_kib("VmHWM") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if tuple(log_probs.shape) != (cfg.batch, cfg.response_len) or not torch.isfinite(log_probs).all():
+        raise RuntimeError(f"{impl}: log-probs of shape {tuple(log_probs.shape)} or not finite")
+    return {
+        "rss_before_mib": rss_before / 1024,
+        "peak_mib": peak / 1024,
+        "stage_peak_mib": (peak - rss_before) / 1024,
+        "high_water_mark_reset": reset,
+        "mean_log_prob": float(log_probs.mean()),
+    }
+
+
+# ----------------------------------------------------------------------------- harness side
+
+
+def _measure(impl: str, model_dir: str, cfg: MemoryBenchConfig, workdir: Path) -> dict[str, Any]:
+    out = workdir / f"memory_{impl}.json"
+    cfg_file = workdir / "memory_cfg.json"
+    cfg_file.write_text(json.dumps(asdict(cfg)))
+    env = {**os.environ, "OMP_NUM_THREADS": str(HEADLINE_THREADS), "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        impl,
+        "--model-dir",
+        model_dir,
+        "--cfg",
+        str(cfg_file),
+        "--json",
+        str(out),
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise RuntimeError(f"child '{impl}' exited with {proc.returncode}: {tail}")
+    return json.loads(out.read_text())
+
+
+def run(cfg: MemoryBenchConfig, workdir: Path) -> Section:
+    """Peak RSS of the log-prob stage, ours and HF, next to the size of the full logits."""
+    model_dir, _ = build_assets(workdir / "memory_model", cfg.shape, cfg.seed)
+    full_mib = cfg.logits_bytes(cfg.batch) / MIB
+    micro_mib = cfg.logits_bytes(cfg.micro_batch) / MIB
+    section = Section(
+        name="memory",
+        title="Log-prob stage memory: peak RSS above the pre-stage level vs full [B, T, V] float32 logits",
+        columns=[
+            "impl",
+            "stage peak MiB",
+            "full [B,T,V] logits MiB",
+            "peak / full logits",
+            "peak / micro-batch logits",
+        ],
+        config={
+            "model": shape_text(cfg.shape),
+            "B": cfg.batch,
+            "T": f"{cfg.prompt_len}+{cfg.response_len}",
+            "V": cfg.shape.vocab_size,
+            "micro_batch": cfg.micro_batch,
+            "threads": HEADLINE_THREADS,
+        },
+    )
+    results = {}
+    for impl, label in (("ours", "verl-megatron compute_log_prob"), ("hf", "HF forward + log_softmax")):
+        try:
+            results[impl] = _measure(impl, model_dir, cfg, workdir)
+        except Exception as exc:
+            section.errors[label] = error_text(exc)
+            continue
+        peak = results[impl]["stage_peak_mib"]
+        section.rows.append(
+            {
+                "impl": label,
+                "stage peak MiB": peak,
+                "full [B,T,V] logits MiB": full_mib,
+                "peak / full logits": peak / full_mib,
+                "peak / micro-batch logits": peak / micro_mib,
+            }
+        )
+        if not results[impl]["high_water_mark_reset"]:
+            section.notes.append(f"{label}: /proc/self/clear_refs not writable; peak from ru_maxrss")
+    if "ours" in results and "hf" in results:
+        section.ratios["stage peak ours / HF"] = results["ours"]["stage_peak_mib"] / max(
+            results["hf"]["stage_peak_mib"], 1e-9
+        )
+    section.notes.append(
+        f"one micro-batch of logits [{cfg.micro_batch}, T, V] float32 is {micro_mib:.0f} MiB; "
+        "each side runs in a fresh process"
+    )
+    section.extra = {"raw": results, "config": asdict(cfg)}
+    return section
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--child", choices=["ours", "hf"], help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--cfg", help=argparse.SUPPRESS)
+    parser.add_argument("--json", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        raw = json.loads(Path(args.cfg).read_text())
+        cfg = MemoryBenchConfig(**{**raw, "shape": ModelShape(**raw["shape"])})
+        Path(args.json).write_text(json.dumps(child_main(args.child, args.model_dir, cfg)))
+        return
+    torch.set_num_threads(HEADLINE_THREADS)
+    with tempfile.TemporaryDirectory() as tmp:
+        section = run(QUICK if args.quick else FULL, Path(tmp))
+    print(machine_info())
+    print(section.to_markdown())
+
+
+if __name__ == "__main__":
+    main()

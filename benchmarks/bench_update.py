@@ -1,0 +1,249 @@
+"""Actor update throughput: our Megatron PPO update vs the same update in plain PyTorch on the HF model.
+
+One PPO mini-batch (the whole batch, one epoch) of ``batch`` sequences of ``prompt_len +
+response_len`` tokens, no padding, in micro-batches of ``micro_batch``: forward, vanilla clipped
+policy loss aggregated token-mean over the batch, backward, gradient clipping at 1.0 and one AdamW
+step (lr 1e-6, weight decay 0.01), all in float32.
+
+- ours: ``MegatronActor.update_policy`` (megatron-core GPTModel, tp=1, one process, megatron's
+  schedule and optimizer, log-probs from vocabulary-parallel logits).
+- peer: ``AutoModelForCausalLM`` + ``torch.optim.AdamW``; log-probs as a user would write them,
+  ``log_softmax(logits).gather(labels)``; the same ``compute_policy_loss``.
+
+Reported: tokens/s (all B * T tokens), achieved FLOP/s and its fraction of this machine's dense
+matmul peak measured at the model's own GEMM shapes with the same thread count (the CPU MFU).
+
+Run alone: ``python benchmarks/bench_update.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import (
+    FLOPS_FORMULA_TRAIN,
+    HEADLINE_THREADS,
+    ModelShape,
+    Section,
+    build_assets,
+    error_text,
+    machine_info,
+    measure_matmul_peak,
+    ratio,
+    shape_text,
+    time_interleaved,
+    train_flops_per_token,
+)
+
+from verl_megatron.trainer.ppo.core_algos import compute_policy_loss
+
+
+@dataclass(frozen=True)
+class UpdateBenchConfig:
+    """Sizes of the benchmarked PPO update."""
+
+    shape: ModelShape
+    batch: int = 16
+    prompt_len: int = 64
+    response_len: int = 192
+    micro_batch: int = 4
+    lr: float = 1e-6
+    clip_ratio: float = 0.2
+    repeats: int = 3
+    seed: int = 0
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.response_len
+
+
+# The size the megatron-on-cpu notes timed decoding at: 4 layers, hidden 512, GQA 8/2, vocab 32k.
+FULL = UpdateBenchConfig(
+    shape=ModelShape(
+        vocab_size=32000, hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=2, intermediate_size=1408
+    )
+)
+QUICK = UpdateBenchConfig(
+    shape=ModelShape(
+        vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128
+    ),
+    batch=4,
+    prompt_len=8,
+    response_len=8,
+    micro_batch=2,
+    repeats=1,
+)
+
+
+def make_update_batch(cfg: UpdateBenchConfig) -> dict[str, torch.Tensor]:
+    """A PPO batch in verl's keys, every row full length (no padding), fixed by ``cfg.seed``.
+
+    old_log_probs sit near log(1/V) (a random-init model's level), so ratios stay near 1 and some
+    tokens clip; advantages are standard normal per sequence, as GRPO's are.
+    """
+    gen = torch.Generator().manual_seed(cfg.seed)
+    b, tp, tr, v = cfg.batch, cfg.prompt_len, cfg.response_len, cfg.shape.vocab_size
+    input_ids = torch.randint(3, v, (b, tp + tr), generator=gen)
+    advantages = torch.randn(b, 1, generator=gen).expand(b, tr).contiguous()
+    old = torch.full((b, tr), -torch.log(torch.tensor(float(v))).item()) + 0.05 * torch.randn(
+        b, tr, generator=gen
+    )
+    return {
+        "prompts": input_ids[:, :tp],
+        "responses": input_ids[:, tp:],
+        "input_ids": input_ids,
+        "attention_mask": torch.ones(b, tp + tr, dtype=torch.long),
+        "position_ids": torch.arange(tp + tr).expand(b, -1).contiguous(),
+        "response_mask": torch.ones(b, tr, dtype=torch.long),
+        "old_log_probs": old,
+        "advantages": advantages,
+    }
+
+
+# ----------------------------------------------------------------------------- peer
+
+
+class HFPPOUpdate:
+    """The same PPO update written in plain PyTorch on a Hugging Face model."""
+
+    def __init__(self, model_dir: str, cfg: UpdateBenchConfig) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.cfg = cfg
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01
+        )
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        cfg = self.cfg
+        total_tokens = batch["response_mask"].sum()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        for start in range(0, cfg.batch, cfg.micro_batch):
+            mb = {k: t[start : start + cfg.micro_batch] for k, t in batch.items()}
+            logits = self.model(
+                input_ids=mb["input_ids"],
+                attention_mask=mb["attention_mask"],
+                position_ids=mb["position_ids"],
+            ).logits
+            # The logit at position t predicts token t + 1: responses are predicted from Tp-1 .. T-2.
+            logits = logits[:, cfg.prompt_len - 1 : -1]
+            log_probs = (
+                torch.log_softmax(logits.float(), dim=-1)
+                .gather(-1, mb["responses"].unsqueeze(-1))
+                .squeeze(-1)
+            )
+            pg_loss, _, _, _ = compute_policy_loss(
+                mb["old_log_probs"],
+                log_probs,
+                mb["advantages"],
+                mb["response_mask"],
+                cliprange=cfg.clip_ratio,
+            )
+            # token-mean over the whole mini-batch = sum over micro-batches of mean * share of tokens
+            loss = pg_loss * (mb["response_mask"].sum() / total_tokens)
+            loss.backward()
+            loss_sum += loss.detach().item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        return {"actor/pg_loss": loss_sum, "actor/grad_norm": float(grad_norm)}
+
+
+# ----------------------------------------------------------------------------- ours
+
+
+def build_ours(model_dir: str, cfg: UpdateBenchConfig, workdir: Path) -> Callable[[dict], Any]:
+    """Our actor's update_policy on the same checkpoint and batch, tp=1 in this process."""
+    raise NotImplementedError("verl_megatron.workers.actor (MegatronActor) is not in the tree yet")
+
+
+# ----------------------------------------------------------------------------- section
+
+
+def run(cfg: UpdateBenchConfig, workdir: Path) -> Section:
+    """Time both updates interleaved on one batch; tokens/s, FLOP/s and CPU MFU per side."""
+    model_dir, _ = build_assets(workdir / "update_model", cfg.shape, cfg.seed)
+    batch = make_update_batch(cfg)
+    tokens = cfg.batch * cfg.seq_len
+    flops_per_token = train_flops_per_token(cfg.shape, cfg.seq_len)
+    peak = measure_matmul_peak(cfg.shape.gemm_shapes(cfg.micro_batch * cfg.seq_len))
+    section = Section(
+        name="update",
+        title="Actor update (forward + backward + AdamW): verl-megatron vs plain PyTorch on the HF model",
+        columns=["impl", "tokens/s (best)", "tokens/s (median)", "step_s (best)", "GFLOP/s", "CPU MFU"],
+        config={
+            "model": shape_text(cfg.shape),
+            "matmul params": cfg.shape.matmul_params,
+            "batch": cfg.batch,
+            "seq_len": f"{cfg.prompt_len}+{cfg.response_len}",
+            "micro_batch": cfg.micro_batch,
+            "threads": torch.get_num_threads(),
+            "repeats": cfg.repeats,
+        },
+    )
+    section.notes.append(f"FLOPs per token = {FLOPS_FORMULA_TRAIN} = {flops_per_token / 1e6:.1f} MFLOP")
+    section.notes.append(
+        f"matmul peak {peak['peak_gflops']:.1f} GFLOP/s: best torch.matmul rate over the model's GEMM shapes "
+        f"(M = micro_batch * T = {cfg.micro_batch * cfg.seq_len}), {peak['threads']} threads, float32"
+    )
+    updates: dict[str, Callable[[], Any]] = {}
+    for impl, build in (
+        ("verl-megatron", lambda: build_ours(model_dir, cfg, workdir)),
+        ("HF + torch.optim.AdamW", lambda: HFPPOUpdate(model_dir, cfg)),
+    ):
+        try:
+            update = build()
+            update(batch)  # one call to surface errors before timing
+        except Exception as exc:
+            section.errors[impl] = error_text(exc)
+            continue
+        updates[impl] = lambda update=update: update(batch)
+    timings = time_interleaved(updates, cfg.repeats, warmup=0) if updates else {}
+    for impl, timing in timings.items():
+        gflops = tokens / timing.best * flops_per_token / 1e9
+        section.rows.append(
+            {
+                "impl": impl,
+                "tokens/s (best)": tokens / timing.best,
+                "tokens/s (median)": tokens / timing.median,
+                "step_s (best)": timing.best,
+                "GFLOP/s": gflops,
+                "CPU MFU": gflops / peak["peak_gflops"],
+            }
+        )
+    rows = {row["impl"]: row for row in section.rows}
+    section.ratios["tokens/s ours / HF (best)"] = ratio(
+        rows.get("verl-megatron", {}).get("tokens/s (best)"),
+        rows.get("HF + torch.optim.AdamW", {}).get("tokens/s (best)"),
+    )
+    section.extra = {
+        "matmul_peak": peak,
+        "flops_per_token": flops_per_token,
+        "flops_formula": FLOPS_FORMULA_TRAIN,
+        "timings": {impl: t.as_dict() for impl, t in timings.items()},
+        "config": asdict(cfg),
+    }
+    return section
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(HEADLINE_THREADS)
+    with tempfile.TemporaryDirectory() as tmp:
+        section = run(QUICK if args.quick else FULL, Path(tmp))
+    print(machine_info())
+    print(section.to_markdown())
+
+
+if __name__ == "__main__":
+    main()
