@@ -153,6 +153,8 @@ def test_bad_batches_raise_naming_the_problem(tok):
         NaiveRewardManager(tok, 0)(data)
     with pytest.raises(ValueError, match="compute_score_timeout must be a positive number"):
         NaiveRewardManager(tok, 0, compute_score_timeout=0)
+    with pytest.raises(ValueError, match="ParallelRewardManager: num_processes must be >= 1, got 0"):
+        ParallelRewardManager(tok, 0, num_processes=0)
 
 
 # ---------------------------------------------------------------- DAPO

@@ -36,7 +36,7 @@ class ParallelRewardManager(RewardManagerBase):
         mp_start_method: str | None = None,
     ) -> None:
         super().__init__(tokenizer, num_examine, compute_score, reward_fn_key, compute_score_timeout)
-        self.num_processes = num_processes or min(8, os.cpu_count() or 1)
+        self.num_processes = min(8, os.cpu_count() or 1) if num_processes is None else num_processes
         if self.num_processes < 1:
             raise ValueError(f"{type(self).__name__}: num_processes must be >= 1, got {num_processes}")
         self.mp_start_method = mp_start_method
