@@ -1,0 +1,168 @@
+"""Build what the trainer drives from a checked config: tokenizer, workers, rollout, rewards, data.
+
+Every process of the job calls :func:`build_components` with the same config;
+each builds its own shards of the actor (and of the reference and critic when
+the algorithm needs them). The trainer receives the result and never builds
+anything itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from verl_megatron.data import PromptLoader, RLHFDataset
+from verl_megatron.distributed.parallel import Runtime
+from verl_megatron.trainer.config import PPOConfig, use_critic, use_reference
+
+__all__ = ["Components", "build_components", "resolve_worker_configs", "total_training_steps"]
+
+
+@dataclass
+class Components:
+    """The trainer's collaborators, built for this rank."""
+
+    tokenizer: Any
+    hf_config: Any
+    actor: Any
+    ref: Any | None
+    critic: Any | None
+    rollout: Any
+    reward_fn: Any
+    val_reward_fn: Any
+    train_loader: PromptLoader
+    val_loader: PromptLoader | None
+
+
+def total_training_steps(config: PPOConfig, batches_per_epoch: int) -> int:
+    """``trainer.total_training_steps``, else ``total_epochs`` passes over the training set."""
+    if config.trainer.total_training_steps is not None:
+        return config.trainer.total_training_steps
+    return config.trainer.total_epochs * batches_per_epoch
+
+
+def resolve_worker_configs(config: PPOConfig, total_steps: int) -> PPOConfig:
+    """Copy the values the workers take from other sections: samples per prompt and run length."""
+    n = config.rollout.n
+    actor = dataclasses.replace(
+        config.actor,
+        rollout_n=n,
+        optim=dataclasses.replace(config.actor.optim, total_training_steps=total_steps),
+    )
+    critic = dataclasses.replace(
+        config.critic,
+        rollout_n=n,
+        optim=dataclasses.replace(config.critic.optim, total_training_steps=total_steps),
+    )
+    return dataclasses.replace(config, actor=actor, critic=critic)
+
+
+def _loaders(config: PPOConfig, tokenizer: Any) -> tuple[PromptLoader, PromptLoader | None]:
+    data = config.data
+    seed = data.seed if data.seed is not None else config.trainer.seed
+    train_set = RLHFDataset(data.train_files, tokenizer, data)
+    filtering = config.algorithm.filter_groups.enable
+    batch_size = (data.gen_batch_size or data.train_batch_size) if filtering else data.train_batch_size
+    train = PromptLoader(
+        train_set, batch_size, shuffle=data.shuffle, seed=seed, pad_token_id=tokenizer.pad_token_id
+    )
+    if not data.val_files:
+        return train, None
+    val_set = RLHFDataset(data.val_files, tokenizer, data)
+    val = PromptLoader(
+        val_set,
+        data.val_batch_size or len(val_set),
+        shuffle=data.validation_shuffle,
+        seed=seed,
+        pad_token_id=tokenizer.pad_token_id,
+        drop_last=False,
+    )
+    return train, val
+
+
+def _policy_chunks(config: PPOConfig, runtime: Runtime, hf_config: Any, value_head: bool = False):
+    from verl_megatron.models.builder import build_gpt_chunks
+    from verl_megatron.models.convert import load_hf_weights
+
+    chunks = build_gpt_chunks(hf_config, runtime, config.model, value_head=value_head)
+    # Weights go in before the optimizer exists: its fp32 master copies are taken from them.
+    load_hf_weights(chunks, config.model.path, runtime, config.model)
+    return chunks
+
+
+def _trained(chunks: list[torch.nn.Module], optim: Any, bf16: bool):
+    from verl_megatron.models.megatron_model import build_optimizer, wrap_ddp
+    from verl_megatron.workers.lr_schedule import build_lr_scheduler, optim_settings
+
+    chunks = wrap_ddp(chunks)
+    optimizer = build_optimizer(chunks, optim_settings(optim, bf16=bf16))
+    return chunks, optimizer, build_lr_scheduler(optimizer, optim)
+
+
+def _reward_fns(config: PPOConfig, tokenizer: Any) -> tuple[Any, Any]:
+    from verl_megatron.trainer.ppo.reward import load_reward_manager
+
+    extra: dict[str, Any] = {}
+    if config.reward_model.reward_manager == "dapo":
+        extra = {
+            "max_resp_len": config.data.max_response_length,
+            "overlong_buffer_cfg": config.reward_model.overlong_buffer,
+        }
+    train = load_reward_manager(config, tokenizer, num_examine=config.reward_model.num_examine, **extra)
+    # Validation scores are the task's own score (verl: no overlong shaping, one sample printed).
+    val_extra = dict(extra, overlong_buffer_cfg=None) if extra else {}
+    val = load_reward_manager(
+        config, tokenizer, num_examine=1 if config.reward_model.num_examine else 0, **val_extra
+    )
+    return train, val
+
+
+def build_components(config: PPOConfig, runtime: Runtime) -> tuple[PPOConfig, Components]:
+    """Tokenizer, data loaders, actor (+ reference, critic), rollout engine and reward functions.
+
+    Returns the config with the worker fields the trainer fills in (rollout_n,
+    total_training_steps) and the components.
+    """
+    from verl_megatron.models.config import load_hf_config
+    from verl_megatron.rollout.base import build_rollout
+    from verl_megatron.utils.tokenizer import hf_tokenizer
+    from verl_megatron.workers.actor import MegatronActor, MegatronRef
+
+    tokenizer = hf_tokenizer(config.model.tokenizer_path or config.model.path)
+    hf_config = load_hf_config(config.model.path)
+    train_loader, val_loader = _loaders(config, tokenizer)
+    config = resolve_worker_configs(config, total_training_steps(config, len(train_loader)))
+    bf16 = config.model.dtype == "bfloat16"
+
+    actor_chunks, optimizer, scheduler = _trained(
+        _policy_chunks(config, runtime, hf_config), config.actor.optim, bf16
+    )
+    actor = MegatronActor(runtime, config.actor, actor_chunks, optimizer, scheduler)
+    ref = None
+    if use_reference(config):
+        ref = MegatronRef(runtime, config.ref, _policy_chunks(config, runtime, hf_config))
+    critic = None
+    if use_critic(config):
+        from verl_megatron.workers.critic import MegatronCritic
+
+        critic_parts = _trained(
+            _policy_chunks(config, runtime, hf_config, value_head=True), config.critic.optim, bf16
+        )
+        critic = MegatronCritic(runtime, config.critic, *critic_parts)
+    rollout = build_rollout(config.rollout, runtime, actor_chunks, tokenizer, hf_config)
+    reward_fn, val_reward_fn = _reward_fns(config, tokenizer)
+    return config, Components(
+        tokenizer=tokenizer,
+        hf_config=hf_config,
+        actor=actor,
+        ref=ref,
+        critic=critic,
+        rollout=rollout,
+        reward_fn=reward_fn,
+        val_reward_fn=val_reward_fn,
+        train_loader=train_loader,
+        val_loader=val_loader,
+    )

@@ -1,0 +1,441 @@
+"""The PPO-family training loop (verl's ``RayPPOTrainer.fit`` without Ray), SPMD under torchrun.
+
+Every process runs this same loop on the same global batch; the workers split
+rows over data-parallel ranks themselves and return whole results, and the
+rollout engine receives each data-parallel rank's share of the prompts (the
+trainer gathers the responses back). Rank 0 alone computes rewards (then
+broadcasts them, so a slow or random scorer cannot split the ranks) and logs.
+
+One step, top to bottom (``train_step``)::
+
+    prompts -> gen -> reward [-> DAPO: repeat until enough groups with reward variance]
+            -> old_log_prob -> ref -> values -> adv -> update_critic -> update_actor
+            -> testing (every test_freq) -> save_checkpoint (every save_freq) -> metrics
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from verl_megatron.distributed.parallel import Runtime
+from verl_megatron.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
+from verl_megatron.trainer import metrics as M
+from verl_megatron.trainer.components import Components, total_training_steps
+from verl_megatron.trainer.config import PPOConfig, to_dict
+from verl_megatron.trainer.ppo import core_algos
+from verl_megatron.trainer.ppo.reward import compute_reward
+from verl_megatron.trainer.tracking import Tracking
+
+__all__ = ["PPOTrainer"]
+
+# Values of algorithm.filter_groups.metric computed from the reward tensor rather than read
+# from the reward manager's extra info.
+_SEQUENCE_SCORE_METRICS = ("score", "seq_reward", "seq_final_reward")
+
+
+class PPOTrainer:
+    """Drives rollout, reward, advantage estimation and the actor/critic updates.
+
+    Args:
+        config: the checked config (``validate_config``), with worker fields resolved.
+        runtime: this process's distributed runtime.
+        components: tokenizer, workers, rollout, reward functions and data loaders
+            (``verl_megatron.trainer.components.build_components``).
+    """
+
+    def __init__(self, config: PPOConfig, runtime: Runtime, components: Components) -> None:
+        self.config = config
+        self.runtime = runtime
+        self.tokenizer = components.tokenizer
+        self.actor, self.ref, self.critic = components.actor, components.ref, components.critic
+        self.rollout = components.rollout
+        self.reward_fn, self.val_reward_fn = components.reward_fn, components.val_reward_fn
+        self.train_loader, self.val_loader = components.train_loader, components.val_loader
+        self.hf_config = components.hf_config
+        self.total_steps = total_training_steps(config, len(self.train_loader))
+        self.kl_ctrl = (
+            core_algos.get_kl_controller(config.algorithm.kl_ctrl)
+            if config.algorithm.use_kl_in_reward
+            else None
+        )
+        self.peak_flops = M.device_peak_flops(config.trainer.device_peak_tflops)
+        self.val_history: list[tuple[int, float]] = []
+        self.tracker = Tracking("", "", [], "", enabled=False)  # replaced in fit()
+        self.global_step = 0
+
+    # ------------------------------------------------------------------ the loop
+
+    def fit(self) -> dict[str, float]:
+        """Train until ``total_steps``; returns the first and last mean validation score."""
+        trainer = self.config.trainer
+        start = self._resume()
+        self.tracker = Tracking(
+            trainer.project_name,
+            trainer.experiment_name,
+            list(trainer.logger),
+            trainer.default_local_dir,
+            config=to_dict(self.config),
+            total_steps=self.total_steps,
+            resume_step=start if start > 0 else None,
+            enabled=self.runtime.is_main,
+        )
+        if start > 0:
+            self.tracker.print(f"resumed from step {start} in {trainer.default_local_dir}")
+        if trainer.val_before_train and start == 0 and self.val_loader is not None:
+            self.tracker.log(self._validate(0), step=0)
+        for step in range(start + 1, self.total_steps + 1):
+            self.global_step = step
+            self.tracker.log(self.train_step(step), step=step)
+        return self._finish()
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """One PPO step; returns its metrics (verl's names)."""
+        trainer = self.config.trainer
+        last = step == self.total_steps
+        timing: dict[str, float] = {}
+        metrics: dict[str, float] = {}
+        with M.timed("step", timing):
+            batch, gen_metrics = self._collect_batch(step, timing)
+            metrics.update(gen_metrics)
+            with M.timed("old_log_prob", timing):
+                batch.batch["old_log_probs"], _ = self.actor.compute_log_prob(batch)
+            if "rollout_log_probs" in batch.batch.keys():  # noqa: SIM118 (TensorDict has no __contains__)
+                metrics.update(
+                    M.rollout_probs_diff_metrics(
+                        batch.batch["rollout_log_probs"],
+                        batch.batch["old_log_probs"],
+                        batch.batch["response_mask"],
+                    )
+                )
+            if self.ref is not None:
+                with M.timed("ref", timing):
+                    batch.batch["ref_log_prob"], _ = self.ref.compute_log_prob(batch)
+            if self.critic is not None:
+                with M.timed("values", timing):
+                    batch.batch["values"] = self.critic.compute_values(batch)
+            with M.timed("adv", timing):
+                metrics.update(self._compute_advantages(batch))
+            if self.critic is not None:
+                with M.timed("update_critic", timing):
+                    metrics.update(self._report_skips("critic", self.critic.update_critic(batch), step))
+            if step > trainer.critic_warmup:
+                with M.timed("update_actor", timing):
+                    metrics.update(self._report_skips("actor", self.actor.update_policy(batch), step))
+            if (
+                self.val_loader is not None
+                and trainer.test_freq > 0
+                and (step % trainer.test_freq == 0 or last)
+            ):
+                with M.timed("testing", timing):
+                    metrics.update(self._validate(step))
+            if trainer.save_freq > 0 and (step % trainer.save_freq == 0 or last):
+                with M.timed("save_checkpoint", timing):
+                    self._save_checkpoint(step)
+        metrics.update(
+            M.compute_data_metrics(batch, self.critic is not None, self.config.data.max_response_length)
+        )
+        metrics.update(M.compute_timing_metrics(batch, timing))
+        metrics.update(M.compute_throughput_metrics(batch, timing["step"], self.runtime.world_size))
+        metrics.update(self._mfu(batch, timing))
+        metrics["training/global_step"] = float(step)
+        metrics["training/epoch"] = float(self.train_loader.epoch)
+        return metrics
+
+    # ------------------------------------------------------------------ rollout and reward
+
+    def _collect_batch(self, step: int, timing: dict[str, float]) -> tuple[DataProto, dict[str, float]]:
+        """Generate and score one step's batch; with DAPO dynamic sampling, keep generating until
+        ``data.train_batch_size`` prompt groups have reward variance."""
+        algo, n = self.config.algorithm, self.config.rollout.n
+        groups_cfg, target = algo.filter_groups, self.config.data.train_batch_size
+        kept: list[DataProto] = []
+        kept_groups, rounds = 0, 0
+        while True:
+            rounds += 1
+            prompts = self.train_loader.next_batch()
+            # Deterministic group ids (not uuid4): a resumed run must form the same groups.
+            prompts.non_tensor_batch["uid"] = np.array(
+                [f"{step}-{rounds}-{i}" for i in range(len(prompts))], dtype=object
+            )
+            with M.timed("gen", timing):
+                batch = self._generate(prompts, validate=False)
+                if algo.adv_estimator == "remax":
+                    baseline = self._generate(prompts, validate=False, greedy=True)
+            with M.timed("reward", timing):
+                self._score(batch, self.reward_fn)
+                if algo.adv_estimator == "remax":
+                    scores, _ = self._reward(baseline, self.reward_fn)
+                    batch.batch["reward_baselines"] = scores.sum(-1).repeat_interleave(n)
+            if not groups_cfg.enable:
+                return batch, {}
+            batch, num_groups = self._keep_varied_groups(batch, groups_cfg.metric)
+            if num_groups:
+                kept.append(batch)
+                kept_groups += num_groups
+            if kept_groups >= target:
+                break
+            if 0 < groups_cfg.max_num_gen_batches <= rounds:
+                raise RuntimeError(
+                    f"DAPO dynamic sampling: after {rounds} generation rounds "
+                    f"(algorithm.filter_groups.max_num_gen_batches={groups_cfg.max_num_gen_batches}) only "
+                    f"{kept_groups} of the {target} prompt groups needed (data.train_batch_size) had samples "
+                    f"with different '{groups_cfg.metric}'; raise max_num_gen_batches or data.gen_batch_size, "
+                    "or check that the reward can vary within a group"
+                )
+        # A prompt's samples are adjacent rows, so the first target*n rows are whole groups.
+        batch = DataProto.concat(kept).slice(0, target * n)
+        return batch, {"train/num_gen_batches": float(rounds), "train/num_kept_groups": float(kept_groups)}
+
+    def _generate(self, prompts: DataProto, validate: bool, greedy: bool = False) -> DataProto:
+        """Responses for the global prompt batch: each dp rank generates its share, then all gather."""
+        rollout_cfg = self.config.rollout
+        prompts.meta_info.update(
+            eos_token_id=self.tokenizer.eos_token_id,
+            pad_token_id=self.tokenizer.pad_token_id,
+            validate=validate,
+        )
+        if greedy:
+            prompts.meta_info["do_sample"] = False
+        dp = self.runtime.layout.dp
+        padded, pad = pad_dataproto_to_divisor(prompts, dp)
+        output = self.rollout.generate_sequences(padded.chunk(dp)[self.runtime.dp_rank]).to("cpu")
+        if dp > 1:
+            parts: list[Any] = [None] * dp
+            dist.all_gather_object(parts, output, group=self.runtime.dp_group())
+            output = DataProto.concat(parts)
+        samples_per_prompt = len(output) // len(padded)
+        output = unpad_dataproto(output, pad * samples_per_prompt)
+        # The actor's log-probs must be those of the distribution the rollout sampled from.
+        output.meta_info["temperature"] = rollout_cfg.temperature if rollout_cfg.temperature > 0 else 1.0
+        for key in ("validate", "do_sample"):
+            output.meta_info.pop(key, None)
+        return output
+
+    def _reward(self, batch: DataProto, reward_fn: Any) -> tuple[torch.Tensor, dict[str, list[Any]]]:
+        """(reward [B, Tr], extra info) computed on rank 0 and broadcast to every rank."""
+        if self.runtime.world_size == 1:
+            return compute_reward(batch, reward_fn)
+        payload: list[Any] = [None]
+        if self.runtime.is_main:
+            try:
+                payload[0] = ("ok", compute_reward(batch, reward_fn))
+            except Exception as err:  # every rank must leave the broadcast, then raise together
+                payload[0] = ("error", f"{type(err).__name__}: {err}")
+        dist.broadcast_object_list(payload, src=0)
+        status, value = payload[0]
+        if status == "error":
+            raise RuntimeError(f"reward computation failed on rank 0: {value}")
+        return value
+
+    def _score(self, batch: DataProto, reward_fn: Any) -> None:
+        """Put the reward into ``token_level_scores`` and the per-sample extra info into non-tensors."""
+        reward, extra = self._reward(batch, reward_fn)
+        batch.batch["token_level_scores"] = reward
+        for key, values in extra.items():
+            if len(values) == len(batch):
+                batch.non_tensor_batch[key] = np.array(values, dtype=object)
+
+    def _keep_varied_groups(self, batch: DataProto, metric: str) -> tuple[DataProto, int]:
+        """Rows of the groups (same ``uid``) whose ``metric`` differs between samples; and their count."""
+        if metric in _SEQUENCE_SCORE_METRICS:
+            values = batch.batch["token_level_scores"].sum(-1).numpy()
+        elif metric in batch.non_tensor_batch:
+            values = np.asarray(batch.non_tensor_batch[metric], dtype=np.float64)
+        else:
+            known = [*_SEQUENCE_SCORE_METRICS, *sorted(k for k in batch.non_tensor_batch if k != "uid")]
+            raise KeyError(
+                f"algorithm.filter_groups.metric={metric!r} is not produced by the reward; known: {known}"
+            )
+        by_group: dict[str, list[float]] = {}
+        for uid, value in zip(batch.non_tensor_batch["uid"], values):
+            by_group.setdefault(uid, []).append(float(value))
+        keep = {uid for uid, vals in by_group.items() if len(vals) == 1 or np.std(vals) > 0}
+        rows = [i for i, uid in enumerate(batch.non_tensor_batch["uid"]) if uid in keep]
+        return batch.select_idxs(rows), len(keep)
+
+    # ------------------------------------------------------------------ advantages
+
+    def _compute_advantages(self, batch: DataProto) -> dict[str, float]:
+        """token_level_rewards (KL penalty optional), then the configured estimator's advantages/returns."""
+        algo = self.config.algorithm
+        tensors = batch.batch
+        metrics: dict[str, float] = {}
+        if self.kl_ctrl is not None:
+            tensors["token_level_rewards"], kl_metrics = core_algos.apply_kl_penalty_to_rewards(
+                tensors["token_level_scores"],
+                tensors["old_log_probs"],
+                tensors["ref_log_prob"],
+                tensors["response_mask"],
+                self.kl_ctrl,
+                algo.kl_penalty,
+            )
+            metrics.update(kl_metrics)
+        else:
+            tensors["token_level_rewards"] = tensors["token_level_scores"]
+        present = set(tensors.keys())
+        available = {
+            "token_level_rewards": tensors["token_level_rewards"],
+            "response_mask": tensors["response_mask"],
+            "values": tensors["values"] if "values" in present else None,
+            "reward_baselines": tensors["reward_baselines"] if "reward_baselines" in present else None,
+            "index": batch.non_tensor_batch["uid"],
+            "gamma": algo.gamma,
+            "lam": algo.lam,
+            "norm_adv_by_std_in_grpo": algo.norm_adv_by_std_in_grpo,
+            "config": algo,
+        }
+        estimator = core_algos.get_adv_estimator_fn(algo.adv_estimator)
+        wanted = inspect.signature(estimator).parameters
+        advantages, returns = estimator(
+            **{k: v for k, v in available.items() if k in wanted and v is not None}
+        )
+        tensors["advantages"], tensors["returns"] = advantages, returns
+        return metrics
+
+    def _report_skips(self, role: str, worker_metrics: dict[str, Any], step: int) -> dict[str, float]:
+        """Average per-mini-batch metrics; say so when optimizer steps were skipped for non-finite
+        gradients (the worker leaves the weights untouched and the run goes on)."""
+        reduced = M.reduce_metrics(worker_metrics)
+        skipped = int(reduced.get(f"{role}/skipped_steps", 0))
+        if skipped:
+            self.tracker.print(
+                f"step {step}: {skipped} {role} optimizer step(s) skipped: non-finite loss or gradient norm"
+            )
+        return reduced
+
+    def _mfu(self, batch: DataProto, timing: dict[str, float]) -> dict[str, float]:
+        if "update_actor" not in timing:
+            return {}
+        from verl_megatron.models.config import read_hf_architecture
+
+        arch = read_hf_architecture(self.hf_config)
+        lengths = batch.batch["attention_mask"].sum(-1).tolist()
+        flops = self.config.actor.ppo_epochs * M.training_flops(
+            lengths,
+            hidden_size=arch.hidden_size,
+            num_layers=arch.num_layers,
+            ffn_hidden_size=arch.intermediate_size,
+            num_attention_heads=arch.num_attention_heads,
+            num_query_groups=arch.num_key_value_heads,
+            vocab_size=arch.vocab_size,
+        )
+        mfu = M.compute_mfu(flops, timing["update_actor"], self.runtime.world_size, self.peak_flops)
+        return {} if mfu is None else {"perf/mfu/actor": mfu}
+
+    # ------------------------------------------------------------------ validation
+
+    def _validate(self, step: int) -> dict[str, float]:
+        """Validation-sampling (greedy by default) rollouts of the whole validation set:
+        ``val/test_score/<data_source>`` = mean score."""
+        sources: list[str] = []
+        scores: list[float] = []
+        for prompts in self.val_loader.epoch_batches():
+            output = self._generate(prompts, validate=True)
+            reward, _ = self._reward(output, self.val_reward_fn)
+            scores.extend(reward.sum(-1).tolist())
+            sources.extend(str(s) for s in output.non_tensor_batch[self.config.data.reward_fn_key])
+        result = M.validation_metrics(sources, scores)
+        self.val_history.append((step, float(np.mean(list(result.values())))))
+        return result
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _trainer_state(self, step: int) -> dict[str, Any]:
+        return {
+            "global_step": step,
+            "train_loader": self.train_loader.state_dict(),
+            "kl_coef": None if self.kl_ctrl is None else self.kl_ctrl.value,
+            "rollout_calls": getattr(self.rollout, "_calls", None),
+            "actor_update_calls": self.actor.update_calls,
+            "critic_update_calls": getattr(self.critic, "update_calls", None),
+            "val_history": list(self.val_history),
+        }
+
+    def _save_checkpoint(self, step: int) -> None:
+        from verl_megatron.checkpoint import save_checkpoint
+
+        trainer = self.config.trainer
+        state = self._trainer_state(step)
+        common = {"extra_state": state, "runtime": self.runtime}
+        if self.critic is not None:
+            save_checkpoint(
+                trainer.default_local_dir, step, chunks=self.critic.chunks, optimizer=self.critic.optimizer,
+                scheduler=self.critic.scheduler, name="critic", commit=False, **common,
+            )  # fmt: skip
+        save_checkpoint(
+            trainer.default_local_dir, step, chunks=self.actor.chunks, optimizer=self.actor.optimizer,
+            scheduler=self.actor.scheduler, name="actor", max_ckpt_to_keep=trainer.max_actor_ckpt_to_keep,
+            **common,
+        )  # fmt: skip
+
+    def _resume(self) -> int:
+        """Load the checkpoint ``trainer.resume_mode`` points at; return its step (0: fresh start)."""
+        from verl_megatron.checkpoint import find_latest_checkpoint, load_checkpoint
+
+        trainer = self.config.trainer
+        if trainer.resume_mode == "disable":
+            return 0
+        if trainer.resume_mode == "auto":
+            path = find_latest_checkpoint(trainer.default_local_dir)
+            if path is None:
+                return 0
+        else:
+            path = trainer.resume_from_path
+        state = load_checkpoint(
+            path, chunks=self.actor.chunks, optimizer=self.actor.optimizer, scheduler=self.actor.scheduler,
+            runtime=self.runtime, name="actor",
+        )  # fmt: skip
+        if self.critic is not None:
+            load_checkpoint(
+                path, chunks=self.critic.chunks, optimizer=self.critic.optimizer,
+                scheduler=self.critic.scheduler, runtime=self.runtime, name="critic",
+            )  # fmt: skip
+        self.train_loader.load_state_dict(state["train_loader"])
+        if self.kl_ctrl is not None and state["kl_coef"] is not None:
+            self.kl_ctrl.value = state["kl_coef"]
+        # The rollout seeds each call from a call counter, the workers their mini-batch
+        # shuffles from an update counter: both continue where the saved run stopped.
+        if state["rollout_calls"] is not None and hasattr(self.rollout, "_calls"):
+            self.rollout._calls = state["rollout_calls"]
+        self.actor.update_calls = state["actor_update_calls"]
+        if self.critic is not None and state["critic_update_calls"] is not None:
+            self.critic.update_calls = state["critic_update_calls"]
+        self.val_history = [tuple(v) for v in state["val_history"]]
+        return int(state["global_step"])
+
+    # ------------------------------------------------------------------ end of run
+
+    def _finish(self) -> dict[str, float]:
+        trainer = self.config.trainer
+        if trainer.export_hf:
+            from verl_megatron.models.convert import export_hf_weights
+
+            out_dir = os.path.join(trainer.default_local_dir, "hf_export")
+            export_hf_weights(self.actor.chunks, self.runtime, out_dir, self.hf_config, self.tokenizer)
+            self.tracker.print(f"exported the final actor as a Hugging Face model to {out_dir}")
+        png = self.tracker.finish()
+        if png:
+            self.tracker.print(f"metrics: {self.tracker.jsonl_path}; curves: {png}")
+        summary: dict[str, float] = {}
+        if self.val_history:
+            (first_step, first), (last_step, last) = self.val_history[0], self.val_history[-1]
+            summary = {
+                "val/first": first,
+                "val/last": last,
+                "val/first_step": first_step,
+                "val/last_step": last_step,
+            }
+            self.tracker.print(
+                f"validation reward (mean over data sources): {first:.3f} at step {first_step} -> "
+                f"{last:.3f} at step {last_step}"
+            )
+        if not all(math.isfinite(v) for v in summary.values()):
+            self.tracker.print("warning: non-finite validation reward")
+        return summary

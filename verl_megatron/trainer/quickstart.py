@@ -1,0 +1,73 @@
+"""Assets for a self-contained run: a character tokenizer, a random-init llama, synthetic data.
+
+Used when ``quickstart.enable`` is set and ``model.path`` / ``data.train_files`` are
+empty. Rank 0 writes everything under ``quickstart.assets_dir`` (default
+``<trainer.default_local_dir>/assets``); the other ranks wait at a barrier and
+then read the same files. The returned config has ``model.path`` and the data
+files pointing at them; nothing else changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch.distributed as dist
+
+from verl_megatron.trainer.config import PPOConfig
+
+__all__ = ["DIGITS", "prepare_quickstart_assets"]
+
+# The tokenizer knows only digits (plus its specials), so every wrong token costs reward
+# through the scorer's length normalisation, and the policy learns to stop with EOS.
+DIGITS = "0123456789"
+
+
+def _build(config: PPOConfig, assets_dir: str, need_model: bool, need_data: bool) -> None:
+    from verl_megatron.data.synthetic import write_synthetic_dataset
+    from verl_megatron.utils.local_assets import build_char_tokenizer, build_tiny_hf_model
+
+    qs = config.quickstart
+    if need_model:
+        model_dir = os.path.join(assets_dir, "model")
+        tokenizer = build_char_tokenizer(os.path.join(assets_dir, "tokenizer"), alphabet=DIGITS)
+        build_tiny_hf_model(
+            model_dir,
+            "llama",
+            hidden_size=qs.hidden_size,
+            num_layers=qs.num_layers,
+            num_heads=qs.num_heads,
+            num_kv_heads=qs.num_kv_heads,
+            intermediate_size=qs.intermediate_size,
+            seed=config.trainer.seed,
+            tokenizer=tokenizer,
+        )
+    if need_data:
+        write_synthetic_dataset(
+            os.path.join(assets_dir, "data"), task=qs.task, num_digits=qs.num_digits, seed=config.trainer.seed
+        )
+
+
+def prepare_quickstart_assets(config: PPOConfig, rank: int) -> PPOConfig:
+    """Build the missing tokenizer/model/data (on rank 0) and return the config pointing at them."""
+    qs = config.quickstart
+    need_model, need_data = not config.model.path, not config.data.train_files
+    if not qs.enable or not (need_model or need_data):
+        return config
+    assets_dir = qs.assets_dir or os.path.join(config.trainer.default_local_dir, "assets")
+    if rank == 0:
+        _build(config, assets_dir, need_model, need_data)
+    if dist.is_initialized():
+        dist.barrier()
+    model = config.model
+    if need_model:
+        model = dataclasses.replace(model, path=os.path.join(assets_dir, "model"))
+    data = config.data
+    if need_data:
+        data_dir = os.path.join(assets_dir, "data")
+        data = dataclasses.replace(
+            data,
+            train_files=[os.path.join(data_dir, "train.parquet")],
+            val_files=[os.path.join(data_dir, "val.parquet")],
+        )
+    return dataclasses.replace(config, model=model, data=data)
