@@ -1,0 +1,344 @@
+"""The on-disk layout of checkpoints and the file operations that keep it safe.
+
+Layout under a checkpoint root::
+
+    root/
+      latest_checkpointed_iteration.txt     step of the last committed save (verl's pointer file)
+      global_step_20/
+        checkpoint_complete.json            step marker: written before the directory appears
+        actor/                              one "part" per saved model (actor, critic, ...)
+          checkpoint_meta.json              part marker: layout, contents, file sizes
+          common.pt, .metadata, *.distcp    megatron dist-checkpointing files
+      .global_step_30.staging/              a save in progress (ignored by readers)
+
+A save writes every part into the hidden staging directory, then the step
+marker, fsyncs everything and renames the staging directory to
+``global_step_N`` (one atomic rename), and only then rewrites the pointer file
+(temporary file + ``os.replace``). A crash at any point leaves either the old
+state or the new complete step: readers only trust directories with a marker,
+and older checkpoints are pruned only after the new one is in place.
+
+Everything here is plain file work done by one process (rank 0); the
+distributed save in :mod:`verl_megatron.checkpoint.manager` calls it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+POINTER_FILE = "latest_checkpointed_iteration.txt"
+STEP_MARKER = "checkpoint_complete.json"
+PART_MARKER = "checkpoint_meta.json"
+_STEP_RE = re.compile(r"^global_step_(\d+)$")
+_STAGING_RE = re.compile(r"^\.global_step_(\d+)\.staging$")
+_REPLACED_RE = re.compile(r"^\.global_step_(\d+)\.replaced-[0-9a-f]+$")
+_TRASH_TAG = ".deleting-"
+
+
+class CheckpointError(RuntimeError):
+    """Base class: a checkpoint cannot be saved or loaded as asked."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No complete checkpoint at the given path."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint's files are missing, truncated or unreadable."""
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """The checkpoint does not fit the model or optimizer it is loaded into."""
+
+
+def step_dir(root: str | os.PathLike, step: int) -> Path:
+    return Path(root) / f"global_step_{int(step)}"
+
+
+def staging_dir(root: str | os.PathLike, step: int) -> Path:
+    return Path(root) / f".global_step_{int(step)}.staging"
+
+
+def _fsync_path(path: Path) -> None:
+    # Directories are fsynced too: a rename or a new file is only durable once
+    # the directory entry that names it is.
+    flags = os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0)
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    """fsync every file and directory under ``path`` (and ``path`` itself)."""
+    for dirpath, _, filenames in os.walk(path):
+        for filename in filenames:
+            _fsync_path(Path(dirpath) / filename)
+        _fsync_path(Path(dirpath))
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` so readers see the old or the new content, never a mix."""
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_path(path.parent)
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError) as exc:
+        raise CheckpointCorruptError(f"{what} {path} is unreadable: {exc}") from exc
+    if not isinstance(data, dict):
+        raise CheckpointCorruptError(f"{what} {path} does not hold a JSON object")
+    return data
+
+
+def _manifest(part: Path) -> dict[str, int]:
+    """Relative path -> size of every file of a part (its marker excluded)."""
+    sizes = {}
+    for dirpath, _, filenames in os.walk(part):
+        for filename in filenames:
+            full = Path(dirpath) / filename
+            rel = str(full.relative_to(part))
+            if rel != PART_MARKER:
+                sizes[rel] = full.stat().st_size
+    return sizes
+
+
+def finish_part(part: Path, meta: dict[str, Any]) -> None:
+    """Write the part marker (contents + file sizes) after fsyncing the part's files."""
+    fsync_tree(part)
+    record = {"format_version": FORMAT_VERSION, **meta, "files": _manifest(part)}
+    write_text_atomic(part / PART_MARKER, json.dumps(record, indent=1, sort_keys=True))
+
+
+def read_part_meta(part: Path) -> dict[str, Any]:
+    """The part marker, after checking that every listed file is present with its size.
+
+    Raises CheckpointNotFoundError when ``part`` holds no finished part and
+    CheckpointCorruptError when a file is missing or has the wrong size
+    (truncated copy, interrupted transfer).
+    """
+    marker = part / PART_MARKER
+    try:
+        meta = _read_json(marker, "checkpoint marker")
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(
+            f"{part} is not a finished checkpoint (no {PART_MARKER}; the save may have been interrupted)"
+        ) from None
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointCorruptError(
+            f"{marker}: format_version {meta.get('format_version')!r}, this code reads {FORMAT_VERSION}"
+        )
+    problems = []
+    for rel, size in sorted(meta.get("files", {}).items()):
+        path = part / rel
+        if not path.is_file():
+            problems.append(f"{rel} is missing")
+        elif path.stat().st_size != size:
+            problems.append(f"{rel} has {path.stat().st_size} bytes, {size} were written")
+    if problems:
+        raise CheckpointCorruptError(f"checkpoint {part} is damaged: " + "; ".join(problems[:5]))
+    return meta
+
+
+def _is_complete(directory: Path) -> bool:
+    marker = directory / STEP_MARKER
+    if not marker.is_file():
+        return False
+    try:
+        parts = _read_json(marker, "step marker").get("parts", [])
+    except CheckpointCorruptError:
+        return False
+    return all((directory / name / PART_MARKER).is_file() for name in parts)
+
+
+def complete_steps(root: str | os.PathLike) -> dict[int, Path]:
+    """Step -> directory of every complete checkpoint under ``root``."""
+    root = Path(root)
+    if not root.is_dir():
+        return {}
+    found = {}
+    for entry in root.iterdir():
+        match = _STEP_RE.match(entry.name)
+        if match and entry.is_dir() and _is_complete(entry):
+            found[int(match.group(1))] = entry
+    return found
+
+
+def find_latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """Directory of the complete checkpoint with the highest step under ``root``, or None.
+
+    Staging directories and step directories without their marker (an
+    interrupted save, a half-copied directory) are skipped. The pointer file is
+    not trusted: a crash between the final rename and the pointer update leaves
+    it one save behind.
+    """
+    steps = complete_steps(root)
+    return steps[max(steps)] if steps else None
+
+
+def read_latest_pointer(root: str | os.PathLike) -> int | None:
+    """The step in verl's pointer file, or None when it is absent or unreadable."""
+    try:
+        return int((Path(root) / POINTER_FILE).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def describe_root(root: Path) -> str:
+    """What a checkpoint root holds, for error messages."""
+    if not root.exists():
+        return "the path does not exist"
+    if not root.is_dir():
+        return "the path is a file, not a directory"
+    entries = sorted(e.name for e in root.iterdir() if e.is_dir() and "global_step_" in e.name)
+    if not entries:
+        return "it holds no global_step_* directory"
+    return "it holds only unfinished saves: " + ", ".join(entries[:5])
+
+
+def _trash(path: Path) -> None:
+    """Delete a directory so that a crash midway never leaves a half-deleted checkpoint behind.
+
+    The rename comes first and is atomic: the name a reader trusts is gone
+    before any file is removed.
+    """
+    doomed = path.with_name(f".{path.name}{_TRASH_TAG}{uuid.uuid4().hex[:8]}")
+    os.replace(path, doomed)
+    _fsync_path(path.parent)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def commit_step(root: str | os.PathLike, step: int, max_ckpt_to_keep: int | None = None) -> Path:
+    """Publish the staged checkpoint of ``step``: marker, fsync, rename, pointer, then prune.
+
+    Returns the final step directory. Raises CheckpointError when nothing was
+    staged for ``step``.
+    """
+    root = Path(root)
+    staged, final = staging_dir(root, step), step_dir(root, step)
+    parts = []
+    if staged.is_dir():
+        # ".name.tmp" directories are parts whose save did not finish.
+        parts = sorted(
+            p.name for p in staged.iterdir() if not p.name.startswith(".") and (p / PART_MARKER).is_file()
+        )
+    if not parts:
+        raise CheckpointError(f"nothing staged for step {step} under {root}: save a part before committing")
+    marker = {
+        "format_version": FORMAT_VERSION,
+        "step": int(step),
+        "parts": parts,
+        "committed_at": time.time(),
+    }
+    write_text_atomic(staged / STEP_MARKER, json.dumps(marker, indent=1))
+    fsync_tree(staged)
+    if final.exists():
+        # Saving a step that already exists (training resumed from an earlier
+        # step and came back here): the new save replaces it. The old one is
+        # renamed away first so the final rename below stays atomic.
+        # A crash between the two renames leaves the old one under its
+        # ".replaced-" name, where prune() keeps it until a new step N is complete.
+        replaced = final.with_name(f".{final.name}.replaced-{uuid.uuid4().hex[:8]}")
+        os.replace(final, replaced)
+        os.replace(staged, final)
+        _fsync_path(root)
+        shutil.rmtree(replaced, ignore_errors=True)
+    else:
+        os.replace(staged, final)
+        _fsync_path(root)
+    write_text_atomic(root / POINTER_FILE, str(int(step)))
+    newer = [s for s in complete_steps(root) if s > step]
+    if newer:
+        logger.warning(
+            "checkpoint step %d saved under %s, which also holds later steps %s from an earlier run; "
+            "find_latest_checkpoint returns the highest step",
+            step,
+            root,
+            sorted(newer),
+        )
+    prune(root, step, max_ckpt_to_keep)
+    return final
+
+
+def prune(root: Path, newest_step: int, max_ckpt_to_keep: int | None) -> list[int]:
+    """Delete complete checkpoints older than ``newest_step`` beyond the newest ``max_ckpt_to_keep``.
+
+    Only steps below ``newest_step`` (which must be complete) are candidates,
+    so nothing newer than the checkpoint just written is ever removed. Leftovers
+    of interrupted saves of older steps and of interrupted deletions go too.
+    Returns the deleted steps. ``max_ckpt_to_keep`` None or <= 0 keeps everything.
+    """
+    deleted: list[int] = []
+    for entry in root.iterdir():
+        staging = _STAGING_RE.match(entry.name)
+        replaced = _REPLACED_RE.match(entry.name)
+        if (
+            _TRASH_TAG in entry.name
+            or (staging and int(staging.group(1)) < newest_step)
+            # A step replaced by a newer save of the same step, once that save is in place.
+            or (replaced and _is_complete(step_dir(root, int(replaced.group(1)))))
+        ):
+            shutil.rmtree(entry, ignore_errors=True)
+    if not max_ckpt_to_keep or max_ckpt_to_keep <= 0:
+        return deleted
+    steps = complete_steps(root)
+    if newest_step not in steps:
+        raise CheckpointError(f"refusing to prune {root}: step {newest_step} is not complete")
+    older = sorted((s for s in steps if s < newest_step), reverse=True)
+    for s in older[max_ckpt_to_keep - 1 :]:
+        _trash(steps[s])
+        deleted.append(s)
+    if deleted:
+        logger.info(
+            "removed checkpoints %s under %s (max_ckpt_to_keep=%d)", sorted(deleted), root, max_ckpt_to_keep
+        )
+    return deleted
+
+
+def resolve_part(path: str | os.PathLike, name: str) -> Path:
+    """The directory of part ``name`` for a root, a step directory or a part directory.
+
+    A root resolves to its latest complete step. Raises CheckpointNotFoundError
+    naming the path and what it holds instead.
+    """
+    path = Path(path)
+    if (path / PART_MARKER).is_file():
+        return path
+    if (path / STEP_MARKER).is_file():
+        step = path
+    elif _STEP_RE.match(path.name) and path.is_dir():
+        raise CheckpointNotFoundError(
+            f"{path} is not a complete checkpoint (no {STEP_MARKER}: the save was interrupted or the copy is partial)"
+        )
+    else:
+        latest = find_latest_checkpoint(path)
+        if latest is None:
+            raise CheckpointNotFoundError(f"no complete checkpoint under {path}: {describe_root(path)}")
+        step = latest
+    part = step / name
+    if not part.is_dir():
+        held = sorted(p.name for p in step.iterdir() if p.is_dir() and not p.name.startswith("."))
+        raise CheckpointNotFoundError(f"checkpoint {step} has no part {name!r}; it holds {held}")
+    return part
