@@ -27,7 +27,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "overrides", nargs="*", help="config overrides, e.g. actor.optim.lr=1e-6 parallel.tp=2"
     )
-    return parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    # Intermixed: "--config x a=1" and "a=1 --config x b=2" both work.
+    return parser.parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))
 
 
 def _set_threads() -> None:

@@ -288,9 +288,9 @@ def _schema() -> Any:
 
 
 def _suggest(key: str, known: list[str], prefix: str = "") -> str:
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    close = difflib.get_close_matches(key, known, n=2, cutoff=0.6)
     if close:
-        return f"; did you mean '{prefix}{close[0]}'?"
+        return "; did you mean " + " or ".join(f"'{prefix}{c}'" for c in close) + "?"
     return f"; known: {', '.join(prefix + k for k in sorted(known))}"
 
 
@@ -524,7 +524,7 @@ def _check_reward(config: PPOConfig) -> None:
     try:
         resolve_reward_manager_cls(config.reward_model.reward_manager)
     except ValueError as err:
-        raise ConfigError(str(err)) from None
+        raise ConfigError(f"reward_model.reward_manager: {err}") from None
     overlong = config.reward_model.overlong_buffer
     if overlong.enable:
         if config.reward_model.reward_manager != "dapo":
@@ -548,7 +548,11 @@ def check_model_fits(layout: ParallelLayout, model_path: str) -> None:
     from verl_megatron.models.config import ModelConfigError, load_hf_config, read_hf_architecture
 
     try:
-        arch = read_hf_architecture(load_hf_config(model_path))
+        hf_config = load_hf_config(model_path)
+    except FileNotFoundError as err:
+        raise ConfigError(f"model.path: {err}") from None
+    try:
+        arch = read_hf_architecture(hf_config)
         layout.check_model(
             num_layers=arch.num_layers,
             num_attention_heads=arch.num_attention_heads,

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Several nodes: run this on every node with the same NNODES, MASTER_ADDR and MASTER_PORT and
+# that node's NODE_RANK (0 on the MASTER_ADDR node).
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 launch/multi_node.sh --config configs/ppo.yaml model.path=...
+#   NNODES=2 NODE_RANK=1 MASTER_ADDR=node0 launch/multi_node.sh --config configs/ppo.yaml model.path=...
+# The checkpoint folder (trainer.default_local_dir) must be on a file system every node sees.
+set -euo pipefail
+
+: "${NNODES:?set NNODES (number of nodes)}"
+: "${NODE_RANK:?set NODE_RANK (0..NNODES-1)}"
+: "${MASTER_ADDR:?set MASTER_ADDR (host name or IP of the NODE_RANK=0 node)}"
+MASTER_PORT=${MASTER_PORT:-29500}
+if [[ -z "${NPROC_PER_NODE:-}" ]]; then
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    NPROC_PER_NODE=$(nvidia-smi -L | wc -l)
+  else
+    NPROC_PER_NODE=1
+  fi
+fi
+PYTHON=${PYTHON:-python}
+
+exec "$PYTHON" -m torch.distributed.run \
+  --nnodes="$NNODES" --node-rank="$NODE_RANK" --nproc-per-node="$NPROC_PER_NODE" \
+  --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" \
+  -m verl_megatron.train "$@" trainer.nnodes="$NNODES" trainer.n_gpus_per_node="$NPROC_PER_NODE"

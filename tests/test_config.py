@@ -1,0 +1,176 @@
+"""Trainer config: YAML + overrides into the typed schema, and every start-up check naming its key."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from verl_megatron.distributed.parallel import ParallelLayout
+from verl_megatron.trainer.config import (
+    ConfigError,
+    PPOConfig,
+    default_config_path,
+    load_config,
+    to_dict,
+    validate_config,
+)
+from verl_megatron.workers.config import ActorConfig
+
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+QUICKSTART = os.path.join(CONFIGS, "quickstart.yaml")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    """config.json of a 2-layer llama with 4 heads and 2 kv heads (weights are not read here)."""
+    from verl_megatron.utils.local_assets import build_tiny_hf_model
+
+    path = tmp_path_factory.mktemp("tiny")
+    build_tiny_hf_model(
+        path, "llama", vocab_size=32, hidden_size=16, num_heads=4, num_kv_heads=2, num_layers=2
+    )
+    return str(path)
+
+
+def _error(overrides: list[str], world_size: int = 1, path: str = QUICKSTART) -> str:
+    with pytest.raises(ConfigError) as err:
+        validate_config(load_config(path, overrides), world_size)
+    return str(err.value)
+
+
+def test_quickstart_is_the_default_and_merges_yaml_overrides_and_interpolations():
+    assert default_config_path() == QUICKSTART
+    config = load_config(
+        QUICKSTART, ["actor.optim.lr=1e-6", "trainer.total_training_steps=5", "data.max_response_length=10"]
+    )
+    assert isinstance(config, PPOConfig) and isinstance(config.actor, ActorConfig)
+    assert config.actor.optim.lr == 1e-6 and isinstance(config.actor.optim.lr, float)
+    assert config.trainer.total_training_steps == 5
+    # rollout.response_length: ${data.max_response_length} follows the override.
+    assert (config.data.max_response_length, config.rollout.response_length) == (10, 10)
+    # YAML values over schema defaults; untouched fields keep the schema's (verl's) defaults.
+    assert (config.rollout.n, config.data.train_batch_size, config.actor.clip_ratio_c) == (8, 64, 3.0)
+    assert config.actor.optim.betas == (0.9, 0.999)
+    assert config.trainer.default_local_dir == "outputs/quickstart"
+    assert validate_config(config, 1) == ParallelLayout(tp=1, pp=1, vpp=None, cp=1, ep=1, dp=1)
+    assert to_dict(config)["actor"]["optim"]["lr"] == 1e-6
+
+
+def test_scalar_for_a_list_field_and_defaults_interpolation():
+    config = load_config(
+        None,
+        [
+            "data.train_files=train.parquet",
+            "trainer.logger=[console,tensorboard]",
+            "actor.ppo_micro_batch_size_per_gpu=2",
+            "ref.log_prob_micro_batch_size_per_gpu=2",
+            "critic.ppo_micro_batch_size_per_gpu=2",
+            "trainer.project_name=p",
+        ],
+    )
+    assert config.data.train_files == ["train.parquet"]
+    assert config.trainer.logger == ["console", "tensorboard"]
+    assert config.trainer.default_local_dir == "checkpoints/p/run"
+
+
+def test_shipped_configs_validate_for_their_world_sizes(tiny_model):
+    for name, world, extra, dp in [
+        ("ppo.yaml", 8, [], 8),
+        ("grpo.yaml", 8, ["parallel.tp=2"], 4),
+        ("dapo.yaml", 8, ["parallel.pp=2"], 4),
+        ("quickstart.yaml", 2, ["parallel.tp=2"], 1),
+    ]:
+        config = load_config(os.path.join(CONFIGS, name), [f"model.path={tiny_model}", *extra])
+        assert validate_config(config, world).dp == dp, name
+    dapo = load_config(os.path.join(CONFIGS, "dapo.yaml"), [f"model.path={tiny_model}"])
+    assert dapo.algorithm.filter_groups.enable and dapo.algorithm.filter_groups.metric == "acc"
+    assert (dapo.actor.clip_ratio_low, dapo.actor.clip_ratio_high) == (0.2, 0.28)
+    assert dapo.reward_model.overlong_buffer.len == 4096
+
+
+def test_unknown_keys_name_source_and_closest_key(tmp_path):
+    message = _error(["trainer.total_steps=5"])
+    assert "unknown config key 'trainer.total_steps' (from override 'trainer.total_steps=5')" in message
+    assert "'trainer.total_training_steps'" in message
+    assert "did you mean 'trainer'" in _error(["trainr.seed=1"])
+    yaml_path = tmp_path / "c.yaml"
+    yaml_path.write_text("actor:\n  optim:\n    lr_warmup_step: 3\n")
+    message = _error([], path=str(yaml_path))
+    assert f"unknown config key 'actor.optim.lr_warmup_step' (in {yaml_path})" in message
+    assert "did you mean 'actor.optim.lr_warmup_steps'" in message
+    # Free-form mappings accept any key.
+    config = load_config(QUICKSTART, ["reward_model.reward_kwargs.anything=1"])
+    assert config.reward_model.reward_kwargs == {"anything": 1}
+
+
+def test_wrong_types_and_malformed_overrides():
+    assert _error(["actor.optim.lr=fast"]) == (
+        "config key 'actor.optim.lr' (from override 'actor.optim.lr=fast'): "
+        "Value 'fast' of type 'str' could not be converted to Float"
+    )
+    assert "config key 'trainer.total_training_steps'" in _error(["trainer.total_training_steps=2.5"])
+    assert "must look like key=value" in _error(["trainer.seed"])
+    # A section's own check (the worker config's __post_init__) becomes a ConfigError too.
+    assert "actor.loss_agg_mode must be one of" in _error(["actor.loss_agg_mode=bad"])
+
+
+def test_batch_arithmetic():
+    # quickstart: train_batch_size 64 prompts, rollout.n 8, actor mini-batch 32 prompts, micro 256.
+    assert _error(["actor.ppo_mini_batch_size=48"]).startswith(
+        "actor.ppo_mini_batch_size=48 must divide data.train_batch_size=64"
+    )
+    assert "32*8 = 256 samples per mini-batch are not divisible by the data-parallel size dp=3" in _error(
+        [], 3
+    )
+    assert _error(["actor.ppo_micro_batch_size_per_gpu=48"]).startswith(
+        "actor.ppo_micro_batch_size_per_gpu=48 does not divide the 256 samples each dp rank gets"
+    )
+    # dp=2: 128 samples per rank; 48 does not divide them, 64 does.
+    assert "128 samples each dp rank" in _error(["actor.ppo_micro_batch_size_per_gpu=48"], 2)
+    validate_config(load_config(QUICKSTART, ["actor.ppo_micro_batch_size_per_gpu=64"]), 2)
+    # The critic is checked only when it runs (GAE).
+    validate_config(load_config(QUICKSTART, ["critic.ppo_mini_batch_size=48"]), 1)
+    gae = ["algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=48"]
+    assert _error(gae).startswith("critic.ppo_mini_batch_size=48 must divide data.train_batch_size=64")
+
+
+def test_parallel_sizes_against_world_and_model(tiny_model):
+    assert _error(["parallel.tp=3"], 2) == "parallel: tp*pp*cp = 3*1*1 = 3 does not divide the world size 2"
+    assert "needs parallel.pp > 1" in _error(["parallel.vpp=2"])
+    model = f"model.path={tiny_model}"
+    # 2 kv heads cannot be split over 4 tensor-parallel ranks; 2 layers not over 4 stages.
+    assert "num_key_value_heads=2 is not divisible by tp=4" in _error([model, "parallel.tp=4"], 4)
+    assert "num_layers=2 is not divisible by pp*vpp = 4*1 = 4" in _error([model, "parallel.pp=4"], 4)
+    assert f"(model.path='{tiny_model}')" in _error([model, "parallel.pp=4"], 4)
+    assert _error(["model.path=/nowhere"]).startswith("model.path: model path '/nowhere' is not a directory")
+
+
+def test_section_checks_name_their_key():
+    assert "rollout.response_length=5 differs from data.max_response_length=6" in _error(
+        ["rollout.response_length=5"]
+    )
+    assert "did you mean 'grpo' or 'gpg'?" in _error(["algorithm.adv_estimator=grp"])
+    assert "rollout.n must be >= 2, got 1" in _error(["rollout.n=1"])
+    assert "did you mean 'tensorboard'" in _error(["trainer.logger=[console,tensorbord]"])
+    assert (
+        _error(["trainer.resume_mode=resume_path"])
+        == "trainer.resume_mode=resume_path needs trainer.resume_from_path"
+    )
+    assert "expected one of ['auto', 'disable', 'resume_path']" in _error(["trainer.resume_mode=sometimes"])
+    assert "algorithm.filter_groups.enable needs algorithm.filter_groups.metric" in _error(
+        ["algorithm.filter_groups.enable=true"]
+    )
+    assert "needs reward_model.reward_manager=dapo" in _error(["reward_model.overlong_buffer.enable=true"])
+    overlong = ["reward_model.reward_manager=dapo", "reward_model.overlong_buffer.enable=true"]
+    assert "reward_model.overlong_buffer.len=0 must be in 1..data.max_response_length=6" in _error(overlong)
+    assert _error(["reward_model.reward_manager=naiv"]).startswith(
+        "reward_model.reward_manager: unknown reward manager 'naiv'"
+    )
+    assert "custom_reward_function.path='/nope.py' does not exist" in _error(
+        ["custom_reward_function.path=/nope.py"]
+    )
+    assert _error(["quickstart.enable=false"]).startswith("model.path is not set")
+    assert "algorithm.kl_penalty='k9'" in _error(
+        ["algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=k9"]
+    )
