@@ -27,7 +27,6 @@ import logging
 import os
 import pickle
 import re
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -204,7 +203,9 @@ def _make_in_process_strategy_class():
             pyt_state_dict = mcore_torch.mcore_to_pyt_state_dict(flat, False)
             dcp_save(
                 pyt_state_dict,
-                storage_writer=FileSystemWriter(str(checkpoint_dir), sync_files=True, thread_count=self.thread_count),
+                storage_writer=FileSystemWriter(
+                    str(checkpoint_dir), sync_files=True, thread_count=self.thread_count
+                ),
                 planner=mcore_torch.MCoreSavePlanner(
                     dedup_replicated_tensors=not self.keep_only_main_replica, flatten_state_dict=False
                 ),
@@ -270,9 +271,8 @@ def save_checkpoint(
     from megatron.core import dist_checkpointing
 
     start = time.perf_counter()
-    staged = storage.staging_dir(root, step)
-    tmp = staged / f".{name}.tmp"
-    _on_rank0(lambda: _fresh_dir(tmp), f"preparing {tmp}")
+    tmp = storage.staging_dir(root, step) / f".{name}.tmp"
+    _on_rank0(lambda: storage.start_part(root, step, name), f"preparing {tmp}")
     extra_state = _from_rank0(extra_state)
 
     model_sd = _model_sharded_state_dict(chunks)
@@ -305,7 +305,7 @@ def save_checkpoint(
         "optimizer": optimizer_kind,
         "scheduler": scheduler is not None,
     }
-    _on_rank0(lambda: _publish_part(tmp, staged / name, meta), f"finishing {staged / name}")
+    _on_rank0(lambda: storage.publish_part(root, step, name, meta), f"finishing {tmp}")
     if commit:
         commit_checkpoint(root, step, runtime=runtime, max_ckpt_to_keep=max_ckpt_to_keep)
     logger.info("saved %s of step %d to %s in %.2fs", name, step, root, time.perf_counter() - start)
@@ -319,21 +319,6 @@ def commit_checkpoint(
     del runtime  # the commit is rank 0's file work; the argument keeps call sites uniform
     _on_rank0(lambda: storage.commit_step(root, step, max_ckpt_to_keep), f"committing step {step} in {root}")
     return storage.step_dir(root, step)
-
-
-def _fresh_dir(path: Path) -> None:
-    if path.exists():
-        shutil.rmtree(path)
-    path.mkdir(parents=True)
-
-
-def _publish_part(tmp: Path, part: Path, meta: dict[str, Any]) -> None:
-    storage.finish_part(tmp, meta)
-    if part.exists():
-        # A leftover of an interrupted save of this same step: never published.
-        shutil.rmtree(part)
-    os.replace(tmp, part)
-    storage.fsync_tree(part.parent)
 
 
 # ---------------------------------------------------------------------- load

@@ -132,6 +132,28 @@ def finish_part(part: Path, meta: dict[str, Any]) -> None:
     write_text_atomic(part / PART_MARKER, json.dumps(record, indent=1, sort_keys=True))
 
 
+def start_part(root: str | os.PathLike, step: int, name: str) -> Path:
+    """An empty directory to write part ``name`` of ``step`` into (inside the step's staging directory)."""
+    tmp = staging_dir(root, step) / f".{name}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def publish_part(root: str | os.PathLike, step: int, name: str, meta: dict[str, Any]) -> Path:
+    """Finish the part written into :func:`start_part`'s directory and give it its name in staging."""
+    staged = staging_dir(root, step)
+    tmp, part = staged / f".{name}.tmp", staged / name
+    finish_part(tmp, meta)
+    if part.exists():
+        # A leftover of an interrupted save of this same step: it was never published.
+        shutil.rmtree(part)
+    os.replace(tmp, part)
+    _fsync_path(staged)
+    return part
+
+
 def read_part_meta(part: Path) -> dict[str, Any]:
     """The part marker, after checking that every listed file is present with its size.
 
@@ -246,6 +268,8 @@ def commit_step(root: str | os.PathLike, step: int, max_ckpt_to_keep: int | None
         )
     if not parts:
         raise CheckpointError(f"nothing staged for step {step} under {root}: save a part before committing")
+    for leftover in staged.glob(f".{STEP_MARKER}.tmp-*"):
+        leftover.unlink()  # from an earlier attempt at this commit that crashed
     marker = {
         "format_version": FORMAT_VERSION,
         "step": int(step),
@@ -291,6 +315,8 @@ def prune(root: Path, newest_step: int, max_ckpt_to_keep: int | None) -> list[in
     Returns the deleted steps. ``max_ckpt_to_keep`` None or <= 0 keeps everything.
     """
     deleted: list[int] = []
+    for leftover in root.glob(f".{POINTER_FILE}.tmp-*"):
+        leftover.unlink()  # a pointer update that crashed before its rename
     for entry in root.iterdir():
         staging = _STAGING_RE.match(entry.name)
         replaced = _REPLACED_RE.match(entry.name)
