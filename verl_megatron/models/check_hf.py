@@ -1,0 +1,185 @@
+"""``verl-megatron check-hf DIR --tp N --pp M``: does megatron reproduce transformers' logits?
+
+Loads a Hugging Face checkpoint into megatron under the given layout, runs a few prompts
+through it and through ``transformers`` (float32 reference), prints the largest absolute logit
+difference and exits 1 when it is above the tolerance. Run it under ``torchrun`` with a
+multiple of tp*pp processes, or as a plain command: it then launches tp*pp processes itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from verl_megatron.distributed.parallel import ParallelLayout, Runtime, init_runtime
+from verl_megatron.models.builder import build_gpt_chunks, model_info
+from verl_megatron.models.config import ModelConfig, load_hf_config
+from verl_megatron.models.convert import load_hf_weights
+
+PROMPTS = (
+    "The capital of France is",
+    "Question: what is 12 + 35? Answer:",
+    "def fibonacci(n):\n    ",
+)
+DEFAULT_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.25}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="verl-megatron check-hf",
+        description="Compare megatron's logits with transformers' for a checkpoint.",
+    )
+    parser.add_argument("path", help="local Hugging Face checkpoint folder")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    parser.add_argument("--vpp", type=int, default=None, help="virtual stages per pipeline rank")
+    parser.add_argument("--dtype", choices=sorted(DEFAULT_TOLERANCE), default="float32")
+    parser.add_argument("--tolerance", type=float, default=None, help="max |logit diff| allowed")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts (no tokenizer)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status (0: within tolerance, 1: above it)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    _quiet_libraries()
+    if args.tp < 1 or args.pp < 1:
+        raise SystemExit(f"check-hf: --tp and --pp must be positive, got tp={args.tp} pp={args.pp}")
+    if "WORLD_SIZE" not in os.environ and args.tp * args.pp > 1:
+        return _launch(argv, args.tp * args.pp)
+    return run_check(args)
+
+
+def _quiet_libraries() -> None:
+    """Keep the report readable: megatron and torch.distributed warn at every import and call."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.")
+    hf_logging.disable_progress_bar()
+
+
+def _launch(argv: list[str], nproc: int) -> int:
+    """Re-run this command under torchrun with ``nproc`` local processes."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+        f"--master-port={port}", "-m", "verl_megatron.models.check_hf", *argv,
+    ]  # fmt: skip
+    return subprocess.call(cmd)
+
+
+def _prompts(path: str, vocab_size: int, seed: int) -> list[torch.Tensor]:
+    """Token ids [T] of the built-in prompts, or random ids when the folder has no tokenizer."""
+    has_tokenizer = any(
+        os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")
+    )
+    if has_tokenizer:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return [torch.tensor(tokenizer(p)["input_ids"], dtype=torch.long) for p in PROMPTS]
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (length,), generator=generator) for length in (7, 12, 5)]
+
+
+@torch.no_grad()
+def megatron_logits(
+    chunks: list[torch.nn.Module], runtime: Runtime, sequences: list[torch.Tensor]
+) -> list[torch.Tensor] | None:
+    """Logits [T_i, V] (true vocabulary, float32, CPU) of each sequence, one micro-batch each.
+
+    Collective over the model replica; returns the list on the last pipeline stage, else None.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    vocab = model_info(chunks).vocab_size
+    for chunk in chunks:
+        chunk.eval()
+
+    def forward_step(data_iterator, model):
+        ids = next(data_iterator).unsqueeze(0).to(runtime.device)
+        positions = torch.arange(ids.shape[1], device=runtime.device).unsqueeze(0)
+        output = model(ids, positions, None, runtime_gather_output=True)
+
+        def collect(logits):
+            return logits.new_zeros(()), {"logits": logits[0, :, :vocab].float().cpu()}
+
+        return output, collect
+
+    # The interleaved (vpp) schedule runs micro-batches in groups of pp; fill the last group
+    # with copies whose outputs are dropped.
+    batches = list(sequences)
+    if len(chunks) > 1:
+        batches += [sequences[0]] * (-len(batches) % runtime.layout.pp)
+    iterators = [iter(batches) for _ in chunks]
+    results = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(chunks) > 1 else iterators[0],
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=len(batches),
+        seq_length=max(len(s) for s in sequences),
+        micro_batch_size=1,
+        forward_only=True,
+    )
+    if not ps.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    return [r["logits"] for r in results[: len(sequences)]]
+
+
+def hf_logits(path: str, sequences: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """transformers' float32 logits [T_i, V] of each sequence."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).to(device)
+    model.eval()
+    with torch.no_grad():
+        return [model(s.unsqueeze(0).to(device)).logits[0].float().cpu() for s in sequences]
+
+
+def run_check(args: argparse.Namespace) -> int:
+    """Inside a distributed job: build, load, compare. Every rank returns the same status."""
+    runtime = init_runtime(ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp))
+    hf_config = load_hf_config(args.path)
+    model_cfg = ModelConfig(path=args.path, dtype=args.dtype)
+    chunks = build_gpt_chunks(hf_config, runtime, model_cfg)
+    load_hf_weights(chunks, args.path, runtime)
+    sequences = _prompts(args.path, hf_config.vocab_size, args.seed)
+    logits = megatron_logits(chunks, runtime, sequences)
+    # One rank holding megatron's logits runs the reference, so only it loads the HF model.
+    reporter = logits is not None and runtime.tp_rank == 0 and runtime.dp_rank == 0
+    max_diff = torch.zeros((), dtype=torch.float64, device=runtime.device)
+    if reporter:
+        reference = hf_logits(args.path, sequences, runtime.device)
+        max_diff.fill_(max(float((m - r).abs().max()) for m, r in zip(logits, reference)))
+    dist.all_reduce(max_diff, op=dist.ReduceOp.MAX)
+    tolerance = DEFAULT_TOLERANCE[args.dtype] if args.tolerance is None else args.tolerance
+    ok = float(max_diff) <= tolerance
+    if reporter:
+        print(
+            f"check-hf {args.path} tp={args.tp} pp={args.pp} vpp={args.vpp} dtype={args.dtype}: "
+            f"max |logit diff| = {float(max_diff):.3e} over {len(sequences)} prompts "
+            f"(tolerance {tolerance:g}): {'OK' if ok else 'FAILED'}",
+            flush=True,
+        )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    status = main()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(status)
