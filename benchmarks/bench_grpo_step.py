@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import os
 import tempfile
 import time
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 from common import (
     HEADLINE_THREADS,
+    REPO_ROOT,
     ModelShape,
     Section,
     build_assets,
@@ -65,6 +67,11 @@ QUICK = GRPOBenchConfig(
     micro_batch=2,
     steps=1,
 )
+
+
+# The character tokenizer's chat template wraps a user turn as <|user|> text <|endoftext|> and
+# appends <|assistant|>: three tokens around the text.
+CHAT_TOKENS = 3
 
 
 def make_prompts(count: int, length: int, seed: int = 0) -> list[str]:
@@ -130,6 +137,8 @@ def run_trl(model_dir: str, tokenizer, cfg: GRPOBenchConfig, out_dir: str) -> di
         num_generations=cfg.group,
         max_completion_length=cfg.response_len,
         temperature=1.0,
+        # EOS masked until the full length, as rollout.ignore_eos does on our side.
+        generation_kwargs={"min_new_tokens": cfg.response_len},
         top_p=1.0,
         top_k=0,
         beta=0.0,
@@ -151,11 +160,17 @@ def run_trl(model_dir: str, tokenizer, cfg: GRPOBenchConfig, out_dir: str) -> di
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
-    prompts = make_prompts(cfg.prompts, cfg.prompt_len, cfg.seed)
+    # Chat-format prompts: TRL applies the tokenizer's chat template, as our dataset does.
+    prompts = [
+        [{"role": "user", "content": p}]
+        for p in make_prompts(cfg.prompts, cfg.prompt_len - CHAT_TOKENS, cfg.seed)
+    ]
     dataset = Dataset.from_dict({"prompt": prompts * (1 + cfg.steps)})
 
-    def reward(completions: list[str], **kwargs: Any) -> list[float]:
-        return [digit_fraction(text) for text in completions]
+    def reward(completions: list, **kwargs: Any) -> list[float]:
+        # Chat-format completions arrive as [{"role": "assistant", "content": text}].
+        texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+        return [digit_fraction(text) for text in texts]
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     clock = _StepClock()
@@ -180,12 +195,124 @@ def run_trl(model_dir: str, tokenizer, cfg: GRPOBenchConfig, out_dir: str) -> di
 # ----------------------------------------------------------------------------- ours
 
 
+_REWARD_FILE = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return sum(c.isdigit() for c in solution_str) / max(len(solution_str), 1)
+"""
+
+
+def _ours_config(model_dir: str, cfg: GRPOBenchConfig, out_dir: Path):
+    """The trainer's config on top of configs/grpo.yaml: the benchmark's sizes, no KL (as TRL's
+    beta=0), no validation or checkpoints, EOS ignored so responses are full length."""
+    from verl_megatron.trainer.config import load_config
+
+    rows = [
+        {
+            "data_source": "bench",
+            "prompt": [{"role": "user", "content": p}],
+            "reward_model": {"ground_truth": ""},
+        }
+        for p in make_prompts(cfg.prompts, cfg.prompt_len - CHAT_TOKENS, cfg.seed)
+    ]
+    data = out_dir / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    reward = out_dir / "reward.py"
+    reward.write_text(_REWARD_FILE)
+    overrides = {
+        "model.path": model_dir,
+        "model.dtype": "float32",
+        "model.use_te": False,
+        "data.train_files": f"[{data}]",
+        "data.val_files": "[]",
+        "data.max_prompt_length": cfg.prompt_len,
+        "data.max_response_length": cfg.response_len,
+        "data.train_batch_size": cfg.prompts,
+        "data.shuffle": False,
+        "rollout.n": cfg.group,
+        "rollout.ignore_eos": True,
+        "rollout.log_prob_micro_batch_size_per_gpu": cfg.micro_batch,
+        "actor.ppo_mini_batch_size": cfg.prompts,
+        "actor.ppo_micro_batch_size_per_gpu": cfg.micro_batch,
+        "actor.use_kl_loss": False,
+        "actor.use_remove_padding": False,
+        "actor.optim.lr": cfg.lr,
+        "custom_reward_function.path": str(reward),
+        "trainer.total_training_steps": 1 + cfg.steps,
+        "trainer.test_freq": -1,
+        "trainer.save_freq": -1,
+        "trainer.val_before_train": False,
+        "trainer.resume_mode": "disable",
+        "trainer.logger": "[]",
+        "trainer.default_local_dir": str(out_dir / "run"),
+        "trainer.seed": cfg.seed,
+    }
+    path = REPO_ROOT / "configs" / "grpo.yaml"
+    return load_config(str(path), [f"{k}={v}" for k, v in overrides.items()])
+
+
 def run_ours(model_dir: str, tokenizer, cfg: GRPOBenchConfig, out_dir: str) -> dict[str, Any]:
-    """Our trainer for ``1 + cfg.steps`` GRPO steps; seconds of each step (the first is warm-up)."""
-    raise NotImplementedError("verl_megatron.trainer.ppo_trainer is not in the tree yet")
+    """Our trainer (``PPOTrainer.train_step``) for ``1 + cfg.steps`` GRPO steps, one process.
+
+    Returns the seconds of each step (the first is warm-up) and its stage times (verl's
+    ``timing_s/*``: gen, reward, old_log_prob, adv, update_actor).
+    """
+    from verl_megatron.distributed.parallel import init_runtime, shutdown
+    from verl_megatron.trainer.components import build_components
+    from verl_megatron.trainer.config import validate_config
+    from verl_megatron.trainer.ppo_trainer import PPOTrainer
+
+    config = _ours_config(model_dir, cfg, Path(out_dir))
+    validate_config(config, 1)
+    threads = torch.get_num_threads()
+    runtime = init_runtime(config.parallel, seed=config.trainer.seed)
+    torch.set_num_threads(threads)
+    steps, stages, lengths = [], [], []
+    try:
+        config, components = build_components(config, runtime)
+        trainer = PPOTrainer(config, runtime, components)
+        for step in range(1, 2 + cfg.steps):
+            start = time.perf_counter()
+            metrics = trainer.train_step(step)
+            steps.append(time.perf_counter() - start)
+            stages.append(
+                {
+                    k.removeprefix("timing_s/"): v
+                    for k, v in metrics.items()
+                    if k.startswith("timing_s/") and k != "timing_s/step"
+                }
+            )
+            lengths.append(metrics.get("response_length/mean"))
+    finally:
+        shutdown(runtime)
+    return {
+        "step_seconds": steps,
+        "stage_seconds": stages,
+        "mean_completion_length": [x for x in lengths if x is not None],
+    }
 
 
 # ----------------------------------------------------------------------------- section
+
+
+STAGES = ("gen", "reward", "old_log_prob", "adv", "update_actor")
+
+
+def _row(impl: str, raw: dict[str, Any]) -> dict[str, Any]:
+    """Best and median of the timed steps (warm-up dropped), stages of the best step where known."""
+    timed = raw["step_seconds"][1:] or raw["step_seconds"]
+    best = min(range(len(timed)), key=timed.__getitem__)
+    lengths = raw.get("mean_completion_length") or []
+    stages = raw.get("stage_seconds")
+    row = {
+        "impl": impl,
+        "step_s (best)": timed[best],
+        "step_s (median)": sorted(timed)[len(timed) // 2],
+        "timed steps": len(timed),
+        "mean response tokens": sum(lengths) / len(lengths) if lengths else None,
+    }
+    if stages:
+        row.update({stage: stages[len(stages) - len(timed) + best].get(stage) for stage in STAGES})
+    return row
 
 
 def run(cfg: GRPOBenchConfig, workdir: Path) -> Section:
@@ -194,7 +321,7 @@ def run(cfg: GRPOBenchConfig, workdir: Path) -> Section:
     section = Section(
         name="grpo_step",
         title="Whole GRPO step (rollout + reward + log-probs + update): verl-megatron vs TRL GRPOTrainer",
-        columns=["impl", "step_s (best)", "step_s (median)", "timed steps", "mean response tokens"],
+        columns=["impl", "step_s (best)", "step_s (median)", "timed steps", "mean response tokens", *STAGES],
         config={
             "model": shape_text(cfg.shape),
             "prompts x group": f"{cfg.prompts} x {cfg.group}",
@@ -212,17 +339,7 @@ def run(cfg: GRPOBenchConfig, workdir: Path) -> Section:
         except Exception as exc:  # report the peer's (or our) failure instead of dying
             section.errors[impl] = error_text(exc)
             continue
-        timed = results[impl]["step_seconds"][1:] or results[impl]["step_seconds"]
-        lengths = results[impl].get("mean_completion_length") or []
-        section.rows.append(
-            {
-                "impl": impl,
-                "step_s (best)": min(timed),
-                "step_s (median)": sorted(timed)[len(timed) // 2],
-                "timed steps": len(timed),
-                "mean response tokens": sum(lengths) / len(lengths) if lengths else None,
-            }
-        )
+        section.rows.append(_row(impl, results[impl]))
     by_impl = {row["impl"]: row for row in section.rows}
     section.ratios["step time ours / TRL (best; < 1 = ours faster)"] = ratio(
         by_impl.get("verl-megatron", {}).get("step_s (best)"),
@@ -232,7 +349,10 @@ def run(cfg: GRPOBenchConfig, workdir: Path) -> Section:
         "TRL runs with beta=0 and one iteration per generation, so it skips the old-log-prob forward "
         "pass (reusing detached current log-probs); ours recomputes old log-probs as verl does."
     )
-    section.notes.append("first step of each side is warm-up and excluded")
+    section.notes.append(
+        "first step of each side is warm-up and excluded; stage columns are ours (verl's timing_s/*), "
+        "TRL does not time its stages"
+    )
     section.extra = {"raw": results, "config": asdict(cfg)}
     return section
 

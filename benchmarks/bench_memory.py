@@ -129,12 +129,23 @@ def _hf_log_probs(model_dir: str, cfg: MemoryBenchConfig):
 
 
 def _ours_log_probs(model_dir: str, cfg: MemoryBenchConfig):
-    raise NotImplementedError("verl_megatron.workers.actor (MegatronActor) is not in the tree yet")
+    from bench_update import build_actor
+
+    from verl_megatron.protocol import DataProto
+
+    actor = build_actor(model_dir, mini_batch=cfg.batch, micro_batch=cfg.micro_batch, seed=cfg.seed)
+
+    def stage(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        log_probs, _ = actor.compute_log_prob(
+            DataProto.from_dict(tensors=batch, meta_info={"temperature": 1.0})
+        )
+        return log_probs
+
+    return stage
 
 
 def child_main(impl: str, model_dir: str, cfg: MemoryBenchConfig) -> dict[str, Any]:
     """Measure one implementation's log-prob stage in this (fresh) process."""
-    torch.set_num_threads(HEADLINE_THREADS)
     stage = {"ours": _ours_log_probs, "hf": _hf_log_probs}[impl](model_dir, cfg)
     batch = _batch(cfg)
     rss_before = _status_kib("VmRSS")
@@ -159,7 +170,8 @@ def _measure(impl: str, model_dir: str, cfg: MemoryBenchConfig, workdir: Path) -
     out = workdir / f"memory_{impl}.json"
     cfg_file = workdir / "memory_cfg.json"
     cfg_file.write_text(json.dumps(asdict(cfg)))
-    env = {**os.environ, "OMP_NUM_THREADS": str(HEADLINE_THREADS), "TOKENIZERS_PARALLELISM": "false"}
+    # The child runs with the harness's thread count (OMP_NUM_THREADS sets torch's default).
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads()), "TOKENIZERS_PARALLELISM": "false"}
     cmd = [
         sys.executable,
         __file__,
@@ -200,7 +212,7 @@ def run(cfg: MemoryBenchConfig, workdir: Path) -> Section:
             "T": f"{cfg.prompt_len}+{cfg.response_len}",
             "V": cfg.shape.vocab_size,
             "micro_batch": cfg.micro_batch,
-            "threads": HEADLINE_THREADS,
+            "threads": torch.get_num_threads(),
         },
     )
     results = {}

@@ -1,0 +1,202 @@
+"""How our GRPO step time grows with response length and with batch size.
+
+Two sweeps of the whole step (rollout + reward + log-probs + update) of our trainer on one tiny
+model: response length 64 .. 1024 at a fixed batch, and batch size at a fixed response length.
+Responses always run to full length (EOS ignored), so the token count is exact. For each sweep
+the table gives the step time and its stages, and a least-squares fit of log(time) on log(size)
+gives the exponent k in time ~ size^k: k near 1 is linear growth, k clearly above 1 is
+super-linear (attention and KV-cache reads grow with length). A PNG plot (log-log) is saved.
+
+Run alone: ``python benchmarks/bench_scaling.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from bench_grpo_step import GRPOBenchConfig, run_ours
+from common import (
+    HEADLINE_THREADS,
+    ModelShape,
+    Section,
+    build_assets,
+    error_text,
+    fit_exponent,
+    machine_info,
+    shape_text,
+)
+
+
+@dataclass(frozen=True)
+class ScalingBenchConfig:
+    """The two sweeps; batch = prompts x group sequences per step."""
+
+    shape: ModelShape
+    response_lens: tuple[int, ...] = (64, 128, 256, 512, 1024)
+    batch_for_lengths: int = 8
+    batch_sizes: tuple[int, ...] = (4, 8, 16, 32)
+    response_len_for_batches: int = 128
+    group: int = 4
+    prompt_len: int = 32
+    micro_batch: int = 8
+    seed: int = 0
+
+
+FULL = ScalingBenchConfig(
+    shape=ModelShape(
+        vocab_size=2048, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=352
+    )
+)
+QUICK = ScalingBenchConfig(
+    shape=ModelShape(
+        vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128
+    ),
+    response_lens=(8, 16),
+    batch_for_lengths=4,
+    batch_sizes=(2, 4),
+    response_len_for_batches=8,
+    group=2,
+    prompt_len=8,
+    micro_batch=4,
+)
+
+
+def _point(cfg: ScalingBenchConfig, batch: int, response_len: int) -> GRPOBenchConfig:
+    return GRPOBenchConfig(
+        shape=cfg.shape,
+        prompts=batch // cfg.group,
+        group=cfg.group,
+        prompt_len=cfg.prompt_len,
+        response_len=response_len,
+        micro_batch=min(cfg.micro_batch, batch),
+        steps=1,
+        seed=cfg.seed,
+    )
+
+
+def _sweep(
+    kind: str, sizes: tuple[int, ...], points: list[GRPOBenchConfig], model: tuple[str, Any], workdir: Path
+) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """One row per point: the timed (second) step's seconds and its stages."""
+    rows, errors = [], {}
+    for size, point in zip(sizes, points):
+        try:
+            with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+                raw = run_ours(model[0], model[1], point, tmp)
+        except Exception as exc:
+            errors[f"{kind}={size}"] = error_text(exc)
+            continue
+        row = {"sweep": kind, kind: size, "step_s": raw["step_seconds"][-1]}
+        row.update({f"{stage}_s": s for stage, s in (raw.get("stage_seconds") or [{}])[-1].items()})
+        rows.append(row)
+    return rows, errors
+
+
+def _plot(rows_len: list[dict], rows_batch: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, rows, key, label in (
+        (axes[0], rows_len, "response_len", "response length (tokens)"),
+        (axes[1], rows_batch, "batch", "batch size (sequences)"),
+    ):
+        if not rows:
+            ax.set_title(f"{label}: no data")
+            continue
+        xs = [r[key] for r in rows]
+        columns = [c for c in rows[0] if c.endswith("_s")]
+        for col in columns:
+            ax.plot(
+                xs, [r.get(col) for r in rows], marker="o", lw=2.5 if col == "step_s" else 1.2, label=col[:-2]
+            )
+        # The linear reference through the first point: growth above it is super-linear.
+        first = rows[0]["step_s"]
+        ax.plot(xs, [first * x / xs[0] for x in xs], ls="--", color="gray", label="linear from first point")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(label)
+        ax.set_ylabel("seconds per GRPO step")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("verl-megatron GRPO step time (log-log)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(cfg: ScalingBenchConfig, workdir: Path) -> Section:
+    """Both sweeps, the fitted exponents per stage, and the plot (``extra['plot_png']``)."""
+    model = build_assets(workdir / "scaling_model", cfg.shape, cfg.seed)
+    len_points = [_point(cfg, cfg.batch_for_lengths, n) for n in cfg.response_lens]
+    batch_points = [_point(cfg, b, cfg.response_len_for_batches) for b in cfg.batch_sizes]
+    rows_len, err_len = _sweep("response_len", cfg.response_lens, len_points, model, workdir)
+    rows_batch, err_batch = _sweep("batch", cfg.batch_sizes, batch_points, model, workdir)
+    rows = rows_len + rows_batch
+    stage_cols = [c for c in dict.fromkeys(k for r in rows for k in r) if c.endswith("_s")]
+    section = Section(
+        name="scaling",
+        title="GRPO step time vs response length and batch size (verl-megatron)",
+        columns=["sweep", "response_len", "batch", *stage_cols],
+        rows=[
+            {
+                **r,
+                "batch": r.get("batch", cfg.batch_for_lengths),
+                "response_len": r.get("response_len", cfg.response_len_for_batches),
+            }
+            for r in rows
+        ],
+        errors={**err_len, **err_batch},
+        config={
+            "model": shape_text(cfg.shape),
+            "prompt_len": cfg.prompt_len,
+            "group": cfg.group,
+            "micro_batch": cfg.micro_batch,
+            "threads": torch.get_num_threads(),
+        },
+    )
+    exponents: dict[str, dict[str, float | None]] = {}
+    for kind, sweep_rows, key in (("response_len", rows_len, "response_len"), ("batch", rows_batch, "batch")):
+        for col in stage_cols:
+            k = fit_exponent([r[key] for r in sweep_rows], [r.get(col) for r in sweep_rows])
+            exponents.setdefault(kind, {})[col[:-2]] = k
+        section.ratios[f"fitted exponent k, step time ~ {kind}^k"] = exponents[kind].get("step")
+    for kind, per_stage in exponents.items():
+        text = ", ".join(f"{stage} {k:.2f}" for stage, k in per_stage.items() if k is not None)
+        section.notes.append(f"exponents vs {kind} per stage: {text or 'n/a'}")
+    section.notes.append(
+        "each point: one warm-up step, then one timed step; EOS ignored so every response is full length"
+    )
+    plot = workdir / "scaling.png"
+    try:
+        _plot(rows_len, rows_batch, plot)
+        section.extra["plot_png"] = str(plot)
+    except Exception as exc:
+        section.errors["plot"] = error_text(exc)
+    section.extra.update({"exponents": exponents, "config": asdict(cfg)})
+    return section
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--plot", default="scaling.png", help="where to copy the plot")
+    args = parser.parse_args()
+    torch.set_num_threads(HEADLINE_THREADS)
+    with tempfile.TemporaryDirectory() as tmp:
+        section = run(QUICK if args.quick else FULL, Path(tmp))
+        if "plot_png" in section.extra:
+            Path(args.plot).write_bytes(Path(section.extra["plot_png"]).read_bytes())
+    print(machine_info())
+    print(section.to_markdown())
+
+
+if __name__ == "__main__":
+    main()
