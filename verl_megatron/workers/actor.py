@@ -1,0 +1,311 @@
+"""The PPO policy (actor) and the frozen reference policy on megatron model chunks.
+
+Workers receive already-built chunks, optimizer and LR scheduler (they never build
+models), and are called the same way on every rank with the same *global* batch,
+like verl's trainer calls its worker group: each data-parallel rank takes its own
+share of the rows, and results (log-probs, metrics) come back whole on every rank.
+
+Batch keys (``DataProto.batch``): ``input_ids``/``attention_mask`` [B, Tp+Tr],
+``responses``/``response_mask`` [B, Tr]; for ``update_policy`` also ``old_log_probs``,
+``advantages`` and, with ``use_kl_loss``, ``ref_log_prob`` (optional
+``rollout_is_weights``). ``meta_info["temperature"]`` is required: log-probs are those
+of softmax(logits / temperature), the distribution the rollout sampled from.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from verl_megatron.distributed.parallel import Runtime
+from verl_megatron.models.logprobs import vocab_parallel_log_probs
+from verl_megatron.models.megatron_model import attach_schedule_hooks
+from verl_megatron.protocol import DataProto
+from verl_megatron.trainer.ppo import core_algos
+from verl_megatron.workers.batching import MicroBatch
+from verl_megatron.workers.config import ActorConfig, RefConfig
+from verl_megatron.workers.engine import ModelRunner, StepResult, dp_share
+
+__all__ = ["MegatronActor", "MegatronRef"]
+
+_MODEL_KEYS = ("input_ids", "attention_mask", "responses")
+_POLICY_METRICS = ("pg_loss", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower", "entropy", "kl_loss")
+
+
+def batch_tensors(data: DataProto, keys: tuple[str, ...], where: str) -> dict[str, torch.Tensor]:
+    """The named [B, ...] tensors of ``data`` on the CPU; KeyError naming what is missing."""
+    if data.batch is None:
+        raise KeyError(f"{where}: the DataProto has no tensor batch; it needs {list(keys)}")
+    # TensorDict refuses `in` on itself: membership goes through keys().
+    missing = [k for k in keys if k not in data.batch.keys()]  # noqa: SIM118
+    if missing:
+        raise KeyError(f"{where}: batch is missing {missing}; it has {sorted(data.batch.keys())}")
+    out = {k: data.batch[k].cpu() for k in keys}
+    width = out["responses"].shape[1] if "responses" in out else None
+    for key, value in out.items():
+        if key in ("input_ids", "attention_mask", "responses"):
+            continue
+        if width is not None and value.shape[-1] != width:
+            raise ValueError(
+                f"{where}: '{key}' has shape {tuple(value.shape)}, expected [B, {width}] like responses"
+            )
+    if out["attention_mask"].shape != out["input_ids"].shape:
+        raise ValueError(
+            f"{where}: attention_mask {tuple(out['attention_mask'].shape)} and input_ids "
+            f"{tuple(out['input_ids'].shape)} differ in shape"
+        )
+    return out
+
+
+def temperature_of(data: DataProto, where: str) -> float:
+    if "temperature" not in data.meta_info:
+        raise KeyError(
+            f"{where}: meta_info['temperature'] is required (log-probs are taken at the rollout's sampling "
+            "temperature); set it to the rollout temperature"
+        )
+    temperature = float(data.meta_info["temperature"])
+    if not temperature > 0:
+        raise ValueError(f"{where}: meta_info['temperature'] must be > 0, got {temperature}")
+    return temperature
+
+
+class _PolicyForward:
+    """Forward-only log-probs of the response tokens; shared by the actor and the reference."""
+
+    def __init__(self, runtime: Runtime, chunks: list[torch.nn.Module], use_remove_padding: bool) -> None:
+        self.runtime = runtime
+        self.chunks = chunks
+        self.runner = ModelRunner(runtime, chunks, use_remove_padding=use_remove_padding)
+
+    def _log_probs(
+        self, mb: MicroBatch, logits: torch.Tensor, temperature: float, calculate_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[r, Tr] log-probs (and entropy) of mb's response tokens, zero at padding positions."""
+        device = logits.device
+        log_probs, entropy = vocab_parallel_log_probs(
+            mb.inputs.gather(logits),
+            mb.inputs.labels.to(device),
+            temperature=temperature,
+            vocab_size=self.runner.vocab_size,
+            tp_group=self.runtime.tp_group(),
+            calculate_entropy=calculate_entropy,
+        )
+        valid = mb.inputs.response_valid.to(device)
+        log_probs = torch.where(valid, log_probs, torch.zeros_like(log_probs))
+        if entropy is not None:
+            entropy = torch.where(valid, entropy, torch.zeros_like(entropy))
+        return log_probs, entropy
+
+    def _forward_log_probs(
+        self,
+        data: DataProto,
+        *,
+        micro_batch_size: int | None,
+        use_dynamic_bsz: bool,
+        max_token_len: int,
+        calculate_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        where = f"{type(self).__name__}.compute_log_prob"
+        temperature = temperature_of(data, where)
+        batch = batch_tensors(data, _MODEL_KEYS, where)
+        meta = data.meta_info
+        micro_batch_size = meta.get("micro_batch_size", micro_batch_size)
+        use_dynamic_bsz = meta.get("use_dynamic_bsz", use_dynamic_bsz)
+        max_token_len = meta.get("max_token_len", max_token_len)
+
+        size, width = batch["responses"].shape
+        rows = dp_share(size, self.runtime.layout.dp, self.runtime.dp_rank)
+        local = {k: v[rows] for k, v in batch.items()}
+        mbs = self.runner.split(
+            local,
+            micro_batch_size=micro_batch_size,
+            use_dynamic_bsz=use_dynamic_bsz,
+            max_token_len=max_token_len,
+        )
+
+        def step(mb: MicroBatch, logits: torch.Tensor) -> StepResult:
+            log_probs, entropy = self._log_probs(mb, logits, temperature, calculate_entropy)
+            outputs = {"log_probs": log_probs}
+            if entropy is not None:
+                outputs["entropy"] = entropy
+            return StepResult(outputs=outputs)
+
+        with torch.no_grad():
+            results = self.runner.run(mbs, step, forward_only=True)
+        shape = (len(rows), width)
+        log_probs = self.runner.gather_dp(self.runner.collect_outputs(results, mbs, "log_probs", shape), size)
+        entropy = None
+        if calculate_entropy:
+            entropy = self.runner.gather_dp(self.runner.collect_outputs(results, mbs, "entropy", shape), size)
+        return log_probs, entropy
+
+
+class MegatronRef(_PolicyForward):
+    """The frozen reference policy: forward-only log-probs, no optimizer.
+
+    ``chunks`` need no DDP wrapping. Its log-probs go into the batch as ``ref_log_prob``.
+    """
+
+    def __init__(self, runtime: Runtime, config: RefConfig, chunks: list[torch.nn.Module]) -> None:
+        super().__init__(runtime, chunks, config.use_remove_padding)
+        self.config = config
+        for chunk in chunks:
+            chunk.requires_grad_(False)
+
+    def compute_log_prob(
+        self, data: DataProto, calculate_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(log_probs [B, Tr], entropy [B, Tr] or None) of the response tokens under the reference."""
+        return self._forward_log_probs(
+            data,
+            micro_batch_size=self.config.log_prob_micro_batch_size_per_gpu,
+            use_dynamic_bsz=self.config.log_prob_use_dynamic_bsz,
+            max_token_len=self.config.log_prob_max_token_len_per_gpu,
+            calculate_entropy=calculate_entropy,
+        )
+
+
+class MegatronActor(_PolicyForward):
+    """PPO policy: log-probs for the batch and PPO updates with megatron's optimizer.
+
+    ``chunks`` are DDP-wrapped (``wrap_ddp``); ``optimizer`` is a megatron optimizer over
+    them and ``scheduler`` megatron's ``OptimizerParamScheduler`` (see ``lr_schedule``),
+    stepped once per ``update_policy`` call. All three stay reachable as attributes for
+    checkpointing.
+    """
+
+    def __init__(
+        self, runtime: Runtime, config: ActorConfig, chunks: list[torch.nn.Module], optimizer, scheduler
+    ) -> None:
+        if not all(hasattr(c, "no_sync") for c in chunks):
+            raise ValueError(
+                "MegatronActor needs DDP-wrapped chunks (verl_megatron.models.megatron_model.wrap_ddp)"
+            )
+        super().__init__(runtime, chunks, config.use_remove_padding)
+        self.config = config
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.policy_loss_fn = core_algos.get_policy_loss_fn(config.policy_loss.loss_mode)
+        self.update_calls = 0
+        attach_schedule_hooks(chunks)
+
+    def compute_log_prob(
+        self, data: DataProto, calculate_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(log_probs [B, Tr], entropy [B, Tr] or None) of the response tokens; forward only.
+
+        Micro-batching follows ``meta_info`` (``micro_batch_size``, ``use_dynamic_bsz``,
+        ``max_token_len``, verl's keys) when given, else the config's ``ppo_infer_*``.
+        Positions where ``attention_mask`` is 0 hold 0.
+        """
+        return self._forward_log_probs(
+            data,
+            micro_batch_size=self.config.infer_micro_batch_size,
+            use_dynamic_bsz=self.config.use_dynamic_bsz,
+            max_token_len=self.config.ppo_infer_max_token_len_per_gpu,
+            calculate_entropy=calculate_entropy,
+        )
+
+    def _keys(self, data: DataProto) -> tuple[str, ...]:
+        keys = (*_MODEL_KEYS, "response_mask", "old_log_probs", "advantages")
+        if self.config.use_kl_loss:
+            keys += ("ref_log_prob",)
+        if data.batch is not None and "rollout_is_weights" in data.batch.keys():  # noqa: SIM118
+            keys += ("rollout_is_weights",)
+        return keys
+
+    def update_policy(self, data: DataProto) -> dict[str, float | list[float]]:
+        """PPO epochs over mini-batches of ``data``; one optimizer step per mini-batch.
+
+        Returns per-step lists for actor/pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower,
+        entropy, grad_norm (and kl_loss with use_kl_loss), each the value over the whole
+        mini-batch (all dp ranks), plus actor/lr (the rate these steps used) and
+        actor/skipped_steps (steps dropped for a non-finite gradient norm).
+        """
+        cfg = self.config
+        temperature = temperature_of(data, "MegatronActor.update_policy")
+        keys = self._keys(data)
+        batch = batch_tensors(data, keys, "MegatronActor.update_policy")
+        seed = cfg.data_loader_seed if cfg.data_loader_seed is not None else self.runtime.seed
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        history: dict[str, list[float]] = {f"actor/{name}": [] for name in (*_POLICY_METRICS, "grad_norm")}
+        skipped = 0
+        mini_batches = self.runner.mini_batches(
+            batch,
+            mini_batch_size=cfg.ppo_mini_batch_size * cfg.rollout_n,
+            epochs=cfg.ppo_epochs,
+            shuffle=cfg.shuffle,
+            seed=seed + 7919 * self.update_calls,
+        )
+        for local, counts in mini_batches:
+            counts["loss_scale_factor"] = cfg.loss_scale_factor
+            mbs = self.runner.split(
+                local,
+                micro_batch_size=cfg.ppo_micro_batch_size_per_gpu,
+                use_dynamic_bsz=cfg.use_dynamic_bsz,
+                max_token_len=cfg.ppo_max_token_len_per_gpu,
+                tensor_keys=[k for k in keys if k not in _MODEL_KEYS],
+            )
+            step = functools.partial(
+                self._policy_step, temperature=temperature, counts=counts, num_micro=len(mbs)
+            )
+            results, grad_norm, stepped = self.runner.train_step(self.optimizer, mbs, step)
+            skipped += 0 if stepped else 1
+            for name, value in self.runner.reduce_metrics(results, _POLICY_METRICS).items():
+                history[f"actor/{name}"].append(value)
+            history["actor/grad_norm"].append(grad_norm)
+        self.scheduler.step(1)
+        self.update_calls += 1
+        metrics: dict[str, float | list[float]] = dict(history)
+        if not cfg.use_kl_loss:
+            metrics.pop("actor/kl_loss")
+        else:
+            metrics["actor/kl_coef"] = cfg.kl_loss_coef
+        metrics["actor/lr"] = lr
+        metrics["actor/skipped_steps"] = float(skipped)
+        return metrics
+
+    def _policy_step(
+        self, mb: MicroBatch, logits: torch.Tensor, temperature: float, counts: dict, num_micro: int
+    ) -> StepResult:
+        """Loss of one micro-batch with global counts, and its metric partial sums."""
+        cfg = self.config
+        device = logits.device
+        t = {k: v.to(device) for k, v in mb.tensors.items()}
+        log_probs, entropy = self._log_probs(mb, logits, temperature, calculate_entropy=True)
+        # A response token the attention mask hides has no prediction: keep it out of the loss.
+        mask = t["response_mask"].to(log_probs.dtype) * mb.inputs.response_valid.to(device)
+        agg = {
+            k: counts[k] for k in ("dp_size", "batch_num_tokens", "global_batch_size", "loss_scale_factor")
+        }
+        pg_loss, pg_metrics = self.policy_loss_fn(
+            t["old_log_probs"],
+            log_probs,
+            t["advantages"],
+            mask,
+            cfg.loss_agg_mode,
+            cfg,
+            t.get("rollout_is_weights"),
+            global_batch_info=agg,
+        )
+        entropy_agg = core_algos.agg_loss(entropy, mask, cfg.loss_agg_mode, **agg)
+        loss = pg_loss - cfg.entropy_coeff * entropy_agg if cfg.entropy_coeff else pg_loss
+        dp = counts["dp_size"]
+        # Each micro-batch's share of a mini-batch-wide value: agg values carry a dp factor
+        # (summed over dp ranks they count dp times); masked means are weighted by tokens.
+        share = float(mask.sum()) / max(counts["batch_num_tokens"], 1)
+        metrics = {
+            "pg_loss": pg_loss.detach() / dp,
+            "entropy": entropy_agg.detach() / dp,
+            **{
+                name: torch.tensor(pg_metrics.get(f"actor/{name}", 0.0) * share)
+                for name in ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower")
+            },
+        }
+        if cfg.use_kl_loss:
+            kld = core_algos.kl_penalty(log_probs, t["ref_log_prob"], cfg.kl_loss_type)
+            kl_loss = core_algos.agg_loss(kld, mask, cfg.loss_agg_mode, **agg)
+            loss = loss + cfg.kl_loss_coef * kl_loss
+            metrics["kl_loss"] = kl_loss.detach() / dp
+        return StepResult(loss=core_algos.megatron_microbatch_loss(loss, num_micro), metrics=metrics)

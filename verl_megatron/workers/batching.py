@@ -1,0 +1,345 @@
+"""Split a batch into micro-batches and lay out their tokens for the megatron model.
+
+Two choices, both optional by config:
+
+- *how rows are grouped*: a fixed number of sequences per micro-batch, or a token
+  budget per micro-batch (``use_dynamic_bsz``) with a balanced partition that gives
+  every data-parallel rank the same number of micro-batches;
+- *how a micro-batch's tokens are laid out*: padded rows [b, S] or one packed row
+  without padding (``use_remove_padding``).
+
+Either way only the valid tokens (``attention_mask == 1``) enter the model, moved to
+the front of their row or of their packed segment, so every sequence starts at
+rotary position 0 exactly as in Hugging Face (megatron's rotary embedding ignores
+``position_ids`` and uses the column index). Padded rows are then right-padded and
+need nothing but the causal mask. Packed rows use THD ``PackedSeqParams`` with
+Transformer Engine attention; megatron's local attention (the CPU path) does not
+accept them, so there the segments are kept apart by an explicit block-diagonal
+causal mask instead (rotary positions then continue across segments, which does not
+change attention scores: rotary attention only depends on relative positions).
+
+Each micro-batch records where the model output for every response token is
+(``gather_index``: a flat index into the output's positions, the position *before*
+the token, which predicts it), so the loss code works on [b, Tr] tensors whatever
+the layout.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "MicroBatch",
+    "ModelInputs",
+    "balanced_token_partition",
+    "build_micro_batches",
+    "fixed_size_partition",
+    "mini_batch_rows",
+]
+
+# Token id written into padding slots; any id works because those outputs are never read.
+_PAD_ID = 0
+
+
+@dataclass
+class ModelInputs:
+    """What one micro-batch feeds a megatron GPTModel chunk.
+
+    Attributes:
+        input_ids: [b, S] padded rows or [1, N] one packed row.
+        position_ids: same shape; 0-based positions within each sequence.
+        attention_mask: None (the layer's causal mask) or [1, 1, N, N] bool, True = masked
+            (block-diagonal causal, for packed rows without THD support).
+        packed_seq_params: megatron PackedSeqParams (qkv_format="thd") or None.
+        gather_index: [r, Tr] flat index into the output's b*S (or N) positions of the
+            position that predicts each response token (0 where the token is padding).
+        response_valid: [r, Tr] bool, response positions holding a real token.
+        labels: [r, Tr] the response token ids.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    packed_seq_params: object | None
+    gather_index: torch.Tensor
+    response_valid: torch.Tensor
+    labels: torch.Tensor
+
+    def gather(self, output: torch.Tensor) -> torch.Tensor:
+        """Model output [b, S, ...] (or [1, N, ...]) -> [r, Tr, ...] at the response positions."""
+        flat = output.reshape(-1, *output.shape[2:])
+        picked = flat.index_select(0, self.gather_index.reshape(-1))
+        return picked.view(*self.gather_index.shape, *output.shape[2:])
+
+
+@dataclass
+class MicroBatch:
+    """Rows of the caller's batch, their model inputs and their per-token training tensors.
+
+    ``rows`` [r] index the caller's batch; ``tensors`` hold [r, Tr] values such as
+    ``old_log_probs``, ``advantages``, ``response_mask``.
+    """
+
+    rows: torch.Tensor
+    inputs: ModelInputs
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.rows.numel())
+
+
+def mini_batch_rows(
+    batch_size: int,
+    mini_batch_size: int,
+    *,
+    dp_size: int,
+    dp_rank: int,
+    shuffle: bool,
+    seed: int,
+    epoch: int,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Global mini-batches of one epoch and this dp rank's share of each.
+
+    Returns a list of (all_rows [M], local_rows [M / dp]) index tensors into the
+    global batch. The permutation depends only on (seed, epoch), never on the
+    layout, so every layout trains on the same mini-batches.
+    """
+    if mini_batch_size < 1 or batch_size % mini_batch_size != 0:
+        raise ValueError(
+            f"batch of {batch_size} sequences does not split into mini-batches of {mini_batch_size} "
+            "(ppo_mini_batch_size * rollout_n must divide the batch size)"
+        )
+    if mini_batch_size % dp_size != 0:
+        raise ValueError(
+            f"mini-batch of {mini_batch_size} sequences does not split over dp={dp_size} ranks "
+            "(ppo_mini_batch_size * rollout_n must be a multiple of the data-parallel size)"
+        )
+    if shuffle:
+        generator = torch.Generator().manual_seed(int(seed) * 1_000_003 + epoch)
+        order = torch.randperm(batch_size, generator=generator)
+    else:
+        order = torch.arange(batch_size)
+    share = mini_batch_size // dp_size
+    out = []
+    for start in range(0, batch_size, mini_batch_size):
+        rows = order[start : start + mini_batch_size]
+        out.append((rows, rows[dp_rank * share : (dp_rank + 1) * share]))
+    return out
+
+
+def fixed_size_partition(num_rows: int, micro_batch_size: int) -> list[list[int]]:
+    """Consecutive groups of ``micro_batch_size`` row positions (the last one may be shorter)."""
+    if micro_batch_size < 1:
+        raise ValueError(f"micro batch size must be >= 1, got {micro_batch_size}")
+    return [list(range(s, min(s + micro_batch_size, num_rows))) for s in range(0, num_rows, micro_batch_size)]
+
+
+def _greedy_bins(lengths: Sequence[int], num_bins: int) -> tuple[list[list[int]], int]:
+    """Longest-first greedy partition into ``num_bins`` bins; returns (bins, largest load)."""
+    loads = [0] * num_bins
+    bins: list[list[int]] = [[] for _ in range(num_bins)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        target = min(range(num_bins), key=lambda b: (loads[b], b))
+        bins[target].append(i)
+        loads[target] += lengths[i]
+    return [sorted(b) for b in bins], max(loads)
+
+
+def _fewest_bins(lengths: Sequence[int], max_tokens: int, start: int) -> int:
+    for k in range(max(start, 1), len(lengths) + 1):
+        if _greedy_bins(lengths, k)[1] <= max_tokens:
+            return k
+    return len(lengths)
+
+
+def _all_reduce_max(value: int, group) -> int:
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return value
+    # NCCL only moves GPU tensors.
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item())
+
+
+def balanced_token_partition(lengths: Sequence[int], max_tokens: int, dp_group=None) -> list[list[int]]:
+    """Partition row positions into micro-batches of at most ``max_tokens`` tokens each.
+
+    Uses the fewest micro-batches that a longest-first greedy balancing can fit,
+    agreed over ``dp_group`` (the maximum over ranks), so every data-parallel rank
+    runs the same number of micro-batches in one schedule call. Each micro-batch
+    lists its positions in ascending order. Every rank must hold the same number of
+    rows (as mini-batch shares do), so no micro-batch is empty.
+    """
+    lengths = [int(n) for n in lengths]
+    if not lengths:
+        raise ValueError("balanced_token_partition: no rows to partition")
+    longest = max(lengths)
+    if longest > max_tokens:
+        raise ValueError(
+            f"a sequence of {longest} tokens exceeds the micro-batch token budget {max_tokens} "
+            "(raise ppo_max_token_len_per_gpu / log_prob_max_token_len_per_gpu)"
+        )
+    k = _fewest_bins(lengths, max_tokens, math.ceil(sum(lengths) / max_tokens))
+    while True:
+        agreed = _all_reduce_max(k, dp_group)
+        k = _fewest_bins(lengths, max_tokens, agreed)
+        if _all_reduce_max(k, dp_group) == agreed:
+            break
+    return _greedy_bins(lengths, agreed)[0]
+
+
+def _compact_columns(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[b, T] column of each valid token once the row's valid tokens are moved to the front."""
+    mask = attention_mask.long()
+    return mask.cumsum(dim=-1) - 1
+
+
+def _response_columns(
+    attention_mask: torch.Tensor, response_length: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(compact columns [b, T], response columns [b, Tr], response valid [b, Tr])."""
+    columns = _compact_columns(attention_mask)
+    resp_cols = columns[:, -response_length:]
+    resp_valid = attention_mask[:, -response_length:].bool()
+    bad = resp_valid & (resp_cols < 1)
+    if bad.any():
+        row = int(bad.any(dim=-1).nonzero()[0])
+        raise ValueError(
+            f"row {row}: a response token has no valid token before it (empty prompt in attention_mask); "
+            "the model needs at least one prompt token to predict the first response token"
+        )
+    return columns, resp_cols, resp_valid
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _padded_inputs(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, responses: torch.Tensor, shape: tuple[int, int]
+) -> ModelInputs:
+    rows, width = shape
+    columns, resp_cols, resp_valid = _response_columns(attention_mask, responses.shape[1])
+    valid = attention_mask.bool()
+    ids = torch.full((rows, width), _PAD_ID, dtype=input_ids.dtype)
+    row_of = torch.arange(input_ids.shape[0]).unsqueeze(-1).expand_as(input_ids)
+    ids[row_of[valid], columns[valid]] = input_ids[valid]
+    gather = torch.arange(input_ids.shape[0]).unsqueeze(-1) * width + resp_cols - 1
+    return ModelInputs(
+        input_ids=ids,
+        position_ids=torch.arange(width).unsqueeze(0).expand(rows, -1).contiguous(),
+        attention_mask=None,
+        packed_seq_params=None,
+        gather_index=torch.where(resp_valid, gather, torch.zeros_like(gather)),
+        response_valid=resp_valid,
+        labels=responses,
+    )
+
+
+def _block_causal_mask(lengths: list[int]) -> torch.Tensor:
+    """[1, 1, N, N] bool, True where a query may NOT attend to a key (other segment or future)."""
+    segment = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    n = segment.numel()
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    allowed = causal & (segment.unsqueeze(0) == segment.unsqueeze(1))
+    return (~allowed).view(1, 1, n, n)
+
+
+def _packed_inputs(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    responses: torch.Tensor,
+    total: int,
+    thd: bool,
+) -> ModelInputs:
+    columns, resp_cols, resp_valid = _response_columns(attention_mask, responses.shape[1])
+    valid = attention_mask.bool()
+    lengths = valid.sum(dim=-1)
+    offsets = lengths.cumsum(0) - lengths
+    used = int(lengths.sum())
+    ids = torch.full((1, total), _PAD_ID, dtype=input_ids.dtype)
+    positions = torch.zeros((1, total), dtype=torch.long)
+    ids[0, :used] = input_ids[valid]
+    positions[0, :used] = columns[valid]
+    # Padding at the end forms its own segment so it never mixes with a real sequence.
+    segments = [int(n) for n in lengths] + ([total - used] if total > used else [])
+    gather = offsets.unsqueeze(-1) + resp_cols - 1
+    attention, packed = None, None
+    if thd:
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu = torch.zeros(len(segments) + 1, dtype=torch.int32)
+        cu[1:] = torch.tensor(segments, dtype=torch.int32).cumsum(0)
+        longest = max(segments)
+        packed = PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+        )
+    else:
+        attention = _block_causal_mask(segments)
+    return ModelInputs(
+        input_ids=ids,
+        position_ids=positions,
+        attention_mask=attention,
+        packed_seq_params=packed,
+        gather_index=torch.where(resp_valid, gather, torch.zeros_like(gather)),
+        response_valid=resp_valid,
+        labels=responses,
+    )
+
+
+def _model_shape(attention_mask: torch.Tensor, pack: bool, align: int) -> tuple[int, int]:
+    lengths = attention_mask.sum(dim=-1)
+    if pack:
+        return 1, _round_up(max(int(lengths.sum()), 1), align)
+    return attention_mask.shape[0], _round_up(max(int(lengths.max()), 1), align)
+
+
+def build_micro_batches(
+    batch: dict[str, torch.Tensor],
+    groups: list[list[int]],
+    *,
+    pack: bool,
+    thd: bool = False,
+    align: int = 1,
+    uniform: bool = False,
+    tensor_keys: Sequence[str] = (),
+) -> list[MicroBatch]:
+    """Model inputs for each group of row positions of ``batch``.
+
+    Args:
+        batch: ``input_ids`` [B, T], ``attention_mask`` [B, T], ``responses`` [B, Tr] and
+            the [B, Tr] ``tensor_keys``; T ends with the Tr response columns.
+        groups: row positions of each micro-batch.
+        pack: one packed row per micro-batch instead of padded rows.
+        thd: packed rows carry THD PackedSeqParams (Transformer Engine) instead of a mask.
+        align: the model's sequence dimension is rounded up to a multiple of this
+            (tp with sequence parallelism).
+        uniform: give every micro-batch the same [b, S] shape (pipeline parallelism
+            sends activations of a fixed shape between stages).
+        tensor_keys: per-token tensors copied into ``MicroBatch.tensors``.
+    """
+    for key in ("input_ids", "attention_mask", "responses"):
+        if key not in batch:
+            raise KeyError(f"batch needs '{key}' to build model inputs; it has {sorted(batch)}")
+    index = [torch.tensor(g, dtype=torch.long) for g in groups]
+    shapes = [_model_shape(batch["attention_mask"][rows], pack, align) for rows in index]
+    if uniform:
+        common = (max(s[0] for s in shapes), max(s[1] for s in shapes))
+        shapes = [common] * len(shapes)
+    out = []
+    for rows, (num, width) in zip(index, shapes):
+        ids, mask, resp = (batch[k][rows] for k in ("input_ids", "attention_mask", "responses"))
+        if pack:
+            inputs = _packed_inputs(ids, mask, resp, width, thd)
+        else:
+            inputs = _padded_inputs(ids, mask, resp, (num, width))
+        tensors = {key: batch[key][rows] for key in tensor_keys}
+        out.append(MicroBatch(rows=rows, inputs=inputs, tensors=tensors))
+    return out

@@ -1,0 +1,305 @@
+"""Configs of the actor, reference policy and critic workers (verl's field names and defaults).
+
+The trainer's schema composes these (``actor_rollout_ref.actor``, ``actor_rollout_ref.ref``,
+``critic``). Batch sizes follow verl: ``ppo_mini_batch_size`` counts prompts (it is
+multiplied by ``rollout_n`` samples per prompt) over the whole data-parallel group;
+``*_per_gpu`` sizes count sequences on one data-parallel rank. Validation raises, it
+never rewrites a value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from verl_megatron.trainer.ppo.core_algos import KL_PENALTY_NAMES, LOSS_AGG_MODES, POLICY_LOSS_REGISTRY
+
+__all__ = ["ActorConfig", "CriticConfig", "OptimConfig", "PolicyLossConfig", "RefConfig"]
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+
+
+class WorkerConfigError(ValueError):
+    """An actor/critic/ref setting that cannot work."""
+
+
+@dataclass
+class OptimConfig:
+    """Megatron optimizer and learning-rate schedule (verl's ``optim`` section for megatron)."""
+
+    lr: float = 1e-6
+    """Peak learning rate."""
+    lr_warmup_steps_ratio: float = 0.0
+    """Warmup length as a fraction of ``total_training_steps`` (used when lr_warmup_steps is null or <= 0)."""
+    total_training_steps: int = -1
+    """Training steps of the run; the trainer sets it. Needed by ratio warmup and decaying schedules."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay (AdamW) on weights; megatron skips biases and norms."""
+    lr_warmup_steps: int | None = None
+    """Warmup steps (linear from lr_warmup_init to lr); null, 0 or negative: use lr_warmup_steps_ratio."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam betas."""
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this value (0 disables clipping)."""
+    optimizer: str = "adam"
+    """Megatron optimizer name: ``adam`` or ``sgd``."""
+    lr_warmup_init: float = 0.0
+    """Learning rate at step 0 of the warmup."""
+    lr_decay_steps: int | None = None
+    """Steps over which lr decays to min_lr; null means total_training_steps."""
+    lr_decay_style: str = "constant"
+    """After warmup: ``constant``, ``linear``, ``cosine`` or ``inverse-square-root`` (megatron's names)."""
+    min_lr: float = 0.0
+    """Floor of decaying schedules."""
+
+    def __post_init__(self) -> None:
+        if self.lr < 0 or self.min_lr < 0 or self.lr_warmup_init < 0:
+            raise WorkerConfigError(
+                f"optim: lr, min_lr and lr_warmup_init must be >= 0, got {self.lr}, {self.min_lr}, {self.lr_warmup_init}"
+            )
+        if self.min_lr > self.lr or self.lr_warmup_init > self.lr:
+            raise WorkerConfigError(
+                f"optim: min_lr ({self.min_lr}) and lr_warmup_init ({self.lr_warmup_init}) must not exceed lr ({self.lr})"
+            )
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            raise WorkerConfigError(
+                f"optim.lr_decay_style must be one of {LR_DECAY_STYLES}, got {self.lr_decay_style!r}"
+            )
+        if not 0.0 <= self.lr_warmup_steps_ratio < 1.0:
+            raise WorkerConfigError(
+                f"optim.lr_warmup_steps_ratio must be in [0, 1), got {self.lr_warmup_steps_ratio}"
+            )
+        if self.optimizer not in ("adam", "sgd"):
+            raise WorkerConfigError(f"optim.optimizer must be 'adam' or 'sgd', got {self.optimizer!r}")
+        if self.clip_grad < 0:
+            raise WorkerConfigError(f"optim.clip_grad must be >= 0, got {self.clip_grad}")
+
+
+@dataclass
+class PolicyLossConfig:
+    """Which policy loss and its extra knobs (verl's ``actor.policy_loss``)."""
+
+    loss_mode: str = "vanilla"
+    """Registered policy loss: vanilla, gspo, sapo, gpg, clip_cov, kl_cov, geo_mean, cispo."""
+    clip_cov_ratio: float = 0.0002
+    """clip_cov: fraction of tokens whose gradient is cut."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: lower bound of the covariance band."""
+    clip_cov_ub: float = 5.0
+    """clip_cov: upper bound of the covariance band."""
+    kl_cov_ratio: float = 0.0002
+    """kl_cov: fraction of tokens given the KL penalty."""
+    ppo_kl_coef: float = 0.1
+    """kl_cov: coefficient of that penalty."""
+
+    def __post_init__(self) -> None:
+        if self.loss_mode not in POLICY_LOSS_REGISTRY:
+            raise WorkerConfigError(
+                f"actor.policy_loss.loss_mode {self.loss_mode!r} is not registered; "
+                f"known: {sorted(POLICY_LOSS_REGISTRY)}"
+            )
+
+
+def _check_kl_type(where: str, name: str) -> None:
+    base = name[:-1] if name.endswith("+") else name
+    if base not in KL_PENALTY_NAMES:
+        raise WorkerConfigError(
+            f"{where} {name!r} is not supported; use one of {KL_PENALTY_NAMES} (optionally with '+')"
+        )
+
+
+def _check_batching(
+    where: str, mini: int, micro: int | None, dynamic: bool, max_tokens: int, epochs: int
+) -> None:
+    if mini < 1:
+        raise WorkerConfigError(f"{where}.ppo_mini_batch_size must be >= 1, got {mini}")
+    if epochs < 1:
+        raise WorkerConfigError(f"{where}.ppo_epochs must be >= 1, got {epochs}")
+    if not dynamic and micro is None:
+        raise WorkerConfigError(
+            f"{where}.ppo_micro_batch_size_per_gpu must be set when {where}.use_dynamic_bsz is false"
+        )
+    if micro is not None and micro < 1:
+        raise WorkerConfigError(f"{where}.ppo_micro_batch_size_per_gpu must be >= 1, got {micro}")
+    if dynamic and max_tokens < 1:
+        raise WorkerConfigError(f"{where}.ppo_max_token_len_per_gpu must be >= 1, got {max_tokens}")
+
+
+@dataclass
+class ActorConfig:
+    """PPO policy training (verl's ``actor_rollout_ref.actor``)."""
+
+    strategy: str = "megatron"
+    """Training backend; only ``megatron`` here."""
+    ppo_mini_batch_size: int = 256
+    """Prompts per optimizer step over all dp ranks (times rollout_n sequences)."""
+    ppo_micro_batch_size: int | None = None
+    """Deprecated in verl; must stay null (use ppo_micro_batch_size_per_gpu)."""
+    ppo_micro_batch_size_per_gpu: int | None = None
+    """Sequences per forward/backward micro-batch on one dp rank (when use_dynamic_bsz is false)."""
+    ppo_infer_micro_batch_size_per_gpu: int | None = None
+    """Sequences per micro-batch of compute_log_prob; null means ppo_micro_batch_size_per_gpu."""
+    use_dynamic_bsz: bool = False
+    """Form micro-batches by a token budget instead of a sequence count."""
+    ppo_max_token_len_per_gpu: int = 16384
+    """Token budget of one training micro-batch with use_dynamic_bsz."""
+    ppo_infer_max_token_len_per_gpu: int = 16384
+    """Token budget of one compute_log_prob micro-batch with use_dynamic_bsz."""
+    use_remove_padding: bool = True
+    """Pack the valid tokens of a micro-batch into one row (THD) instead of a padded [b, T] batch."""
+    clip_ratio: float = 0.2
+    """PPO clip range (default for clip_ratio_low/high)."""
+    clip_ratio_low: float = 0.2
+    """Lower clip range: ratio >= 1 - clip_ratio_low."""
+    clip_ratio_high: float = 0.2
+    """Upper clip range: ratio <= 1 + clip_ratio_high (DAPO's clip-higher)."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip constant for negative advantages (> 1)."""
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    """Policy loss variant and its knobs."""
+    loss_agg_mode: str = "token-mean"
+    """How per-token losses become one number (see core_algos.agg_loss)."""
+    loss_scale_factor: int | None = None
+    """Constant divisor for seq-mean-token-sum-norm; null means the response length."""
+    tau_pos: float = 1.0
+    """SAPO gate temperature for positive advantages."""
+    tau_neg: float = 1.05
+    """SAPO gate temperature for negative advantages."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus: loss -= entropy_coeff * agg(entropy)."""
+    use_kl_loss: bool = False
+    """Add a KL(policy || reference) loss on ``ref_log_prob`` (GRPO)."""
+    kl_loss_coef: float = 0.001
+    """Weight of the KL loss."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator of the KL loss (core_algos.kl_penalty names)."""
+    ppo_epochs: int = 1
+    """Passes over the batch per update_policy call."""
+    shuffle: bool = False
+    """Shuffle sequences before splitting into mini-batches, per epoch."""
+    data_loader_seed: int | None = None
+    """Seed of that shuffle; null means the runtime seed."""
+    rollout_n: int = 1
+    """Samples per prompt (the trainer copies rollout.n here)."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and learning-rate schedule."""
+
+    def __post_init__(self) -> None:
+        if self.strategy != "megatron":
+            raise WorkerConfigError(f"actor.strategy must be 'megatron', got {self.strategy!r}")
+        if self.ppo_micro_batch_size is not None:
+            raise WorkerConfigError(
+                "actor.ppo_micro_batch_size is deprecated (as in verl); set actor.ppo_micro_batch_size_per_gpu"
+            )
+        _check_batching(
+            "actor",
+            self.ppo_mini_batch_size,
+            self.ppo_micro_batch_size_per_gpu,
+            self.use_dynamic_bsz,
+            self.ppo_max_token_len_per_gpu,
+            self.ppo_epochs,
+        )
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise WorkerConfigError(
+                f"actor.loss_agg_mode must be one of {LOSS_AGG_MODES}, got {self.loss_agg_mode!r}"
+            )
+        _check_kl_type("actor.kl_loss_type", self.kl_loss_type)
+        if self.rollout_n < 1:
+            raise WorkerConfigError(f"actor.rollout_n must be >= 1, got {self.rollout_n}")
+        if self.clip_ratio_c <= 1.0:
+            raise WorkerConfigError(f"actor.clip_ratio_c must be > 1 (dual clip), got {self.clip_ratio_c}")
+
+    @property
+    def infer_micro_batch_size(self) -> int | None:
+        return self.ppo_infer_micro_batch_size_per_gpu or self.ppo_micro_batch_size_per_gpu
+
+
+@dataclass
+class RefConfig:
+    """Frozen reference policy (verl's ``actor_rollout_ref.ref``)."""
+
+    strategy: str = "megatron"
+    """Backend; only ``megatron`` here."""
+    log_prob_micro_batch_size_per_gpu: int | None = None
+    """Sequences per micro-batch of compute_log_prob on one dp rank."""
+    log_prob_use_dynamic_bsz: bool = False
+    """Form micro-batches by a token budget instead."""
+    log_prob_max_token_len_per_gpu: int = 16384
+    """Token budget of one micro-batch with log_prob_use_dynamic_bsz."""
+    use_remove_padding: bool = True
+    """Pack valid tokens (see ActorConfig.use_remove_padding)."""
+
+    def __post_init__(self) -> None:
+        if self.strategy != "megatron":
+            raise WorkerConfigError(f"ref.strategy must be 'megatron', got {self.strategy!r}")
+        if not self.log_prob_use_dynamic_bsz and not self.log_prob_micro_batch_size_per_gpu:
+            raise WorkerConfigError(
+                "ref.log_prob_micro_batch_size_per_gpu must be set when ref.log_prob_use_dynamic_bsz is false"
+            )
+
+
+@dataclass
+class CriticConfig:
+    """Value-model training (verl's ``critic``)."""
+
+    strategy: str = "megatron"
+    """Backend; only ``megatron`` here."""
+    ppo_mini_batch_size: int = 256
+    """Prompts per optimizer step over all dp ranks (times rollout_n sequences)."""
+    ppo_micro_batch_size: int | None = None
+    """Deprecated in verl; must stay null."""
+    ppo_micro_batch_size_per_gpu: int | None = None
+    """Sequences per micro-batch on one dp rank (when use_dynamic_bsz is false)."""
+    ppo_infer_micro_batch_size_per_gpu: int | None = None
+    """Sequences per micro-batch of compute_values; null means ppo_micro_batch_size_per_gpu."""
+    use_dynamic_bsz: bool = False
+    """Form micro-batches by a token budget."""
+    ppo_max_token_len_per_gpu: int = 32768
+    """Token budget of one training micro-batch with use_dynamic_bsz."""
+    ppo_infer_max_token_len_per_gpu: int = 32768
+    """Token budget of one compute_values micro-batch with use_dynamic_bsz."""
+    use_remove_padding: bool = True
+    """Pack valid tokens (see ActorConfig.use_remove_padding)."""
+    ppo_epochs: int = 1
+    """Passes over the batch per update_critic call."""
+    shuffle: bool = True
+    """Shuffle before splitting into mini-batches, per epoch."""
+    data_loader_seed: int | None = None
+    """Seed of that shuffle; null means the runtime seed."""
+    cliprange_value: float = 0.5
+    """Value clipping: new values stay within old values +- cliprange_value in the loss."""
+    loss_agg_mode: str = "token-mean"
+    """Aggregation of the per-token value loss."""
+    loss_scale_factor: int | None = None
+    """Constant divisor for seq-mean-token-sum-norm; null means the response length."""
+    rollout_n: int = 1
+    """Samples per prompt (the trainer copies rollout.n here)."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """Optimizer and learning-rate schedule (verl's critic default lr is 1e-5)."""
+
+    def __post_init__(self) -> None:
+        if self.strategy != "megatron":
+            raise WorkerConfigError(f"critic.strategy must be 'megatron', got {self.strategy!r}")
+        if self.ppo_micro_batch_size is not None:
+            raise WorkerConfigError(
+                "critic.ppo_micro_batch_size is deprecated (as in verl); set critic.ppo_micro_batch_size_per_gpu"
+            )
+        _check_batching(
+            "critic",
+            self.ppo_mini_batch_size,
+            self.ppo_micro_batch_size_per_gpu,
+            self.use_dynamic_bsz,
+            self.ppo_max_token_len_per_gpu,
+            self.ppo_epochs,
+        )
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise WorkerConfigError(
+                f"critic.loss_agg_mode must be one of {LOSS_AGG_MODES}, got {self.loss_agg_mode!r}"
+            )
+        if self.cliprange_value < 0:
+            raise WorkerConfigError(f"critic.cliprange_value must be >= 0, got {self.cliprange_value}")
+        if self.rollout_n < 1:
+            raise WorkerConfigError(f"critic.rollout_n must be >= 1, got {self.rollout_n}")
+
+    @property
+    def infer_micro_batch_size(self) -> int | None:
+        return self.ppo_infer_micro_batch_size_per_gpu or self.ppo_micro_batch_size_per_gpu
