@@ -147,27 +147,36 @@ def test_model_config_guards_gpu_only_options():
 
 
 def test_recompute_settings():
-    layout = ParallelLayout().resolve(1)
-    config = hf_to_transformer_config(
-        _hf("llama"), layout, ModelConfig(dtype="float32", enable_gradient_checkpointing=True)
-    )
-    assert (config.recompute_granularity, config.recompute_method, config.recompute_num_layers) == (
-        "full",
-        "uniform",
-        1,
-    )
+    checkpointing = ModelConfig(dtype="float32", enable_gradient_checkpointing=True)
+    assert checkpointing.recompute_settings() == {
+        "recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1,
+    }  # fmt: skip
     selective = ModelConfig(
         dtype="float32", recompute_granularity="selective", recompute_modules=["core_attn"]
     )
-    config = hf_to_transformer_config(_hf("llama"), layout, selective)
-    assert config.recompute_granularity == "selective" and config.recompute_method is None
+    assert selective.recompute_settings() == {
+        "recompute_granularity": "selective",
+        "recompute_modules": ["core_attn"],
+    }
+    assert ModelConfig(dtype="float32").recompute_settings() == {}
     with pytest.raises(ModelConfigError, match="needs recompute_method"):
-        ModelConfig(dtype="float32", recompute_granularity="full").validate(layout)
+        ModelConfig(dtype="float32", recompute_granularity="full").recompute_settings()
     with pytest.raises(ModelConfigError, match=r"recompute_granularity=.full. conflicts with .*override"):
         ModelConfig(
             dtype="float32", recompute_granularity="full",
             override_transformer_config={"recompute_granularity": "selective"},
-        ).validate(layout)  # fmt: skip
+        ).recompute_settings()  # fmt: skip
+    with pytest.raises(ModelConfigError, match="only apply to recompute_granularity=full"):
+        ModelConfig(dtype="float32", recompute_method="uniform").recompute_settings()
+    with pytest.raises(ModelConfigError, match="recompute_modules is set but recompute_granularity is not"):
+        ModelConfig(dtype="float32", recompute_modules=["core_attn"]).recompute_settings()
+
+
+def test_recomputation_is_refused_without_a_gpu():
+    with pytest.raises(ModelConfigError, match=r"activation recomputation .* needs CUDA"):
+        hf_to_transformer_config(
+            _hf("llama"), ParallelLayout(), ModelConfig(dtype="float32", enable_gradient_checkpointing=True)
+        )
 
 
 def test_overrides_reach_the_transformer_config_and_unknown_keys_raise():
