@@ -62,10 +62,16 @@ def _make_gpt(pre: bool, post: bool, vp_stage, hidden: int = HIDDEN):
     )
 
 
-def _setup(tp: int, pp: int, vpp: int | None, init_seed: int, hidden: int = HIDDEN):
+def _runtime(tp: int, pp: int, vpp: int | None):
+    from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
+
+    return init_runtime(ParallelLayout(tp=tp, pp=pp, vpp=vpp), seed=11)
+
+
+def _build(runtime, init_seed: int, hidden: int = HIDDEN):
+    """Model chunks (weights from ``init_seed``), megatron optimizer and LR/WD scheduler."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
     from verl_megatron.models.megatron_model import (
         OptimSettings,
         attach_schedule_hooks,
@@ -75,7 +81,6 @@ def _setup(tp: int, pp: int, vpp: int | None, init_seed: int, hidden: int = HIDD
     )
     from verl_megatron.models.sharding import load_full_state, seeded_tensor
 
-    runtime = init_runtime(ParallelLayout(tp=tp, pp=pp, vpp=vpp), seed=11)
     chunks = build_chunks(runtime, lambda pre, post, vp: _make_gpt(pre, post, vp, hidden))
     load_full_state(chunks, lambda name, shape: seeded_tensor(name, shape, seed=init_seed))
     chunks = wrap_ddp(chunks)
@@ -94,7 +99,12 @@ def _setup(tp: int, pp: int, vpp: int | None, init_seed: int, hidden: int = HIDD
         wd_incr_steps=10,
         wd_incr_style="linear",
     )
-    return runtime, chunks, optimizer, scheduler
+    return chunks, optimizer, scheduler
+
+
+def _setup(tp: int, pp: int, vpp: int | None, init_seed: int, hidden: int = HIDDEN):
+    runtime = _runtime(tp, pp, vpp)
+    return (runtime, *_build(runtime, init_seed, hidden))
 
 
 def _train_step(runtime, chunks, optimizer, scheduler, step: int) -> float:
@@ -141,6 +151,18 @@ def _torch_optimizers(optimizer):
     return [sub.optimizer for sub in optimizer.chained_optimizers]
 
 
+def _gate_up_order(name: str, full: torch.Tensor, tp_size: int) -> torch.Tensor:
+    """SwiGLU fc1 as [gate; up] whatever the tp size.
+
+    Each tp rank holds [gate_r; up_r], so concatenating shards gives
+    [gate_0; up_0; gate_1; up_1; ...]; the checkpoint stores gate and up apart.
+    """
+    if not name.endswith("linear_fc1.weight"):
+        return full
+    pieces = full.chunk(2 * tp_size, dim=0)
+    return torch.cat(pieces[0::2] + pieces[1::2], dim=0)
+
+
 def _snapshot(chunks, optimizer, scheduler) -> dict:
     """Whole weights and Adam moments by global name (dp rank 0 / tp rank 0), scheduler state."""
     from megatron.core import parallel_state as ps
@@ -156,8 +178,9 @@ def _snapshot(chunks, optimizer, scheduler) -> dict:
         if state.get(param):
             steps.add(int(state[param]["step"]))
             for key in ("exp_avg", "exp_avg_sq"):
-                moments[f"{name}:{key}"] = gather_tp(state[param][key], param, tp_group, tp_size)
-    weights = gather_full_state(chunks)
+                full = gather_tp(state[param][key], param, tp_group, tp_size)
+                moments[f"{name}:{key}"] = _gate_up_order(name, full, tp_size)
+    weights = {name: _gate_up_order(name, w, tp_size) for name, w in gather_full_state(chunks).items()}
     keep = ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
     return {
         "weights": weights if keep else {},
@@ -177,7 +200,13 @@ def save_job(root: str, tp: int, pp: int, vpp: int | None, steps: int, then: int
         _train_step(runtime, chunks, optimizer, scheduler, step)
     extra = {"global_steps": steps, "dataloader": {"epoch": 1, "index": 7}, "kl_coef": 0.0125}
     save_checkpoint(
-        root, steps, chunks=chunks, optimizer=optimizer, scheduler=scheduler, extra_state=extra, runtime=runtime
+        root,
+        steps,
+        chunks=chunks,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        extra_state=extra,
+        runtime=runtime,
     )
     saved = _snapshot(chunks, optimizer, scheduler)
     losses = [_train_step(runtime, chunks, optimizer, scheduler, steps + i) for i in range(then)]
@@ -195,7 +224,12 @@ def load_job(root: str, tp: int, pp: int, vpp: int | None, then: int = 0) -> dic
     loaded = _snapshot(chunks, optimizer, scheduler)
     step = extra["global_steps"]
     losses = [_train_step(runtime, chunks, optimizer, scheduler, step + i) for i in range(then)]
-    return {"extra": extra, "loaded": loaded, "after": _snapshot(chunks, optimizer, scheduler), "losses": losses}
+    return {
+        "extra": extra,
+        "loaded": loaded,
+        "after": _snapshot(chunks, optimizer, scheduler),
+        "losses": losses,
+    }
 
 
 def _merge(results: list[dict], key: str) -> dict:
@@ -237,7 +271,11 @@ def test_same_layout_round_trip_is_exact(pool2, tp2_checkpoint):
     assert want["adam_steps"] == [2]
     assert want["scheduler"]["num_steps"] == 2
     assert want["lr"][0] == pytest.approx(1e-2)
-    assert loaded[0]["extra"] == {"global_steps": 2, "dataloader": {"epoch": 1, "index": 7}, "kl_coef": 0.0125}
+    assert loaded[0]["extra"] == {
+        "global_steps": 2,
+        "dataloader": {"epoch": 1, "index": 7},
+        "kl_coef": 0.0125,
+    }
     # One more step after loading equals one more step without the save/load:
     # same loss (same dropout masks from the restored RNGs) and same state.
     assert [r["losses"] for r in loaded] == [r["losses"] for r in saved]
@@ -265,3 +303,235 @@ def test_dp2_save_is_split_over_replicas_and_loads_in_one_process(pool1, pool2, 
     # The fully-parallel writer spreads the shards of the replicated model over both ranks.
     shard_files = sorted(p.name for p in (tmp_path / "global_step_1" / "model").glob("*.distcp"))
     assert {name.split("_")[2] for name in shard_files} == {"0", "1"}, shard_files
+
+
+def _differences(before: dict, after: dict) -> list[str]:
+    """Names of weights/moments/scheduler entries that are not bit-identical."""
+    diffs = [f"weight {k}" for k, v in before["weights"].items() if not torch.equal(v, after["weights"][k])]
+    diffs += [
+        f"moment {k}"
+        for k, v in before["moments"].items()
+        if not torch.equal(v, after["moments"].get(k, v + 1))
+    ]
+    if before["moments"].keys() != after["moments"].keys():
+        diffs.append("optimizer state keys")
+    if before["scheduler"] != after["scheduler"] or before["lr"] != after["lr"]:
+        diffs.append("scheduler")
+    return diffs
+
+
+def _damage(src: Path, dst: Path, how: str) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    part = dst / "global_step_1" / "model"
+    if how == "truncate":
+        shard = sorted(part.glob("*.distcp"))[0]
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    else:  # same size, unreadable content: passes the size check, fails when read
+        target = part / how
+        target.write_bytes(bytes(reversed(target.read_bytes())))
+    return dst
+
+
+def bad_input_job(root: str) -> dict:
+    """Every failed load names the problem, and leaves model, optimizer and scheduler as they were."""
+    from verl_megatron.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+    from verl_megatron.checkpoint.manager import _has_state
+
+    root = Path(root)
+    runtime, chunks, optimizer, scheduler = _setup(1, 1, None, init_seed=3)
+    _train_step(runtime, chunks, optimizer, scheduler, 0)
+    save_checkpoint(
+        root / "good", 1, chunks=chunks, optimizer=optimizer, scheduler=scheduler, runtime=runtime
+    )
+    save_checkpoint(root / "weights_only", 1, chunks=chunks, runtime=runtime)
+    _train_step(runtime, chunks, optimizer, scheduler, 1)
+    damaged = {how: _damage(root / "good", root / how, how) for how in ("truncate", ".metadata", "common.pt")}
+
+    def attempt(path, chunks, optimizer, scheduler, runtime) -> str:
+        try:
+            load_checkpoint(path, chunks=chunks, optimizer=optimizer, scheduler=scheduler, runtime=runtime)
+        except CheckpointError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "no error"
+
+    before = _snapshot(chunks, optimizer, scheduler)
+    errors = {"missing": attempt(root / "nowhere", chunks, optimizer, scheduler, runtime)}
+    errors["no_optimizer"] = attempt(root / "weights_only", chunks, optimizer, scheduler, runtime)
+    for how, path in damaged.items():
+        errors[how] = attempt(path, chunks, optimizer, scheduler, runtime)
+    changed = _differences(before, _snapshot(chunks, optimizer, scheduler))
+
+    # A fresh optimizer gets empty moments to read into; a failed read must take them away again.
+    runtime, chunks, optimizer, scheduler = _setup(1, 1, None, init_seed=5)
+    errors["fresh_common"] = attempt(damaged["common.pt"], chunks, optimizer, scheduler, runtime)
+    fresh_has_state = _has_state(optimizer)
+
+    runtime, chunks, optimizer, scheduler = _setup(1, 1, None, init_seed=5, hidden=48)
+    before = _snapshot(chunks, optimizer, scheduler)
+    errors["other_shape"] = attempt(root / "good", chunks, optimizer, scheduler, runtime)
+    changed += _differences(before, _snapshot(chunks, optimizer, scheduler))
+    return {"errors": errors, "changed": changed, "fresh_has_state": fresh_has_state}
+
+
+def test_bad_checkpoints_raise_naming_path_and_problem_before_changing_anything(pool1, tmp_path):
+    result = pool1.run(f"{__name__}:bad_input_job", root=str(tmp_path))[0]
+    errors = result["errors"]
+    assert errors["missing"].startswith("CheckpointNotFoundError")
+    assert (
+        f"no complete checkpoint under {tmp_path / 'nowhere'}: the path does not exist" in errors["missing"]
+    )
+    assert errors["no_optimizer"].startswith("CheckpointMismatchError")
+    assert str(tmp_path / "weights_only") in errors["no_optimizer"]
+    assert "saved without an optimizer" in errors["no_optimizer"]
+    assert "saved without a scheduler" in errors["no_optimizer"]
+    assert errors["truncate"].startswith("CheckpointCorruptError")
+    assert str(tmp_path / "truncate" / "global_step_1" / "model") in errors["truncate"]
+    assert "distcp has " in errors["truncate"] and " bytes, " in errors["truncate"]
+    assert errors[".metadata"].startswith("CheckpointCorruptError")
+    assert "cannot read its tensor index" in errors[".metadata"]
+    for key in ("common.pt", "fresh_common"):
+        assert errors[key].startswith("CheckpointCorruptError"), errors[key]
+        assert (
+            f"reading checkpoint {tmp_path / 'common.pt' / 'global_step_1' / 'model'} failed" in errors[key]
+        )
+    other = errors["other_shape"]
+    assert other.startswith("CheckpointMismatchError") and str(tmp_path / "good") in other
+    # hidden 48 instead of 32: e.g. the final norm, [32] saved, [48] wanted.
+    assert "decoder.final_layernorm.weight: checkpoint [32], model [48]" in other
+    assert result["changed"] == []
+    assert result["fresh_has_state"] is False
+
+
+def interrupted_save_job(root: str) -> dict:
+    """A save that dies after writing its shards, and one never committed, hide nothing and break nothing."""
+    import megatron.core.dist_checkpointing as mcore_dist_ckpt
+
+    from verl_megatron.checkpoint import (
+        CheckpointError,
+        find_latest_checkpoint,
+        load_checkpoint,
+        read_latest_pointer,
+        save_checkpoint,
+    )
+
+    root = Path(root)
+    runtime, chunks, optimizer, scheduler = _setup(1, 1, None, init_seed=3)
+    common = {"optimizer": optimizer, "scheduler": scheduler, "runtime": runtime}
+    _train_step(runtime, chunks, optimizer, scheduler, 0)
+    save_checkpoint(root, 1, chunks=chunks, extra_state={"global_steps": 1}, **common)
+    at_step_1 = _snapshot(chunks, optimizer, scheduler)
+    _train_step(runtime, chunks, optimizer, scheduler, 1)
+
+    real_save = mcore_dist_ckpt.save
+
+    def crashing_save(*args, **kwargs):
+        real_save(*args, **kwargs)
+        raise OSError("simulated crash after the shards were written")
+
+    mcore_dist_ckpt.save = crashing_save
+    try:
+        save_checkpoint(root, 2, chunks=chunks, extra_state={"global_steps": 2}, max_ckpt_to_keep=1, **common)
+        error = "no error"
+    except CheckpointError as exc:
+        error = str(exc)
+    finally:
+        mcore_dist_ckpt.save = real_save
+    after_crash = (find_latest_checkpoint(root), read_latest_pointer(root), sorted(os.listdir(root)))
+    save_checkpoint(root, 3, chunks=chunks, extra_state={"global_steps": 3}, commit=False, **common)
+    after_uncommitted = find_latest_checkpoint(root)
+
+    runtime, chunks, optimizer, scheduler = _setup(1, 1, None, init_seed=99)
+    extra = load_checkpoint(root, chunks=chunks, optimizer=optimizer, scheduler=scheduler, runtime=runtime)
+    changed = _differences(at_step_1, _snapshot(chunks, optimizer, scheduler))
+    # The next good save of step 2 replaces the debris of the crashed one and prunes step 1.
+    save_checkpoint(
+        root, 2, chunks=chunks, optimizer=optimizer, scheduler=scheduler, runtime=runtime, max_ckpt_to_keep=1
+    )
+    return {
+        "error": error,
+        "after_crash": after_crash,
+        "after_uncommitted": after_uncommitted,
+        "extra": extra,
+        "changed": changed,
+        "final": (find_latest_checkpoint(root), read_latest_pointer(root), sorted(os.listdir(root))),
+    }
+
+
+def test_interrupted_saves_never_replace_the_last_good_checkpoint(pool1, tmp_path):
+    result = pool1.run(f"{__name__}:interrupted_save_job", root=str(tmp_path))[0]
+    assert "simulated crash after the shards were written" in result["error"]
+    assert result["after_crash"] == (
+        tmp_path / "global_step_1",
+        1,
+        [".global_step_2.staging", "global_step_1", "latest_checkpointed_iteration.txt"],
+    )
+    assert result["after_uncommitted"] == tmp_path / "global_step_1"
+    assert result["extra"] == {"global_steps": 1}
+    assert result["changed"] == []
+    assert result["final"] == (
+        tmp_path / "global_step_2",
+        2,
+        [".global_step_3.staging", "global_step_2", "latest_checkpointed_iteration.txt"],
+    )
+
+
+def multi_part_job(root: str) -> dict:
+    """Actor and critic saved into one step; the critic before its first optimizer step."""
+    from verl_megatron.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
+    from verl_megatron.checkpoint.manager import _has_state
+
+    runtime = _runtime(1, 1, None)
+    actor, critic = _build(runtime, init_seed=3), _build(runtime, init_seed=4)
+    _train_step(runtime, *actor, 0)
+    for name, (chunks, optimizer, scheduler) in (("actor", actor), ("critic", critic)):
+        save_checkpoint(
+            root,
+            5,
+            name=name,
+            chunks=chunks,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            runtime=runtime,
+            commit=name == "critic",
+        )
+        if name == "actor":
+            visible_before_commit = find_latest_checkpoint(root)
+    saved = {"actor": _snapshot(*actor), "critic": _snapshot(*critic)}
+
+    new = {"actor": _build(runtime, init_seed=99), "critic": _build(runtime, init_seed=98)}
+    # The new critic has Adam moments; the checkpoint has none, so loading drops them.
+    _train_step(runtime, *new["critic"], 0)
+    load_checkpoint(
+        root,
+        name="actor",
+        chunks=new["actor"][0],
+        optimizer=new["actor"][1],
+        scheduler=new["actor"][2],
+        runtime=runtime,
+    )
+    load_checkpoint(
+        Path(root) / "global_step_5",
+        name="critic",
+        chunks=new["critic"][0],
+        optimizer=new["critic"][1],
+        scheduler=new["critic"][2],
+        runtime=runtime,
+    )
+    return {
+        "visible_before_commit": visible_before_commit,
+        "changed": {k: _differences(saved[k], _snapshot(*new[k])) for k in saved},
+        "critic_has_state": _has_state(new["critic"][1]),
+        "actor_moments": len(saved["actor"]["moments"]),
+    }
+
+
+def test_actor_and_critic_share_a_step(pool1, tmp_path):
+    result = pool1.run(f"{__name__}:multi_part_job", root=str(tmp_path))[0]
+    assert result["visible_before_commit"] is None
+    assert result["changed"] == {"actor": [], "critic": []}
+    assert result["critic_has_state"] is False
+    assert result["actor_moments"] > 0
+    marker = (tmp_path / "global_step_5" / "checkpoint_complete.json").read_text()
+    assert '"actor",' in marker and '"critic"' in marker

@@ -381,7 +381,7 @@ def load_checkpoint(
         loaded = dist_checkpointing.load(state, str(part))
     except Exception as exc:
         error = CheckpointCorruptError(f"reading checkpoint {part} failed: {str(exc)[:800]}")
-        _restore(optimizer, scheduler, backup)
+        _restore(optimizer, None, backup)
     _agree(error, f"loading {part}")
 
     try:
@@ -431,7 +431,17 @@ def _restore(optimizer, scheduler, backup: dict[str, Any]) -> None:
             for group, hyper in zip(opt.param_groups, saved["param_groups"]):
                 group.update(hyper)
     if scheduler is not None:
-        scheduler.load_state_dict(backup["scheduler"])
+        _load_scheduler(scheduler, backup["scheduler"])
+
+
+def _load_scheduler(scheduler, state: dict) -> None:
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    if isinstance(scheduler, OptimizerParamScheduler):
+        # Its load_state_dict adds the saved step count to the current one
+        # (it expects a fresh scheduler); start from zero so loading sets it.
+        scheduler.num_steps = 0
+    scheduler.load_state_dict(state)
 
 
 def _apply(loaded, meta, chunks, optimizer, scheduler, backup) -> None:
@@ -448,7 +458,7 @@ def _apply(loaded, meta, chunks, optimizer, scheduler, backup) -> None:
             )
     try:
         if scheduler is not None:
-            scheduler.load_state_dict(_unpack(loaded["scheduler"]))
+            _load_scheduler(scheduler, _unpack(loaded["scheduler"]))
         if optimizer is not None and meta["optimizer"] == "state":
             optimizer.load_state_dict(loaded["optimizer"])
         elif optimizer is not None:
