@@ -1,0 +1,158 @@
+"""The PPO critic (value model) on megatron model chunks ending in a value head.
+
+Called like the actor (see ``verl_megatron.workers.actor``): every rank passes the same
+global batch and gets whole results back. The value of response position t is the
+model output at the position before response token t, i.e. the value of the state
+from which token t was generated (verl's convention). Values are 0 where
+``response_mask`` is 0.
+
+Batch keys: ``input_ids``/``attention_mask`` [B, Tp+Tr], ``responses``/``response_mask``
+[B, Tr]; for ``update_critic`` also ``values`` (the old values) and ``returns``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from verl_megatron.distributed.parallel import Runtime
+from verl_megatron.models.megatron_model import attach_schedule_hooks
+from verl_megatron.protocol import DataProto
+from verl_megatron.trainer.ppo import core_algos
+from verl_megatron.workers.actor import batch_tensors
+from verl_megatron.workers.batching import MicroBatch
+from verl_megatron.workers.config import CriticConfig
+from verl_megatron.workers.engine import ModelRunner, StepResult, dp_share
+
+__all__ = ["MegatronCritic"]
+
+_MODEL_KEYS = ("input_ids", "attention_mask", "responses", "response_mask")
+_CRITIC_METRICS = ("vf_loss", "vf_clipfrac", "vpred_mean")
+
+
+class MegatronCritic:
+    """Value model: values for the batch and clipped value-loss updates.
+
+    ``chunks`` are DDP-wrapped chunks whose last stage outputs [b, S, 1] values (built with
+    ``build_gpt_chunks(..., value_head=True)``); ``optimizer`` and ``scheduler`` as for
+    :class:`~verl_megatron.workers.actor.MegatronActor`. All stay reachable as attributes.
+    """
+
+    def __init__(
+        self, runtime: Runtime, config: CriticConfig, chunks: list[torch.nn.Module], optimizer, scheduler
+    ) -> None:
+        if not all(hasattr(c, "no_sync") for c in chunks):
+            raise ValueError(
+                "MegatronCritic needs DDP-wrapped chunks (verl_megatron.models.megatron_model.wrap_ddp)"
+            )
+        self.runtime = runtime
+        self.config = config
+        self.chunks = chunks
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.runner = ModelRunner(runtime, chunks, use_remove_padding=config.use_remove_padding)
+        self.update_calls = 0
+        attach_schedule_hooks(chunks)
+
+    @staticmethod
+    def _values(mb: MicroBatch, output: torch.Tensor) -> torch.Tensor:
+        """[r, Tr] float32 values of mb's response positions, 0 where response_mask is 0."""
+        if output.shape[-1] != 1:
+            raise ValueError(
+                f"the critic model must output one value per position ([b, S, 1]), got {tuple(output.shape)}; "
+                "build it with value_head=True"
+            )
+        values = mb.inputs.gather(output)[..., 0].float()
+        mask = mb.tensors["response_mask"].to(values.device).bool()
+        mask &= mb.inputs.response_valid.to(values.device)
+        return torch.where(mask, values, torch.zeros_like(values))
+
+    def compute_values(self, data: DataProto) -> torch.Tensor:
+        """Values [B, Tr] of the states before each response token; forward only."""
+        batch = batch_tensors(data, _MODEL_KEYS, "MegatronCritic.compute_values")
+        cfg = self.config
+        meta = data.meta_info
+        size, width = batch["responses"].shape
+        rows = dp_share(size, self.runtime.layout.dp, self.runtime.dp_rank)
+        mbs = self.runner.split(
+            {k: v[rows] for k, v in batch.items()},
+            micro_batch_size=meta.get("micro_batch_size", cfg.infer_micro_batch_size),
+            use_dynamic_bsz=meta.get("use_dynamic_bsz", cfg.use_dynamic_bsz),
+            max_token_len=meta.get("max_token_len", cfg.ppo_infer_max_token_len_per_gpu),
+            tensor_keys=("response_mask",),
+        )
+
+        def step(mb: MicroBatch, output: torch.Tensor) -> StepResult:
+            return StepResult(outputs={"values": self._values(mb, output)})
+
+        with torch.no_grad():
+            results = self.runner.run(mbs, step, forward_only=True)
+        local = self.runner.collect_outputs(results, mbs, "values", (len(rows), width))
+        return self.runner.gather_dp(local, size)
+
+    def update_critic(self, data: DataProto) -> dict[str, float | list[float]]:
+        """PPO epochs of clipped value-loss steps over mini-batches; one optimizer step each.
+
+        Returns per-step lists critic/vf_loss, critic/vf_clipfrac, critic/vpred_mean (each
+        over the whole mini-batch) and critic/grad_norm, plus critic/lr and
+        critic/skipped_steps (steps dropped for a non-finite gradient norm).
+        """
+        cfg = self.config
+        batch = batch_tensors(data, (*_MODEL_KEYS, "values", "returns"), "MegatronCritic.update_critic")
+        seed = cfg.data_loader_seed if cfg.data_loader_seed is not None else self.runtime.seed
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        history: dict[str, list[float]] = {f"critic/{n}": [] for n in (*_CRITIC_METRICS, "grad_norm")}
+        skipped = 0
+        mini_batches = self.runner.mini_batches(
+            batch,
+            mini_batch_size=cfg.ppo_mini_batch_size * cfg.rollout_n,
+            epochs=cfg.ppo_epochs,
+            shuffle=cfg.shuffle,
+            seed=seed + 7919 * self.update_calls,
+        )
+        for local, counts in mini_batches:
+            counts["loss_scale_factor"] = cfg.loss_scale_factor
+            mbs = self.runner.split(
+                local,
+                micro_batch_size=cfg.ppo_micro_batch_size_per_gpu,
+                use_dynamic_bsz=cfg.use_dynamic_bsz,
+                max_token_len=cfg.ppo_max_token_len_per_gpu,
+                tensor_keys=("response_mask", "values", "returns"),
+            )
+            step = functools.partial(self._value_step, counts=counts, num_micro=len(mbs))
+            results, grad_norm, stepped = self.runner.train_step(self.optimizer, mbs, step)
+            skipped += 0 if stepped else 1
+            for name, value in self.runner.reduce_metrics(results, _CRITIC_METRICS).items():
+                history[f"critic/{name}"].append(value)
+            history["critic/grad_norm"].append(grad_norm)
+        self.scheduler.step(1)
+        self.update_calls += 1
+        metrics: dict[str, float | list[float]] = dict(history)
+        metrics["critic/lr"] = lr
+        metrics["critic/skipped_steps"] = float(skipped)
+        return metrics
+
+    def _value_step(self, mb: MicroBatch, output: torch.Tensor, counts: dict, num_micro: int) -> StepResult:
+        """Clipped value loss of one micro-batch with global counts, and its metric partial sums."""
+        device = output.device
+        t = {k: v.to(device) for k, v in mb.tensors.items()}
+        vpreds = self._values(mb, output)
+        mask = t["response_mask"].float() * mb.inputs.response_valid.to(device)
+        vf_loss, vf_clipfrac = core_algos.compute_value_loss(
+            vpreds,
+            t["returns"].float(),
+            t["values"].float(),
+            mask,
+            self.config.cliprange_value,
+            self.config.loss_agg_mode,
+            **counts,
+        )
+        tokens = float(mask.sum())
+        share = tokens / max(counts["batch_num_tokens"], 1)
+        metrics = {
+            "vf_loss": vf_loss.detach() / counts["dp_size"],
+            "vf_clipfrac": vf_clipfrac.detach() * share,
+            "vpred_mean": (vpreds.detach() * mask).sum() / max(counts["batch_num_tokens"], 1),
+        }
+        return StepResult(loss=core_algos.megatron_microbatch_loss(vf_loss, num_micro), metrics=metrics)
