@@ -47,7 +47,15 @@ class GRPOBenchConfig:
     response_len: int = 128
     micro_batch: int = 16
     lr: float = 1e-6
-    steps: int = 2  # timed steps, after one warm-up step
+    steps: int = 2
+    """timed steps"""
+    warmup: int = 1
+    """untimed steps first (lazy init, allocator); 0 in quick mode, where timing is not the point"""
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup + self.steps
+
     seed: int = 0
 
 
@@ -66,6 +74,7 @@ QUICK = GRPOBenchConfig(
     response_len=8,
     micro_batch=2,
     steps=1,
+    warmup=0,
 )
 
 
@@ -116,7 +125,7 @@ class _StepClock:
 
 
 def run_trl(model_dir: str, tokenizer, cfg: GRPOBenchConfig, out_dir: str) -> dict[str, Any]:
-    """TRL GRPOTrainer for ``1 + cfg.steps`` steps; seconds of each step (the first is warm-up).
+    """TRL GRPOTrainer for ``cfg.total_steps`` steps; seconds of each (warm-up steps first).
 
     Gradient accumulation equals steps_per_generation, so one generation round feeds one optimizer
     step, as in ours. beta=0 (no reference model), one iteration per generation: TRL then skips the
@@ -148,7 +157,7 @@ def run_trl(model_dir: str, tokenizer, cfg: GRPOBenchConfig, out_dir: str) -> di
         optim="adamw_torch",
         weight_decay=0.01,
         max_grad_norm=1.0,
-        max_steps=1 + cfg.steps,
+        max_steps=cfg.total_steps,
         gradient_checkpointing=False,
         bf16=False,
         logging_steps=1,
@@ -165,7 +174,7 @@ def run_trl(model_dir: str, tokenizer, cfg: GRPOBenchConfig, out_dir: str) -> di
         [{"role": "user", "content": p}]
         for p in make_prompts(cfg.prompts, cfg.prompt_len - CHAT_TOKENS, cfg.seed)
     ]
-    dataset = Dataset.from_dict({"prompt": prompts * (1 + cfg.steps)})
+    dataset = Dataset.from_dict({"prompt": prompts * cfg.total_steps})
 
     def reward(completions: list, **kwargs: Any) -> list[float]:
         # Chat-format completions arrive as [{"role": "assistant", "content": text}].
@@ -237,7 +246,7 @@ def _ours_config(model_dir: str, cfg: GRPOBenchConfig, out_dir: Path):
         "actor.use_remove_padding": False,
         "actor.optim.lr": cfg.lr,
         "custom_reward_function.path": str(reward),
-        "trainer.total_training_steps": 1 + cfg.steps,
+        "trainer.total_training_steps": cfg.total_steps,
         "trainer.test_freq": -1,
         "trainer.save_freq": -1,
         "trainer.val_before_train": False,
@@ -251,7 +260,7 @@ def _ours_config(model_dir: str, cfg: GRPOBenchConfig, out_dir: Path):
 
 
 def run_ours(model_dir: str, tokenizer, cfg: GRPOBenchConfig, out_dir: str) -> dict[str, Any]:
-    """Our trainer (``PPOTrainer.train_step``) for ``1 + cfg.steps`` GRPO steps, one process.
+    """Our trainer (``PPOTrainer.train_step``) for ``cfg.total_steps`` GRPO steps, one process.
 
     Returns the seconds of each step (the first is warm-up) and its stage times (verl's
     ``timing_s/*``: gen, reward, old_log_prob, adv, update_actor).
@@ -270,7 +279,7 @@ def run_ours(model_dir: str, tokenizer, cfg: GRPOBenchConfig, out_dir: str) -> d
     try:
         config, components = build_components(config, runtime)
         trainer = PPOTrainer(config, runtime, components)
-        for step in range(1, 2 + cfg.steps):
+        for step in range(1, 1 + cfg.total_steps):
             start = time.perf_counter()
             metrics = trainer.train_step(step)
             steps.append(time.perf_counter() - start)
@@ -297,9 +306,9 @@ def run_ours(model_dir: str, tokenizer, cfg: GRPOBenchConfig, out_dir: str) -> d
 STAGES = ("gen", "reward", "old_log_prob", "adv", "update_actor")
 
 
-def _row(impl: str, raw: dict[str, Any]) -> dict[str, Any]:
+def _row(impl: str, raw: dict[str, Any], warmup: int) -> dict[str, Any]:
     """Best and median of the timed steps (warm-up dropped), stages of the best step where known."""
-    timed = raw["step_seconds"][1:] or raw["step_seconds"]
+    timed = raw["step_seconds"][warmup:]
     best = min(range(len(timed)), key=timed.__getitem__)
     lengths = raw.get("mean_completion_length") or []
     stages = raw.get("stage_seconds")
@@ -339,7 +348,7 @@ def run(cfg: GRPOBenchConfig, workdir: Path) -> Section:
         except Exception as exc:  # report the peer's (or our) failure instead of dying
             section.errors[impl] = error_text(exc)
             continue
-        section.rows.append(_row(impl, results[impl]))
+        section.rows.append(_row(impl, results[impl], cfg.warmup))
     by_impl = {row["impl"]: row for row in section.rows}
     section.ratios["step time ours / TRL (best; < 1 = ours faster)"] = ratio(
         by_impl.get("verl-megatron", {}).get("step_s (best)"),
@@ -350,7 +359,7 @@ def run(cfg: GRPOBenchConfig, workdir: Path) -> Section:
         "pass (reusing detached current log-probs); ours recomputes old log-probs as verl does."
     )
     section.notes.append(
-        "first step of each side is warm-up and excluded; stage columns are ours (verl's timing_s/*), "
+        f"the first {cfg.warmup} step(s) of each side are warm-up and excluded; stage columns are ours (verl's timing_s/*), "
         "TRL does not time its stages"
     )
     section.extra = {"raw": results, "config": asdict(cfg)}

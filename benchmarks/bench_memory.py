@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import resource
 import subprocess
@@ -32,9 +31,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import HEADLINE_THREADS, ModelShape, Section, build_assets, error_text, machine_info, shape_text
+from common import (
+    HEADLINE_THREADS,
+    ModelShape,
+    Section,
+    build_assets,
+    child_env,
+    error_text,
+    machine_info,
+    shape_text,
+)
 
 MIB = 2**20
+IMPLS = {"ours": "verl-megatron compute_log_prob", "hf": "HF forward + log_softmax"}
 
 
 @dataclass(frozen=True)
@@ -166,27 +175,26 @@ def child_main(impl: str, model_dir: str, cfg: MemoryBenchConfig) -> dict[str, A
 # ----------------------------------------------------------------------------- harness side
 
 
-def _measure(impl: str, model_dir: str, cfg: MemoryBenchConfig, workdir: Path) -> dict[str, Any]:
+def _start(impl: str, model_dir: str, cfg_file: Path, workdir: Path) -> tuple[subprocess.Popen, Path]:
+    """Start the child measuring ``impl``; its result lands in the returned JSON path."""
     out = workdir / f"memory_{impl}.json"
-    cfg_file = workdir / "memory_cfg.json"
-    cfg_file.write_text(json.dumps(asdict(cfg)))
-    # The child runs with the harness's thread count (OMP_NUM_THREADS sets torch's default).
-    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads()), "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [
-        sys.executable,
-        __file__,
-        "--child",
-        impl,
-        "--model-dir",
-        model_dir,
-        "--cfg",
-        str(cfg_file),
-        "--json",
-        str(out),
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    cmd = [sys.executable, __file__, "--child", impl, "--model-dir", model_dir, "--cfg", str(cfg_file)]
+    cmd += ["--json", str(out)]
+    # child_env: the harness's thread count, no inherited torch.distributed port.
+    proc = subprocess.Popen(
+        cmd, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    return proc, out
+
+
+def _finish(impl: str, proc: subprocess.Popen, out: Path) -> dict[str, Any]:
+    try:
+        _, stderr = proc.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
     if proc.returncode != 0:
-        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        tail = (stderr.strip().splitlines() or ["(no output)"])[-1]
         raise RuntimeError(f"child '{impl}' exited with {proc.returncode}: {tail}")
     return json.loads(out.read_text())
 
@@ -215,10 +223,15 @@ def run(cfg: MemoryBenchConfig, workdir: Path) -> Section:
             "threads": torch.get_num_threads(),
         },
     )
+    cfg_file = workdir / "memory_cfg.json"
+    cfg_file.write_text(json.dumps(asdict(cfg)))
+    # Both children at once: each measures only its own process's resident set, so running them
+    # side by side changes their speed, not their numbers.
+    started = {impl: _start(impl, model_dir, cfg_file, workdir) for impl in IMPLS}
     results = {}
-    for impl, label in (("ours", "verl-megatron compute_log_prob"), ("hf", "HF forward + log_softmax")):
+    for impl, label in IMPLS.items():
         try:
-            results[impl] = _measure(impl, model_dir, cfg, workdir)
+            results[impl] = _finish(impl, *started[impl])
         except Exception as exc:
             section.errors[label] = error_text(exc)
             continue
@@ -240,7 +253,7 @@ def run(cfg: MemoryBenchConfig, workdir: Path) -> Section:
         )
     section.notes.append(
         f"one micro-batch of logits [{cfg.micro_batch}, T, V] float32 is {micro_mib:.0f} MiB; "
-        "each side runs in a fresh process"
+        "each side runs in its own fresh process"
     )
     section.extra = {"raw": results, "config": asdict(cfg)}
     return section

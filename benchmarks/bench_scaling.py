@@ -44,6 +44,7 @@ class ScalingBenchConfig:
     group: int = 4
     prompt_len: int = 32
     micro_batch: int = 8
+    warmup: int = 1
     seed: int = 0
 
 
@@ -63,6 +64,7 @@ QUICK = ScalingBenchConfig(
     group=2,
     prompt_len=8,
     micro_batch=4,
+    warmup=0,
 )
 
 
@@ -75,23 +77,33 @@ def _point(cfg: ScalingBenchConfig, batch: int, response_len: int) -> GRPOBenchC
         response_len=response_len,
         micro_batch=min(cfg.micro_batch, batch),
         steps=1,
+        warmup=cfg.warmup,
         seed=cfg.seed,
     )
 
 
 def _sweep(
-    kind: str, sizes: tuple[int, ...], points: list[GRPOBenchConfig], model: tuple[str, Any], workdir: Path
+    kind: str,
+    sizes: tuple[int, ...],
+    points: list[GRPOBenchConfig],
+    model: tuple[str, Any],
+    workdir: Path,
+    done: dict[tuple[int, int], dict[str, Any]],
 ) -> tuple[list[dict[str, Any]], dict[str, str]]:
-    """One row per point: the timed (second) step's seconds and its stages."""
+    """One row per point: the timed step's seconds and its stages. ``done`` caches points by
+    (batch, response_len): the sweeps cross at one point, which runs once."""
     rows, errors = [], {}
     for size, point in zip(sizes, points):
+        key = (point.prompts * point.group, point.response_len)
         try:
-            with tempfile.TemporaryDirectory(dir=workdir) as tmp:
-                raw = run_ours(model[0], model[1], point, tmp)
+            if key not in done:
+                with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+                    done[key] = run_ours(model[0], model[1], point, tmp)
         except Exception as exc:
             errors[f"{kind}={size}"] = error_text(exc)
             continue
-        row = {"sweep": kind, kind: size, "step_s": raw["step_seconds"][-1]}
+        raw = done[key]
+        row = {"sweep": kind, "batch": key[0], "response_len": key[1], "step_s": raw["step_seconds"][-1]}
         row.update({f"{stage}_s": s for stage, s in (raw.get("stage_seconds") or [{}])[-1].items()})
         rows.append(row)
     return rows, errors
@@ -112,7 +124,9 @@ def _plot(rows_len: list[dict], rows_batch: list[dict], path: Path) -> None:
             ax.set_title(f"{label}: no data")
             continue
         xs = [r[key] for r in rows]
-        columns = [c for c in rows[0] if c.endswith("_s")]
+        # Stages under 2% of the slowest step would only clutter the plot (they stay in the table).
+        floor = 0.02 * max(r["step_s"] for r in rows)
+        columns = [c for c in rows[0] if c.endswith("_s") and max(r.get(c) or 0 for r in rows) >= floor]
         for col in columns:
             ax.plot(
                 xs, [r.get(col) for r in rows], marker="o", lw=2.5 if col == "step_s" else 1.2, label=col[:-2]
@@ -137,22 +151,16 @@ def run(cfg: ScalingBenchConfig, workdir: Path) -> Section:
     model = build_assets(workdir / "scaling_model", cfg.shape, cfg.seed)
     len_points = [_point(cfg, cfg.batch_for_lengths, n) for n in cfg.response_lens]
     batch_points = [_point(cfg, b, cfg.response_len_for_batches) for b in cfg.batch_sizes]
-    rows_len, err_len = _sweep("response_len", cfg.response_lens, len_points, model, workdir)
-    rows_batch, err_batch = _sweep("batch", cfg.batch_sizes, batch_points, model, workdir)
+    done: dict[tuple[int, int], dict[str, Any]] = {}
+    rows_len, err_len = _sweep("response_len", cfg.response_lens, len_points, model, workdir, done)
+    rows_batch, err_batch = _sweep("batch", cfg.batch_sizes, batch_points, model, workdir, done)
     rows = rows_len + rows_batch
     stage_cols = [c for c in dict.fromkeys(k for r in rows for k in r) if c.endswith("_s")]
     section = Section(
         name="scaling",
         title="GRPO step time vs response length and batch size (verl-megatron)",
         columns=["sweep", "response_len", "batch", *stage_cols],
-        rows=[
-            {
-                **r,
-                "batch": r.get("batch", cfg.batch_for_lengths),
-                "response_len": r.get("response_len", cfg.response_len_for_batches),
-            }
-            for r in rows
-        ],
+        rows=rows,
         errors={**err_len, **err_batch},
         config={
             "model": shape_text(cfg.shape),
@@ -172,7 +180,8 @@ def run(cfg: ScalingBenchConfig, workdir: Path) -> Section:
         text = ", ".join(f"{stage} {k:.2f}" for stage, k in per_stage.items() if k is not None)
         section.notes.append(f"exponents vs {kind} per stage: {text or 'n/a'}")
     section.notes.append(
-        "each point: one warm-up step, then one timed step; EOS ignored so every response is full length"
+        f"each point: a fresh trainer, {cfg.warmup} warm-up step(s), then one timed step; "
+        "EOS ignored so every response is full length"
     )
     plot = workdir / "scaling.png"
     try:

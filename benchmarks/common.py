@@ -101,6 +101,28 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def child_env() -> dict[str, str]:
+    """Environment for a benchmark's subprocess: the repo importable, this process's thread count,
+    and none of the torch.distributed variables an in-process runtime left behind (a child that
+    inherited MASTER_PORT would try to listen on the parent's port)."""
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    env["OMP_NUM_THREADS"] = str(torch.get_num_threads())
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+_DIST_VARS = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+)
+
+
 def _memory_gib() -> float | None:
     try:
         with open("/proc/meminfo") as f:

@@ -35,6 +35,7 @@ from common import (
     HEADLINE_THREADS,
     REPO_ROOT,
     Section,
+    child_env,
     error_text,
     machine_info,
     machine_line,
@@ -54,12 +55,26 @@ def run_generation(quick: bool, workdir: Path) -> Section:
 
 
 def run_reward(quick: bool, workdir: Path) -> Section:
-    """bench_reward.py in its own process (its worker pools), read back from its JSON."""
+    """bench_reward.py in its own process (its worker pools), read back from its JSON.
+
+    Skipped in quick mode: starting its scorer pools costs more than the rest of a quick run, and
+    tests/test_reward_bench.py already runs it.
+    """
+    if quick:
+        return Section(
+            name="reward",
+            title="Reward scoring throughput (skipped in --quick)",
+            columns=[],
+            notes=[
+                "skipped in --quick mode; run `python benchmarks/bench_reward.py --quick` for its smoke test"
+            ],
+        )
+    workdir.mkdir(parents=True, exist_ok=True)
     out = workdir / "reward_raw.json"
     cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "bench_reward.py"), "--out", str(out)]
     if quick:
         cmd.append("--quick")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO_ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO_ROOT, env=child_env())
     if proc.returncode != 0:
         raise RuntimeError(f"bench_reward.py exited with {proc.returncode}: {proc.stderr.strip()[-400:]}")
     raw = json.loads(out.read_text())
