@@ -130,6 +130,25 @@ def actor_job(path: str, tp: int, pp: int, variants: list[str]) -> dict:
     return out
 
 
+def ref_job(path: str, tp: int, pp: int, rows: int) -> dict:
+    """MegatronRef on frozen, unwrapped chunks: log-probs of the first ``rows`` rows, with
+    token-budget micro-batches requested through meta_info (verl's keys)."""
+    from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
+    from verl_megatron.protocol import DataProto
+    from verl_megatron.workers.actor import MegatronRef
+    from verl_megatron.workers.config import RefConfig
+
+    runtime = init_runtime(ParallelLayout(tp=tp, pp=pp), seed=5)
+    ref = MegatronRef(
+        runtime, RefConfig(log_prob_micro_batch_size_per_gpu=3), build_model(runtime, path, ddp=False)
+    )
+    batch = {k: v[:rows] for k, v in make_batch().items()}
+    meta = {"temperature": TEMPERATURE, "use_dynamic_bsz": True, "max_token_len": 20}
+    log_probs, entropy = ref.compute_log_prob(DataProto.from_dict(batch, meta_info=meta))
+    frozen = all(not p.requires_grad for c in ref.chunks for p in c.parameters())
+    return {"log_probs": log_probs, "entropy": entropy, "frozen": frozen}
+
+
 def merge(results: list[dict]) -> dict:
     merged = {}
     for variant, first in results[0].items():
@@ -212,6 +231,30 @@ def test_non_finite_gradient_skips_the_step(reference):
         - reference["padded"]["weights"]["model.layers.0.mlp.up_proj.weight"]
     )
     assert moved.abs().max() > 0
+
+
+def test_reference_policy_with_odd_batch_over_dp2(pool2, reference, model_path):
+    # 7 rows over dp=2: the second rank's share wraps around and the padding is dropped.
+    results = pool2.run(f"{__name__}:ref_job", path=model_path, tp=1, pp=1, rows=7)
+    for r in results:
+        assert r["frozen"] and r["entropy"] is None
+        torch.testing.assert_close(
+            r["log_probs"], reference["padded"]["old_log_probs"][:7], rtol=1e-5, atol=1e-5
+        )
+
+
+def test_missing_temperature_or_keys_raise():
+    from verl_megatron.protocol import DataProto
+    from verl_megatron.workers.actor import batch_tensors, temperature_of
+
+    data = DataProto.from_dict(make_batch())
+    with pytest.raises(KeyError, match="temperature"):
+        temperature_of(data, "where")
+    with pytest.raises(KeyError, match=r"missing \['old_log_probs'\]"):
+        batch_tensors(data, ("input_ids", "attention_mask", "responses", "old_log_probs"), "where")
+    data.batch["advantages"] = torch.zeros(BATCH, TR_LEN + 1)
+    with pytest.raises(ValueError, match="'advantages' has shape"):
+        batch_tensors(data, ("input_ids", "attention_mask", "responses", "advantages"), "where")
 
 
 def _assert_same_update(run: dict, ref: dict) -> None:
