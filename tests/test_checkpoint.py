@@ -479,7 +479,12 @@ def test_interrupted_saves_never_replace_the_last_good_checkpoint(pool1, tmp_pat
 
 def multi_part_job(root: str) -> dict:
     """Actor and critic saved into one step; the critic before its first optimizer step."""
-    from verl_megatron.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
+    from verl_megatron.checkpoint import (
+        commit_checkpoint,
+        find_latest_checkpoint,
+        load_checkpoint,
+        save_checkpoint,
+    )
     from verl_megatron.checkpoint.manager import _has_state
 
     runtime = _runtime(1, 1, None)
@@ -494,10 +499,10 @@ def multi_part_job(root: str) -> dict:
             optimizer=optimizer,
             scheduler=scheduler,
             runtime=runtime,
-            commit=name == "critic",
+            commit=False,
         )
-        if name == "actor":
-            visible_before_commit = find_latest_checkpoint(root)
+    visible_before_commit = find_latest_checkpoint(root)
+    commit_checkpoint(root, 5)
     saved = {"actor": _snapshot(*actor), "critic": _snapshot(*critic)}
 
     new = {"actor": _build(runtime, init_seed=99), "critic": _build(runtime, init_seed=98)}

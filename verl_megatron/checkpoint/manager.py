@@ -158,72 +158,6 @@ def _rng_object(runtime: Runtime, data: Any):
     return ShardedObject("rng_state", data, (runtime.world_size,), (runtime.rank,), replica_id=0)
 
 
-def _save_strategy(runtime: Runtime):
-    """megatron's torch_dist format, written from the calling process, split over dp replicas.
-
-    megatron's own torch_dist writer starts a multiprocessing manager and forks
-    one writer process per file. Daemonic workers (our test pool, Ray actors)
-    may not have children, and starting the manager costs seconds. The format
-    itself is torch.distributed.checkpoint's, so this strategy keeps megatron's
-    key translation and planner and lets torch's FileSystemWriter write the
-    same files with threads; megatron's torch_dist loader reads them.
-
-    With dp > 1 the fully-parallel wrapper spreads the shards of the
-    replicated model over the data-parallel ranks instead of rank 0 writing
-    all of them. It only re-assigns replica ids (object collectives), which
-    works on gloo; its load-side twin exchanges tensors through CUDA buffers,
-    so loading keeps megatron's default: every rank reads its own shards.
-    """
-    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
-
-    base = _InProcessTorchDistSave()
-    if (runtime.layout.dp or 1) > 1:
-        return FullyParallelSaveStrategyWrapper(base, runtime.dp_group(with_cp=True))
-    return base
-
-
-def _make_in_process_strategy_class():
-    from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
-
-    class InProcessTorchDistSave(mcore_torch.TorchDistSaveShardedStrategy):
-        """Synchronous torch_dist save without helper processes (see :func:`_save_strategy`)."""
-
-        def __init__(self, thread_count: int = 2) -> None:
-            super().__init__("torch_dist", 1, keep_only_main_replica=True, thread_count=thread_count)
-
-        def save(self, sharded_state_dict, checkpoint_dir) -> None:
-            from torch.distributed.checkpoint import FileSystemWriter
-            from torch.distributed.checkpoint import save as dcp_save
-
-            # Same translation as megatron's TorchDistSaveShardedStrategy.async_save
-            # (megatron-core 0.16): only non-replica shards, ShardedObjects as bytes.
-            flat, _, _ = mcore_torch._replace_state_dict_keys_with_sharded_keys(
-                sharded_state_dict, self.keep_only_main_replica
-            )
-            pyt_state_dict = mcore_torch.mcore_to_pyt_state_dict(flat, False)
-            dcp_save(
-                pyt_state_dict,
-                storage_writer=FileSystemWriter(
-                    str(checkpoint_dir), sync_files=True, thread_count=self.thread_count
-                ),
-                planner=mcore_torch.MCoreSavePlanner(
-                    dedup_replicated_tensors=not self.keep_only_main_replica, flatten_state_dict=False
-                ),
-            )
-
-    return InProcessTorchDistSave
-
-
-def _InProcessTorchDistSave():
-    global _IN_PROCESS_CLASS
-    if _IN_PROCESS_CLASS is None:
-        _IN_PROCESS_CLASS = _make_in_process_strategy_class()
-    return _IN_PROCESS_CLASS()
-
-
-_IN_PROCESS_CLASS = None
-
-
 def _check_name(name: str) -> None:
     if not isinstance(name, str) or not _NAME_RE.match(name):
         raise ValueError(f"checkpoint part name must be letters, digits, '_' or '-', got {name!r}")
@@ -270,6 +204,8 @@ def save_checkpoint(
         raise TypeError(f"extra_state must be a dict, got {type(extra_state).__name__}")
     from megatron.core import dist_checkpointing
 
+    from verl_megatron.checkpoint.strategy import save_strategy
+
     start = time.perf_counter()
     tmp = storage.staging_dir(root, step) / f".{name}.tmp"
     _on_rank0(lambda: storage.start_part(root, step, name), f"preparing {tmp}")
@@ -292,7 +228,7 @@ def save_checkpoint(
 
     error = None
     try:
-        dist_checkpointing.save(state, str(tmp), sharded_strategy=_save_strategy(runtime))
+        dist_checkpointing.save(state, str(tmp), sharded_strategy=save_strategy(runtime))
     except Exception as exc:
         error = CheckpointError(f"writing {tmp} failed: {exc}")
     _agree(error, f"saving step {step} to {root}")
@@ -307,16 +243,13 @@ def save_checkpoint(
     }
     _on_rank0(lambda: storage.publish_part(root, step, name, meta), f"finishing {tmp}")
     if commit:
-        commit_checkpoint(root, step, runtime=runtime, max_ckpt_to_keep=max_ckpt_to_keep)
+        commit_checkpoint(root, step, max_ckpt_to_keep=max_ckpt_to_keep)
     logger.info("saved %s of step %d to %s in %.2fs", name, step, root, time.perf_counter() - start)
     return storage.step_dir(root, step)
 
 
-def commit_checkpoint(
-    root: str | os.PathLike, step: int, *, runtime: Runtime, max_ckpt_to_keep: int | None = None
-) -> Path:
-    """Publish the parts saved for ``step`` (see :func:`storage.commit_step`); collective."""
-    del runtime  # the commit is rank 0's file work; the argument keeps call sites uniform
+def commit_checkpoint(root: str | os.PathLike, step: int, *, max_ckpt_to_keep: int | None = None) -> Path:
+    """Publish the parts saved for ``step`` (rank 0's file work, see :func:`storage.commit_step`); collective."""
     _on_rank0(lambda: storage.commit_step(root, step, max_ckpt_to_keep), f"committing step {step} in {root}")
     return storage.step_dir(root, step)
 
@@ -345,8 +278,13 @@ def load_checkpoint(
 
     Raises CheckpointNotFoundError, CheckpointCorruptError or
     CheckpointMismatchError (naming the path and the problem) before
-    anything is modified; the model, optimizer and scheduler change only once
-    every tensor has been read.
+    anything is modified: shards are read into host memory first (one copy of
+    this rank's part), and the model, optimizer and scheduler change only once
+    every rank has read everything.
+
+    Loading weights without the optimizer into a model trained with a
+    mixed-precision (bf16) optimizer leaves its fp32 master copies stale:
+    pass the optimizer, or call its ``reload_model_params()``.
     """
     _check_name(name)
     from megatron.core import dist_checkpointing
@@ -384,6 +322,12 @@ def load_checkpoint(
         _restore(optimizer, None, backup)
     _agree(error, f"loading {part}")
 
+    try:
+        _check_loaded_keys(loaded, chunks)
+    except CheckpointError as exc:
+        error = exc
+        _restore(optimizer, None, backup)
+    _agree(error, f"checking what was read from {part}")
     try:
         _apply(loaded, meta, chunks, optimizer, scheduler, backup)
     except Exception as exc:
@@ -444,7 +388,7 @@ def _load_scheduler(scheduler, state: dict) -> None:
     scheduler.load_state_dict(state)
 
 
-def _apply(loaded, meta, chunks, optimizer, scheduler, backup) -> None:
+def _check_loaded_keys(loaded, chunks) -> None:
     model_states = loaded["model"]
     for i, chunk in enumerate(chunks):
         # "_extra_state" entries (empty without Transformer Engine) are not all
@@ -456,6 +400,10 @@ def _apply(loaded, meta, chunks, optimizer, scheduler, backup) -> None:
                 f"model chunk {i}: keys read {sorted(got - expected)[:5]} not in the model, "
                 f"model keys not read {sorted(expected - got)[:5]}"
             )
+
+
+def _apply(loaded, meta, chunks, optimizer, scheduler, backup) -> None:
+    model_states = loaded["model"]
     try:
         if scheduler is not None:
             _load_scheduler(scheduler, _unpack(loaded["scheduler"]))
