@@ -16,7 +16,9 @@ need nothing but the causal mask. Packed rows use THD ``PackedSeqParams`` with
 Transformer Engine attention; megatron's local attention (the CPU path) does not
 accept them, so there the segments are kept apart by an explicit block-diagonal
 causal mask instead (rotary positions then continue across segments, which does not
-change attention scores: rotary attention only depends on relative positions).
+change attention scores: rotary attention only depends on relative positions). That
+fallback scores all N x N token pairs of the packed row, so on CPU padded rows are the
+cheaper layout for long micro-batches.
 
 Each micro-batch records where the model output for every response token is
 (``gather_index``: a flat index into the output's positions, the position *before*
