@@ -14,7 +14,13 @@ import os
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+    GenerationConfig,
+)
 
 from tests.test_models_parity import CASES, make_tiny_model
 
@@ -28,6 +34,10 @@ def originals(tmp_path_factory) -> dict[str, tuple[str, torch.nn.Module]]:
     for name in ("llama_gqa_llama3rope", "qwen2_tied", "qwen3_headdim32", "llama_mha_tied_biases"):
         path = str(root / name)
         out[name] = (path, make_tiny_model(path, CASES[name], seed=5))
+        # Sampling defaults of the source checkpoint must survive the export.
+        GenerationConfig(do_sample=True, temperature=0.7, top_p=0.9, eos_token_id=[1, 2]).save_pretrained(
+            path
+        )
     build_char_tokenizer(root / "tokenizer")
     return out
 
@@ -87,7 +97,8 @@ def _assert_round_trip(original: torch.nn.Module, out_dir: str, results: list[di
     for name, tensor in original.state_dict().items():
         assert torch.equal(got[name], tensor), name
     assert _config_fields(AutoConfig.from_pretrained(out_dir)) == _config_fields(original.config)
-    assert os.path.isfile(os.path.join(out_dir, "generation_config.json"))
+    generation = GenerationConfig.from_pretrained(out_dir)
+    assert (generation.temperature, generation.top_p, generation.eos_token_id) == (0.7, 0.9, [1, 2])
     assert not [f for f in os.listdir(os.path.dirname(out_dir)) if ".tmp-" in f or ".old-" in f]
 
 

@@ -131,7 +131,11 @@ class ValueHead(torch.nn.Linear):
             self.bias.zero_()
         self.to(device)
         self.sequence_parallel = bool(config.sequence_parallel)
+        from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
+
         for param in self.parameters():
+            # Not tensor-parallel: megatron counts it once in the grad norm, like a layer norm.
+            set_defaults_if_not_set_tensor_model_parallel_attributes(param)
             param.sequence_parallel = self.sequence_parallel
 
     def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):

@@ -200,7 +200,7 @@ def load_hf_weights(
     info = model_info(chunks)
     tp, tp_rank = runtime.layout.tp, runtime.tp_rank
     with SafetensorsCheckpoint(hf_dir) as ckpt:
-        for name, param in named_global_parameters(chunks):
+        for name, param in _named_parameters(chunks):
             mapping = hf_mapping(name, info)
             missing = [n for n in mapping.hf_names if n not in ckpt]
             if missing and mapping.optional:
@@ -218,6 +218,12 @@ def load_hf_weights(
                     f"(whole shape {expected}); is config.json from the same model?"
                 )
             param.copy_(shard_tp(whole, param, tp_rank, tp).to(param.dtype))
+
+
+def _named_parameters(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """Global names and parameters, without the empty placeholders some Transformer Engine
+    versions register for disabled biases."""
+    return ((name, p) for name, p in named_global_parameters(chunks) if p.numel() > 0)
 
 
 def _whole_from_hf(
@@ -285,7 +291,7 @@ def iter_hf_weights(
     if hf_config is not None:
         _check_same_model(info, hf_config)
     tp = runtime.layout.tp
-    local = {name: p for name, p in named_global_parameters(chunks) if hf_mapping(name, info).export}
+    local = {name: p for name, p in _named_parameters(chunks) if hf_mapping(name, info).export}
     for name, owner, shape, dtype in _ordered_entries(local, runtime):
         if name in local:
             whole = gather_tp(local[name].detach(), local[name], runtime.tp_group(), tp)
@@ -364,6 +370,16 @@ def _export_config(hf_config: Any, info: ModelInfo, dtype: torch.dtype) -> Any:
     return config
 
 
+def _generation_config(hf_config: Any) -> Any:
+    """The source checkpoint's generation settings (sampling defaults, eos ids) when it has them."""
+    from transformers import GenerationConfig
+
+    source = getattr(hf_config, "_name_or_path", "") or ""
+    if os.path.isfile(os.path.join(source, "generation_config.json")):
+        return GenerationConfig.from_pretrained(source, local_files_only=True)
+    return GenerationConfig.from_model_config(hf_config)
+
+
 def _write_checkpoint(
     chunks: list[torch.nn.Module],
     runtime: Runtime,
@@ -385,9 +401,7 @@ def _write_checkpoint(
     info = model_info(chunks)
     _export_config(hf_config, info, dtype).save_pretrained(tmp_dir)
     if not info.value_head:
-        from transformers import GenerationConfig
-
-        GenerationConfig.from_model_config(hf_config).save_pretrained(tmp_dir)
+        _generation_config(hf_config).save_pretrained(tmp_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp_dir)
 
