@@ -1,0 +1,275 @@
+"""The native rollout engine against full recomputation, Hugging Face, and itself across layouts.
+
+A tiny random Llama (initialised with a large std so that next-token distributions are peaked
+and greedy choices are far from ties) is built once; every job loads it into megatron chunks
+under its own tp/pp layout. References:
+
+- greedy decoding must equal step-by-step full recomputation (argmax of a cache-free forward of
+  each unpadded growing sequence) and Hugging Face's greedy ``generate`` on the same prompts;
+- rollout log-probs must equal log-softmax(logits / T) of a full forward at the chosen tokens;
+- tp=2 sampling with a seed must give tp=1's tokens; pp=2 (and pp=2 x vpp=2) greedy pp=1's.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 96, 64, 4, 4, 2, 128
+PAD, EOS = 0, 1
+PROMPT_LENGTHS = [7, 3, 5, 1, 6]
+RESPONSE_LENGTH = 12
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    from verl_megatron.utils.local_assets import build_tiny_hf_model
+
+    path = tmp_path_factory.mktemp("rollout_llama")
+    build_tiny_hf_model(
+        path, "llama", vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, num_heads=HEADS,
+        num_kv_heads=KV_HEADS, intermediate_size=FFN, seed=3, initializer_range=0.3,
+        bos_token_id=None, eos_token_id=EOS, pad_token_id=PAD,
+    )  # fmt: skip
+    return str(path)
+
+
+def prompt_batch(lengths: list[int] = PROMPT_LENGTHS, seed: int = 0, meta: dict | None = None):
+    """Left-padded prompts with random tokens (never PAD or EOS) and a per-row uid."""
+    from verl_megatron.protocol import DataProto
+
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), PAD, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        ids[i, width - n :] = torch.randint(2, VOCAB, (n,), generator=g)
+        mask[i, width - n :] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return DataProto.from_dict(
+        {"input_ids": ids, "attention_mask": mask, "position_ids": positions},
+        non_tensors={"uid": np.array([f"p{i}" for i in range(len(lengths))], dtype=object)},
+        meta_info=dict(meta or {}),
+    )
+
+
+def _setup(model_dir: str, tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 11):
+    from transformers import AutoConfig
+
+    from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
+    from verl_megatron.models.builder import build_gpt_chunks
+    from verl_megatron.models.config import ModelConfig
+    from verl_megatron.models.convert import load_hf_weights
+
+    runtime = init_runtime(ParallelLayout(tp=tp, pp=pp, vpp=vpp), seed=seed)
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    model_cfg = ModelConfig(path=model_dir, dtype="float32")
+    chunks = build_gpt_chunks(hf_config, runtime, model_cfg)
+    load_hf_weights(chunks, model_dir, runtime, model_cfg)
+    return runtime, chunks, hf_config
+
+
+def _engine(runtime, chunks, hf_config, **overrides):
+    from verl_megatron.rollout import RolloutConfig, build_rollout
+
+    config = RolloutConfig(**{"prompt_length": 8, "response_length": RESPONSE_LENGTH, **overrides})
+    tokenizer = SimpleNamespace(pad_token_id=PAD, eos_token_id=EOS)
+    return build_rollout(config, runtime, chunks, tokenizer, hf_config)
+
+
+def _result(out) -> dict:
+    keys = ["prompts", "responses", "response_mask", "rollout_log_probs", "attention_mask", "position_ids"]
+    result = {k: out.batch[k].clone() for k in keys}
+    result["uid"] = list(out.non_tensor_batch["uid"])
+    return result
+
+
+def generate_job(model_dir: str, tp: int, pp: int, vpp: int | None, config: dict, meta: dict) -> dict:
+    runtime, chunks, hf_config = _setup(model_dir, tp, pp, vpp)
+    engine = _engine(runtime, chunks, hf_config, **config)
+    return _result(engine.generate_sequences(prompt_batch(meta=meta)))
+
+
+def _full_logits(chunk, tokens: list[int]) -> torch.Tensor:
+    """[L, V] logits of a cache-free forward of one unpadded sequence."""
+    ids = torch.tensor([tokens])
+    positions = torch.arange(len(tokens))[None]
+    logits = chunk(ids, positions, None, runtime_gather_output=True)
+    return logits[0, :, :VOCAB].float()
+
+
+def reference_job(model_dir: str, temperature: float, sampled: dict) -> dict:
+    """Greedy by full recomputation, HF greedy generate, and recomputed log-probs of ``sampled``."""
+    from transformers import AutoModelForCausalLM
+
+    _, chunks, _ = _setup(model_dir)
+    chunk = chunks[0].eval()
+    prompts = prompt_batch()
+    greedy = []
+    with torch.no_grad():
+        for row, n in enumerate(PROMPT_LENGTHS):
+            tokens = prompts.batch["input_ids"][row, -n:].tolist()
+            for _ in range(RESPONSE_LENGTH):
+                tokens.append(int(_full_logits(chunk, tokens)[-1].argmax()))
+            greedy.append(tokens[n:])
+        recomputed = torch.zeros_like(sampled["rollout_log_probs"])
+        for row in range(sampled["responses"].shape[0]):
+            prompt_row = sampled["prompts"][row][
+                sampled["attention_mask"][row, : sampled["prompts"].shape[1]].bool()
+            ]
+            length = int(sampled["response_mask"][row].sum())
+            response = sampled["responses"][row, :length]
+            logits = _full_logits(chunk, prompt_row.tolist() + response.tolist()) / temperature
+            log_probs = torch.log_softmax(logits[len(prompt_row) - 1 : -1], dim=-1)
+            recomputed[row, :length] = log_probs.gather(-1, response[:, None]).squeeze(-1)
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        hf.generation_config.eos_token_id = None  # the engine ran with ignore_eos
+        hf_out = hf.generate(
+            input_ids=prompts.batch["input_ids"],
+            attention_mask=prompts.batch["attention_mask"],
+            do_sample=False,
+            max_new_tokens=RESPONSE_LENGTH,
+            pad_token_id=PAD,
+        )
+    return {
+        "greedy": torch.tensor(greedy),
+        "hf_greedy": hf_out[:, prompts.batch["input_ids"].shape[1] :],
+        "recomputed": recomputed,
+    }
+
+
+SAMPLING = {"temperature": 0.7, "top_k": 20, "top_p": 0.9, "n": 2, "seed": 5, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def single(pool1, model_dir) -> dict:
+    greedy = pool1.run(f"{__name__}:generate_job", model_dir=model_dir, tp=1, pp=1, vpp=None,
+                       config={"ignore_eos": True}, meta={"do_sample": False})[0]  # fmt: skip
+    sampled = pool1.run(f"{__name__}:generate_job", model_dir=model_dir, tp=1, pp=1, vpp=None,
+                        config=SAMPLING, meta={})[0]  # fmt: skip
+    reference = pool1.run(f"{__name__}:reference_job", model_dir=model_dir, temperature=0.7, sampled=sampled)[
+        0
+    ]
+    return {"greedy": greedy, "sampled": sampled, "reference": reference}
+
+
+def test_greedy_equals_full_recomputation_and_hf_generate(single):
+    greedy, reference = single["greedy"], single["reference"]
+    assert torch.equal(greedy["responses"], reference["greedy"])
+    assert torch.equal(greedy["responses"], reference["hf_greedy"])
+    # The model is not degenerate: rows differ and tokens vary along a row.
+    assert len({tuple(r.tolist()) for r in greedy["responses"]}) == len(PROMPT_LENGTHS)
+    assert all(len(set(r.tolist())) > 2 for r in greedy["responses"])
+
+
+def test_sampled_log_probs_equal_recomputed(single):
+    sampled, reference = single["sampled"], single["reference"]
+    assert sampled["responses"].shape == (2 * len(PROMPT_LENGTHS), RESPONSE_LENGTH)
+    assert torch.equal(sampled["response_mask"], torch.ones_like(sampled["response_mask"]))
+    torch.testing.assert_close(sampled["rollout_log_probs"], reference["recomputed"], rtol=0, atol=1e-4)
+    # top_k=20, top_p=0.9 at T=0.7 keep few tokens: every chosen token is likely.
+    assert float(sampled["rollout_log_probs"].min()) > -6.0
+
+
+def test_samples_of_a_prompt_are_adjacent_rows(single):
+    sampled = single["sampled"]
+    prompts = prompt_batch()
+    assert sampled["uid"] == [f"p{i // 2}" for i in range(2 * len(PROMPT_LENGTHS))]
+    assert torch.equal(sampled["prompts"], prompts.batch["input_ids"].repeat_interleave(2, dim=0))
+    # Two samples of one prompt differ somewhere (T=0.7 over ~several candidates, 12 tokens).
+    assert (
+        sum(not torch.equal(sampled["responses"][2 * i], sampled["responses"][2 * i + 1]) for i in range(5))
+        >= 3
+    )
+    # Positions continue from each prompt's last position; attention covers prompt + response.
+    width = prompts.batch["input_ids"].shape[1]
+    lengths = torch.tensor(PROMPT_LENGTHS).repeat_interleave(2)
+    expected = lengths[:, None] - 1 + torch.arange(1, RESPONSE_LENGTH + 1)[None]
+    assert torch.equal(sampled["position_ids"][:, width:], expected)
+    assert torch.equal(sampled["attention_mask"].sum(-1), lengths + RESPONSE_LENGTH)
+
+
+def test_tp2_sampling_matches_tp1(pool2, single, model_dir):
+    runs = pool2.run(
+        f"{__name__}:generate_job", model_dir=model_dir, tp=2, pp=1, vpp=None, config=SAMPLING, meta={}
+    )
+    for run in runs:
+        assert torch.equal(run["responses"], single["sampled"]["responses"])
+        torch.testing.assert_close(
+            run["rollout_log_probs"], single["sampled"]["rollout_log_probs"], rtol=0, atol=1e-4
+        )
+
+
+@pytest.mark.parametrize("vpp", [None, 2], ids=["pp2", "pp2-vpp2"])
+def test_pp2_greedy_matches_pp1(pool2, single, model_dir, vpp):
+    runs = pool2.run(f"{__name__}:generate_job", model_dir=model_dir, tp=1, pp=2, vpp=vpp,
+                     config={"ignore_eos": True}, meta={"do_sample": False})  # fmt: skip
+    for run in runs:
+        assert torch.equal(run["responses"], single["greedy"]["responses"])
+        torch.testing.assert_close(
+            run["rollout_log_probs"], single["greedy"]["rollout_log_probs"], rtol=0, atol=1e-4
+        )
+
+
+def eos_job(model_dir: str) -> dict:
+    """Greedy without stops, then with EOS set to a token that row 0 produces at step 3."""
+    runtime, chunks, hf_config = _setup(model_dir)
+    engine = _engine(runtime, chunks, hf_config, ignore_eos=True)
+    free = _result(engine.generate_sequences(prompt_batch(meta={"do_sample": False})))
+    eos = int(free["responses"][0, 3])
+    stopping = _engine(runtime, chunks, hf_config)
+    stopped = _result(
+        stopping.generate_sequences(prompt_batch(meta={"do_sample": False, "eos_token_id": eos}))
+    )
+    return {"free": free, "stopped": stopped, "eos": eos, "steps": stopping.stats["decode_steps"]}
+
+
+def test_eos_ends_the_response_hand_checked(pool1, model_dir):
+    out = pool1.run(f"{__name__}:eos_job", model_dir=model_dir)[0]
+    free, stopped, eos = out["free"], out["stopped"], out["eos"]
+    width = max(PROMPT_LENGTHS)
+    for row in range(len(PROMPT_LENGTHS)):
+        tokens = free["responses"][row].tolist()
+        end = tokens.index(eos) + 1 if eos in tokens else RESPONSE_LENGTH
+        expected = tokens[:end] + [PAD] * (RESPONSE_LENGTH - end)
+        assert stopped["responses"][row].tolist() == expected, f"row {row}"
+        # EOS itself is part of the response (mask 1); everything after it is padding (mask 0).
+        assert stopped["response_mask"][row].tolist() == [1] * end + [0] * (RESPONSE_LENGTH - end)
+        assert torch.equal(stopped["attention_mask"][row, width:], stopped["response_mask"][row])
+        torch.testing.assert_close(
+            stopped["rollout_log_probs"][row, :end], free["rollout_log_probs"][row, :end]
+        )
+        assert stopped["rollout_log_probs"][row, end:].abs().sum() == 0
+    assert stopped["responses"][0, 3] == eos and stopped["response_mask"][0].sum() == 4
+    # Decoding stopped once every row had finished, not at the response length.
+    last_stop = max(
+        (r.tolist().index(eos) + 1 if eos in r.tolist() else RESPONSE_LENGTH) for r in free["responses"]
+    )
+    assert out["steps"] == last_stop - 1
+
+
+def seeded_job(model_dir: str) -> dict:
+    runtime, chunks, hf_config = _setup(model_dir)
+    config = {"temperature": 1.0, "seed": 21, "ignore_eos": True}
+    first, second = (
+        _engine(runtime, chunks, hf_config, **config),
+        _engine(runtime, chunks, hf_config, **config),
+    )
+    batch = prompt_batch()
+    a1 = first.generate_sequences(batch).batch["responses"]
+    b1 = second.generate_sequences(batch).batch["responses"]
+    a2 = first.generate_sequences(batch).batch["responses"]
+    validate = _engine(runtime, chunks, hf_config, n=4, ignore_eos=True)
+    val = _result(validate.generate_sequences(prompt_batch(meta={"validate": True})))
+    return {"a1": a1, "b1": b1, "a2": a2, "val": val}
+
+
+def test_same_seed_same_tokens_and_validation_is_greedy(pool1, single, model_dir):
+    out = pool1.run(f"{__name__}:seeded_job", model_dir=model_dir)[0]
+    assert torch.equal(out["a1"], out["b1"])
+    assert not torch.equal(out["a1"], out["a2"])  # the next call draws new samples
+    # validate=True uses val_kwargs (greedy, n=1) whatever the training n.
+    assert torch.equal(out["val"]["responses"], single["greedy"]["responses"])

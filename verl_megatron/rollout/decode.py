@@ -1,0 +1,240 @@
+"""Incremental decoding over megatron GPT chunks, in place, with a static KV cache.
+
+``ChunkDecoder`` runs this rank's model chunks (same tp/pp layout and weights as the actor) on
+the new tokens of a step and returns next-token logits on the last pipeline stage. It calls
+the chunks' own modules (embedding, qkv / output projections, norms, MLP, output layer), so
+tensor parallelism and the layer spec (local or Transformer Engine) work as in training, but
+it replaces two parts of megatron's inference path:
+
+- attention reads a per-layer cache of shape [B, groups, T_max, head_dim] written once per
+  token, with a padding-aware mask, grouped-query heads without copying the cache per head,
+  and rotary embeddings applied once to each new key. megatron's ``StaticInferenceContext``
+  re-applies the rotary embedding to the whole cached prefix and repeats it per query head at
+  every step, and masks padding only with the local layer spec;
+- rotary positions are per row (verl's ``position_ids``: the token's index in its own
+  sequence), so left-padded prompts need no re-alignment.
+
+Pipeline parallelism: each step runs stage after stage; a stage sends its hidden states
+[s, B, H] to the next pipeline rank (with virtual stages the last rank sends back to the first).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from verl_megatron.distributed.parallel import Runtime
+
+__all__ = ["ChunkDecoder", "inference_mode_for"]
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+@contextlib.contextmanager
+def inference_mode_for(chunks: list[torch.nn.Module]) -> Iterator[list[torch.nn.Module]]:
+    """Eval mode, no autograd and no sequence parallelism for the duration; yields the bare chunks.
+
+    Sequence parallelism splits activations along the sequence, which a one-token decoding step
+    cannot be; without it the same weights compute the same function.
+    """
+    bare = [_unwrap(c) for c in chunks]
+    was_training = [m.training for m in bare]
+    switched: list[tuple[torch.nn.Module, str]] = []
+    for module in (m for chunk in bare for m in chunk.modules()):
+        for attr in ("sequence_parallel", "reduce_scatter_embeddings"):
+            if getattr(module, attr, None) is True:
+                setattr(module, attr, False)
+                switched.append((module, attr))
+    try:
+        for m in bare:
+            m.eval()
+        with torch.no_grad():
+            yield bare
+    finally:
+        for module, attr in switched:
+            setattr(module, attr, True)
+        for m, training in zip(bare, was_training):
+            m.train(training)
+
+
+def _check_supported(chunk: torch.nn.Module) -> None:
+    config = chunk.config
+    where = f"{type(chunk).__name__} (native rollout)"
+    if getattr(chunk, "position_embedding_type", "rope") != "rope":
+        raise NotImplementedError(f"{where}: only rotary position embeddings are supported")
+    if config.multi_latent_attention:
+        raise NotImplementedError(f"{where}: multi-latent attention is not supported")
+    if config.rotary_interleaved:
+        raise NotImplementedError(f"{where}: interleaved rotary embeddings are not supported")
+    if config.context_parallel_size > 1:
+        raise NotImplementedError(f"{where}: context parallelism is not supported for generation")
+    if getattr(config, "attention_output_gate", False):
+        raise NotImplementedError(f"{where}: gated attention output is not supported")
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [s, B, heads, D] with cos/sin [s, B, 1, R] (R <= D rotated dims)."""
+    rot = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    x1, x2 = x_rot.chunk(2, dim=-1)
+    out = x_rot * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return torch.cat((out, x_pass), dim=-1) if x_pass.shape[-1] else out
+
+
+class ChunkDecoder:
+    """KV-cached forward of this rank's chunks, one step of new tokens at a time.
+
+    Args:
+        chunks: this rank's model chunks (bare, in eval mode: see :func:`inference_mode_for`).
+        runtime: the distributed runtime (for pipeline neighbours).
+        batch_size: rows B of the cache.
+        max_len: columns T_max of the cache (prompt + response length).
+        vocab_size: real vocabulary size; logits columns past it (tp padding) are dropped.
+    """
+
+    def __init__(
+        self, chunks: list[torch.nn.Module], runtime: Runtime, batch_size: int, max_len: int, vocab_size: int
+    ) -> None:
+        for chunk in chunks:
+            _check_supported(chunk)
+        self.chunks = chunks
+        self.runtime = runtime
+        self.vocab_size = vocab_size
+        self.max_len = max_len
+        config = chunks[0].config
+        self.hidden_size = config.hidden_size
+        self.dtype = config.params_dtype
+        self.device = next(chunks[0].parameters()).device
+        self.scale = config.softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+        # Rotary table for positions 0..max_len-1 from the model's own module (keeps its
+        # scaling / llama3 frequencies); [T_max, 1, 1, R] -> [T_max, R].
+        freqs = chunks[0].rotary_pos_emb(max_len).reshape(max_len, -1).float()
+        self.cos, self.sin = freqs.cos().to(self.dtype), freqs.sin().to(self.dtype)
+        self.caches: list[list[tuple[torch.Tensor, torch.Tensor]]] = [
+            [self._empty_cache(layer, batch_size) for layer in chunk.decoder.layers] for chunk in chunks
+        ]
+
+    def _empty_cache(self, layer: torch.nn.Module, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        attn = layer.self_attention
+        groups, head_dim = attn.num_query_groups_per_partition, attn.hidden_size_per_attention_head
+        shape = (batch, groups, self.max_len, head_dim)
+        return (
+            torch.zeros(shape, dtype=self.dtype, device=self.device),
+            torch.zeros(shape, dtype=self.dtype, device=self.device),
+        )
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Keep / repeat cache rows: row i of the new cache is old row ``rows[i]`` (e.g. n samples)."""
+        self.caches = [
+            [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in chunk_cache]
+            for chunk_cache in self.caches
+        ]
+
+    def step(
+        self, tokens: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor, start: int
+    ) -> torch.Tensor | None:
+        """Run new tokens through every chunk; write their keys / values to the cache.
+
+        Args:
+            tokens: [B, s] token ids at cache columns start..start+s-1 (read on the first stage).
+            positions: [B, s] rotary positions of those tokens.
+            key_valid: [B, >= start+s] bool, which cache columns hold real tokens.
+            start: first cache column of the new tokens.
+
+        Returns:
+            logits [B, V] float32 for the token after the last new one on the last pipeline
+            stage (whole vocabulary on every tp rank), else None.
+        """
+        batch, s = positions.shape
+        cos = self.cos[positions].transpose(0, 1).unsqueeze(2)  # [s, B, 1, R]
+        sin = self.sin[positions].transpose(0, 1).unsqueeze(2)
+        mask = self._mask(key_valid, start, s)
+        logits = None
+        for chunk, cache in zip(self.chunks, self.caches):
+            if chunk.pre_process:
+                hidden = chunk.embedding(input_ids=tokens, position_ids=positions)
+            else:
+                hidden = self._recv(s, batch)
+            for layer, (k_cache, v_cache) in zip(chunk.decoder.layers, cache):
+                hidden = self._layer(layer, hidden, k_cache, v_cache, cos, sin, mask, start)
+            if chunk.post_process:
+                logits = self._logits(chunk, hidden[-1:])
+            else:
+                self._send(hidden)
+        return logits
+
+    def _mask(self, key_valid: torch.Tensor, start: int, s: int) -> torch.Tensor:
+        """[B, 1, s, start+s] bool, True where attention is allowed."""
+        end = start + s
+        query_col = torch.arange(start, end, device=key_valid.device)[:, None]
+        key_col = torch.arange(end, device=key_valid.device)[None, :]
+        mask = key_valid[:, None, :end] & (key_col <= query_col)[None]
+        # A padding query whose earlier keys are all padding would see no key at all and give
+        # NaN; letting every query see itself keeps such rows finite (their output is unused).
+        return (mask | (key_col == query_col)[None]).unsqueeze(1)
+
+    def _layer(self, layer, hidden, k_cache, v_cache, cos, sin, mask, start: int) -> torch.Tensor:
+        attn = layer.self_attention
+        query, key, value = attn.get_query_key_value_tensors(layer.input_layernorm(hidden), None)
+        query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
+        s = query.shape[0]
+        k_cache[:, :, start : start + s] = key.permute(1, 2, 0, 3)
+        v_cache[:, :, start : start + s] = value.permute(1, 2, 0, 3)
+        context = self._attention(query, k_cache[:, :, : start + s], v_cache[:, :, : start + s], mask)
+        out, bias = attn.linear_proj(context)
+        hidden = hidden + out if bias is None else hidden + out + bias
+        out, bias = layer.mlp(layer.pre_mlp_layernorm(hidden))
+        return hidden + out if bias is None else hidden + out + bias
+
+    def _attention(
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """query [s, B, heads, D], keys/values [B, groups, L, D], mask [B, 1, s, L] -> [s, B, heads*D].
+
+        The query heads sharing a key/value group are stacked along the query axis, so each group's
+        cached keys are used as they are, without repeating them per head.
+        """
+        s, batch, heads, dim = query.shape
+        groups = keys.shape[1]
+        per_group = heads // groups
+        # [s, B, G*P, D] -> [B, G, P*s, D]; megatron orders heads group-major.
+        q = query.reshape(s, batch, groups, per_group, dim).permute(1, 2, 3, 0, 4)
+        q = q.reshape(batch, groups, per_group * s, dim)
+        if s > 1:
+            mask = mask.repeat(1, 1, per_group, 1)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
+        out = out.reshape(batch, groups, per_group, s, dim).permute(3, 0, 1, 2, 4)
+        return out.reshape(s, batch, heads * dim)
+
+    def _logits(self, chunk: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        norm = getattr(chunk.decoder, "final_layernorm", None)
+        if norm is not None:
+            hidden = norm(hidden)
+        weight = (
+            chunk.shared_embedding_or_output_weight() if chunk.share_embeddings_and_output_weights else None
+        )
+        logits, _ = chunk.output_layer(hidden, weight=weight, runtime_gather_output=True)
+        return logits[-1, :, : self.vocab_size].float()
+
+    def _send(self, hidden: torch.Tensor) -> None:
+        from megatron.core import parallel_state as ps
+
+        dist.send(
+            hidden.contiguous(), ps.get_pipeline_model_parallel_next_rank(), group=self.runtime.pp_group()
+        )
+
+    def _recv(self, s: int, batch: int) -> torch.Tensor:
+        from megatron.core import parallel_state as ps
+
+        hidden = torch.empty(s, batch, self.hidden_size, dtype=self.dtype, device=self.device)
+        dist.recv(hidden, ps.get_pipeline_model_parallel_prev_rank(), group=self.runtime.pp_group())
+        return hidden

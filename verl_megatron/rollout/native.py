@@ -1,0 +1,184 @@
+"""The native rollout engine: generation with the actor's own megatron chunks (CPU and GPU).
+
+No weights are copied: the engine decodes with the chunks the actor trains, in their tp/pp
+layout, so ``sync_weights`` / ``sleep`` / ``wake_up`` have nothing to do. One call:
+
+1. prefill the B unique prompts once (keys / values cached per layer, see ``decode.py``);
+2. copy each prompt's cache rows n times (a prompt's n samples are adjacent rows);
+3. decode one token per row per step until every row has stopped (EOS / stop id) or the
+   response length is reached; the last pipeline stage samples, and the tokens and their
+   log-probs are broadcast to every rank of the model-parallel group, so all ranks agree.
+
+Sampling is seeded by (seed, data-parallel rank, call number): the same seed and the same
+sequence of calls give the same tokens, whatever the tp/pp layout.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from verl_megatron.distributed.parallel import Runtime
+from verl_megatron.protocol import DataProto
+from verl_megatron.rollout.base import (
+    RolloutEngine,
+    assemble_output,
+    pad_token_id,
+    prompt_tensors,
+    stop_token_ids,
+)
+from verl_megatron.rollout.config import RolloutConfig
+from verl_megatron.rollout.decode import ChunkDecoder, inference_mode_for
+from verl_megatron.rollout.sampling import SamplingParams, resolve_sampling, sample_next
+
+__all__ = ["NativeRollout"]
+
+
+class NativeRollout(RolloutEngine):
+    """Generates with the actor's megatron chunks in place (see the module docstring).
+
+    Args:
+        config: rollout settings (sampling, lengths, stop tokens, seed).
+        runtime: the distributed runtime the chunks were built under.
+        actor_chunks: this rank's actor model chunks (DDP-wrapped or bare).
+        tokenizer: supplies pad / eos ids when the batch's meta_info does not.
+        hf_config: the checkpoint's config (its ``eos_token_id`` also stops generation).
+    """
+
+    def __init__(
+        self,
+        config: RolloutConfig,
+        runtime: Runtime,
+        actor_chunks: list[torch.nn.Module],
+        tokenizer: Any,
+        hf_config: Any,
+    ) -> None:
+        if not actor_chunks:
+            raise ValueError("NativeRollout: actor_chunks is empty")
+        self.config = config
+        self.runtime = runtime
+        self.chunks = actor_chunks
+        self.tokenizer = tokenizer
+        self.hf_config = hf_config
+        self.seed = config.seed if config.seed is not None else runtime.seed
+        self._calls = 0
+        # Of the last call: decode_steps (forward steps after the prefill), response_tokens, seconds.
+        self.stats: dict[str, float] = {}
+
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Responses for left-padded prompts [B, Tp] -> [B*n, ...] (keys: ``verl_megatron.rollout.base``).
+
+        ``meta_info`` may set ``validate``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
+        ``n``, ``eos_token_id``, ``pad_token_id`` and ``response_length`` for this batch.
+        """
+        input_ids, mask, positions = prompt_tensors(prompts)
+        if input_ids.shape[1] > self.config.prompt_length:
+            raise ValueError(
+                f"generate_sequences: prompts have {input_ids.shape[1]} columns, more than "
+                f"rollout.prompt_length={self.config.prompt_length}"
+            )
+        meta = prompts.meta_info
+        params = resolve_sampling(self.config, meta)
+        response_length = int(meta.get("response_length", self.config.response_length))
+        if response_length < 1:
+            raise ValueError(f"generate_sequences: response_length must be >= 1, got {response_length}")
+        stops = stop_token_ids(self.config, meta, self.tokenizer, self.hf_config)
+        pad = pad_token_id(meta, self.tokenizer)
+        generator = self._generator()
+        device = self.runtime.device
+        start = time.perf_counter()
+        with inference_mode_for(self.chunks) as bare:
+            responses, response_mask, log_probs = self._decode(
+                bare,
+                input_ids.to(device),
+                mask.to(device).bool(),
+                positions.to(device),
+                params,
+                stops,
+                pad,
+                response_length,
+                generator,
+            )
+        self.stats["seconds"] = time.perf_counter() - start
+        self.stats["response_tokens"] = float(response_mask.sum())
+        return assemble_output(prompts, responses, response_mask, log_probs, params.n)
+
+    def _generator(self) -> torch.Generator:
+        dp_rank = self.runtime.dp_rank
+        seed = ((self.seed * 1_000_003 + dp_rank) * 1_000_033 + self._calls) % (2**63)
+        self._calls += 1
+        return torch.Generator(device=self.runtime.device).manual_seed(seed)
+
+    def _decode(
+        self,
+        bare: list[torch.nn.Module],
+        input_ids: torch.Tensor,
+        prompt_valid: torch.Tensor,
+        positions: torch.Tensor,
+        params: SamplingParams,
+        stops: list[int],
+        pad: int,
+        response_length: int,
+        generator: torch.Generator,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(responses, response_mask, log_probs), each [B*n, Tr]; see the module docstring."""
+        batch, prompt_len = input_ids.shape
+        n, rows, device = params.n, input_ids.shape[0] * params.n, input_ids.device
+        info = getattr(bare[0], "verl_model_info", None)
+        vocab = info.vocab_size if info is not None else bare[0].vocab_size
+        decoder = ChunkDecoder(bare, self.runtime, batch, prompt_len + response_length, vocab)
+
+        key_valid = torch.ones(batch, prompt_len + response_length, dtype=torch.bool, device=device)
+        key_valid[:, :prompt_len] = prompt_valid
+        logits = decoder.step(input_ids, positions, key_valid, start=0)
+        if n > 1:
+            decoder.reorder(torch.arange(batch, device=device).repeat_interleave(n))
+            key_valid = key_valid.repeat_interleave(n, dim=0)
+            logits = None if logits is None else logits.repeat_interleave(n, dim=0)
+
+        stop_ids = torch.tensor(stops, dtype=torch.long, device=device)
+        next_position = positions[:, -1].repeat_interleave(n) + 1
+        responses = torch.full((rows, response_length), pad, dtype=torch.long, device=device)
+        response_mask = torch.zeros(rows, response_length, dtype=torch.long, device=device)
+        log_probs = torch.zeros(rows, response_length, dtype=torch.float32, device=device)
+        finished = torch.zeros(rows, dtype=torch.bool, device=device)
+        for t in range(response_length):
+            tokens, token_log_probs = self._next_tokens(logits, params, generator, rows)
+            live = ~finished
+            responses[:, t] = torch.where(live, tokens, pad)
+            log_probs[:, t] = torch.where(live, token_log_probs, 0.0)
+            response_mask[:, t] = live.long()
+            finished |= torch.isin(tokens, stop_ids)
+            # Every rank holds the same tokens, so every rank leaves the loop at the same step.
+            if t == response_length - 1 or bool(finished.all()):
+                self.stats["decode_steps"] = t
+                break
+            logits = decoder.step(
+                responses[:, t : t + 1], (next_position + t)[:, None], key_valid, start=prompt_len + t
+            )
+        return responses, response_mask, log_probs
+
+    def _next_tokens(
+        self, logits: torch.Tensor | None, params: SamplingParams, generator: torch.Generator, rows: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample on the last pipeline stage; broadcast (tokens [rows], log_probs [rows]) to all ranks.
+
+        tp ranks of the last stage hold identical gathered logits and generators; tp rank 0's
+        draw is broadcast anyway so that no rounding difference between ranks can split them.
+        """
+        from megatron.core import parallel_state as ps
+
+        device = self.runtime.device
+        # float64 holds token ids exactly and float32 log-probs without rounding: one message.
+        packed = torch.empty(2, rows, dtype=torch.float64, device=device)
+        if logits is not None:
+            tokens, token_log_probs = sample_next(logits, params, generator)
+            packed[0], packed[1] = tokens, token_log_probs
+            if self.runtime.layout.tp > 1:
+                dist.broadcast(packed, ps.get_tensor_model_parallel_src_rank(), group=self.runtime.tp_group())
+        if self.runtime.layout.pp > 1:
+            dist.broadcast(packed, ps.get_pipeline_model_parallel_last_rank(), group=self.runtime.pp_group())
+        return packed[0].long(), packed[1].float()

@@ -1,0 +1,176 @@
+"""Choosing the next token from logits: greedy, temperature, top-k, top-p; seeded.
+
+``sample_next`` draws one token per row by inverting the cumulative distribution with one
+uniform number per row. ``torch.multinomial`` draws an exponential variate for every vocabulary
+entry instead (a [B, V] random tensor per step), which on a CPU costs more than the rest of a
+small model's decoding step. The same generator state and the same logits give the same tokens
+on every rank.
+
+``rollout_log_probs`` are the log-softmax of the temperature-scaled logits at the chosen token,
+over the whole vocabulary (top-k / top-p only restrict which tokens can be drawn), as the actor
+recomputes them. For greedy decoding the temperature is 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from verl_megatron.rollout.config import RolloutConfig, RolloutConfigError
+
+__all__ = ["SamplingParams", "resolve_sampling", "sample_next"]
+
+# Candidates examined before falling back to a full sort for top-p: if the K most likely tokens
+# already hold top_p of the probability, the nucleus lies within them (exact, not a heuristic).
+_TOP_P_CANDIDATES = 1024
+# Vocabulary entries per block of the two-level inverse CDF.
+_BLOCK = 256
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """The sampling settings of one generate call.
+
+    Attributes:
+        temperature: logits are divided by it before softmax (ignored when greedy).
+        top_k: keep the k most likely tokens; <= 0 keeps all.
+        top_p: nucleus mass; 1.0 keeps all.
+        greedy: take the argmax (rollout log-probs then use temperature 1).
+        n: samples per prompt.
+    """
+
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    greedy: bool = False
+    n: int = 1
+
+    @property
+    def logprob_temperature(self) -> float:
+        return 1.0 if self.greedy else self.temperature
+
+
+def resolve_sampling(config: RolloutConfig, meta_info: dict[str, Any]) -> SamplingParams:
+    """The settings for a batch: ``val_kwargs`` when ``meta_info['validate']``, else the training ones.
+
+    ``meta_info`` may override ``temperature``, ``top_k``, ``top_p``, ``n`` and ``do_sample``
+    (``do_sample=False`` means greedy with n=1, as in verl). Temperature 0 also means greedy.
+    """
+    if meta_info.get("validate", False):
+        base = config.val_kwargs
+        fields = dict(temperature=base.temperature, top_k=base.top_k, top_p=base.top_p, n=base.n)
+        do_sample = base.do_sample
+    else:
+        fields = dict(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, n=config.n)
+        do_sample = config.do_sample
+    for key in fields:
+        if key in meta_info:
+            fields[key] = type(fields[key])(meta_info[key])
+    do_sample = bool(meta_info.get("do_sample", do_sample))
+    if fields["temperature"] < 0 or not 0 < fields["top_p"] <= 1 or fields["n"] < 1:
+        raise RolloutConfigError(f"invalid sampling settings for this batch: {fields}")
+    greedy = not do_sample or fields["temperature"] == 0
+    if greedy:
+        # Every greedy sample of a prompt would be identical: verl returns one.
+        fields.update(n=1, temperature=1.0, top_k=-1, top_p=1.0)
+    return SamplingParams(greedy=greedy, **fields)
+
+
+def _inverse_cdf(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One index per row of ``weights`` [B, K] (non-negative, unnormalised) -> [B].
+
+    searchsorted(right) returns the first index whose cumulative weight exceeds u * total:
+    zero-weight entries never increase the cumulative sum, so they are never chosen.
+    """
+    cdf = weights.cumsum(dim=-1)
+    u = torch.rand(weights.shape[0], 1, generator=generator, device=weights.device, dtype=cdf.dtype)
+    index = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
+    return index.clamp_(max=weights.shape[-1] - 1).squeeze(-1)
+
+
+def _inverse_cdf_blocked(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Like :func:`_inverse_cdf` over a large vocabulary [B, V], in two levels.
+
+    A running sum over V is sequential along each row; summing blocks of ``_BLOCK`` entries is
+    not. A block is drawn with probability proportional to its sum, then an entry within it,
+    which gives each entry probability w_j / sum(w) as one level would, for one uniform per row.
+    """
+    batch, vocab = weights.shape
+    full = vocab // _BLOCK * _BLOCK
+    sums = weights[:, :full].reshape(batch, full // _BLOCK, _BLOCK).sum(dim=-1)
+    if full < vocab:
+        sums = torch.cat([sums, weights[:, full:].sum(dim=-1, keepdim=True)], dim=-1)
+    cdf = sums.cumsum(dim=-1)
+    u = torch.rand(batch, 1, generator=generator, device=weights.device, dtype=cdf.dtype) * cdf[:, -1:]
+    block = torch.searchsorted(cdf, u, right=True).clamp_(max=sums.shape[-1] - 1)
+    # The uniform's offset into its block, and that block's entries (past-the-end columns weigh 0).
+    offset = u - (cdf.gather(-1, block) - sums.gather(-1, block))
+    columns = block * _BLOCK + torch.arange(_BLOCK, device=weights.device)
+    inside = columns < vocab
+    in_block = weights.gather(-1, columns.clamp(max=vocab - 1)) * inside
+    index = torch.searchsorted(in_block.cumsum(dim=-1), offset, right=True)
+    # Rounding can put the offset a hair past the block's own running sum: take its last entry.
+    index = torch.minimum(index, inside.sum(dim=-1, keepdim=True) - 1)
+    return (block * _BLOCK + index).squeeze(-1)
+
+
+def _nucleus(sorted_scaled: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Probabilities [B, K] over candidates sorted by decreasing logit, zero outside the top-p set."""
+    probs = torch.softmax(sorted_scaled, dim=-1)
+    if top_p < 1.0:
+        # Keep a token while the mass of the tokens before it is below top_p (the first always stays).
+        before = probs.cumsum(dim=-1) - probs
+        probs = probs.masked_fill(before >= top_p, 0.0)
+    return probs
+
+
+def _candidates(
+    scaled: torch.Tensor, log_total: torch.Tensor, params: SamplingParams
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted scaled logits [B, K], their token ids [B, K]) holding every token top-k / top-p may keep."""
+    vocab = scaled.shape[-1]
+    if 0 < params.top_k < vocab:
+        return torch.topk(scaled, params.top_k, dim=-1)
+    k = min(_TOP_P_CANDIDATES, vocab)
+    values, index = torch.topk(scaled, k, dim=-1)
+    if k < vocab:
+        mass = torch.exp(values - log_total).sum(dim=-1)
+        if not bool((mass >= params.top_p).all()):
+            return torch.sort(scaled, dim=-1, descending=True)
+    return values, index
+
+
+def sample_next(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Choose one token per row.
+
+    Args:
+        logits: [B, V] next-token logits over the real vocabulary (any float dtype).
+        params: the batch's sampling settings.
+        generator: seeded torch generator on ``logits.device`` (None: the global one).
+
+    Returns:
+        (tokens [B] int64, log_probs [B] float32), log-probs of the full-vocabulary
+        softmax at temperature ``params.logprob_temperature``.
+    """
+    scaled = logits.float()
+    if params.logprob_temperature != 1.0:
+        scaled = scaled / params.logprob_temperature
+    row_max = scaled.amax(dim=-1, keepdim=True)
+    # Unnormalised probabilities: the inverse CDF only needs their total.
+    weights = (scaled - row_max).exp_()
+    log_total = weights.sum(dim=-1, keepdim=True).log_() + row_max
+    if params.greedy:
+        tokens = scaled.argmax(dim=-1)
+    elif params.top_k <= 0 and params.top_p >= 1.0:
+        draw = _inverse_cdf_blocked if weights.shape[-1] > 4 * _BLOCK else _inverse_cdf
+        tokens = draw(weights, generator)
+    else:
+        values, index = _candidates(scaled, log_total, params)
+        probs = _nucleus(values, params.top_p)
+        tokens = index.gather(-1, _inverse_cdf(probs, generator).unsqueeze(-1)).squeeze(-1)
+    log_probs = (scaled.gather(-1, tokens.unsqueeze(-1)) - log_total).squeeze(-1)
+    return tokens, log_probs
