@@ -10,7 +10,8 @@ allowed, ``ru_maxrss`` is used instead and the result says so.
 - ours: ``MegatronActor.compute_log_prob`` (micro-batches of ``micro_batch``, vocabulary-parallel
   log-probs: softmax statistics per token, no log-softmax tensor).
 - peer: ``AutoModelForCausalLM`` forward on the same micro-batches and
-  ``log_softmax(logits).gather(labels)``: what a user writes.
+  ``log_softmax(logits).gather(labels)``: what a user writes; and the same on the whole batch at
+  once, which holds the full [B, T, V] logits.
 
 A large vocabulary (64k in the full run) makes [B, T, V] the dominant term.
 
@@ -43,7 +44,11 @@ from common import (
 )
 
 MIB = 2**20
-IMPLS = {"ours": "verl-megatron compute_log_prob", "hf": "HF forward + log_softmax"}
+IMPLS = {
+    "ours": "verl-megatron compute_log_prob",
+    "hf": "HF forward + log_softmax",
+    "hf_whole_batch": "HF forward + log_softmax, whole batch at once",
+}
 
 
 @dataclass(frozen=True)
@@ -51,9 +56,9 @@ class MemoryBenchConfig:
     """Sizes of the log-prob stage whose memory is measured."""
 
     shape: ModelShape
-    batch: int = 8
+    batch: int = 16
     prompt_len: int = 32
-    response_len: int = 480
+    response_len: int = 224
     micro_batch: int = 2
     seed: int = 0
 
@@ -66,6 +71,7 @@ class MemoryBenchConfig:
         return rows * self.seq_len * self.shape.vocab_size * 4
 
 
+# [16, 256, 64k] float32 logits are 1 GiB; one micro-batch of 2 rows is 128 MiB.
 FULL = MemoryBenchConfig(
     shape=ModelShape(
         vocab_size=65536, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=704
@@ -117,16 +123,18 @@ def _batch(cfg: MemoryBenchConfig) -> dict[str, torch.Tensor]:
     }
 
 
-def _hf_log_probs(model_dir: str, cfg: MemoryBenchConfig):
+def _hf_log_probs(model_dir: str, cfg: MemoryBenchConfig, micro_batch: int | None = None):
+    """HF forward + log_softmax over micro-batches of ``micro_batch`` rows (default: cfg's)."""
     from transformers import AutoModelForCausalLM
 
+    micro_batch = micro_batch or cfg.micro_batch
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
     @torch.no_grad()
     def stage(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         out = []
-        for start in range(0, cfg.batch, cfg.micro_batch):
-            mb = {k: t[start : start + cfg.micro_batch] for k, t in batch.items()}
+        for start in range(0, cfg.batch, micro_batch):
+            mb = {k: t[start : start + micro_batch] for k, t in batch.items()}
             logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"]).logits
             logits = logits[:, cfg.prompt_len - 1 : -1]
             out.append(
@@ -155,7 +163,12 @@ def _ours_log_probs(model_dir: str, cfg: MemoryBenchConfig):
 
 def child_main(impl: str, model_dir: str, cfg: MemoryBenchConfig) -> dict[str, Any]:
     """Measure one implementation's log-prob stage in this (fresh) process."""
-    stage = {"ours": _ours_log_probs, "hf": _hf_log_probs}[impl](model_dir, cfg)
+    builders = {
+        "ours": _ours_log_probs,
+        "hf": _hf_log_probs,
+        "hf_whole_batch": lambda path, c: _hf_log_probs(path, c, micro_batch=c.batch),
+    }
+    stage = builders[impl](model_dir, cfg)
     batch = _batch(cfg)
     rss_before = _status_kib("VmRSS")
     reset = _reset_high_water_mark()
@@ -247,10 +260,11 @@ def run(cfg: MemoryBenchConfig, workdir: Path) -> Section:
         )
         if not results[impl]["high_water_mark_reset"]:
             section.notes.append(f"{label}: /proc/self/clear_refs not writable; peak from ru_maxrss")
-    if "ours" in results and "hf" in results:
-        section.ratios["stage peak ours / HF"] = results["ours"]["stage_peak_mib"] / max(
-            results["hf"]["stage_peak_mib"], 1e-9
-        )
+    for peer in ("hf", "hf_whole_batch"):
+        if "ours" in results and peer in results:
+            section.ratios[f"stage peak ours / {IMPLS[peer]}"] = results["ours"]["stage_peak_mib"] / max(
+                results[peer]["stage_peak_mib"], 1e-9
+            )
     section.notes.append(
         f"one micro-batch of logits [{cfg.micro_batch}, T, V] float32 is {micro_mib:.0f} MiB; "
         "each side runs in its own fresh process"
@@ -262,7 +276,7 @@ def run(cfg: MemoryBenchConfig, workdir: Path) -> Section:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--child", choices=["ours", "hf"], help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=list(IMPLS), help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--cfg", help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
