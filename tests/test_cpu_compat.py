@@ -91,3 +91,40 @@ def test_layer_stays_out_of_the_way_when_cuda_exists():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "untouched"
+
+
+def recompute_job() -> dict:
+    """Gradients with full activation recomputation equal those without (recompute runs in backward)."""
+    import torch
+
+    from tests.test_layout_equality import GLOBAL_BATCH, SEQ, _global_batch, _make_gpt
+    from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
+    from verl_megatron.models.megatron_model import build_chunks
+    from verl_megatron.models.sharding import gather_full_state, load_full_state, seeded_tensor
+
+    runtime = init_runtime(ParallelLayout(), seed=5)
+    grads = []
+    for recompute in (False, True):
+        (chunk,) = build_chunks(runtime, _make_gpt)
+        if recompute:
+            chunk.config.recompute_granularity = "full"
+            chunk.config.recompute_method = "uniform"
+            chunk.config.recompute_num_layers = 1
+            chunk.decoder.config = chunk.config
+        load_full_state([chunk], lambda name, shape: seeded_tensor(name, shape, seed=3))
+        batch = _global_batch()
+        positions = torch.arange(SEQ).unsqueeze(0).expand(GLOBAL_BATCH, -1)
+        loss = (chunk(batch["input_ids"], positions, None, labels=batch["labels"]) * batch["loss_mask"]).sum()
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in chunk.named_parameters()})
+    return {"plain": grads[0], "recomputed": grads[1]}
+
+
+def test_activation_recomputation_gives_the_same_gradients(pool1):
+    import torch
+
+    (out,) = pool1.run(f"{__name__}:recompute_job")
+    assert out["plain"].keys() == out["recomputed"].keys()
+    for name, grad in out["plain"].items():
+        assert grad.abs().sum() > 0, name
+        torch.testing.assert_close(out["recomputed"][name], grad, rtol=1e-6, atol=1e-7, msg=f"grad of {name}")

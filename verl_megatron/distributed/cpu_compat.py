@@ -157,6 +157,22 @@ def _patch_torch_cuda() -> None:
     cuda.memory_reserved = lambda *a, **k: 0
 
 
+def _run_backward_in_mode(function_cls: type) -> None:
+    """Make an autograd Function's backward see the device mapping.
+
+    Torch function modes are not active while autograd runs a backward pass,
+    and megatron's activation recomputation re-runs the forward (which builds
+    ``device="cuda"`` tensors, e.g. the causal mask) inside backward.
+    """
+    original = function_cls.backward
+
+    def backward(ctx, *grads):
+        with _CudaToCpuMode():
+            return original(ctx, *grads)
+
+    function_cls.backward = staticmethod(backward)
+
+
 def _patch_megatron() -> None:
     from megatron.core.optimizer import optimizer as mcore_optimizer
     from megatron.core.tensor_parallel import random as mcore_random
@@ -164,6 +180,8 @@ def _patch_megatron() -> None:
     mcore_random._get_cuda_rng_state = _cpu_get_rng_state
     mcore_random._set_cuda_rng_state = _cpu_set_rng_state
     mcore_optimizer.clip_grad_by_total_norm_fp32 = cpu_clip_grad_by_total_norm_fp32
+    _run_backward_in_mode(mcore_random.CheckpointFunction)
+    _run_backward_in_mode(mcore_random.CheckpointWithoutOutputFunction)
 
 
 def configure_model(config: Any) -> None:

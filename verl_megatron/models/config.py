@@ -109,13 +109,6 @@ class ModelConfig:
                 "model.sequence_parallel=True needs the Transformer Engine layer spec (megatron's local "
                 "spec uses torch norms, which do not support it); that needs CUDA and transformer_engine"
             )
-        if self.recompute_settings() and not torch.cuda.is_available():
-            # megatron recomputes inside autograd's backward, where the CPU compatibility layer's
-            # device mapping is not active, so its device="cuda" tensors fail there.
-            raise ModelConfigError(
-                "activation recomputation (model.enable_gradient_checkpointing / recompute_*) needs CUDA; "
-                "on CPU megatron's recompute in backward creates CUDA tensors"
-            )
         unknown = sorted(set(self.override_transformer_config) - _transformer_config_fields())
         if unknown:
             raise ModelConfigError(
