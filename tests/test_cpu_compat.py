@@ -100,7 +100,7 @@ def recompute_job() -> dict:
     from tests.test_layout_equality import GLOBAL_BATCH, SEQ, _global_batch, _make_gpt
     from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
     from verl_megatron.models.megatron_model import build_chunks
-    from verl_megatron.models.sharding import gather_full_state, load_full_state, seeded_tensor
+    from verl_megatron.models.sharding import load_full_state, seeded_tensor
 
     runtime = init_runtime(ParallelLayout(), seed=5)
     grads = []
