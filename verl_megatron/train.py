@@ -63,7 +63,9 @@ def run(config_path: str | None, overrides: Sequence[str]) -> dict[str, float]:
         config, components = build_components(config, runtime)
         return PPOTrainer(config, runtime, components).fit()
     finally:
-        shutdown(runtime)
+        # A caller that started torch.distributed itself (a test's worker pool) keeps it.
+        if runtime._owns_process_group:
+            shutdown(runtime)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
