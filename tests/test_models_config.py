@@ -172,11 +172,15 @@ def test_recompute_settings():
         ModelConfig(dtype="float32", recompute_modules=["core_attn"]).recompute_settings()
 
 
-def test_recomputation_is_refused_without_a_gpu():
-    with pytest.raises(ModelConfigError, match=r"activation recomputation .* needs CUDA"):
-        hf_to_transformer_config(
-            _hf("llama"), ParallelLayout(), ModelConfig(dtype="float32", enable_gradient_checkpointing=True)
-        )
+def test_recomputation_reaches_the_transformer_config():
+    config = hf_to_transformer_config(
+        _hf("llama"), ParallelLayout(), ModelConfig(dtype="float32", enable_gradient_checkpointing=True)
+    )
+    assert (config.recompute_granularity, config.recompute_method, config.recompute_num_layers) == (
+        "full",
+        "uniform",
+        1,
+    )
 
 
 def test_overrides_reach_the_transformer_config_and_unknown_keys_raise():
