@@ -213,14 +213,16 @@ def save_job(root: str, tp: int, pp: int, vpp: int | None, steps: int, then: int
     return {"saved": saved, "after": _snapshot(chunks, optimizer, scheduler), "losses": losses}
 
 
-def load_job(root: str, tp: int, pp: int, vpp: int | None, then: int = 0) -> dict:
+def load_job(root: str, tp: int, pp: int, vpp: int | None, then: int = 0, load_rng: bool = True) -> dict:
     """Fresh model (other weights), load, report, then train ``then`` steps and report again."""
     from verl_megatron.checkpoint import load_checkpoint
 
     runtime, chunks, optimizer, scheduler = _setup(tp, pp, vpp, init_seed=99)
     # Advance the RNGs so that restoring them is visible.
     torch.rand(5), random.random(), np.random.rand()
-    extra = load_checkpoint(root, chunks=chunks, optimizer=optimizer, scheduler=scheduler, runtime=runtime)
+    extra = load_checkpoint(
+        root, chunks=chunks, optimizer=optimizer, scheduler=scheduler, runtime=runtime, load_rng=load_rng
+    )
     loaded = _snapshot(chunks, optimizer, scheduler)
     step = extra["global_steps"]
     losses = [_train_step(runtime, chunks, optimizer, scheduler, step + i) for i in range(then)]
@@ -280,6 +282,9 @@ def test_same_layout_round_trip_is_exact(pool2, tp2_checkpoint):
     # same loss (same dropout masks from the restored RNGs) and same state.
     assert [r["losses"] for r in loaded] == [r["losses"] for r in saved]
     _assert_identical(_merge(loaded, "after"), _merge(saved, "after"))
+    # Without the RNG states the dropout masks differ: the check above has teeth.
+    no_rng = pool2.run(f"{__name__}:load_job", root=str(root), tp=2, pp=1, vpp=None, then=1, load_rng=False)
+    assert [r["losses"] for r in no_rng] != [r["losses"] for r in saved]
 
 
 @pytest.mark.parametrize(("tp", "pp", "vpp"), [(1, 2, None), (1, 2, 2)], ids=["pp2", "pp2-vpp2"])
@@ -347,7 +352,10 @@ def bad_input_job(root: str) -> dict:
     )
     save_checkpoint(root / "weights_only", 1, chunks=chunks, runtime=runtime)
     _train_step(runtime, chunks, optimizer, scheduler, 1)
-    damaged = {how: _damage(root / "good", root / how, how) for how in ("truncate", ".metadata", "common.pt")}
+    damaged = {
+        how: _damage(root / "good", root / how, how)
+        for how in ("truncate", ".metadata", "common.pt", "__0_0.distcp")
+    }
 
     def attempt(path, chunks, optimizer, scheduler, runtime) -> str:
         try:
@@ -365,7 +373,7 @@ def bad_input_job(root: str) -> dict:
 
     # A fresh optimizer gets empty moments to read into; a failed read must take them away again.
     runtime, chunks, optimizer, scheduler = _setup(1, 1, None, init_seed=5)
-    errors["fresh_common"] = attempt(damaged["common.pt"], chunks, optimizer, scheduler, runtime)
+    errors["fresh"] = attempt(damaged["__0_0.distcp"], chunks, optimizer, scheduler, runtime)
     fresh_has_state = _has_state(optimizer)
 
     runtime, chunks, optimizer, scheduler = _setup(1, 1, None, init_seed=5, hidden=48)
@@ -391,11 +399,16 @@ def test_bad_checkpoints_raise_naming_path_and_problem_before_changing_anything(
     assert "distcp has " in errors["truncate"] and " bytes, " in errors["truncate"]
     assert errors[".metadata"].startswith("CheckpointCorruptError")
     assert "cannot read its tensor index" in errors[".metadata"]
-    for key in ("common.pt", "fresh_common"):
-        assert errors[key].startswith("CheckpointCorruptError"), errors[key]
-        assert (
-            f"reading checkpoint {tmp_path / 'common.pt' / 'global_step_1' / 'model'} failed" in errors[key]
-        )
+    common = tmp_path / "common.pt" / "global_step_1" / "model"
+    assert errors["common.pt"].startswith(
+        f"CheckpointCorruptError: checkpoint {common}: common.pt is unreadable"
+    )
+    # A damaged shard of the right size is only found while reading: still before any change.
+    shard = tmp_path / "__0_0.distcp" / "global_step_1" / "model"
+    for key in ("__0_0.distcp", "fresh"):
+        assert errors[key].startswith(f"CheckpointCorruptError: reading checkpoint {shard} failed"), errors[
+            key
+        ]
     other = errors["other_shape"]
     assert other.startswith("CheckpointMismatchError") and str(tmp_path / "good") in other
     # hidden 48 instead of 32: e.g. the final norm, [32] saved, [48] wanted.

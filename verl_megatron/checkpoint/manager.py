@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from verl_megatron.checkpoint import storage
 from verl_megatron.checkpoint.rng import capture_rng_state, restore_rng_state
@@ -50,6 +51,9 @@ logger = logging.getLogger(__name__)
 # sub-optimizer holding each parameter; that index depends on how parameters
 # are grouped, and the keys of the non-distributed optimizer are unique anyway.
 _OPTIM_METADATA = {"chained_optim_avoid_prefix": True}
+# torch.distributed.checkpoint reports failures as CheckpointException, a
+# BaseException: caught explicitly, so KeyboardInterrupt still goes through.
+_READ_WRITE_ERRORS = (Exception, CheckpointException)
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_\-]*$")
 _ERRORS = {
     cls.__name__: cls
@@ -58,6 +62,19 @@ _ERRORS = {
 
 
 # ---------------------------------------------------------------- collectives
+
+
+def _describe(exc: BaseException) -> str:
+    """One line per failure: exception type and the first sentence of its message."""
+    if isinstance(exc, CheckpointException):
+        failures = []
+        for rank, failure in exc.failures.items():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            failures.append(f"rank {rank}: {_describe(inner)}")
+        return "; ".join(failures)
+    text = str(exc).strip()
+    first = text.splitlines()[0].split(". ")[0] if text else ""
+    return f"{type(exc).__name__}: {first[:300]}"
 
 
 def _world() -> tuple[int, int]:
@@ -229,8 +246,8 @@ def save_checkpoint(
     error = None
     try:
         dist_checkpointing.save(state, str(tmp), sharded_strategy=save_strategy(runtime))
-    except Exception as exc:
-        error = CheckpointError(f"writing {tmp} failed: {exc}")
+    except _READ_WRITE_ERRORS as exc:
+        error = CheckpointError(f"writing {tmp} failed: {_describe(exc)}")
     _agree(error, f"saving step {step} to {root}")
 
     meta = {
@@ -296,6 +313,7 @@ def load_checkpoint(
         part = storage.resolve_part(root_or_step_dir, name)
         meta = storage.read_part_meta(part)
         ckpt = _checkpoint_shapes(part)
+        _check_common_readable(part)
         _check_fits(part, meta, mine, ckpt, optimizer, scheduler)
     except CheckpointError as exc:
         error = exc
@@ -317,8 +335,8 @@ def load_checkpoint(
     loaded = None
     try:
         loaded = dist_checkpointing.load(state, str(part))
-    except Exception as exc:
-        error = CheckpointCorruptError(f"reading checkpoint {part} failed: {str(exc)[:800]}")
+    except _READ_WRITE_ERRORS as exc:
+        error = CheckpointCorruptError(f"reading checkpoint {part} failed: {_describe(exc)}")
         _restore(optimizer, None, backup)
     _agree(error, f"loading {part}")
 
@@ -438,13 +456,27 @@ def _model_shapes(chunks: list[torch.nn.Module]) -> dict[str, tuple[int, ...]]:
     return {t.key: tuple(t.global_shape) for t in nested_values(probe) if isinstance(t, ShardedTensor)}
 
 
+def _check_common_readable(part: Path) -> None:
+    """The small common file (scheduler, trainer state, optimizer hyper-parameters) must unpickle."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        dist_checkpointing.load_common_state_dict(str(part))
+    except Exception as exc:
+        raise CheckpointCorruptError(
+            f"checkpoint {part}: common.pt is unreadable ({_describe(exc)})"
+        ) from exc
+
+
 def _checkpoint_shapes(part: Path) -> dict[str, tuple[int, ...]]:
     from megatron.core import dist_checkpointing
 
     try:
         metadata = dist_checkpointing.load_tensors_metadata(str(part))
     except Exception as exc:
-        raise CheckpointCorruptError(f"checkpoint {part}: cannot read its tensor index: {exc}") from exc
+        raise CheckpointCorruptError(
+            f"checkpoint {part}: cannot read its tensor index ({_describe(exc)})"
+        ) from exc
     return {key: tuple(t.global_shape) for key, t in metadata.items()}
 
 
