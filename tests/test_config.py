@@ -147,7 +147,7 @@ def test_parallel_sizes_against_world_and_model(tiny_model):
 
 
 def test_section_checks_name_their_key():
-    assert "rollout.response_length=5 differs from data.max_response_length=6" in _error(
+    assert "rollout.response_length=5 differs from data.max_response_length=4" in _error(
         ["rollout.response_length=5"]
     )
     assert "did you mean 'grpo' or 'gpg'?" in _error(["algorithm.adv_estimator=grp"])
@@ -163,7 +163,7 @@ def test_section_checks_name_their_key():
     )
     assert "needs reward_model.reward_manager=dapo" in _error(["reward_model.overlong_buffer.enable=true"])
     overlong = ["reward_model.reward_manager=dapo", "reward_model.overlong_buffer.enable=true"]
-    assert "reward_model.overlong_buffer.len=0 must be in 1..data.max_response_length=6" in _error(overlong)
+    assert "reward_model.overlong_buffer.len=0 must be in 1..data.max_response_length=4" in _error(overlong)
     assert _error(["reward_model.reward_manager=naiv"]).startswith(
         "reward_model.reward_manager: unknown reward manager 'naiv'"
     )

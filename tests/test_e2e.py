@@ -98,7 +98,7 @@ def _check_run(result: dict, world: int, critic: bool) -> dict[int, dict]:
         )
         # The trainer's log-probs of the gathered responses match the sampler's own.
         assert m["training/rollout_probs_diff_max"] < 1e-4
-        assert 0.0 <= m["critic/score/mean"] <= 1.0 and m["actor/lr"] == 3e-3
+        assert 0.0 <= m["critic/score/mean"] <= 1.0 and m["actor/lr"] == 1e-3
         assert ("critic/vf_loss" in m) == critic
     assert "timing_s/testing" in steps[3] and "timing_s/save_checkpoint" in steps[3]
     assert result["summary"]["val/first_step"] == 0 and result["summary"]["val/last_step"] == 3
