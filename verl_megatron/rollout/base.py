@@ -160,13 +160,13 @@ def stop_token_ids(
     config: RolloutConfig, meta_info: dict[str, Any], tokenizer: Any, hf_config: Any
 ) -> list[int]:
     """Token ids that end a response: EOS (``meta_info['eos_token_id']``, else the tokenizer's and
-    the model's generation config's) plus ``config.stop_token_ids``; none with ``ignore_eos``."""
-    if config.ignore_eos:
-        return []
-    eos = _as_ids(meta_info.get("eos_token_id"))
-    if not eos:
-        eos = _as_ids(getattr(tokenizer, "eos_token_id", None))
-        eos += _as_ids(getattr(hf_config, "eos_token_id", None))
+    the model's generation config's; none with ``ignore_eos``) plus ``config.stop_token_ids``."""
+    eos: list[int] = []
+    if not config.ignore_eos:
+        eos = _as_ids(meta_info.get("eos_token_id"))
+        if not eos:
+            eos = _as_ids(getattr(tokenizer, "eos_token_id", None))
+            eos += _as_ids(getattr(hf_config, "eos_token_id", None))
     return sorted(set(eos) | set(config.stop_token_ids))
 
 

@@ -84,7 +84,7 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     """vllm/sglang: fraction of GPU memory the engine may take (weights + KV cache)."""
     ignore_eos: bool = False
-    """Keep generating after EOS / stop tokens until response_length."""
+    """Keep generating after EOS until response_length (``stop_token_ids`` still stop)."""
     enforce_eager: bool = True
     """vllm: no CUDA graphs."""
     free_cache_engine: bool = True

@@ -9,8 +9,8 @@ layout, so ``sync_weights`` / ``sleep`` / ``wake_up`` have nothing to do. One ca
    response length is reached; the last pipeline stage samples, and the tokens and their
    log-probs are broadcast to every rank of the model-parallel group, so all ranks agree.
 
-Sampling is seeded by (seed, data-parallel rank, call number): the same seed and the same
-sequence of calls give the same tokens, whatever the tp/pp layout.
+Sampling is seeded by (seed, data-parallel rank, call number) (``sampling.call_seed``): the same
+seed and the same sequence of calls give the same tokens, whatever the tp/pp layout.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from verl_megatron.rollout.base import (
 )
 from verl_megatron.rollout.config import RolloutConfig
 from verl_megatron.rollout.decode import ChunkDecoder, inference_mode_for
-from verl_megatron.rollout.sampling import SamplingParams, resolve_sampling, sample_next
+from verl_megatron.rollout.sampling import SamplingParams, call_seed, resolve_sampling, sample_next
 
 __all__ = ["NativeRollout"]
 
@@ -107,8 +107,7 @@ class NativeRollout(RolloutEngine):
         return assemble_output(prompts, responses, response_mask, log_probs, params.n)
 
     def _generator(self) -> torch.Generator:
-        dp_rank = self.runtime.dp_rank
-        seed = ((self.seed * 1_000_003 + dp_rank) * 1_000_033 + self._calls) % (2**63)
+        seed = call_seed(self.seed, self.runtime.dp_rank, self._calls)
         self._calls += 1
         return torch.Generator(device=self.runtime.device).manual_seed(seed)
 

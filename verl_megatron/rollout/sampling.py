@@ -20,7 +20,7 @@ import torch
 
 from verl_megatron.rollout.config import RolloutConfig, RolloutConfigError
 
-__all__ = ["SamplingParams", "resolve_sampling", "sample_next"]
+__all__ = ["SamplingParams", "call_seed", "resolve_sampling", "sample_next"]
 
 # Candidates examined before falling back to a full sort for top-p: if the K most likely tokens
 # already hold top_p of the probability, the nucleus lies within them (exact, not a heuristic).
@@ -76,6 +76,15 @@ def resolve_sampling(config: RolloutConfig, meta_info: dict[str, Any]) -> Sampli
         # Every greedy sample of a prompt would be identical: verl returns one.
         fields.update(n=1, temperature=1.0, top_k=-1, top_p=1.0)
     return SamplingParams(greedy=greedy, **fields)
+
+
+def call_seed(seed: int, dp_rank: int, call: int) -> int:
+    """The sampling seed of one generate call: distinct per data-parallel rank and per call.
+
+    Data-parallel ranks draw differently even for equal prompts; a fresh engine with the same
+    seed repeats the same sequence of calls' draws.
+    """
+    return ((seed * 1_000_003 + dp_rank) * 1_000_033 + call) % (2**63)
 
 
 def _inverse_cdf(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -1,0 +1,210 @@
+"""Rollout through an inference engine colocated with the trainer: the part vLLM and SGLang share.
+
+Each rank drives its own engine on its own GPU, next to the trainer. One training step uses
+the engine as::
+
+    engine.wake_up()          # take GPU memory back (weights, KV cache)
+    engine.sync_weights()     # actor weights -> engine, in buckets (see weight_sync.py)
+    out = engine.generate_sequences(prompts)
+    engine.sleep()            # give the memory to training (when rollout.free_cache_engine)
+
+``ExternalRollout`` does everything that does not need the engine itself: unpadding prompts to
+token-id lists, choosing sampling settings, stop tokens and seeds, turning completions into
+verl's batch keys, and streaming weights. An ``EngineBackend`` (``vllm_engine.py``,
+``sglang_engine.py``) talks to the engine.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from verl_megatron.distributed.parallel import Runtime
+from verl_megatron.protocol import DataProto
+from verl_megatron.rollout.base import (
+    RolloutEngine,
+    assemble_output,
+    pad_token_id,
+    prompt_tensors,
+    responses_from_lists,
+    stop_token_ids,
+)
+from verl_megatron.rollout.config import RolloutConfig, RolloutConfigError
+from verl_megatron.rollout.sampling import SamplingParams, call_seed, resolve_sampling
+from verl_megatron.rollout.weight_sync import NamedTensor, SyncStats, stream_weights
+
+__all__ = [
+    "Completion",
+    "EngineBackend",
+    "ExternalRollout",
+    "GenerationRequest",
+    "engine_dtype",
+    "model_path_of",
+]
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def engine_dtype(config: RolloutConfig) -> torch.dtype:
+    """The torch dtype of ``rollout.dtype``."""
+    if config.dtype not in _DTYPES:
+        raise RolloutConfigError(f"rollout.dtype must be one of {list(_DTYPES)}, got {config.dtype!r}")
+    return _DTYPES[config.dtype]
+
+
+def model_path_of(hf_config: Any) -> str:
+    """The checkpoint folder an engine reads its config / tokenizer from (``hf_config._name_or_path``)."""
+    path = getattr(hf_config, "_name_or_path", None) or getattr(hf_config, "name_or_path", None)
+    if not path:
+        raise RolloutConfigError(
+            "vllm/sglang rollout needs the model folder: load hf_config with AutoConfig.from_pretrained(path)"
+        )
+    return str(path)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """Everything an engine needs to generate for a batch of prompts.
+
+    Attributes:
+        params: temperature / top-k / top-p / greedy / n.
+        max_tokens: most new tokens per response.
+        stop_token_ids: tokens that end a response (kept in it).
+        ignore_eos: generate to ``max_tokens`` whatever is produced.
+        seed: the call's sampling seed.
+        logprobs: also return the sampled tokens' log-probs.
+    """
+
+    params: SamplingParams
+    max_tokens: int
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    seed: int
+    logprobs: bool
+
+
+@dataclass
+class Completion:
+    """One generated response: its token ids (stop token included) and their log-probs."""
+
+    token_ids: list[int]
+    log_probs: list[float] | None = None
+
+
+class EngineBackend(abc.ABC):
+    """The engine-specific half of :class:`ExternalRollout`."""
+
+    @abc.abstractmethod
+    def generate(self, prompts: list[list[int]], request: GenerationRequest) -> list[list[Completion]]:
+        """For each prompt (token ids, no padding), its ``request.params.n`` completions."""
+
+    @abc.abstractmethod
+    def load_weights(self, bucket: list[NamedTensor]) -> None:
+        """Load a bucket of (Hugging Face name, full tensor) into the engine's model."""
+
+    @abc.abstractmethod
+    def sleep(self) -> None:
+        """Release the engine's GPU memory (KV cache; weights offloaded or dropped)."""
+
+    @abc.abstractmethod
+    def wake_up(self) -> None:
+        """Re-allocate what :meth:`sleep` released."""
+
+
+class ExternalRollout(RolloutEngine):
+    """A colocated engine behind the rollout interface (see the module docstring).
+
+    Args:
+        config, runtime, actor_chunks, tokenizer, hf_config: as for every engine
+            (``verl_megatron.rollout.build_rollout``).
+        backend: the engine adapter.
+    """
+
+    def __init__(
+        self,
+        config: RolloutConfig,
+        runtime: Runtime,
+        actor_chunks: list[torch.nn.Module],
+        tokenizer: Any,
+        hf_config: Any,
+        backend: EngineBackend,
+    ) -> None:
+        self.config = config
+        self.runtime = runtime
+        self.chunks = actor_chunks
+        self.tokenizer = tokenizer
+        self.hf_config = hf_config
+        self.backend = backend
+        self.seed = config.seed if config.seed is not None else runtime.seed
+        self.awake = True
+        self.last_sync: SyncStats | None = None
+        self._calls = 0
+
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Responses for left-padded prompts [B, Tp] -> [B*n, ...] (keys: ``verl_megatron.rollout.base``)."""
+        if not self.awake:
+            raise RuntimeError(
+                "generate_sequences: the engine is asleep; call wake_up() (and sync_weights()) first"
+            )
+        input_ids, mask, _ = prompt_tensors(prompts)
+        meta = prompts.meta_info
+        request = GenerationRequest(
+            params=resolve_sampling(self.config, meta),
+            max_tokens=int(meta.get("response_length", self.config.response_length)),
+            stop_token_ids=tuple(stop_token_ids(self.config, meta, self.tokenizer, self.hf_config)),
+            ignore_eos=self.config.ignore_eos,
+            seed=call_seed(self.seed, self.runtime.dp_rank, self._calls),
+            logprobs=self.config.calculate_log_probs,
+        )
+        self._calls += 1
+        token_lists = [row[keep].tolist() for row, keep in zip(input_ids.cpu(), mask.cpu().bool())]
+        completions = self.backend.generate(token_lists, request)
+        flat = _flatten(completions, len(token_lists), request.params.n)
+        log_probs = None
+        if request.logprobs:
+            if any(c.log_probs is None or len(c.log_probs) != len(c.token_ids) for c in flat):
+                raise RuntimeError("engine returned completions without one log-prob per token")
+            log_probs = [c.log_probs for c in flat]
+        responses, response_mask, rollout_log_probs = responses_from_lists(
+            [c.token_ids for c in flat], log_probs, request.max_tokens, pad_token_id(meta, self.tokenizer)
+        )
+        return assemble_output(prompts, responses, response_mask, rollout_log_probs, request.params.n)
+
+    def sync_weights(self) -> None:
+        """Stream the actor's weights (gathered over tp/pp; collective) into the engine."""
+        from verl_megatron.models.convert import iter_hf_weights
+
+        self.last_sync = stream_weights(
+            iter_hf_weights(self.chunks, self.runtime, self.hf_config),
+            self.backend.load_weights,
+            bucket_megabytes=self.config.update_weights_bucket_megabytes,
+            name_map=self.config.layer_name_map,
+            dtype=engine_dtype(self.config),
+        )
+
+    def sleep(self) -> None:
+        if self.config.free_cache_engine and self.awake:
+            self.backend.sleep()
+            self.awake = False
+
+    def wake_up(self) -> None:
+        if not self.awake:
+            self.backend.wake_up()
+            self.awake = True
+
+
+def _flatten(completions: list[list[Completion]], num_prompts: int, n: int) -> list[Completion]:
+    """Prompt-major list of completions (a prompt's n samples adjacent), checked for shape."""
+    if len(completions) != num_prompts:
+        raise RuntimeError(
+            f"engine returned completions for {len(completions)} prompts, expected {num_prompts}"
+        )
+    for i, per_prompt in enumerate(completions):
+        if len(per_prompt) != n:
+            raise RuntimeError(
+                f"engine returned {len(per_prompt)} completions for prompt {i}, expected n={n}"
+            )
+    return [c for per_prompt in completions for c in per_prompt]

@@ -1,0 +1,142 @@
+"""SGLang behind the rollout interface, colocated with the trainer (GPU; ``pip install 'verl-megatron[sglang]'``).
+
+Every rank drives one offline ``sglang.Engine`` on its own GPU (SGLang's engine starts its own
+worker processes, so it cannot share the trainer's ranks for tensor parallelism the way vLLM's
+external launcher does: ``rollout.tensor_model_parallel_size`` must be 1). Weights start as
+dummies and stream in through ``update_weights_from_tensor`` in buckets; ``sleep`` / ``wake_up``
+release and resume the engine's GPU memory (``enable_memory_saver``).
+
+Sampling: a prompt's n samples are requested as n copies of the prompt; the engine's draws are
+seeded by its ``random_seed`` (SGLang takes no per-request seed), so only the native and vLLM
+engines repeat a call's tokens from the rollout seed.
+
+The pieces that do not need SGLang (engine and sampling arguments, reading its outputs) are
+plain functions, unit-tested on CPU; ``SGLangBackend`` is the thin part that calls SGLang.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from verl_megatron.distributed.parallel import Runtime
+from verl_megatron.rollout.config import RolloutConfig, RolloutConfigError
+from verl_megatron.rollout.external import (
+    Completion,
+    EngineBackend,
+    ExternalRollout,
+    GenerationRequest,
+    model_path_of,
+)
+from verl_megatron.rollout.weight_sync import NamedTensor
+
+__all__ = [
+    "SGLangBackend",
+    "SGLangRollout",
+    "completions_from_sglang",
+    "sglang_engine_kwargs",
+    "sglang_sampling_params",
+]
+
+
+def sglang_engine_kwargs(config: RolloutConfig, hf_config: Any, runtime: Runtime) -> dict[str, Any]:
+    """Keyword arguments for ``sglang.Engine`` from the rollout config (``engine_kwargs`` override them)."""
+    if config.tensor_model_parallel_size != 1:
+        raise RolloutConfigError(
+            "rollout.name='sglang' runs one engine per rank: set rollout.tensor_model_parallel_size=1 "
+            f"(got {config.tensor_model_parallel_size}), or use rollout.name='vllm' for tensor-parallel engines"
+        )
+    kwargs: dict[str, Any] = {
+        "model_path": model_path_of(hf_config),
+        "skip_tokenizer_init": True,
+        "tp_size": 1,
+        "base_gpu_id": runtime.local_rank,
+        "dtype": config.dtype,
+        "mem_fraction_static": config.gpu_memory_utilization,
+        "enable_memory_saver": True,
+        "load_format": config.load_format,
+        "context_length": config.max_model_len or config.prompt_length + config.response_length,
+        "max_running_requests": config.max_num_seqs,
+        "chunked_prefill_size": config.max_num_batched_tokens if config.enable_chunked_prefill else -1,
+        "disable_radix_cache": not config.enable_prefix_caching,
+        "random_seed": (config.seed if config.seed is not None else runtime.seed) + runtime.dp_rank,
+        "log_level": "error",
+    }
+    kwargs.update(config.engine_kwargs)
+    return kwargs
+
+
+def sglang_sampling_params(request: GenerationRequest) -> dict[str, Any]:
+    """SGLang's per-request sampling dict (temperature 0 is greedy, top_k -1 is off)."""
+    params = request.params
+    return {
+        "temperature": 0.0 if params.greedy else params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k if params.top_k > 0 else -1,
+        "max_new_tokens": request.max_tokens,
+        "stop_token_ids": list(request.stop_token_ids),
+        "ignore_eos": request.ignore_eos,
+    }
+
+
+def completions_from_sglang(outputs: list[dict[str, Any]], n: int, logprobs: bool) -> list[list[Completion]]:
+    """SGLang outputs for n copies of each prompt (prompt-major) -> per prompt, its n completions.
+
+    With ``return_logprob`` each output's ``meta_info['output_token_logprobs']`` holds one
+    (log-prob, token id, text) triple per generated token.
+    """
+    if len(outputs) % n != 0:
+        raise RuntimeError(f"sglang returned {len(outputs)} outputs, not a multiple of n={n}")
+    completions = []
+    for out in outputs:
+        tokens = list(out["output_ids"])
+        log_probs = None
+        if logprobs:
+            log_probs = [float(entry[0]) for entry in out["meta_info"]["output_token_logprobs"]]
+        completions.append(Completion(tokens, log_probs))
+    return [completions[i : i + n] for i in range(0, len(completions), n)]
+
+
+class SGLangBackend(EngineBackend):
+    """Calls an offline ``sglang.Engine`` (built from :func:`sglang_engine_kwargs`)."""
+
+    def __init__(self, config: RolloutConfig, hf_config: Any, runtime: Runtime) -> None:
+        import sglang
+
+        self.engine = sglang.Engine(**sglang_engine_kwargs(config, hf_config, runtime))
+
+    def generate(self, prompts: list[list[int]], request: GenerationRequest) -> list[list[Completion]]:
+        n = request.params.n
+        outputs = self.engine.generate(
+            input_ids=[p for p in prompts for _ in range(n)],
+            sampling_params=sglang_sampling_params(request),
+            return_logprob=request.logprobs,
+        )
+        return completions_from_sglang(outputs, n, request.logprobs)
+
+    def load_weights(self, bucket: list[NamedTensor]) -> None:
+        self.engine.update_weights_from_tensor(named_tensors=bucket)
+
+    def sleep(self) -> None:
+        self.engine.release_memory_occupation()
+
+    def wake_up(self) -> None:
+        self.engine.resume_memory_occupation()
+
+
+class SGLangRollout(ExternalRollout):
+    """The rollout interface over SGLang (see the module docstring); ``backend`` replaces SGLang in tests."""
+
+    def __init__(
+        self,
+        config: RolloutConfig,
+        runtime: Runtime,
+        actor_chunks: list[torch.nn.Module],
+        tokenizer: Any,
+        hf_config: Any,
+        backend: EngineBackend | None = None,
+    ) -> None:
+        if backend is None:
+            backend = SGLangBackend(config, hf_config, runtime)
+        super().__init__(config, runtime, actor_chunks, tokenizer, hf_config, backend)

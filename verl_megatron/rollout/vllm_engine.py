@@ -1,0 +1,157 @@
+"""vLLM behind the rollout interface, colocated with the trainer (GPU; ``pip install 'verl-megatron[gpu]'``).
+
+Every rank runs vLLM in-process as part of the trainer's torch.distributed job
+(``distributed_executor_backend="external_launcher"``), with ``rollout.tensor_model_parallel_size``
+ranks per engine. The engine starts from dummy weights; ``sync_weights`` streams the actor's
+weights into it in buckets (``weight_sync.py``) through the model's own ``load_weights``, which
+takes Hugging Face names and shards them for vLLM's tensor parallelism. ``sleep`` / ``wake_up``
+use vLLM's sleep mode (level 1: weights offloaded to CPU, KV cache freed).
+
+Log-probs: vLLM is asked for ``processed_logprobs`` (after temperature, so they match
+``rollout_log_probs`` of the native engine; with top-k / top-p vLLM renormalises over the kept
+tokens, the native engine does not).
+
+The pieces that do not need vLLM (engine and sampling arguments, reading its outputs) are
+plain functions, unit-tested on CPU; ``VLLMBackend`` is the thin part that calls vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from verl_megatron.distributed.parallel import Runtime
+from verl_megatron.rollout.config import RolloutConfig, RolloutConfigError
+from verl_megatron.rollout.external import (
+    Completion,
+    EngineBackend,
+    ExternalRollout,
+    GenerationRequest,
+    model_path_of,
+)
+from verl_megatron.rollout.weight_sync import NamedTensor
+
+__all__ = [
+    "VLLMBackend",
+    "VLLMRollout",
+    "completions_from_vllm",
+    "vllm_engine_kwargs",
+    "vllm_sampling_kwargs",
+]
+
+_SLEEP_LEVEL = 1
+
+
+def vllm_engine_kwargs(config: RolloutConfig, hf_config: Any, runtime: Runtime) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.LLM`` from the rollout config (``engine_kwargs`` override them)."""
+    tp = config.tensor_model_parallel_size
+    if runtime.world_size % tp != 0:
+        raise RolloutConfigError(
+            f"rollout.tensor_model_parallel_size={tp} does not divide the world size {runtime.world_size}"
+        )
+    kwargs: dict[str, Any] = {
+        "model": model_path_of(hf_config),
+        "skip_tokenizer_init": True,
+        "tensor_parallel_size": tp,
+        "distributed_executor_backend": "external_launcher",
+        "dtype": config.dtype,
+        "enforce_eager": config.enforce_eager,
+        "gpu_memory_utilization": config.gpu_memory_utilization,
+        "enable_sleep_mode": True,
+        "load_format": config.load_format,
+        "max_model_len": config.max_model_len or config.prompt_length + config.response_length,
+        "max_num_seqs": config.max_num_seqs,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "enable_chunked_prefill": config.enable_chunked_prefill,
+        "enable_prefix_caching": config.enable_prefix_caching,
+        "disable_log_stats": config.disable_log_stats,
+        "logprobs_mode": "processed_logprobs",
+        # The engine's own RNG only seeds its start-up; each request carries its seed.
+        "seed": config.seed if config.seed is not None else runtime.seed,
+    }
+    kwargs.update(config.engine_kwargs)
+    return kwargs
+
+
+def vllm_sampling_kwargs(request: GenerationRequest) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.SamplingParams`` (vLLM: temperature 0 is greedy, top_k -1 is off)."""
+    params = request.params
+    return {
+        "n": params.n,
+        "temperature": 0.0 if params.greedy else params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k if params.top_k > 0 else -1,
+        "max_tokens": request.max_tokens,
+        "stop_token_ids": list(request.stop_token_ids),
+        "ignore_eos": request.ignore_eos,
+        "logprobs": 0 if request.logprobs else None,
+        "seed": request.seed,
+        "detokenize": False,
+    }
+
+
+def completions_from_vllm(outputs: list[Any], logprobs: bool) -> list[list[Completion]]:
+    """vLLM ``RequestOutput`` list -> per prompt, its completions (token ids and sampled log-probs).
+
+    With ``logprobs=0`` vLLM returns, per generated token, a dict {token id: Logprob} holding
+    the sampled token.
+    """
+    result = []
+    for output in outputs:
+        per_prompt = []
+        for completion in output.outputs:
+            tokens = list(completion.token_ids)
+            log_probs = None
+            if logprobs:
+                log_probs = [float(step[token].logprob) for token, step in zip(tokens, completion.logprobs)]
+            per_prompt.append(Completion(tokens, log_probs))
+        result.append(per_prompt)
+    return result
+
+
+class VLLMBackend(EngineBackend):
+    """Calls an in-process ``vllm.LLM`` (built from :func:`vllm_engine_kwargs`)."""
+
+    def __init__(self, config: RolloutConfig, hf_config: Any, runtime: Runtime) -> None:
+        from vllm import LLM
+
+        self.llm = LLM(**vllm_engine_kwargs(config, hf_config, runtime))
+
+    def generate(self, prompts: list[list[int]], request: GenerationRequest) -> list[list[Completion]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts],
+            sampling_params=SamplingParams(**vllm_sampling_kwargs(request)),
+            use_tqdm=False,
+        )
+        return completions_from_vllm(outputs, request.logprobs)
+
+    def load_weights(self, bucket: list[NamedTensor]) -> None:
+        # Runs in this process (external_launcher): the bucket is not copied between processes.
+        self.llm.apply_model(lambda model: model.load_weights(weights=bucket))
+
+    def sleep(self) -> None:
+        self.llm.sleep(level=_SLEEP_LEVEL)
+
+    def wake_up(self) -> None:
+        self.llm.wake_up()
+
+
+class VLLMRollout(ExternalRollout):
+    """The rollout interface over vLLM (see the module docstring); ``backend`` replaces vLLM in tests."""
+
+    def __init__(
+        self,
+        config: RolloutConfig,
+        runtime: Runtime,
+        actor_chunks: list[torch.nn.Module],
+        tokenizer: Any,
+        hf_config: Any,
+        backend: EngineBackend | None = None,
+    ) -> None:
+        if backend is None:
+            backend = VLLMBackend(config, hf_config, runtime)
+        super().__init__(config, runtime, actor_chunks, tokenizer, hf_config, backend)
