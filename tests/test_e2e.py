@@ -61,9 +61,14 @@ def train_job(out_dir: str, overrides: list[str]) -> dict:
     summary = run(QUICKSTART, [f"trainer.default_local_dir={out_dir}", *TINY, *overrides])
     if dist.get_rank() != 0:
         return {}
+    import json
+
     from safetensors.torch import load_file
 
+    with open(os.path.join(out_dir, "config.json")) as f:
+        config = json.load(f)
     return {
+        "parallel": config["parallel"],
         "out_dir": out_dir,
         "summary": summary,
         "rows": read_jsonl_metrics(os.path.join(out_dir, "metrics.jsonl")),
@@ -167,6 +172,8 @@ def test_grpo_tp1_writes_everything_and_the_export_scores_like_validation(grpo_r
 @pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.pp=2"]], ids=["tp2", "pp2"])
 def test_grpo_layouts_match_one_process(pool2, tmp_path, grpo_reference, layout):
     result = pool2.run("tests.test_e2e:train_job", out_dir=str(tmp_path), overrides=layout)[0]
+    key, value = layout[0].removeprefix("parallel.").split("=")
+    assert result["parallel"][key] == int(value)
     _check_run(result, world=2, critic=False)
     _assert_same_run(grpo_reference, result)
 
@@ -180,3 +187,30 @@ def test_grpo_dp2_with_kl_loss_gathers_each_ranks_samples(pool2, tmp_path, grpo_
     # Greedy validation of the initial weights does not depend on the layout.
     ref_steps = _by_step(grpo_reference["rows"])
     assert steps[0]["val/test_score/synthetic/reverse"] == ref_steps[0]["val/test_score/synthetic/reverse"]
+
+
+@pytest.fixture(scope="module")
+def ppo_reference(pool1, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("ppo_tp1"))
+    return pool1.run("tests.test_e2e:train_job", out_dir=out, overrides=PPO)[0]
+
+
+def test_ppo_tp1_trains_the_critic(ppo_reference):
+    steps = _check_run(ppo_reference, world=1, critic=True)
+    for step in (1, 2, 3):
+        m = steps[step]
+        assert m["critic/vf_loss"] > 0.0 and m["critic/lr"] == 1e-3
+        # GAE advantages are whitened over the batch's response tokens.
+        assert abs(m["critic/advantages/mean"]) < 1e-5
+    # A fresh value head predicts ~0 at first; the critic moves its predictions.
+    assert steps[3]["critic/values/mean"] != steps[1]["critic/values/mean"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.pp=2"]], ids=["tp2", "pp2"])
+def test_ppo_layouts_match_one_process(pool2, tmp_path, ppo_reference, layout):
+    result = pool2.run("tests.test_e2e:train_job", out_dir=str(tmp_path), overrides=[*PPO, *layout])[0]
+    key, value = layout[0].removeprefix("parallel.").split("=")
+    assert result["parallel"][key] == int(value)
+    _check_run(result, world=2, critic=True)
+    _assert_same_run(ppo_reference, result)

@@ -40,6 +40,18 @@ def _set_threads() -> None:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
 
+def _quiet_libraries() -> None:
+    """Keep the console readable: megatron warns about absent Apex / Transformer Engine at
+    every import, torch.distributed about deprecated names, transformers draws progress bars."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.")
+    hf_logging.disable_progress_bar()
+
+
 def run(config_path: str | None, overrides: Sequence[str]) -> dict[str, float]:
     """Load, check, build and train; returns the trainer's summary (first/last validation score)."""
     from verl_megatron.distributed.parallel import init_runtime, shutdown
@@ -73,6 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from verl_megatron.trainer.config import ConfigError
 
     args = parse_args(argv)
+    _quiet_libraries()
     try:
         run(args.config, args.overrides)
     except (ConfigError, FileNotFoundError) as err:

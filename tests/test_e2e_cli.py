@@ -1,0 +1,95 @@
+"""The user's entry points: ``verl-megatron train`` (re-launching itself under torchrun when the
+config asks for several processes), ``launch/single_node.sh``, config errors, ``check-hf``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_e2e import QUICKSTART, TINY
+from verl_megatron import cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ONE_STEP = [
+    *TINY,
+    "trainer.total_training_steps=1",
+    "trainer.val_before_train=false",
+    "trainer.test_freq=-1",
+    "trainer.save_freq=-1",
+    "trainer.export_hf=false",
+]
+
+
+def _env() -> dict[str, str]:
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")
+    }
+    return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+
+
+def _check_two_process_run(out_dir, key: str, value: int) -> None:
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        (row,) = [json.loads(line) for line in f]
+    # Throughput is per device: the run had two processes.
+    assert row["perf/throughput"] == pytest.approx(row["perf/total_num_tokens"] / (row["timing_s/step"] * 2))
+    with open(os.path.join(out_dir, "config.json")) as f:
+        assert json.load(f)["parallel"][key] == value
+
+
+@pytest.mark.multiproc
+def test_train_relaunches_under_torchrun_for_several_processes(tmp_path):
+    overrides = [
+        *ONE_STEP,
+        f"trainer.default_local_dir={tmp_path}",
+        "trainer.n_gpus_per_node=2",
+        "parallel.tp=2",
+    ]
+    result = subprocess.run(
+        [sys.executable, "-m", "verl_megatron.cli", "train", "--config", QUICKSTART, *overrides],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    _check_two_process_run(tmp_path, "tp", 2)
+
+
+@pytest.mark.multiproc
+def test_single_node_launch_script(tmp_path):
+    overrides = [*ONE_STEP, f"trainer.default_local_dir={tmp_path}", "parallel.pp=2"]
+    result = subprocess.run(
+        [os.path.join(ROOT, "launch", "single_node.sh"), "--config", QUICKSTART, *overrides],
+        env={**_env(), "NPROC": "2", "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    _check_two_process_run(tmp_path, "pp", 2)
+
+
+def test_config_errors_exit_2_naming_the_key(capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert cli.main(["train", "trainer.total_steps=5"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown config key 'trainer.total_steps'" in err and "trainer.total_training_steps" in err
+    assert cli.main(["train", "--config", "/no/such.yaml"]) == 2
+    assert "config file '/no/such.yaml' does not exist" in capsys.readouterr().err
+    assert cli.main(["train", "trainer.nnodes=2"]) == 2
+    assert "launch/multi_node.sh" in capsys.readouterr().err
+
+
+def test_subcommands(capsys, monkeypatch):
+    import verl_megatron.models.check_hf as check_hf
+
+    seen = []
+    monkeypatch.setattr(check_hf, "main", lambda argv: seen.append(argv) or 7)
+    assert cli.main(["check-hf", "/models/x", "--tp", "2"]) == 7
+    assert seen == [["/models/x", "--tp", "2"]]
+    assert cli.main([]) == 2 and "usage: verl-megatron {train,check-hf}" in capsys.readouterr().out
+    assert cli.main(["serve"]) == 2 and "unknown command 'serve'" in capsys.readouterr().err
