@@ -76,7 +76,7 @@ class RolloutConfig:
     seed: int | None = None
     """Sampling seed; None uses the runtime's seed. Same seed, same calls: same tokens."""
     prompt_length: int = 512
-    """Longest prompt (tokens) the engine accepts."""
+    """Longest prompt (tokens); vllm/sglang size their context as prompt_length + response_length."""
     response_length: int = 512
     """Most new tokens per response; responses are right-padded to exactly this length."""
     dtype: str = "bfloat16"

@@ -75,11 +75,6 @@ class NativeRollout(RolloutEngine):
         ``n``, ``eos_token_id``, ``pad_token_id`` and ``response_length`` for this batch.
         """
         input_ids, mask, positions = prompt_tensors(prompts)
-        if input_ids.shape[1] > self.config.prompt_length:
-            raise ValueError(
-                f"generate_sequences: prompts have {input_ids.shape[1]} columns, more than "
-                f"rollout.prompt_length={self.config.prompt_length}"
-            )
         meta = prompts.meta_info
         params = resolve_sampling(self.config, meta)
         response_length = int(meta.get("response_length", self.config.response_length))
