@@ -85,7 +85,7 @@ def _by_step(rows: list[dict]) -> dict[int, dict]:
     return merged
 
 
-def _check_run(result: dict, world: int, critic: bool) -> dict[int, dict]:
+def _check_run(result: dict, world: int, critic: bool, lowest_score: float = 0.0) -> dict[int, dict]:
     """What every run must show, whatever its layout."""
     steps = _by_step(result["rows"])
     assert sorted(steps) == [0, 1, 2, 3]
@@ -103,7 +103,7 @@ def _check_run(result: dict, world: int, critic: bool) -> dict[int, dict]:
         )
         # The trainer's log-probs of the gathered responses match the sampler's own.
         assert m["training/rollout_probs_diff_max"] < 1e-4
-        assert 0.0 <= m["critic/score/mean"] <= 1.0 and m["actor/lr"] == 1e-3
+        assert lowest_score <= m["critic/score/mean"] <= 1.0 and m["actor/lr"] == 1e-3
         assert ("critic/vf_loss" in m) == critic
     assert "timing_s/testing" in steps[3] and "timing_s/save_checkpoint" in steps[3]
     assert result["summary"]["val/first_step"] == 0 and result["summary"]["val/last_step"] == 3
@@ -214,3 +214,29 @@ def test_ppo_layouts_match_one_process(pool2, tmp_path, ppo_reference, layout):
     assert result["parallel"][key] == int(value)
     _check_run(result, world=2, critic=True)
     _assert_same_run(ppo_reference, result)
+
+
+def test_dapo_dynamic_sampling_and_overlong_penalty(pool1, tmp_path):
+    dapo = [
+        "algorithm.filter_groups.enable=true",
+        "algorithm.filter_groups.metric=score",
+        "algorithm.filter_groups.max_num_gen_batches=20",
+        "data.gen_batch_size=8",
+        "actor.clip_ratio_high=0.28",
+        "reward_model.reward_manager=dapo",
+        "reward_model.overlong_buffer.enable=true",
+        "reward_model.overlong_buffer.len=1",  # a 3-token (maximal) response loses 1
+        "reward_model.overlong_buffer.penalty_factor=1.0",
+    ]
+    result = pool1.run("tests.test_e2e:train_job", out_dir=str(tmp_path), overrides=dapo)[0]
+    steps = _check_run(result, world=1, critic=False, lowest_score=-1.0)
+    for step in (1, 2, 3):
+        m = steps[step]
+        assert m["train/num_kept_groups"] >= 8 and m["train/num_gen_batches"] >= 1
+        assert m["train/num_gen_batches"] == int(m["train/num_gen_batches"])
+        # Task scores are in [0, 1]; every maximal-length response also gets -1.
+        assert (
+            m["critic/score/min"] >= -1.0 and m["critic/score/mean"] <= 1.0 - m["response_length/clip_ratio"]
+        )
+    # Validation scores the task alone (no overlong shaping): within [0, 1].
+    assert 0.0 <= steps[3]["val/test_score/synthetic/reverse"] <= 1.0
