@@ -1,0 +1,211 @@
+"""The benchmark harness: ``benchmarks/run.py --quick`` writes every section's JSON and markdown
+with the expected fields and positive, finite measurements, and the harness's own arithmetic
+(FLOP counts, ratios, exponent fits, tables) matches numbers worked out by hand.
+
+No timing is asserted: the machine is shared, and quick mode's sizes are too small to mean
+anything. Ratios are checked to be exactly ours / peer of the rows they come from.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SECTIONS = ("generation", "reward", "update", "grpo_step", "scaling", "memory")
+
+
+def _load_common():
+    """benchmarks/common.py as a module (benchmarks/ is a folder of scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location("bench_common", REPO / "benchmarks" / "common.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_common"] = module  # dataclasses look their module up while being built
+    spec.loader.exec_module(module)
+    return module
+
+
+common = _load_common()
+
+
+# ----------------------------------------------------------------------------- harness arithmetic
+
+
+def test_flop_counts_match_hand_computation():
+    # llama L2, hidden 64, 4 heads of 16 (d_attn 64), 2 kv heads (k/v width 32), ffn 128, V 512.
+    shape = common.ModelShape(
+        vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128
+    )
+    per_layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128  # q, k+v, o, gate+up+down = 36864
+    assert shape.matmul_params == 2 * per_layer + 64 * 512 == 106496
+    # 6N + 12 L T d_attn at T = 16: 638976 + 24576; forward: 2N + 4 L T d_attn = 212992 + 8192.
+    assert common.train_flops_per_token(shape, 16) == 663552.0
+    assert common.forward_flops_per_token(shape, 16) == 221184.0
+    assert shape.gemm_shapes(32) == [
+        (32, 64, 64), (32, 64, 32), (32, 64, 64), (32, 64, 128), (32, 128, 64), (32, 64, 512)
+    ]  # fmt: skip
+
+
+def test_fit_exponent_recovers_power_laws():
+    assert common.fit_exponent([1, 2, 4, 8], [3, 12, 48, 192]) == pytest.approx(2.0, abs=1e-12)
+    assert common.fit_exponent([64, 128, 256], [0.5, 0.5, 0.5]) == pytest.approx(0.0, abs=1e-12)
+    assert common.fit_exponent([2, 4], [1.0, math.sqrt(2.0)]) == pytest.approx(0.5, abs=1e-12)
+    assert common.fit_exponent([5], [1.0]) is None  # one point fits nothing
+    assert common.fit_exponent([4, 4], [1.0, 2.0]) is None  # no spread in x
+
+
+def test_ratio_and_best_peak():
+    assert common.ratio(3.0, 4.0) == 0.75
+    assert common.ratio(None, 4.0) is None
+    assert common.ratio(3.0, 0.0) is None
+    early = {"shapes": [{"m": 1, "k": 2, "n": 3, "gflops": 10.0}, {"m": 4, "k": 5, "n": 6, "gflops": 30.0}]}
+    late = {"shapes": [{"m": 1, "k": 2, "n": 3, "gflops": 40.0}, {"m": 4, "k": 5, "n": 6, "gflops": 20.0}]}
+    combined = common.best_peak(early, late)
+    assert combined["peak_gflops"] == 40.0
+    assert sorted(r["gflops"] for r in combined["shapes"]) == [30.0, 40.0]
+
+
+def test_markdown_table_layout():
+    table = common.markdown_table(["impl", "tokens/s"], [{"impl": "a", "tokens/s": 1234.5}, {"impl": "b"}])
+    assert table.splitlines() == ["| impl | tokens/s |", "|---|---:|", "| a | 1,234.5 |", "| b | n/a |"]
+
+
+def test_time_interleaved_alternates_and_warms_up():
+    calls = []
+    timings = common.time_interleaved(
+        {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeats=2, warmup=1
+    )
+    assert calls == ["a", "b", "a", "b", "a", "b"]  # warm-ups, then A B A B
+    assert [len(t.seconds) for t in timings.values()] == [2, 2]
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        common.time_interleaved({"a": lambda: None}, repeats=0)
+
+
+# ----------------------------------------------------------------------------- the quick run
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_results")
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "run.py"), "--quick", "--threads", "1", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads((out / "results.json").read_text())
+    return out, results, proc.stdout
+
+
+def _positive(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def _rows(results, name):
+    section = results["sections"][name]
+    assert not section["errors"].get("harness"), section["errors"]
+    return {row[section["columns"][0]]: row for row in section["rows"]}
+
+
+def test_every_section_is_written_with_the_machine(quick_run):
+    out, results, stdout = quick_run
+    machine = results["machine"]
+    assert machine["cpu_model"] and machine["logical_cpus"] >= 1 and machine["torch_threads"] == 1
+    assert machine["versions"]["torch"] and machine["versions"]["megatron-core"]
+    assert results["quick"] is True and results["threads"] == 1
+    assert list(results["sections"]) == list(SECTIONS)
+    for name in SECTIONS:
+        on_disk = json.loads((out / f"{name}.json").read_text())
+        assert on_disk["name"] == name and on_disk["machine"] == machine
+        assert (out / f"{name}.md").read_text().startswith("### ")
+        assert _positive(on_disk["seconds"])
+    summary = (out / "summary.md").read_text()
+    assert "## Ratios" in summary and machine["cpu_model"] in summary
+    assert "## Ratios (ours / peer)" in stdout
+
+
+def test_update_section(quick_run):
+    _, results, _ = quick_run
+    rows = _rows(results, "update")
+    ours, peer = rows["verl-megatron"], rows["HF + torch.optim.AdamW"]
+    for row in (ours, peer):
+        for column in ("tokens/s (best)", "tokens/s (median)", "step_s (best)", "GFLOP/s", "CPU MFU %"):
+            assert _positive(row[column]), (row["impl"], column, row[column])
+        assert row["CPU MFU %"] <= 100.0
+        # 4 sequences of 16 tokens: tokens/s is exactly 64 / seconds.
+        assert row["tokens/s (best)"] == pytest.approx(64 / row["step_s (best)"], rel=1e-12)
+    section = results["sections"]["update"]
+    assert section["extra"]["flops_per_token"] == 663552.0  # see test_flop_counts_match_hand_computation
+    assert section["ratios"]["tokens/s ours / HF (best)"] == pytest.approx(
+        ours["tokens/s (best)"] / peer["tokens/s (best)"], rel=1e-12
+    )
+
+
+def test_grpo_step_section(quick_run):
+    _, results, _ = quick_run
+    section = results["sections"]["grpo_step"]
+    rows = _rows(results, "grpo_step")
+    ours = rows["verl-megatron"]
+    assert _positive(ours["step_s (best)"])
+    assert ours["mean response tokens"] == 8.0  # EOS ignored: every response has response_len tokens
+    for stage in ("gen", "old_log_prob", "update_actor"):
+        assert _positive(ours[stage])
+    peer = rows.get("TRL GRPOTrainer")
+    if importlib.util.find_spec("trl") is None:
+        assert "TRL GRPOTrainer" in section["errors"]  # the reason is recorded, not swallowed
+        return
+    assert peer is not None, section["errors"]
+    assert _positive(peer["step_s (best)"]) and peer["mean response tokens"] == 8.0
+    key = "step time ours / TRL (best; < 1 = ours faster)"
+    assert section["ratios"][key] == pytest.approx(ours["step_s (best)"] / peer["step_s (best)"], rel=1e-12)
+
+
+def test_scaling_section(quick_run):
+    out, results, _ = quick_run
+    section = results["sections"]["scaling"]
+    assert not section["errors"], section["errors"]
+    points = [(r["sweep"], r["batch"], r["response_len"]) for r in section["rows"]]
+    assert points == [("response_len", 4, 8), ("response_len", 4, 16), ("batch", 2, 8), ("batch", 4, 8)]
+    assert all(_positive(r["step_s"]) and _positive(r["gen_s"]) for r in section["rows"])
+    for kind in ("response_len", "batch"):
+        k = section["ratios"][f"fitted exponent k, step time ~ {kind}^k"]
+        assert isinstance(k, float) and math.isfinite(k)
+    png = Path(section["extra"]["plot_png"])
+    assert png.parent == out and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_memory_section(quick_run):
+    _, results, _ = quick_run
+    rows = _rows(results, "memory")
+    whole = "HF forward + log_softmax, whole batch at once"
+    assert set(rows) == {"verl-megatron compute_log_prob", "HF forward + log_softmax", whole}
+    full_mib = 4 * 64 * 8192 * 4 / 2**20  # B * T * V float32 of the quick config = 8 MiB
+    for row in rows.values():
+        assert _positive(row["stage peak MiB"])
+        assert row["full [B,T,V] logits MiB"] == full_mib
+        assert row["peak / full logits"] == pytest.approx(row["stage peak MiB"] / full_mib, rel=1e-12)
+    ratios = results["sections"]["memory"]["ratios"]
+    ours = rows["verl-megatron compute_log_prob"]["stage peak MiB"]
+    for peer in ("HF forward + log_softmax", whole):
+        assert ratios[f"stage peak ours / {peer}"] == pytest.approx(
+            ours / rows[peer]["stage peak MiB"], rel=1e-12
+        )
+
+
+def test_reward_and_generation_sections(quick_run):
+    _, results, _ = quick_run
+    reward = results["sections"]["reward"]
+    assert (
+        reward["rows"] == [] and "skipped in --quick" in reward["notes"][0]
+    )  # tests/test_reward_bench.py runs it
+    generation = _rows(results, "generation")
+    assert len(generation) >= 2  # native engine and HF generate
+    for row in generation.values():
+        assert any(_positive(v) for k, v in row.items() if "tokens/s" in k), row
