@@ -1,0 +1,219 @@
+"""Generation throughput: the native rollout engine vs Hugging Face ``generate`` on the same weights.
+
+One random-init llama checkpoint is built on the spot (full size: 4 layers, hidden 512, GQA 8/2,
+vocabulary 32k); Hugging Face loads it with ``AutoModelForCausalLM`` and the native engine with
+the megatron builder and converter (tp=1, one process). Both generate ``new_tokens`` tokens for
+the same ``batch`` left-padded prompts (lengths prompt_len/2..prompt_len, random tokens), sampling
+at temperature 1 over the whole vocabulary (verl's defaults: no top-k / top-p), EOS ignored so
+every row runs to full length, float32, ``torch.set_num_threads(2)``. tokens/s counts generated
+tokens (batch x new_tokens) over the whole call, prefill included.
+
+Before timing, a short greedy run checks that both sides produce the same tokens (the same model,
+not just the same sizes). The two sides then run interleaved (A, B, A, B); the headline is the
+fastest repeat, the median is reported beside it.
+
+    python benchmarks/bench_generate.py                  # full size
+    python benchmarks/bench_generate.py --quick          # smoke sizes (numbers mean nothing)
+    python benchmarks/bench_generate.py --out FILE.json  # default benchmarks/results/generate.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import (
+    HEADLINE_THREADS,
+    REPO_ROOT,
+    ModelShape,
+    Section,
+    build_assets,
+    machine_info,
+    ratio,
+    shape_text,
+    time_interleaved,
+)
+
+NATIVE, HF = "verl-megatron native engine", "HF generate"
+
+
+@dataclass(frozen=True)
+class GenerateBenchConfig:
+    """Sizes of the benchmarked generation."""
+
+    shape: ModelShape
+    batch: int = 64
+    prompt_len: int = 64
+    new_tokens: int = 128
+    repeats: int = 2
+    check_rows: int = 4
+    check_tokens: int = 16
+    seed: int = 0
+
+
+FULL = GenerateBenchConfig(
+    shape=ModelShape(
+        vocab_size=32000, hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=2, intermediate_size=1376
+    )
+)
+QUICK = GenerateBenchConfig(
+    shape=ModelShape(
+        vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128
+    ),
+    batch=4,
+    prompt_len=8,
+    new_tokens=8,
+    repeats=1,
+    check_rows=2,
+    check_tokens=4,
+)
+
+
+def make_prompts(cfg: GenerateBenchConfig, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) [batch, prompt_len], left-padded, random tokens (never pad / eos)."""
+    g = torch.Generator().manual_seed(cfg.seed)
+    lengths = torch.randint(cfg.prompt_len // 2, cfg.prompt_len + 1, (cfg.batch,), generator=g)
+    ids = torch.randint(3, cfg.shape.vocab_size, (cfg.batch, cfg.prompt_len), generator=g)
+    mask = (torch.arange(cfg.prompt_len)[None, :] >= (cfg.prompt_len - lengths)[:, None]).long()
+    return ids.masked_fill(mask == 0, pad_id), mask
+
+
+def _sides(model_dir: str, tokenizer: Any):
+    """(native engine, HF model) on the same checkpoint."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
+    from verl_megatron.models.builder import build_gpt_chunks
+    from verl_megatron.models.config import ModelConfig
+    from verl_megatron.models.convert import load_hf_weights
+    from verl_megatron.rollout import RolloutConfig, build_rollout
+
+    runtime = init_runtime(ParallelLayout(), seed=0)
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    model_cfg = ModelConfig(path=model_dir, dtype="float32")
+    chunks = build_gpt_chunks(hf_config, runtime, model_cfg)
+    load_hf_weights(chunks, model_dir, runtime, model_cfg)
+    config = RolloutConfig(temperature=1.0, top_k=-1, top_p=1.0, ignore_eos=True, seed=0)
+    engine = build_rollout(config, runtime, chunks, tokenizer, hf_config)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # run every row to full length, like ignore_eos
+    return engine, hf
+
+
+def _native_call(engine, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, greedy: bool = False):
+    from verl_megatron.protocol import DataProto
+
+    meta = {"response_length": new_tokens, **({"do_sample": False} if greedy else {})}
+    out = engine.generate_sequences(
+        DataProto.from_dict({"input_ids": ids, "attention_mask": mask}, meta_info=meta)
+    )
+    return out.batch["responses"]
+
+
+def _hf_call(hf, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, pad_id: int, greedy: bool = False):
+    # transformers' default top_k is 50: off, as on our side.
+    sampling = (
+        {"do_sample": False} if greedy else {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+    )
+    with torch.no_grad():
+        out = hf.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, pad_token_id=pad_id, **sampling
+        )
+    return out[:, ids.shape[1] :]
+
+
+def run(cfg: GenerateBenchConfig, workdir: Path) -> Section:
+    """Build the checkpoint, check both sides agree greedily, then time them interleaved."""
+    torch.set_num_threads(HEADLINE_THREADS)
+    model_dir, tokenizer = build_assets(workdir, cfg.shape, seed=cfg.seed)
+    engine, hf = _sides(model_dir, tokenizer)
+    pad = tokenizer.pad_token_id
+    ids, mask = make_prompts(cfg, pad)
+
+    rows = slice(0, cfg.check_rows)
+    ours = _native_call(engine, ids[rows], mask[rows], cfg.check_tokens, greedy=True)
+    theirs = _hf_call(hf, ids[rows], mask[rows], cfg.check_tokens, pad, greedy=True)
+    agree = bool(torch.equal(ours, theirs))
+    # Warm-up on a small batch: thread pools, allocator, lazy imports.
+    _native_call(engine, ids[rows], mask[rows], 2)
+    _hf_call(hf, ids[rows], mask[rows], 2, pad)
+
+    fns = {
+        NATIVE: lambda: _native_call(engine, ids, mask, cfg.new_tokens),
+        HF: lambda: _hf_call(hf, ids, mask, cfg.new_tokens, pad),
+    }
+    timings = time_interleaved(fns, repeats=cfg.repeats, warmup=0)
+    tokens = cfg.batch * cfg.new_tokens
+    section = Section(
+        name="generation",
+        title="Generation throughput: native rollout engine vs Hugging Face generate (same weights)",
+        columns=["impl", "tokens/s (best)", "tokens/s (median)", "seconds (best)", "seconds (median)"],
+        config={
+            "model": shape_text(cfg.shape),
+            "batch": cfg.batch,
+            "prompt_len": f"{cfg.prompt_len // 2}-{cfg.prompt_len} (left-padded)",
+            "new_tokens": cfg.new_tokens,
+            "sampling": "temperature 1, no top-k/top-p, EOS ignored",
+            "dtype": "float32",
+            "threads": torch.get_num_threads(),
+            "repeats": cfg.repeats,
+        },
+        extra={"settings": asdict(cfg), "timings": {k: t.as_dict() for k, t in timings.items()}},
+    )
+    for name, timing in timings.items():
+        section.rows.append(
+            {
+                "impl": name,
+                "tokens/s (best)": tokens / timing.best,
+                "tokens/s (median)": tokens / timing.median,
+                "seconds (best)": timing.best,
+                "seconds (median)": timing.median,
+            }
+        )
+    native, peer = section.rows
+    section.ratios["tokens/s native / HF generate (best)"] = ratio(
+        native["tokens/s (best)"], peer["tokens/s (best)"]
+    )
+    section.ratios["tokens/s native / HF generate (median)"] = ratio(
+        native["tokens/s (median)"], peer["tokens/s (median)"]
+    )
+    section.notes.append(
+        f"greedy check ({cfg.check_rows} prompts x {cfg.check_tokens} tokens): "
+        + ("identical tokens on both sides" if agree else "TOKENS DIFFER between the two sides")
+    )
+    section.extra["greedy_check_identical"] = agree
+    return section
+
+
+def run_section(quick: bool, workdir: Path) -> Section:
+    """Entry point for ``benchmarks/run.py``."""
+    return run(QUICK if quick else FULL, workdir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat: checks the script runs")
+    parser.add_argument(
+        "--out", default=str(REPO_ROOT / "benchmarks" / "results" / "generate.json"), help="JSON result file"
+    )
+    args = parser.parse_args(argv)
+    machine = machine_info()
+    with tempfile.TemporaryDirectory(prefix="bench_generate_") as tmp:
+        section = run_section(args.quick, Path(tmp))
+    machine = {**machine, "load_average_1m_end": machine_info()["load_average_1m"]}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(section.to_json(machine), indent=2, default=str) + "\n")
+    out.with_suffix(".md").write_text(section.to_markdown())
+    print(section.to_markdown())
+    print(f"wrote {out} and {out.with_suffix('.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
