@@ -214,41 +214,58 @@ def test_pp2_greedy_matches_pp1(pool2, single, model_dir, vpp):
         )
 
 
-def eos_job(model_dir: str) -> dict:
-    """Greedy without stops, then with EOS set to a token that row 0 produces at step 3."""
-    runtime, chunks, hf_config = _setup(model_dir)
+def eos_job(model_dir: str, tp: int = 1, pp: int = 1) -> dict:
+    """Greedy without stops, then with EOS set to the tokens rows 0 and 1 produce at steps 3 and 1."""
+    runtime, chunks, hf_config = _setup(model_dir, tp=tp, pp=pp)
     engine = _engine(runtime, chunks, hf_config, ignore_eos=True)
     free = _result(engine.generate_sequences(prompt_batch(meta={"do_sample": False})))
-    eos = int(free["responses"][0, 3])
+    eos = sorted({int(free["responses"][0, 3]), int(free["responses"][1, 1])})
     stopping = _engine(runtime, chunks, hf_config)
     stopped = _result(
         stopping.generate_sequences(prompt_batch(meta={"do_sample": False, "eos_token_id": eos}))
     )
-    return {"free": free, "stopped": stopped, "eos": eos, "steps": stopping.stats["decode_steps"]}
+    return {"free": free, "stopped": stopped, "eos": eos, "stats": dict(stopping.stats)}
 
 
-def test_eos_ends_the_response_hand_checked(pool1, model_dir):
-    out = pool1.run(f"{__name__}:eos_job", model_dir=model_dir)[0]
-    free, stopped, eos = out["free"], out["stopped"], out["eos"]
+def _stop_index(tokens: list[int], eos: list[int]) -> int:
+    """Length of a response that ends at the first of ``eos`` (the whole row if none)."""
+    return next((i + 1 for i, token in enumerate(tokens) if token in eos), RESPONSE_LENGTH)
+
+
+@pytest.fixture(scope="module")
+def eos_single(pool1, model_dir) -> dict:
+    return pool1.run(f"{__name__}:eos_job", model_dir=model_dir)[0]
+
+
+def test_eos_ends_the_response_hand_checked(eos_single):
+    free, stopped, eos = eos_single["free"], eos_single["stopped"], eos_single["eos"]
     width = max(PROMPT_LENGTHS)
-    for row in range(len(PROMPT_LENGTHS)):
+    ends = [_stop_index(free["responses"][row].tolist(), eos) for row in range(len(PROMPT_LENGTHS))]
+    for row, end in enumerate(ends):
         tokens = free["responses"][row].tolist()
-        end = tokens.index(eos) + 1 if eos in tokens else RESPONSE_LENGTH
-        expected = tokens[:end] + [PAD] * (RESPONSE_LENGTH - end)
-        assert stopped["responses"][row].tolist() == expected, f"row {row}"
+        assert stopped["responses"][row].tolist() == tokens[:end] + [PAD] * (RESPONSE_LENGTH - end), (
+            f"row {row}"
+        )
         # EOS itself is part of the response (mask 1); everything after it is padding (mask 0).
         assert stopped["response_mask"][row].tolist() == [1] * end + [0] * (RESPONSE_LENGTH - end)
         assert torch.equal(stopped["attention_mask"][row, width:], stopped["response_mask"][row])
         torch.testing.assert_close(
-            stopped["rollout_log_probs"][row, :end], free["rollout_log_probs"][row, :end]
+            stopped["rollout_log_probs"][row, :end], free["rollout_log_probs"][row, :end], rtol=0, atol=1e-5
         )
         assert stopped["rollout_log_probs"][row, end:].abs().sum() == 0
-    assert stopped["responses"][0, 3] == eos and stopped["response_mask"][0].sum() == 4
-    # Decoding stopped once every row had finished, not at the response length.
-    last_stop = max(
-        (r.tolist().index(eos) + 1 if eos in r.tolist() else RESPONSE_LENGTH) for r in free["responses"]
-    )
-    assert out["steps"] == last_stop - 1
+    assert ends[0] <= 4 and ends[1] <= 2
+    # Decoding stopped once every row had finished, not at the response length, and rows that
+    # had finished were dropped from the batch on the way.
+    assert eos_single["stats"]["decode_steps"] == max(ends) - 1
+    assert eos_single["stats"]["final_cache_rows"] < len(PROMPT_LENGTHS)
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_eos_and_dropped_rows_match_across_layouts(pool2, eos_single, model_dir, tp, pp):
+    for run in pool2.run(f"{__name__}:eos_job", model_dir=model_dir, tp=tp, pp=pp):
+        assert run["eos"] == eos_single["eos"]
+        assert torch.equal(run["stopped"]["responses"], eos_single["stopped"]["responses"])
+        assert run["stats"] == {**eos_single["stats"], "seconds": run["stats"]["seconds"]}
 
 
 def seeded_job(model_dir: str) -> dict:

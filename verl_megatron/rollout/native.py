@@ -8,6 +8,7 @@ layout, so ``sync_weights`` / ``sleep`` / ``wake_up`` have nothing to do. One ca
 3. decode one token per row per step until every row has stopped (EOS / stop id) or the
    response length is reached; the last pipeline stage samples, and the tokens and their
    log-probs are broadcast to every rank of the model-parallel group, so all ranks agree.
+   Once a quarter of the rows still decoded have stopped, they are dropped from the cache.
 
 Sampling is seeded by (seed, data-parallel rank, call number) (``sampling.call_seed``): the same
 seed and the same sequence of calls give the same tokens, whatever the tp/pp layout.
@@ -35,6 +36,9 @@ from verl_megatron.rollout.decode import ChunkDecoder, inference_mode_for
 from verl_megatron.rollout.sampling import SamplingParams, call_seed, resolve_sampling, sample_next
 
 __all__ = ["NativeRollout"]
+
+# Finished rows are dropped from the batch once at most this fraction of its rows is still live.
+_COMPACT_FRACTION = 0.75
 
 
 class NativeRollout(RolloutEngine):
@@ -65,7 +69,8 @@ class NativeRollout(RolloutEngine):
         self.hf_config = hf_config
         self.seed = config.seed if config.seed is not None else runtime.seed
         self._calls = 0
-        # Of the last call: decode_steps (forward steps after the prefill), response_tokens, seconds.
+        # Of the last call: decode_steps (forward steps after the prefill), final_cache_rows (rows
+        # still decoded at the end), response_tokens, seconds.
         self.stats: dict[str, float] = {}
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
@@ -139,19 +144,29 @@ class NativeRollout(RolloutEngine):
         response_mask = torch.zeros(rows, response_length, dtype=torch.long, device=device)
         log_probs = torch.zeros(rows, response_length, dtype=torch.float32, device=device)
         finished = torch.zeros(rows, dtype=torch.bool, device=device)
+        active = torch.arange(rows, device=device)  # output row of each cache row
         for t in range(response_length):
-            tokens, token_log_probs = self._next_tokens(logits, params, generator, rows)
-            live = ~finished
-            responses[:, t] = torch.where(live, tokens, pad)
-            log_probs[:, t] = torch.where(live, token_log_probs, 0.0)
-            response_mask[:, t] = live.long()
-            finished |= torch.isin(tokens, stop_ids)
-            # Every rank holds the same tokens, so every rank leaves the loop at the same step.
+            tokens, token_log_probs = self._next_tokens(logits, params, generator, active.numel())
+            live = ~finished[active]
+            responses[active, t] = torch.where(live, tokens, pad)
+            log_probs[active, t] = torch.where(live, token_log_probs, 0.0)
+            response_mask[active, t] = live.long()
+            finished[active] |= torch.isin(tokens, stop_ids)
+            # Every rank holds the same tokens, so every rank takes the same branches below.
             if t == response_length - 1 or bool(finished.all()):
-                self.stats["decode_steps"] = t
+                self.stats["decode_steps"], self.stats["final_cache_rows"] = t, active.numel()
                 break
+            keep = ~finished[active]
+            if int(keep.sum()) <= _COMPACT_FRACTION * active.numel():
+                # Finished rows would keep costing a full step each: drop them from the cache.
+                kept = torch.nonzero(keep).flatten()
+                decoder.reorder(kept)
+                key_valid, active = key_valid[kept], active[kept]
             logits = decoder.step(
-                responses[:, t : t + 1], (next_position + t)[:, None], key_valid, start=prompt_len + t
+                responses[active, t : t + 1],
+                (next_position[active] + t)[:, None],
+                key_valid,
+                start=prompt_len + t,
             )
         return responses, response_mask, log_probs
 
