@@ -5,7 +5,7 @@ vocabulary 32k); Hugging Face loads it with ``AutoModelForCausalLM`` and the nat
 the megatron builder and converter (tp=1, one process). Both generate ``new_tokens`` tokens for
 the same ``batch`` left-padded prompts (lengths prompt_len/2..prompt_len, random tokens), sampling
 at temperature 1 over the whole vocabulary (verl's defaults: no top-k / top-p), EOS ignored so
-every row runs to full length, float32, ``torch.set_num_threads(2)``. tokens/s counts generated
+every row runs to full length, float32, 2 torch threads (``--threads``). tokens/s counts generated
 tokens (batch x new_tokens) over the whole call, prefill included.
 
 Before timing, a short greedy run checks that both sides produce the same tokens (the same model,
@@ -128,8 +128,10 @@ def _hf_call(hf, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, pad_id:
 
 
 def run(cfg: GenerateBenchConfig, workdir: Path) -> Section:
-    """Build the checkpoint, check both sides agree greedily, then time them interleaved."""
-    torch.set_num_threads(HEADLINE_THREADS)
+    """Build the checkpoint, check both sides agree greedily, then time them interleaved.
+
+    Runs with the caller's torch thread count (``main`` and ``run.py`` set it; headline: 2).
+    """
     model_dir, tokenizer = build_assets(workdir, cfg.shape, seed=cfg.seed)
     engine, hf = _sides(model_dir, tokenizer)
     pad = tokenizer.pad_token_id
@@ -201,7 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out", default=str(REPO_ROOT / "benchmarks" / "results" / "generate.json"), help="JSON result file"
     )
+    parser.add_argument("--threads", type=int, default=HEADLINE_THREADS, help="torch threads (headline: 2)")
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
     machine = machine_info()
     with tempfile.TemporaryDirectory(prefix="bench_generate_") as tmp:
         section = run_section(args.quick, Path(tmp))
