@@ -12,6 +12,11 @@ where Tr = the response length and a prompt's n samples are adjacent rows (verl'
 response mask is 1 on generated tokens up to and including the stop token (EOS or a stop id) and
 0 on padding. Every rank of a model-parallel group calls ``generate_sequences`` with the same
 prompts (its data-parallel shard) and gets the same result.
+
+A training step drives any engine the same way: ``wake_up()``, ``sync_weights()``,
+``generate_sequences(prompts)``, ``sleep()``; the native engine, which reads the actor's
+weights in place, makes the three hooks no-ops. Multi-turn rollouts wrap an engine in
+``verl_megatron.rollout.multiturn.MultiTurnRollout`` with an environment.
 """
 
 from __future__ import annotations
