@@ -15,7 +15,7 @@ import torch
 from verl_megatron.data import PromptLoader, RLHFDataset
 from verl_megatron.distributed.parallel import ParallelLayout
 from verl_megatron.protocol import DataProto
-from verl_megatron.rollout.base import assemble_output
+from verl_megatron.rollout.base import RolloutEngine, assemble_output
 from verl_megatron.trainer.components import Components
 from verl_megatron.trainer.config import load_config
 from verl_megatron.trainer.ppo_trainer import PPOTrainer
@@ -27,15 +27,29 @@ QUICKSTART = os.path.join(
 EOS, PAD, LOW, HIGH = 1, 0, 7, 8  # char tokenizer over digits: '1' is id 7, '2' is id 8
 
 
-class ScriptedRollout:
-    """Call c answers prompt j's k-th sample with token ``plan[c][j][k]`` then EOS."""
+class ScriptedRollout(RolloutEngine):
+    """Call c answers prompt j's k-th sample with token ``plan[c][j][k]`` then EOS.
+
+    ``events`` records the trainer's engine hooks and generations in order."""
 
     def __init__(self, plan: list[list[tuple[int, ...]]]) -> None:
         self.plan = plan
         self.calls: list[dict] = []
+        self.events: list[str] = []
+
+    def sync_weights(self) -> None:
+        self.events.append("sync")
+
+    def wake_up(self) -> None:
+        self.events.append("wake")
+
+    def sleep(self) -> None:
+        self.events.append("sleep")
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         step = self.plan[len(self.calls)]
+        self.events.append("gen")
+        self._calls += 1
         self.calls.append(dict(prompts.meta_info))
         n = len(step[0])
         tokens = torch.tensor([[t, EOS] for group in step[: len(prompts)] for t in group])
@@ -201,3 +215,39 @@ def test_skipped_optimizer_steps_are_reported_and_averaged(dataset):
         "actor/skipped_steps": 0.0
     }
     assert len(printed) == 1
+
+
+def test_rollout_phase_syncs_weights_once_per_actor_update(dataset):
+    plan = [[VARIED] * 4] * 4
+    trainer = _trainer(dataset, ["rollout.n=2", "data.train_batch_size=4"], plan)
+    engine = trainer.rollout
+    trainer._collect_batch(step=1, timing={})
+    trainer._collect_batch(step=2, timing={})  # no actor update in between: no new copy
+    trainer._weights_version += 1  # what train_step does after update_policy
+    trainer._collect_batch(step=3, timing={})
+    trainer._collect_batch(step=4, timing={})
+    cycle = ["wake", "gen", "sleep"]
+    assert engine.events == ["wake", "sync", "gen", "sleep", *cycle, "wake", "sync", "gen", "sleep", *cycle]
+    # The sampling counter is what a checkpoint keeps, so a resumed run samples on.
+    assert engine.state_dict() == {"calls": 4}
+    restored = ScriptedRollout(plan)
+    restored.load_state_dict(engine.state_dict())
+    assert restored.state_dict() == {"calls": 4}
+
+
+def test_offload_switches_park_and_restore_around_generation(dataset, monkeypatch):
+    from verl_megatron.models import offload
+
+    log: list[tuple[str, object]] = []
+    for name in ("offload_optimizer", "load_optimizer", "offload_model", "load_model"):
+        monkeypatch.setattr(offload, name, lambda target, *a, _n=name, **k: log.append((_n, target)))
+    overrides = [
+        "rollout.n=2",
+        "data.train_batch_size=4",
+        "actor.megatron.optimizer_offload=true",
+        "actor.megatron.param_offload=true",  # native engine: the actor's parameters must stay
+    ]
+    trainer = _trainer(dataset, overrides, [[VARIED] * 4])
+    trainer.actor = SimpleNamespace(optimizer="actor-opt", chunks="actor-chunks")
+    trainer._collect_batch(step=1, timing={})
+    assert log == [("offload_optimizer", "actor-opt"), ("load_optimizer", "actor-opt")]

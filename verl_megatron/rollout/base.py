@@ -52,6 +52,16 @@ class RolloutEngineUnavailable(ImportError):
 class RolloutEngine(abc.ABC):
     """Generates responses for prompts; colocated with the actor whose weights it uses."""
 
+    # Sampling seeds derive from (seed, dp rank, call number): a resumed run continues the count.
+    _calls: int = 0
+
+    def state_dict(self) -> dict[str, int]:
+        """What a checkpoint must keep so that a resumed run samples what the original would have."""
+        return {"calls": self._calls}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._calls = int(state["calls"])
+
     @abc.abstractmethod
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Responses for a batch of left-padded prompts; see the module docstring for the keys."""

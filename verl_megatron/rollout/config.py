@@ -53,6 +53,10 @@ class MultiTurnConfig:
     """Environment replies longer than this many tokens are truncated."""
     tool_response_truncate_side: str = "middle"
     """Which part of an over-long environment reply is dropped: ``left``, ``right`` or ``middle``."""
+    environment: str = ""
+    """The environment answering each policy turn: ``pkg.module:name`` or ``/path/file.py:name``,
+    naming a callable ``(Conversation, last_turn_text) -> EnvironmentReply``
+    (see ``verl_megatron.rollout.multiturn``). Required when ``enable``."""
 
 
 @dataclass
@@ -146,6 +150,11 @@ class RolloutConfig:
             raise RolloutConfigError(
                 "rollout.multi_turn.tool_response_truncate_side must be 'left', 'right' or 'middle', "
                 f"got {self.multi_turn.tool_response_truncate_side!r}"
+            )
+        if self.multi_turn.enable and not self.multi_turn.environment:
+            raise RolloutConfigError(
+                "rollout.multi_turn.enable=true needs rollout.multi_turn.environment "
+                "('pkg.module:name' or '/path/file.py:name' of the environment callable)"
             )
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise RolloutConfigError(

@@ -126,6 +126,21 @@ class MultiTurnRollout(RolloutEngine):
         self.tokenizer = tokenizer
         self.environment = environment
 
+    def state_dict(self) -> dict[str, int]:
+        return self.engine.state_dict()
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.engine.load_state_dict(state)
+
+    def sync_weights(self) -> None:
+        self.engine.sync_weights()
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Conversations for left-padded prompts [B, Tp] -> [B*n, ...], keys as the engine's."""
         input_ids, mask, _ = prompt_tensors(prompts)

@@ -133,6 +133,12 @@ def build_components(config: PPOConfig, runtime: Runtime) -> tuple[PPOConfig, Co
 
     tokenizer = hf_tokenizer(config.model.tokenizer_path or config.model.path)
     hf_config = load_hf_config(config.model.path)
+    # User code is imported before any model is built, so a bad path fails fast.
+    environment = None
+    if config.rollout.multi_turn.enable:
+        from verl_megatron.utils.import_utils import load_object
+
+        environment = load_object(config.rollout.multi_turn.environment, "rollout.multi_turn.environment")
     train_loader, val_loader = _loaders(config, tokenizer)
     config = resolve_worker_configs(config, total_training_steps(config, len(train_loader)))
     bf16 = config.model.dtype == "bfloat16"
@@ -153,6 +159,10 @@ def build_components(config: PPOConfig, runtime: Runtime) -> tuple[PPOConfig, Co
         )
         critic = MegatronCritic(runtime, config.critic, *critic_parts)
     rollout = build_rollout(config.rollout, runtime, actor_chunks, tokenizer, hf_config)
+    if environment is not None:
+        from verl_megatron.rollout.multiturn import MultiTurnRollout
+
+        rollout = MultiTurnRollout(rollout, config.rollout, tokenizer, environment)
     reward_fn, val_reward_fn = _reward_fns(config, tokenizer)
     return config, Components(
         tokenizer=tokenizer,

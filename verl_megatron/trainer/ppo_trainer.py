@@ -15,6 +15,7 @@ One step, top to bottom (``train_step``)::
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import os
@@ -69,6 +70,9 @@ class PPOTrainer:
         self.val_history: list[tuple[int, float]] = []
         self.tracker = Tracking("", "", [], "", enabled=False)  # replaced in fit()
         self.global_step = 0
+        # The rollout engine holds a copy of the weights only for external engines; these
+        # count actor updates so a copy is refreshed once per update, not once per call.
+        self._weights_version, self._synced_version = 0, -1
 
     # ------------------------------------------------------------------ the loop
 
@@ -128,6 +132,7 @@ class PPOTrainer:
             if step > trainer.critic_warmup:
                 with M.timed("update_actor", timing):
                     metrics.update(self._report_skips("actor", self.actor.update_policy(batch), step))
+                self._weights_version += 1
             if (
                 self.val_loader is not None
                 and trainer.test_freq > 0
@@ -205,7 +210,8 @@ class PPOTrainer:
             prompts.meta_info["do_sample"] = False
         dp = self.runtime.layout.dp
         padded, pad = pad_dataproto_to_divisor(prompts, dp)
-        output = self.rollout.generate_sequences(padded.chunk(dp)[self.runtime.dp_rank]).to("cpu")
+        with self._rollout_phase():
+            output = self.rollout.generate_sequences(padded.chunk(dp)[self.runtime.dp_rank]).to("cpu")
         if dp > 1:
             parts: list[Any] = [None] * dp
             dist.all_gather_object(parts, output, group=self.runtime.dp_group())
@@ -217,6 +223,50 @@ class PPOTrainer:
         for key in ("validate", "do_sample"):
             output.meta_info.pop(key, None)
         return output
+
+    @contextlib.contextmanager
+    def _rollout_phase(self):
+        """Hand the accelerator to the rollout engine, then take it back.
+
+        The engine wakes up and, if the actor changed since it last did, loads the current
+        weights (a no-op for the native engine, which reads the actor in place). Training
+        state that the ``<role>.megatron`` offload switches name is parked in host memory
+        meanwhile (GPU only; on CPU the offload functions move nothing).
+        """
+        from verl_megatron.models import offload
+
+        self.rollout.wake_up()
+        if self._synced_version != self._weights_version:
+            self.rollout.sync_weights()
+            self._synced_version = self._weights_version
+        restore: list[tuple[Any, Any]] = []
+        actor_off = self.config.actor.megatron
+        if actor_off.optimizer_offload:
+            offload.offload_optimizer(self.actor.optimizer)
+            restore.append((offload.load_optimizer, self.actor.optimizer))
+        # The native engine generates with the actor's own parameters: they stay.
+        if actor_off.param_offload and self.config.rollout.name != "native":
+            offload.offload_model(self.actor.chunks, grads=actor_off.grad_offload)
+            restore.append((offload.load_model, self.actor.chunks))
+        if self.ref is not None and self.config.ref.megatron.param_offload:
+            offload.offload_model(self.ref.chunks, grads=False)
+            restore.append((offload.load_model, self.ref.chunks))
+        if self.critic is not None:
+            critic_off = self.config.critic.megatron
+            if critic_off.param_offload:
+                offload.offload_model(self.critic.chunks, grads=critic_off.grad_offload)
+                restore.append((offload.load_model, self.critic.chunks))
+            if critic_off.optimizer_offload:
+                offload.offload_optimizer(self.critic.optimizer)
+                restore.append((offload.load_optimizer, self.critic.optimizer))
+        if restore:
+            offload.empty_device_cache()
+        try:
+            yield
+        finally:
+            self.rollout.sleep()
+            for load, target in reversed(restore):
+                load(target)
 
     def _reward(self, batch: DataProto, reward_fn: Any) -> tuple[torch.Tensor, dict[str, list[Any]]]:
         """(reward [B, Tr], extra info) computed on rank 0 and broadcast to every rank."""
@@ -352,7 +402,7 @@ class PPOTrainer:
             "global_step": step,
             "train_loader": self.train_loader.state_dict(),
             "kl_coef": None if self.kl_ctrl is None else self.kl_ctrl.value,
-            "rollout_calls": getattr(self.rollout, "_calls", None),
+            "rollout": self.rollout.state_dict(),
             "actor_update_calls": self.actor.update_calls,
             "critic_update_calls": getattr(self.critic, "update_calls", None),
             "val_history": list(self.val_history),
@@ -402,8 +452,7 @@ class PPOTrainer:
             self.kl_ctrl.value = state["kl_coef"]
         # The rollout seeds each call from a call counter, the workers their mini-batch
         # shuffles from an update counter: both continue where the saved run stopped.
-        if state["rollout_calls"] is not None and hasattr(self.rollout, "_calls"):
-            self.rollout._calls = state["rollout_calls"]
+        self.rollout.load_state_dict(state["rollout"])
         self.actor.update_calls = state["actor_update_calls"]
         if self.critic is not None and state["critic_update_calls"] is not None:
             self.critic.update_calls = state["critic_update_calls"]

@@ -125,6 +125,23 @@ def _check_batching(
 
 
 @dataclass
+class OffloadConfig:
+    """What to park in host memory while the rollout runs (verl's ``<role>.megatron`` switches).
+
+    GPU only: on CPU everything already lives in host memory and the switches do nothing.
+    With the native rollout engine the actor's parameters are needed to generate, so
+    ``param_offload`` applies to the reference and critic only.
+    """
+
+    param_offload: bool = False
+    """Move parameters to host memory between this model's stages."""
+    grad_offload: bool = False
+    """Release gradient buffers between updates (they come back zeroed)."""
+    optimizer_offload: bool = False
+    """Move optimizer state (Adam moments, fp32 master weights) to host memory between updates."""
+
+
+@dataclass
 class ActorConfig:
     """PPO policy training (verl's ``actor_rollout_ref.actor``)."""
 
@@ -182,6 +199,8 @@ class ActorConfig:
     """Samples per prompt (the trainer copies rollout.n here)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer and learning-rate schedule."""
+    megatron: OffloadConfig = field(default_factory=OffloadConfig)
+    """Host-memory offload between stages (GPU only)."""
 
     def __post_init__(self) -> None:
         if self.strategy != "megatron":
@@ -227,6 +246,8 @@ class RefConfig:
     """Token budget of one micro-batch with log_prob_use_dynamic_bsz."""
     use_remove_padding: bool = True
     """Pack valid tokens (see ActorConfig.use_remove_padding)."""
+    megatron: OffloadConfig = field(default_factory=OffloadConfig)
+    """Host-memory offload between stages (GPU only; only param_offload applies)."""
 
     def __post_init__(self) -> None:
         if self.strategy != "megatron":
@@ -275,6 +296,8 @@ class CriticConfig:
     """Samples per prompt (the trainer copies rollout.n here)."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     """Optimizer and learning-rate schedule (verl's critic default lr is 1e-5)."""
+    megatron: OffloadConfig = field(default_factory=OffloadConfig)
+    """Host-memory offload between stages (GPU only)."""
 
     def __post_init__(self) -> None:
         if self.strategy != "megatron":
