@@ -251,3 +251,20 @@ def test_offload_switches_park_and_restore_around_generation(dataset, monkeypatc
     trainer.actor = SimpleNamespace(optimizer="actor-opt", chunks="actor-chunks")
     trainer._collect_batch(step=1, timing={})
     assert log == [("offload_optimizer", "actor-opt"), ("load_optimizer", "actor-opt")]
+
+
+def test_contained_scorer_failures_reach_the_step_metrics(dataset):
+    def flaky_scores(data: DataProto, return_dict: bool = False):
+        result = score_first_token(data, return_dict=True)
+        rows = len(data)
+        # What the reward managers report per sample: 1 where the scorer timed out / raised.
+        result["reward_extra_info"]["reward/timeout_count"] = [
+            1.0 if i % 4 == 0 else 0.0 for i in range(rows)
+        ]
+        result["reward_extra_info"]["reward/error_count"] = [1.0 if i == 1 else 0.0 for i in range(rows)]
+        return result if return_dict else result["reward_tensor"]
+
+    trainer = _trainer(dataset, ["rollout.n=2", "data.train_batch_size=4"], [[VARIED] * 4])
+    trainer.reward_fn = flaky_scores
+    _, metrics = trainer._collect_batch(step=1, timing={})
+    assert metrics == {"reward/timeout_count": 2.0, "reward/error_count": 1.0}

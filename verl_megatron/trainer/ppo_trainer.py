@@ -162,6 +162,7 @@ class PPOTrainer:
         groups_cfg, target = algo.filter_groups, self.config.data.train_batch_size
         kept: list[DataProto] = []
         kept_groups, rounds = 0, 0
+        reward_counts: dict[str, float] = {}
         while True:
             rounds += 1
             prompts = self.train_loader.next_batch()
@@ -174,12 +175,13 @@ class PPOTrainer:
                 if algo.adv_estimator == "remax":
                     baseline = self._generate(prompts, validate=False, greedy=True)
             with M.timed("reward", timing):
-                self._score(batch, self.reward_fn)
+                for key, count in self._score(batch, self.reward_fn).items():
+                    reward_counts[key] = reward_counts.get(key, 0.0) + count
                 if algo.adv_estimator == "remax":
                     scores, _ = self._reward(baseline, self.reward_fn)
                     batch.batch["reward_baselines"] = scores.sum(-1).repeat_interleave(n)
             if not groups_cfg.enable:
-                return batch, {}
+                return batch, reward_counts
             batch, num_groups = self._keep_varied_groups(batch, groups_cfg.metric)
             if num_groups:
                 kept.append(batch)
@@ -196,7 +198,11 @@ class PPOTrainer:
                 )
         # A prompt's samples are adjacent rows, so the first target*n rows are whole groups.
         batch = DataProto.concat(kept).slice(0, target * n)
-        return batch, {"train/num_gen_batches": float(rounds), "train/num_kept_groups": float(kept_groups)}
+        return batch, {
+            **reward_counts,
+            "train/num_gen_batches": float(rounds),
+            "train/num_kept_groups": float(kept_groups),
+        }
 
     def _generate(self, prompts: DataProto, validate: bool, greedy: bool = False) -> DataProto:
         """Responses for the global prompt batch: each dp rank generates its share, then all gather."""
@@ -284,13 +290,21 @@ class PPOTrainer:
             raise RuntimeError(f"reward computation failed on rank 0: {value}")
         return value
 
-    def _score(self, batch: DataProto, reward_fn: Any) -> None:
-        """Put the reward into ``token_level_scores`` and the per-sample extra info into non-tensors."""
+    def _score(self, batch: DataProto, reward_fn: Any) -> dict[str, float]:
+        """Put the reward into ``token_level_scores`` and the per-sample extra info into non-tensors.
+
+        Returns the batch's counts of contained scorer failures (``reward/timeout_count``,
+        ``reward/error_count``, ``reward/invalid_count``: per-sample 0/1 in the extra info).
+        """
         reward, extra = self._reward(batch, reward_fn)
         batch.batch["token_level_scores"] = reward
+        counts: dict[str, float] = {}
         for key, values in extra.items():
             if len(values) == len(batch):
                 batch.non_tensor_batch[key] = np.array(values, dtype=object)
+            if key.startswith("reward/") and key.endswith("_count"):
+                counts[key] = float(np.sum(np.asarray(values, dtype=np.float64)))
+        return counts
 
     def _keep_varied_groups(self, batch: DataProto, metric: str) -> tuple[DataProto, int]:
         """Rows of the groups (same ``uid``) whose ``metric`` differs between samples; and their count."""
