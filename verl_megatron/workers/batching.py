@@ -20,6 +20,10 @@ change attention scores: rotary attention only depends on relative positions). T
 fallback scores all N x N token pairs of the packed row, so on CPU padded rows are the
 cheaper layout for long micro-batches.
 
+With context parallelism every packed sequence takes a slot rounded up to a multiple of
+2*cp tokens (``cp_size``), so each cp rank can take two equal chunks of it
+(``verl_megatron.workers.context_parallel``).
+
 Each micro-batch records where the model output for every response token is
 (``gather_index``: a flat index into the output's positions, the position *before*
 the token, which predicts it), so the loss code works on [b, Tr] tensors whatever
@@ -60,8 +64,18 @@ class ModelInputs:
         packed_seq_params: megatron PackedSeqParams (qkv_format="thd") or None.
         gather_index: [r, Tr] flat index into the output's b*S (or N) positions of the
             position that predicts each response token (0 where the token is padding).
+            With context parallelism: [K], the response positions this cp rank holds.
         response_valid: [r, Tr] bool, response positions holding a real token.
-        labels: [r, Tr] the response token ids.
+        labels: [r, Tr] the response token ids ([K] with context parallelism).
+        held_index: None, or with context parallelism [K] flat indices into the r * Tr
+            response positions of those this cp rank holds (``context_parallel.slice_inputs``).
+        cp_group: the context-parallel group when ``held_index`` is set.
+
+    Per-token results are computed on what :meth:`gather` returns and brought to
+    [r, Tr] by :meth:`merge_cp`, the same code with or without context parallelism::
+
+        log_probs, _ = vocab_parallel_log_probs(inputs.gather(logits), inputs.labels, ...)
+        log_probs = inputs.merge_cp(log_probs)  # [r, Tr] on every cp rank
     """
 
     input_ids: torch.Tensor
@@ -71,12 +85,27 @@ class ModelInputs:
     gather_index: torch.Tensor
     response_valid: torch.Tensor
     labels: torch.Tensor
+    held_index: torch.Tensor | None = None
+    cp_group: object | None = None
 
     def gather(self, output: torch.Tensor) -> torch.Tensor:
-        """Model output [b, S, ...] (or [1, N, ...]) -> [r, Tr, ...] at the response positions."""
+        """Model output [b, S, ...] (or [1, N, ...]) at the response positions: [r, Tr, ...] ([K, ...] under cp)."""
         flat = output.reshape(-1, *output.shape[2:])
         picked = flat.index_select(0, self.gather_index.reshape(-1))
         return picked.view(*self.gather_index.shape, *output.shape[2:])
+
+    def merge_cp(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-position results of :meth:`gather`'s positions -> [r, Tr, ...] on every cp rank.
+
+        Without context parallelism ``values`` already are [r, Tr, ...] and come back
+        unchanged. Under cp the gradient reaches only this rank's positions (see
+        ``verl_megatron.workers.context_parallel``).
+        """
+        if self.held_index is None:
+            return values
+        from verl_megatron.workers.context_parallel import merge_held
+
+        return merge_held(values, self.held_index, tuple(self.response_valid.shape), self.cp_group)
 
 
 @dataclass
@@ -254,35 +283,63 @@ def _block_causal_mask(lengths: list[int]) -> torch.Tensor:
     return (~allowed).view(1, 1, n, n)
 
 
+def _slot_lengths(lengths: torch.Tensor, cp_size: int) -> torch.Tensor:
+    """[b] tokens each sequence occupies in a packed row: its length, rounded up to a
+    multiple of 2 * cp_size under context parallelism (every cp rank takes 2 equal chunks)."""
+    if cp_size == 1:
+        return lengths
+    multiple = 2 * cp_size
+    return (lengths + multiple - 1) // multiple * multiple
+
+
+def _thd_params(segments: list[int], cp_size: int):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.zeros(len(segments) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(segments, dtype=torch.int32).cumsum(0)
+    longest = max(segments)
+    # Under cp the slots hold trailing padding; like verl, the padded boundaries serve as the
+    # sequence boundaries too: a sequence's pad tokens come after it and, under the causal
+    # mask, never reach its real tokens.
+    padded = cu if cp_size > 1 else None
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=padded,
+        cu_seqlens_kv_padded=padded,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+    )
+
+
 def _packed_inputs(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     responses: torch.Tensor,
     total: int,
     thd: bool,
+    cp_size: int = 1,
 ) -> ModelInputs:
     columns, resp_cols, resp_valid = _response_columns(attention_mask, responses.shape[1])
     valid = attention_mask.bool()
     lengths = valid.sum(dim=-1)
-    offsets = lengths.cumsum(0) - lengths
-    used = int(lengths.sum())
+    slots = _slot_lengths(lengths, cp_size)
+    offsets = slots.cumsum(0) - slots
+    used = int(slots.sum())
     ids = torch.full((1, total), _PAD_ID, dtype=input_ids.dtype)
     positions = torch.zeros((1, total), dtype=torch.long)
-    ids[0, :used] = input_ids[valid]
-    positions[0, :used] = columns[valid]
+    # Where each valid token goes: its sequence's offset plus its column within the sequence.
+    row_of = torch.arange(input_ids.shape[0]).unsqueeze(-1).expand_as(input_ids)
+    target = offsets[row_of[valid]] + columns[valid]
+    ids[0, target] = input_ids[valid]
+    positions[0, target] = columns[valid]
     # Padding at the end forms its own segment so it never mixes with a real sequence.
-    segments = [int(n) for n in lengths] + ([total - used] if total > used else [])
+    segments = [int(n) for n in slots] + ([total - used] if total > used else [])
     gather = offsets.unsqueeze(-1) + resp_cols - 1
     attention, packed = None, None
     if thd:
-        from megatron.core.packed_seq_params import PackedSeqParams
-
-        cu = torch.zeros(len(segments) + 1, dtype=torch.int32)
-        cu[1:] = torch.tensor(segments, dtype=torch.int32).cumsum(0)
-        longest = max(segments)
-        packed = PackedSeqParams(
-            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
-        )
+        packed = _thd_params(segments, cp_size)
     else:
         attention = _block_causal_mask(segments)
     return ModelInputs(
@@ -296,10 +353,12 @@ def _packed_inputs(
     )
 
 
-def _model_shape(attention_mask: torch.Tensor, pack: bool, align: int) -> tuple[int, int]:
+def _model_shape(attention_mask: torch.Tensor, pack: bool, align: int, cp_size: int) -> tuple[int, int]:
     lengths = attention_mask.sum(dim=-1)
     if pack:
-        return 1, _round_up(max(int(lengths.sum()), 1), align)
+        # Under cp the trailing padding segment is split into 2*cp chunks like any sequence.
+        multiple = align * 2 * cp_size if cp_size > 1 else align
+        return 1, _round_up(max(int(_slot_lengths(lengths, cp_size).sum()), 1), multiple)
     return attention_mask.shape[0], _round_up(max(int(lengths.max()), 1), align)
 
 
@@ -312,6 +371,7 @@ def build_micro_batches(
     align: int = 1,
     uniform: bool = False,
     tensor_keys: Sequence[str] = (),
+    cp_size: int = 1,
 ) -> list[MicroBatch]:
     """Model inputs for each group of row positions of ``batch``.
 
@@ -326,12 +386,20 @@ def build_micro_batches(
         uniform: give every micro-batch the same [b, S] shape (pipeline parallelism
             sends activations of a fixed shape between stages).
         tensor_keys: per-token tensors copied into ``MicroBatch.tensors``.
+        cp_size: context-parallel size; > 1 pads every packed sequence to a multiple of
+            2 * cp_size tokens (the whole micro-batch; ``context_parallel.slice_inputs``
+            then takes each rank's share). Needs ``pack`` and ``thd``.
     """
+    if cp_size > 1 and not (pack and thd):
+        raise ValueError(
+            f"context parallelism (cp={cp_size}) needs packed THD micro-batches: use_remove_padding=True "
+            "with Transformer Engine attention"
+        )
     for key in ("input_ids", "attention_mask", "responses"):
         if key not in batch:
             raise KeyError(f"batch needs '{key}' to build model inputs; it has {sorted(batch)}")
     index = [torch.tensor(g, dtype=torch.long) for g in groups]
-    shapes = [_model_shape(batch["attention_mask"][rows], pack, align) for rows in index]
+    shapes = [_model_shape(batch["attention_mask"][rows], pack, align, cp_size) for rows in index]
     if uniform:
         common = (max(s[0] for s in shapes), max(s[1] for s in shapes))
         shapes = [common] * len(shapes)
@@ -339,7 +407,7 @@ def build_micro_batches(
     for rows, (num, width) in zip(index, shapes):
         ids, mask, resp = (batch[k][rows] for k in ("input_ids", "attention_mask", "responses"))
         if pack:
-            inputs = _packed_inputs(ids, mask, resp, width, thd)
+            inputs = _packed_inputs(ids, mask, resp, width, thd, cp_size)
         else:
             inputs = _padded_inputs(ids, mask, resp, (num, width))
         tensors = {key: batch[key][rows] for key in tensor_keys}

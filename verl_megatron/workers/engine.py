@@ -15,10 +15,17 @@ model output of the last pipeline stage and returns a :class:`StepResult`:
 Only the last pipeline stage computes step results. ``collect_outputs`` and
 ``reduce_metrics`` bring them to every rank (broadcast over the pipeline group,
 all-gather / all-reduce over the data-parallel group).
+
+With context parallelism (cp > 1, CUDA and Transformer Engine only) each cp rank runs
+its share of every micro-batch's tokens (``context_parallel``); step functions compute
+per-token values on ``mb.inputs.gather(output)`` and merge them with
+``mb.inputs.merge_cp`` before any loss, so every cp rank computes the same loss,
+metrics and outputs. Callers declare that with ``ModelRunner(..., merges_cp=True)``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -26,8 +33,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from verl_megatron.distributed.parallel import Runtime
+from verl_megatron.distributed.parallel import ParallelConfigError, Runtime
 from verl_megatron.models.megatron_model import zero_grads
+from verl_megatron.workers import context_parallel
 from verl_megatron.workers.batching import (
     MicroBatch,
     balanced_token_partition,
@@ -62,6 +70,68 @@ def uses_transformer_engine(chunks: Sequence[torch.nn.Module]) -> bool:
     return any(type(m).__name__ == "TEDotProductAttention" for c in chunks for m in c.modules())
 
 
+def cp_attention_available(chunks: Sequence[torch.nn.Module]) -> bool:
+    """Whether the chunks can split sequences over cp ranks: Transformer Engine attention on CUDA."""
+    return torch.cuda.is_available() and uses_transformer_engine(chunks)
+
+
+def _check_context_parallel(
+    chunks: Sequence[torch.nn.Module], cp: int, *, use_remove_padding: bool, merges_cp: bool
+) -> None:
+    if not cp_attention_available(chunks):
+        why = (
+            "this machine has no GPU"
+            if not torch.cuda.is_available()
+            else "the model chunks use megatron's local attention (install transformer_engine and build "
+            "the model with model.use_te null or true)"
+        )
+        raise ParallelConfigError(
+            f"context parallelism (parallel.cp={cp}) needs Transformer Engine attention on CUDA "
+            f"(megatron's local attention cannot attend across cp ranks), but {why}; set parallel.cp=1 "
+            "or run on GPUs with transformer_engine"
+        )
+    if not use_remove_padding:
+        raise ValueError(
+            f"context parallelism (parallel.cp={cp}) splits packed sequences: set use_remove_padding=True"
+        )
+    if not merges_cp:
+        raise ValueError(
+            f"context parallelism (parallel.cp={cp}): this worker's step functions do not merge per-token "
+            "values across cp ranks (ModelInputs.merge_cp); construct ModelRunner with merges_cp=True "
+            "once they do"
+        )
+
+
+def _interleaving_plan(num_micro: int, pp: int) -> tuple[int, int]:
+    """(padding micro-batches to add, micro-batch group size) for the interleaved (vpp) schedule.
+
+    megatron's interleaved schedule runs micro-batches in groups of g per virtual stage and
+    needs pp <= g <= M with the last group (M mod g) empty or at least pp long. Fewer than
+    pp micro-batches are padded up to pp; otherwise g is the smallest size that works
+    (g = pp when pp divides M; g = M always works).
+    """
+    padding = max(pp - num_micro, 0)
+    total = num_micro + padding
+    group = next(g for g in range(pp, total + 1) if total % g == 0 or total % g >= pp)
+    return padding, group
+
+
+@contextlib.contextmanager
+def _schedule_settings(chunks: Sequence[torch.nn.Module], **settings) -> Iterator[None]:
+    """Set TransformerConfig fields that megatron's schedule reads, for one schedule call."""
+    configs = list({id(c): c for c in (_unwrap(chunk).config for chunk in chunks)}.values())
+    saved = [{name: getattr(c, name) for name in settings} for c in configs]
+    for config in configs:
+        for name, value in settings.items():
+            setattr(config, name, value)
+    try:
+        yield
+    finally:
+        for config, values in zip(configs, saved):
+            for name, value in values.items():
+                setattr(config, name, value)
+
+
 def model_vocab_size(chunks: Sequence[torch.nn.Module]) -> int | None:
     """The real vocabulary size recorded by the model builder (None: no padded columns to hide)."""
     info = getattr(_unwrap(chunks[0]), "verl_model_info", None)
@@ -81,10 +151,18 @@ def dp_share(batch_size: int, dp_size: int, dp_rank: int) -> torch.Tensor:
 class ModelRunner:
     """This rank's model chunks plus the machinery to run micro-batches through them."""
 
-    def __init__(self, runtime: Runtime, chunks: list[torch.nn.Module], *, use_remove_padding: bool) -> None:
-        if runtime.layout.cp > 1:
-            raise NotImplementedError(
-                "context parallelism (cp > 1) is not supported by the actor/critic workers yet"
+    def __init__(
+        self,
+        runtime: Runtime,
+        chunks: list[torch.nn.Module],
+        *,
+        use_remove_padding: bool,
+        merges_cp: bool = False,
+    ) -> None:
+        self.cp = runtime.layout.cp
+        if self.cp > 1:
+            _check_context_parallel(
+                chunks, self.cp, use_remove_padding=use_remove_padding, merges_cp=merges_cp
             )
         self.runtime = runtime
         self.chunks = chunks
@@ -111,16 +189,20 @@ class ModelRunner:
         max_token_len: int,
         tensor_keys: Sequence[str] = (),
     ) -> list[MicroBatch]:
-        """Micro-batches of ``batch`` (this rank's rows) by count or by token budget."""
+        """Micro-batches of ``batch`` (this rank's rows) by count or by token budget.
+
+        ``max_token_len`` is per GPU: under cp a rank holds 1/cp of each micro-batch's
+        tokens, so a micro-batch may hold cp times as many (as in verl).
+        """
         num_rows = batch["input_ids"].shape[0]
         if use_dynamic_bsz:
             lengths = batch["attention_mask"].sum(dim=-1).tolist()
-            groups = balanced_token_partition(lengths, max_token_len, self.runtime.dp_group())
+            groups = balanced_token_partition(lengths, max_token_len * self.cp, self.runtime.dp_group())
         else:
             if not micro_batch_size:
                 raise ValueError("a micro-batch size is needed when use_dynamic_bsz is false")
             groups = fixed_size_partition(num_rows, micro_batch_size)
-        return build_micro_batches(
+        micro_batches = build_micro_batches(
             batch,
             groups,
             pack=self.pack,
@@ -128,7 +210,13 @@ class ModelRunner:
             align=self.align,
             uniform=self.runtime.layout.pp > 1,
             tensor_keys=tensor_keys,
+            cp_size=self.cp,
         )
+        if self.cp > 1:
+            rank, group = self.runtime.cp_rank, self.runtime.cp_group()
+            for mb in micro_batches:
+                mb.inputs = context_parallel.slice_inputs(mb.inputs, self.cp, rank, group)
+        return micro_batches
 
     def mini_batches(
         self, batch: dict[str, torch.Tensor], *, mini_batch_size: int, epochs: int, shuffle: bool, seed: int
@@ -164,14 +252,33 @@ class ModelRunner:
     def run(
         self, micro_batches: list[MicroBatch], step_fn: StepFn, *, forward_only: bool
     ) -> list[StepResult]:
-        """Forward (and backward) every micro-batch; step results on the last stage, [] elsewhere."""
+        """Forward (and backward) every micro-batch; step results on the last stage, [] elsewhere.
+
+        The interleaved (vpp) schedule needs at least pp micro-batches: missing ones are
+        padding (a repeat of the last one with zero loss, no step result), and real losses
+        are scaled so that the step functions' ``megatron_microbatch_loss(loss,
+        len(micro_batches))`` keeps its meaning.
+        """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         results: list[StepResult] = []
         device = self.runtime.device
+        settings: dict[str, object] = {
+            # Every micro-batch of one call has the shape passed below (``uniform`` in split), so
+            # stages need not exchange shapes. megatron sends that exchange as one batched p2p
+            # call, which gloo mismatches under the interleaved schedule with pp=2 (the
+            # previous and next stage are the same peer).
+            "variable_seq_lengths": False
+        }
+        queue = [(mb, True) for mb in micro_batches]
+        if len(self.chunks) > 1:
+            padding, group = _interleaving_plan(len(micro_batches), self.runtime.layout.pp)
+            queue += [(micro_batches[-1], False)] * padding
+            settings["microbatch_group_size_per_vp_stage"] = group
+        loss_scale = len(queue) / len(micro_batches)
 
         def forward_step(data_iterator, model):
-            mb = next(data_iterator)
+            mb, real = next(data_iterator)
             inputs = mb.inputs
             output = model(
                 inputs.input_ids.to(device),
@@ -181,24 +288,29 @@ class ModelRunner:
             )
 
             def loss_func(output_tensor):
+                if not real:
+                    # Connected to the graph so the backward runs, with a zero gradient.
+                    return (output_tensor * 0).sum(), {}
                 result = step_fn(mb, output_tensor)
                 results.append(result)
-                loss = result.loss if result.loss is not None else output_tensor.new_zeros(())
-                return loss, {}
+                if result.loss is None:
+                    return output_tensor.new_zeros(()), {}
+                return result.loss * loss_scale, {}
 
             return output, loss_func
 
-        iterators = [iter(micro_batches) for _ in self.chunks]
+        iterators = [iter(queue) for _ in self.chunks]
         shape = micro_batches[0].inputs.input_ids.shape
         for chunk in self.chunks:
             chunk.train(not forward_only)
-        with torch.set_grad_enabled(not forward_only):
+        with torch.set_grad_enabled(not forward_only), _schedule_settings(self.chunks, **settings):
             get_forward_backward_func()(
                 forward_step_func=forward_step,
                 data_iterator=iterators if len(self.chunks) > 1 else iterators[0],
                 model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
-                num_microbatches=len(micro_batches),
-                seq_length=int(shape[1]),
+                num_microbatches=len(queue),
+                # The whole sequence: megatron divides by cp (and by tp with sequence parallelism).
+                seq_length=int(shape[1]) * self.cp,
                 micro_batch_size=int(shape[0]),
                 forward_only=forward_only,
             )
