@@ -11,6 +11,7 @@ One step, top to bottom (``train_step``)::
     prompts -> gen -> reward [-> DAPO: repeat until enough groups with reward variance]
             -> old_log_prob -> ref -> values -> adv -> update_critic -> update_actor
             -> testing (every test_freq) -> save_checkpoint (every save_freq) -> metrics
+            -> publish the checkpoint (after the metrics are logged)
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ class PPOTrainer:
         # The rollout engine holds a copy of the weights only for external engines; these
         # count actor updates so a copy is refreshed once per update, not once per call.
         self._weights_version, self._synced_version = 0, -1
+        self._staged_checkpoint: int | None = None  # step saved but not yet published
 
     # ------------------------------------------------------------------ the loop
 
@@ -97,6 +99,11 @@ class PPOTrainer:
         for step in range(start + 1, self.total_steps + 1):
             self.global_step = step
             self.tracker.log(self.train_step(step), step=step)
+            # A step's checkpoint is written inside train_step but published only now, after its
+            # metrics are in the log: a run killed in between resumes from the previous
+            # checkpoint, so no published step is ever missing from the log.
+            if self._staged_checkpoint is not None:
+                self._commit_checkpoint(self._staged_checkpoint)
         return self._finish()
 
     def train_step(self, step: int) -> dict[str, float]:
@@ -435,9 +442,16 @@ class PPOTrainer:
             )  # fmt: skip
         save_checkpoint(
             trainer.default_local_dir, step, chunks=self.actor.chunks, optimizer=self.actor.optimizer,
-            scheduler=self.actor.scheduler, name="actor", max_ckpt_to_keep=trainer.max_actor_ckpt_to_keep,
-            **common,
+            scheduler=self.actor.scheduler, name="actor", commit=False, **common,
         )  # fmt: skip
+        self._staged_checkpoint = step
+
+    def _commit_checkpoint(self, step: int) -> None:
+        from verl_megatron.checkpoint import commit_checkpoint
+
+        trainer = self.config.trainer
+        commit_checkpoint(trainer.default_local_dir, step, max_ckpt_to_keep=trainer.max_actor_ckpt_to_keep)
+        self._staged_checkpoint = None
 
     def _resume(self) -> int:
         """Load the checkpoint ``trainer.resume_mode`` points at; return its step (0: fresh start)."""
