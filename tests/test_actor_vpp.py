@@ -151,3 +151,25 @@ def test_critic_pp2_vpp2_matches_single_process(pool1, pool2, model_path):
 def test_expert_parallel_with_a_dense_model_is_refused(pool2, model_path):
     for message in pool2.run(f"{__name__}:dense_ep_job", path=model_path):
         assert message == "ep=2 needs a mixture-of-experts model (num_experts is not set)"
+
+
+@pytest.mark.parametrize(
+    ("num_micro", "pp", "plan"),
+    [
+        (1, 2, (1, 2)),
+        (2, 2, (0, 2)),
+        (3, 2, (0, 3)),
+        (5, 2, (0, 3)),
+        (8, 4, (0, 4)),
+        (5, 4, (0, 5)),
+        (2, 4, (2, 4)),
+    ],
+)
+def test_interleaving_plan_meets_megatrons_constraints(num_micro, pp, plan):
+    from verl_megatron.workers.engine import _interleaving_plan
+
+    # (padding, group): pp <= group <= M and the last group (M mod group) empty or >= pp.
+    assert _interleaving_plan(num_micro, pp) == plan
+    padding, group = plan
+    total = num_micro + padding
+    assert pp <= group <= total and (total % group == 0 or total % group >= pp)
