@@ -91,7 +91,7 @@ class ModelInputs:
     def gather(self, output: torch.Tensor) -> torch.Tensor:
         """Model output [b, S, ...] (or [1, N, ...]) at the response positions: [r, Tr, ...] ([K, ...] under cp)."""
         flat = output.reshape(-1, *output.shape[2:])
-        picked = flat.index_select(0, self.gather_index.reshape(-1))
+        picked = flat.index_select(0, self.gather_index.reshape(-1).to(output.device))
         return picked.view(*self.gather_index.shape, *output.shape[2:])
 
     def merge_cp(self, values: torch.Tensor) -> torch.Tensor:
