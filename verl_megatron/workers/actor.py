@@ -76,7 +76,7 @@ class _PolicyForward:
     def __init__(self, runtime: Runtime, chunks: list[torch.nn.Module], use_remove_padding: bool) -> None:
         self.runtime = runtime
         self.chunks = chunks
-        self.runner = ModelRunner(runtime, chunks, use_remove_padding=use_remove_padding)
+        self.runner = ModelRunner(runtime, chunks, use_remove_padding=use_remove_padding, merges_cp=True)
 
     def _log_probs(
         self, mb: MicroBatch, logits: torch.Tensor, temperature: float, calculate_entropy: bool
@@ -92,8 +92,10 @@ class _PolicyForward:
             calculate_entropy=calculate_entropy,
         )
         valid = mb.inputs.response_valid.to(device)
+        log_probs = mb.inputs.merge_cp(log_probs)
         log_probs = torch.where(valid, log_probs, torch.zeros_like(log_probs))
         if entropy is not None:
+            entropy = mb.inputs.merge_cp(entropy)
             entropy = torch.where(valid, entropy, torch.zeros_like(entropy))
         return log_probs, entropy
 

@@ -51,7 +51,9 @@ class MegatronCritic:
         self.chunks = chunks
         self.optimizer = optimizer
         self.scheduler = scheduler
-        self.runner = ModelRunner(runtime, chunks, use_remove_padding=config.use_remove_padding)
+        self.runner = ModelRunner(
+            runtime, chunks, use_remove_padding=config.use_remove_padding, merges_cp=True
+        )
         self.update_calls = 0
         attach_schedule_hooks(chunks)
 
@@ -63,7 +65,7 @@ class MegatronCritic:
                 f"the critic model must output one value per position ([b, S, 1]), got {tuple(output.shape)}; "
                 "build it with value_head=True"
             )
-        values = mb.inputs.gather(output)[..., 0].float()
+        values = mb.inputs.merge_cp(mb.inputs.gather(output)[..., 0].float())
         mask = mb.tensors["response_mask"].to(values.device).bool()
         mask &= mb.inputs.response_valid.to(values.device)
         return torch.where(mask, values, torch.zeros_like(values))
