@@ -231,32 +231,16 @@ class MegatronActor(_PolicyForward):
         batch = batch_tensors(data, keys, "MegatronActor.update_policy")
         seed = cfg.data_loader_seed if cfg.data_loader_seed is not None else self.runtime.seed
         lr = float(self.optimizer.param_groups[0]["lr"])
-        history: dict[str, list[float]] = {f"actor/{name}": [] for name in (*_POLICY_METRICS, "grad_norm")}
-        skipped = 0
-        mini_batches = self.runner.mini_batches(
+        history, skipped = self.runner.ppo_epochs(
             batch,
-            mini_batch_size=cfg.ppo_mini_batch_size * cfg.rollout_n,
-            epochs=cfg.ppo_epochs,
-            shuffle=cfg.shuffle,
+            self.optimizer,
+            cfg=cfg,
             seed=seed + 7919 * self.update_calls,
+            tensor_keys=[k for k in keys if k not in _MODEL_KEYS],
+            loss_step=functools.partial(self._policy_step, temperature=temperature),
+            metric_names=_POLICY_METRICS,
+            prefix="actor",
         )
-        for local, counts in mini_batches:
-            counts["loss_scale_factor"] = cfg.loss_scale_factor
-            mbs = self.runner.split(
-                local,
-                micro_batch_size=cfg.ppo_micro_batch_size_per_gpu,
-                use_dynamic_bsz=cfg.use_dynamic_bsz,
-                max_token_len=cfg.ppo_max_token_len_per_gpu,
-                tensor_keys=[k for k in keys if k not in _MODEL_KEYS],
-            )
-            step = functools.partial(
-                self._policy_step, temperature=temperature, counts=counts, num_micro=len(mbs)
-            )
-            results, grad_norm, stepped = self.runner.train_step(self.optimizer, mbs, step)
-            skipped += 0 if stepped else 1
-            for name, value in self.runner.reduce_metrics(results, _POLICY_METRICS).items():
-                history[f"actor/{name}"].append(value)
-            history["actor/grad_norm"].append(grad_norm)
         self.scheduler.step(1)
         self.update_calls += 1
         metrics: dict[str, float | list[float]] = dict(history)
@@ -269,7 +253,7 @@ class MegatronActor(_PolicyForward):
         return metrics
 
     def _policy_step(
-        self, mb: MicroBatch, logits: torch.Tensor, temperature: float, counts: dict, num_micro: int
+        self, mb: MicroBatch, logits: torch.Tensor, *, temperature: float, counts: dict, num_micro: int
     ) -> StepResult:
         """Loss of one micro-batch with global counts, and its metric partial sums."""
         cfg = self.config

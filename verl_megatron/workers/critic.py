@@ -12,8 +12,6 @@ Batch keys: ``input_ids``/``attention_mask`` [B, Tp+Tr], ``responses``/``respons
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from verl_megatron.distributed.parallel import Runtime
@@ -104,30 +102,16 @@ class MegatronCritic:
         batch = batch_tensors(data, (*_MODEL_KEYS, "values", "returns"), "MegatronCritic.update_critic")
         seed = cfg.data_loader_seed if cfg.data_loader_seed is not None else self.runtime.seed
         lr = float(self.optimizer.param_groups[0]["lr"])
-        history: dict[str, list[float]] = {f"critic/{n}": [] for n in (*_CRITIC_METRICS, "grad_norm")}
-        skipped = 0
-        mini_batches = self.runner.mini_batches(
+        history, skipped = self.runner.ppo_epochs(
             batch,
-            mini_batch_size=cfg.ppo_mini_batch_size * cfg.rollout_n,
-            epochs=cfg.ppo_epochs,
-            shuffle=cfg.shuffle,
+            self.optimizer,
+            cfg=cfg,
             seed=seed + 7919 * self.update_calls,
+            tensor_keys=("response_mask", "values", "returns"),
+            loss_step=self._value_step,
+            metric_names=_CRITIC_METRICS,
+            prefix="critic",
         )
-        for local, counts in mini_batches:
-            counts["loss_scale_factor"] = cfg.loss_scale_factor
-            mbs = self.runner.split(
-                local,
-                micro_batch_size=cfg.ppo_micro_batch_size_per_gpu,
-                use_dynamic_bsz=cfg.use_dynamic_bsz,
-                max_token_len=cfg.ppo_max_token_len_per_gpu,
-                tensor_keys=("response_mask", "values", "returns"),
-            )
-            step = functools.partial(self._value_step, counts=counts, num_micro=len(mbs))
-            results, grad_norm, stepped = self.runner.train_step(self.optimizer, mbs, step)
-            skipped += 0 if stepped else 1
-            for name, value in self.runner.reduce_metrics(results, _CRITIC_METRICS).items():
-                history[f"critic/{name}"].append(value)
-            history["critic/grad_norm"].append(grad_norm)
         self.scheduler.step(1)
         self.update_calls += 1
         metrics: dict[str, float | list[float]] = dict(history)
@@ -135,7 +119,9 @@ class MegatronCritic:
         metrics["critic/skipped_steps"] = float(skipped)
         return metrics
 
-    def _value_step(self, mb: MicroBatch, output: torch.Tensor, counts: dict, num_micro: int) -> StepResult:
+    def _value_step(
+        self, mb: MicroBatch, output: torch.Tensor, *, counts: dict, num_micro: int
+    ) -> StepResult:
         """Clipped value loss of one micro-batch with global counts, and its metric partial sums."""
         device = output.device
         t = {k: v.to(device) for k, v in mb.tensors.items()}

@@ -26,6 +26,7 @@ metrics and outputs. Callers declare that with ``ModelRunner(..., merges_cp=True
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -366,6 +367,53 @@ class ModelRunner:
             dist.all_gather(parts, on_device, group=self.runtime.dp_group())
             local = torch.cat(parts, dim=0).cpu()
         return local[:batch_size]
+
+    def ppo_epochs(
+        self,
+        batch: dict[str, torch.Tensor],
+        optimizer,
+        *,
+        cfg,
+        seed: int,
+        tensor_keys: Sequence[str],
+        loss_step: Callable[..., StepResult],
+        metric_names: Sequence[str],
+        prefix: str,
+    ) -> tuple[dict[str, list[float]], int]:
+        """PPO epochs over mini-batches, one optimizer step each: the loop the actor and critic share.
+
+        ``cfg`` supplies verl's batching fields (ppo_mini_batch_size, rollout_n, ppo_epochs,
+        shuffle, ppo_micro_batch_size_per_gpu, use_dynamic_bsz, ppo_max_token_len_per_gpu,
+        loss_scale_factor). ``loss_step(mb, output, counts=, num_micro=)`` returns a micro-batch's
+        loss and metric partial sums. Returns ``{prefix}/<metric>`` and ``{prefix}/grad_norm``
+        lists (one value per optimizer step) and the number of steps skipped for a non-finite
+        gradient norm.
+        """
+        history: dict[str, list[float]] = {f"{prefix}/{n}": [] for n in (*metric_names, "grad_norm")}
+        skipped = 0
+        mini_batches = self.mini_batches(
+            batch,
+            mini_batch_size=cfg.ppo_mini_batch_size * cfg.rollout_n,
+            epochs=cfg.ppo_epochs,
+            shuffle=cfg.shuffle,
+            seed=seed,
+        )
+        for local, counts in mini_batches:
+            counts["loss_scale_factor"] = cfg.loss_scale_factor
+            mbs = self.split(
+                local,
+                micro_batch_size=cfg.ppo_micro_batch_size_per_gpu,
+                use_dynamic_bsz=cfg.use_dynamic_bsz,
+                max_token_len=cfg.ppo_max_token_len_per_gpu,
+                tensor_keys=tensor_keys,
+            )
+            step = functools.partial(loss_step, counts=counts, num_micro=len(mbs))
+            results, grad_norm, stepped = self.train_step(optimizer, mbs, step)
+            skipped += 0 if stepped else 1
+            for name, value in self.reduce_metrics(results, metric_names).items():
+                history[f"{prefix}/{name}"].append(value)
+            history[f"{prefix}/grad_norm"].append(grad_norm)
+        return history, skipped
 
     def reduce_metrics(self, results: list[StepResult], names: Sequence[str]) -> dict[str, float]:
         """Sum the named metric partial sums over micro-batches and dp ranks; same on every rank."""
