@@ -119,7 +119,7 @@ RUNNERS: dict[str, Callable[[bool, Path], Section]] = {
 
 def run_one(name: str, quick: bool, workdir: Path, out_dir: Path, threads: int) -> Section:
     """One section, timed; a failure becomes a section holding the error text."""
-    start = time.perf_counter()
+    start, load_start = time.perf_counter(), os.getloadavg()[0]
     try:
         section = RUNNERS[name](quick, workdir)
     except Exception as exc:
@@ -129,6 +129,8 @@ def run_one(name: str, quick: bool, workdir: Path, out_dir: Path, threads: int) 
     # Later sections must see the headline thread count, whatever a library did to it.
     torch.set_num_threads(threads)
     section.seconds = time.perf_counter() - start
+    # Other processes' load during the section: read its numbers with this in mind.
+    section.extra["load_average_1m"] = {"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2)}
     if name == "scaling" and "plot_png" in section.extra:
         section.extra["plot_png"] = _move_plot(Path(section.extra["plot_png"]), out_dir)
     return section
@@ -149,6 +151,11 @@ def headline_table(sections: list[Section]) -> str:
     return markdown_table(["section", "ratio", "value"], rows) if rows else "(no ratios)"
 
 
+def _load_text(section: Section) -> str:
+    load = section.extra.get("load_average_1m", {})
+    return f"1-min load average {load.get('start')} at start, {load.get('end')} at end"
+
+
 def write_summary(
     out_dir: Path, sections: list[Section], machine: dict[str, Any], args, seconds: float
 ) -> Path:
@@ -165,7 +172,7 @@ def write_summary(
         headline_table(sections),
         "",
     ]
-    parts += [s.to_markdown() + f"\n_section time {s.seconds:.0f} s_\n" for s in sections]
+    parts += [s.to_markdown() + f"\n_section time {s.seconds:.0f} s, {_load_text(s)}_\n" for s in sections]
     path = out_dir / "summary.md"
     path.write_text("\n".join(parts))
     results = {
