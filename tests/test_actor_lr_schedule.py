@@ -78,7 +78,7 @@ def test_optim_settings_carry_the_config():
 @pytest.mark.parametrize(
     ("make", "message"),
     [
-        (lambda: ActorConfig(), "ppo_micro_batch_size_per_gpu must be set"),
+        (lambda: ActorConfig().validate(), "ppo_micro_batch_size_per_gpu must be set"),
         (lambda: ActorConfig(ppo_micro_batch_size_per_gpu=2, loss_agg_mode="mean"), "loss_agg_mode"),
         (lambda: ActorConfig(ppo_micro_batch_size_per_gpu=2, kl_loss_type="k9"), "kl_loss_type 'k9'"),
         (lambda: ActorConfig(ppo_micro_batch_size=8, ppo_micro_batch_size_per_gpu=2), "deprecated"),
@@ -87,7 +87,7 @@ def test_optim_settings_carry_the_config():
             lambda: CriticConfig(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=0),
             "ppo_max_token_len_per_gpu",
         ),
-        (lambda: RefConfig(), "log_prob_micro_batch_size_per_gpu"),
+        (lambda: RefConfig().validate(), "log_prob_micro_batch_size_per_gpu"),
         (lambda: OptimConfig(lr_decay_style="exp"), "lr_decay_style"),
         (lambda: OptimConfig(lr=1e-6, min_lr=1e-5), "min_lr"),
     ],

@@ -174,3 +174,23 @@ def test_section_checks_name_their_key():
     assert "algorithm.kl_penalty='k9'" in _error(
         ["algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=k9"]
     )
+
+
+def test_only_the_roles_a_run_uses_must_be_complete():
+    # GRPO runs no critic: its section may leave the micro-batch size unset.
+    sparse = load_config(QUICKSTART, ["critic.ppo_micro_batch_size_per_gpu=null"])
+    validate_config(sparse, 1)
+    # With GAE the critic trains, so the same gap is an error naming the key, before any model exists.
+    gae = load_config(
+        QUICKSTART,
+        [
+            "critic.ppo_micro_batch_size_per_gpu=null",
+            "critic.ppo_mini_batch_size=32",
+            "algorithm.adv_estimator=gae",
+        ],
+    )
+    with pytest.raises(ConfigError, match=r"critic\.ppo_micro_batch_size_per_gpu"):
+        validate_config(gae, 1)
+    kl = load_config(QUICKSTART, ["ref.log_prob_micro_batch_size_per_gpu=null", "actor.use_kl_loss=true"])
+    with pytest.raises(ConfigError, match=r"ref\.log_prob_micro_batch_size_per_gpu must be set"):
+        validate_config(kl, 1)

@@ -598,6 +598,19 @@ def validate_config(config: PPOConfig, world_size: int) -> ParallelLayout:
             config,
             layout.dp,
         )
+    from verl_megatron.workers.config import WorkerConfigError
+
+    # Sections of roles this run uses must be complete; an unused role's section may stay sparse.
+    roles = [("actor", config.actor)]
+    if use_reference(config):
+        roles.append(("ref", config.ref))
+    if use_critic(config):
+        roles.append(("critic", config.critic))
+    for _, section in roles:
+        try:
+            section.validate()
+        except WorkerConfigError as err:
+            raise ConfigError(str(err)) from None
     if not config.model.path and not config.quickstart.enable:
         raise ConfigError(
             "model.path is not set (a Hugging Face checkpoint folder); or set quickstart.enable=true"

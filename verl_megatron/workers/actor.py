@@ -151,6 +151,7 @@ class MegatronRef(_PolicyForward):
 
     def __init__(self, runtime: Runtime, config: RefConfig, chunks: list[torch.nn.Module]) -> None:
         super().__init__(runtime, chunks, config.use_remove_padding)
+        config.validate()
         self.config = config
         for chunk in chunks:
             chunk.requires_grad_(False)
@@ -185,6 +186,7 @@ class MegatronActor(_PolicyForward):
                 "MegatronActor needs DDP-wrapped chunks (verl_megatron.models.megatron_model.wrap_ddp)"
             )
         super().__init__(runtime, chunks, config.use_remove_padding)
+        config.validate()
         self.config = config
         self.optimizer = optimizer
         self.scheduler = scheduler

@@ -107,6 +107,13 @@ def _check_kl_type(where: str, name: str) -> None:
         )
 
 
+def _require_micro_batch(where: str, micro: int | None, dynamic: bool) -> None:
+    if not dynamic and micro is None:
+        raise WorkerConfigError(
+            f"{where}.ppo_micro_batch_size_per_gpu must be set when {where}.use_dynamic_bsz is false"
+        )
+
+
 def _check_batching(
     where: str, mini: int, micro: int | None, dynamic: bool, max_tokens: int, epochs: int
 ) -> None:
@@ -114,10 +121,6 @@ def _check_batching(
         raise WorkerConfigError(f"{where}.ppo_mini_batch_size must be >= 1, got {mini}")
     if epochs < 1:
         raise WorkerConfigError(f"{where}.ppo_epochs must be >= 1, got {epochs}")
-    if not dynamic and micro is None:
-        raise WorkerConfigError(
-            f"{where}.ppo_micro_batch_size_per_gpu must be set when {where}.use_dynamic_bsz is false"
-        )
     if micro is not None and micro < 1:
         raise WorkerConfigError(f"{where}.ppo_micro_batch_size_per_gpu must be >= 1, got {micro}")
     if dynamic and max_tokens < 1:
@@ -227,6 +230,10 @@ class ActorConfig:
         if self.clip_ratio_c <= 1.0:
             raise WorkerConfigError(f"actor.clip_ratio_c must be > 1 (dual clip), got {self.clip_ratio_c}")
 
+    def validate(self) -> None:
+        """What an actor that will train needs set (checked when the worker is built)."""
+        _require_micro_batch("actor", self.ppo_micro_batch_size_per_gpu, self.use_dynamic_bsz)
+
     @property
     def infer_micro_batch_size(self) -> int | None:
         return self.ppo_infer_micro_batch_size_per_gpu or self.ppo_micro_batch_size_per_gpu
@@ -252,6 +259,9 @@ class RefConfig:
     def __post_init__(self) -> None:
         if self.strategy != "megatron":
             raise WorkerConfigError(f"ref.strategy must be 'megatron', got {self.strategy!r}")
+
+    def validate(self) -> None:
+        """What a reference that will run needs set (an unused section may leave it unset)."""
         if not self.log_prob_use_dynamic_bsz and not self.log_prob_micro_batch_size_per_gpu:
             raise WorkerConfigError(
                 "ref.log_prob_micro_batch_size_per_gpu must be set when ref.log_prob_use_dynamic_bsz is false"
@@ -322,6 +332,10 @@ class CriticConfig:
             raise WorkerConfigError(f"critic.cliprange_value must be >= 0, got {self.cliprange_value}")
         if self.rollout_n < 1:
             raise WorkerConfigError(f"critic.rollout_n must be >= 1, got {self.rollout_n}")
+
+    def validate(self) -> None:
+        """What a critic that will train needs set (checked when the worker is built)."""
+        _require_micro_batch("critic", self.ppo_micro_batch_size_per_gpu, self.use_dynamic_bsz)
 
     @property
     def infer_micro_batch_size(self) -> int | None:

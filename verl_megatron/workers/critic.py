@@ -45,6 +45,7 @@ class MegatronCritic:
                 "MegatronCritic needs DDP-wrapped chunks (verl_megatron.models.megatron_model.wrap_ddp)"
             )
         self.runtime = runtime
+        config.validate()
         self.config = config
         self.chunks = chunks
         self.optimizer = optimizer
