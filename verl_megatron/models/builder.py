@@ -154,7 +154,12 @@ def _layer_spec(arch: HFArchitecture, use_te: bool):
 
     if use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    from verl_megatron.models.sdpa_attention import SDPADotProductAttention
+
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    # Same numbers as megatron's local attention, computed by one fused SDPA call (faster on CPU).
+    spec.submodules.self_attention.submodules.core_attention = SDPADotProductAttention
+    return spec
 
 
 def build_gpt_chunks(
