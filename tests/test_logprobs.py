@@ -105,3 +105,24 @@ def test_tp2_slices_match_full_vocabulary(pool2):
         torch.testing.assert_close(r["entropy"], ref_ent, rtol=1e-5, atol=1e-5)
     grad = torch.cat([r["grad"] for r in results], dim=-1)
     torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-6)
+
+
+def test_gradients_when_only_one_output_reaches_the_loss():
+    """An unused output (entropy as a metric only, or log-probs unused) contributes no gradient."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 7, generator=g, dtype=torch.float64)
+    labels = torch.tensor([0, 4, 6])
+    weights = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
+    for use in ("log_probs", "entropy"):
+        ours = logits.clone().requires_grad_()
+        lp, ent = vocab_parallel_log_probs(ours, labels, temperature=0.7, calculate_entropy=True)
+        ((lp if use == "log_probs" else ent) * weights).sum().backward()
+        ref = logits.clone().requires_grad_()
+        log_p = torch.log_softmax(ref / 0.7, dim=-1)
+        value = (
+            log_p.gather(-1, labels[:, None]).squeeze(-1)
+            if use == "log_probs"
+            else -(log_p.exp() * log_p).sum(-1)
+        )
+        (value * weights).sum().backward()
+        torch.testing.assert_close(ours.grad, ref.grad, rtol=1e-5, atol=1e-6, msg=use)  # float32 inside

@@ -77,6 +77,9 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             entropy = log_sum_exp - _all_reduce(expected_z, dist.ReduceOp.SUM, group)
 
         ctx.save_for_backward(logits, row_max, log_sum_exp, local, owned, entropy)
+        # An output the loss does not use (the entropy, reported as a metric with
+        # entropy_coeff=0) then arrives as None in backward, and its [N, V] pass is skipped.
+        ctx.set_materialize_grads(False)
         ctx.temperature = temperature
         ctx.vocab_start, ctx.vocab_size = vocab_start, vocab_size
         ctx.with_entropy = with_entropy
@@ -96,12 +99,14 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             log_p = log_p.masked_fill(~valid, float("-inf"))
         probs = log_p.exp()
 
-        # d log p_y / d z_j = 1[j = y] - p_j
-        grad_z = -probs * grad_log_probs.unsqueeze(-1)
-        rows = torch.nonzero(owned, as_tuple=True)
-        if rows[0].numel():
-            index = (*rows, local[owned])
-            grad_z[index] += grad_log_probs[owned]
+        grad_z = torch.zeros_like(probs)
+        if grad_log_probs is not None:
+            # d log p_y / d z_j = 1[j = y] - p_j
+            grad_z = -probs * grad_log_probs.unsqueeze(-1)
+            rows = torch.nonzero(owned, as_tuple=True)
+            if rows[0].numel():
+                index = (*rows, local[owned])
+                grad_z[index] += grad_log_probs[owned]
         if ctx.with_entropy and grad_entropy is not None and grad_entropy.numel():
             # dH / d z_j = -p_j (log p_j + H)
             log_p_safe = torch.where(probs > 0, log_p, torch.zeros_like(log_p))
