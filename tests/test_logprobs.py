@@ -108,21 +108,42 @@ def test_tp2_slices_match_full_vocabulary(pool2):
 
 
 def test_gradients_when_only_one_output_reaches_the_loss():
-    """An unused output (entropy as a metric only, or log-probs unused) contributes no gradient."""
+    """An unused output (entropy as a metric only, or log-probs unused) contributes no gradient,
+    on the single-slice path and on the vocabulary-parallel function alike."""
+    from verl_megatron.models.logprobs import _VocabParallelLogProbs
+
+    def parallel(x, labels):
+        return _VocabParallelLogProbs.apply(x, labels, 0.7, 0, None, None, True)
+
+    def single(x, labels):
+        return vocab_parallel_log_probs(x, labels, temperature=0.7, calculate_entropy=True)
+
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(3, 7, generator=g, dtype=torch.float64)
     labels = torch.tensor([0, 4, 6])
     weights = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
-    for use in ("log_probs", "entropy"):
-        ours = logits.clone().requires_grad_()
-        lp, ent = vocab_parallel_log_probs(ours, labels, temperature=0.7, calculate_entropy=True)
-        ((lp if use == "log_probs" else ent) * weights).sum().backward()
-        ref = logits.clone().requires_grad_()
-        log_p = torch.log_softmax(ref / 0.7, dim=-1)
-        value = (
-            log_p.gather(-1, labels[:, None]).squeeze(-1)
-            if use == "log_probs"
-            else -(log_p.exp() * log_p).sum(-1)
-        )
-        (value * weights).sum().backward()
-        torch.testing.assert_close(ours.grad, ref.grad, rtol=1e-5, atol=1e-6, msg=use)  # float32 inside
+    for path in (single, parallel):
+        for use in ("log_probs", "entropy"):
+            ours = logits.clone().requires_grad_()
+            lp, ent = path(ours, labels)
+            ((lp if use == "log_probs" else ent) * weights).sum().backward()
+            ref = logits.clone().requires_grad_()
+            log_p = torch.log_softmax(ref / 0.7, dim=-1)
+            if use == "log_probs":
+                value = log_p.gather(-1, labels[:, None]).squeeze(-1)
+            else:
+                value = -(log_p.exp() * log_p).sum(-1)
+            (value * weights).sum().backward()
+            # float32 inside
+            torch.testing.assert_close(
+                ours.grad, ref.grad, rtol=1e-5, atol=1e-6, msg=f"{path.__name__} {use}"
+            )
+
+
+def test_entropy_as_a_metric_builds_no_graph():
+    logits = torch.randn(2, 5, requires_grad=True)
+    lp, ent = vocab_parallel_log_probs(
+        logits, torch.tensor([1, 2]), calculate_entropy=True, entropy_requires_grad=False
+    )
+    assert lp.requires_grad and not ent.requires_grad
+    torch.testing.assert_close(ent, entropy_from_logits(logits.detach()))

@@ -124,6 +124,7 @@ def vocab_parallel_log_probs(
     tp_group=None,
     vocab_start: int | None = None,
     calculate_entropy: bool = False,
+    entropy_requires_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of `labels` and entropies under softmax(logits / temperature), vocabulary-parallel.
 
@@ -137,6 +138,8 @@ def vocab_parallel_log_probs(
         tp_group: the tensor-parallel group holding the other slices (None: no split).
         vocab_start: first global column of this slice; default rank * Vl in tp_group.
         calculate_entropy: also return the entropy of each row's distribution.
+        entropy_requires_grad: False when the entropy is only reported (no entropy bonus in
+            the loss): it is then computed without building an autograd graph.
 
     Returns:
         (log_probs [...], entropy [...] or None), float32, differentiable w.r.t. logits.
@@ -153,6 +156,10 @@ def vocab_parallel_log_probs(
     if vocab_size is not None and vocab_size <= 0:
         raise ValueError(f"vocab_parallel_log_probs: vocab_size must be positive, got {vocab_size}")
     shape = labels.shape
+    if _group_size(tp_group) == 1:
+        return _single_slice_log_probs(
+            logits, labels, temperature, vocab_size, calculate_entropy, entropy_requires_grad
+        )
     log_probs, entropy = _VocabParallelLogProbs.apply(
         logits.reshape(-1, logits.shape[-1]),
         labels.reshape(-1).long(),
@@ -163,3 +170,24 @@ def vocab_parallel_log_probs(
         calculate_entropy,
     )
     return log_probs.view(shape), (entropy.view(shape) if calculate_entropy else None)
+
+
+def _single_slice_log_probs(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    vocab_size: int | None,
+    calculate_entropy: bool,
+    entropy_requires_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The whole vocabulary on one rank: PyTorch's fused log_softmax instead of the
+    vocabulary-parallel reductions (several times faster on CPU, same numbers)."""
+    if vocab_size is not None and vocab_size < logits.shape[-1]:
+        logits = logits[..., :vocab_size]  # padded columns get no probability
+    log_p = torch.log_softmax(logits.float() / temperature, dim=-1)
+    log_probs = log_p.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
+    entropy = None
+    if calculate_entropy:
+        with torch.set_grad_enabled(entropy_requires_grad and torch.is_grad_enabled()):
+            entropy = -(log_p.exp() * log_p).sum(-1)
+    return log_probs, entropy

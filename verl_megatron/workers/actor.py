@@ -79,7 +79,12 @@ class _PolicyForward:
         self.runner = ModelRunner(runtime, chunks, use_remove_padding=use_remove_padding, merges_cp=True)
 
     def _log_probs(
-        self, mb: MicroBatch, logits: torch.Tensor, temperature: float, calculate_entropy: bool
+        self,
+        mb: MicroBatch,
+        logits: torch.Tensor,
+        temperature: float,
+        calculate_entropy: bool,
+        entropy_requires_grad: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[r, Tr] log-probs (and entropy) of mb's response tokens, zero at padding positions."""
         device = logits.device
@@ -90,6 +95,7 @@ class _PolicyForward:
             vocab_size=self.runner.vocab_size,
             tp_group=self.runtime.tp_group(),
             calculate_entropy=calculate_entropy,
+            entropy_requires_grad=entropy_requires_grad,
         )
         valid = mb.inputs.response_valid.to(device)
         log_probs = mb.inputs.merge_cp(log_probs)
@@ -261,7 +267,10 @@ class MegatronActor(_PolicyForward):
         cfg = self.config
         device = logits.device
         t = {k: v.to(device) for k, v in mb.tensors.items()}
-        log_probs, entropy = self._log_probs(mb, logits, temperature, calculate_entropy=True)
+        # The entropy is always reported; it needs a gradient only with an entropy bonus.
+        log_probs, entropy = self._log_probs(
+            mb, logits, temperature, calculate_entropy=True, entropy_requires_grad=cfg.entropy_coeff != 0
+        )
         # A response token the attention mask hides has no prediction: keep it out of the loss.
         mask = t["response_mask"].to(log_probs.dtype) * mb.inputs.response_valid.to(device)
         agg = {
