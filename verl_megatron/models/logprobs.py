@@ -184,7 +184,8 @@ def _single_slice_log_probs(
     vocabulary-parallel reductions (several times faster on CPU, same numbers)."""
     if vocab_size is not None and vocab_size < logits.shape[-1]:
         logits = logits[..., :vocab_size]  # padded columns get no probability
-    log_p = torch.log_softmax(logits.float() / temperature, dim=-1)
+    scaled = logits.float() if temperature == 1.0 else logits.float() / temperature
+    log_p = torch.log_softmax(scaled, dim=-1)
     log_probs = log_p.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
     entropy = None
     if calculate_entropy:
