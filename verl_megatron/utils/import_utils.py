@@ -2,11 +2,37 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import os
 import sys
+from types import ModuleType
 from typing import Any
+
+
+def import_python_file(path: str, prefix: str = "verl_megatron_user") -> ModuleType:
+    """Import the Python file at ``path`` (anywhere on disk) as a module, once per file.
+
+    The module is registered in ``sys.modules`` under a name derived from the path, so its
+    functions pickle by reference and two files never collide. Errors raised while executing
+    the file propagate unchanged (and leave nothing registered).
+    """
+    module_name = f"{prefix}_{hashlib.sha1(path.encode()).hexdigest()[:12]}"
+    module = sys.modules.get(module_name)
+    if module is not None:
+        return module
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{path!r} cannot be imported as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[module_name]
+        raise
+    return module
 
 
 def load_object(spec: str, where: str) -> Any:
@@ -22,12 +48,8 @@ def load_object(spec: str, where: str) -> Any:
         path = os.path.abspath(os.path.expanduser(target))
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{where}={spec!r}: file not found: {path}")
-        module_name = f"_verl_megatron_user_{abs(hash(path))}"
-        module_spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[module_name] = module  # lets pickling by reference (spawned workers) find it
         try:
-            module_spec.loader.exec_module(module)
+            module = import_python_file(path)
         except Exception as err:
             raise RuntimeError(
                 f"{where}={spec!r}: importing {path} failed: {type(err).__name__}: {err}"

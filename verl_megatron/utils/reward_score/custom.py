@@ -3,37 +3,20 @@
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib.util
 import os
-import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
-
-def _module_name_for(path: str) -> str:
-    # One stable module name per file: registered in sys.modules, functions
-    # pickle by reference and two different files never collide.
-    digest = hashlib.sha1(path.encode()).hexdigest()[:12]
-    return f"verl_megatron_custom_reward_{digest}"
+from verl_megatron.utils.import_utils import import_python_file
 
 
 def _load_function(path: str, name: str) -> Callable[..., Any]:
-    module_name = _module_name_for(path)
-    module = sys.modules.get(module_name)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        if spec is None or spec.loader is None:
-            raise RuntimeError(f"custom reward function file {path!r} cannot be imported as a Python module")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        try:
-            spec.loader.exec_module(module)
-        except Exception as err:
-            del sys.modules[module_name]
-            raise RuntimeError(
-                f"failed to load custom reward function file {path!r}: {type(err).__name__}: {err}"
-            ) from err
+    try:
+        module = import_python_file(path, prefix="verl_megatron_custom_reward")
+    except Exception as err:
+        raise RuntimeError(
+            f"failed to load custom reward function file {path!r}: {type(err).__name__}: {err}"
+        ) from err
     fn = getattr(module, name, None)
     if fn is None:
         defined = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
