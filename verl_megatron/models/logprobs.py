@@ -99,7 +99,6 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             log_p = log_p.masked_fill(~valid, float("-inf"))
         probs = log_p.exp()
 
-        grad_z = torch.zeros_like(probs)
         if grad_log_probs is not None:
             # d log p_y / d z_j = 1[j = y] - p_j
             grad_z = -probs * grad_log_probs.unsqueeze(-1)
@@ -107,6 +106,8 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             if rows[0].numel():
                 index = (*rows, local[owned])
                 grad_z[index] += grad_log_probs[owned]
+        else:  # only the entropy reached the loss
+            grad_z = torch.zeros_like(probs)
         if ctx.with_entropy and grad_entropy is not None and grad_entropy.numel():
             # dH / d z_j = -p_j (log p_j + H)
             log_p_safe = torch.where(probs > 0, log_p, torch.zeros_like(log_p))
