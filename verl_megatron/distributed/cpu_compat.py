@@ -120,8 +120,8 @@ def cpu_clip_grad_by_total_norm_fp32(
     attr = "decoupled_grad" if use_decoupled_grad else "grad"
     grads = [getattr(p, attr).detach() for p in parameters if getattr(p, attr, None) is not None]
     for g in grads:
-        if g.dtype not in (torch.float32, torch.bfloat16):
-            raise TypeError(f"gradient clipping expects float32/bfloat16 grads, got {g.dtype}")
+        if g.dtype not in (torch.float32, torch.bfloat16, torch.float64):
+            raise TypeError(f"gradient clipping expects float32/bfloat16/float64 grads, got {g.dtype}")
     clip_coeff = max_norm / (total_norm + 1.0e-6)
     if clip_coeff < 1.0 and grads:
         torch._foreach_mul_(grads, clip_coeff)
