@@ -231,6 +231,52 @@ def init_process_group(timeout_minutes: int = 30) -> tuple[int, int, int, str]:
     return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), backend
 
 
+# Process groups created by megatron's initialize_model_parallel in this process, owned
+# here: megatron's destroy_model_parallel only forgets them, and each gloo group keeps
+# its threads and sockets until it is destroyed.
+_megatron_groups: list[dist.ProcessGroup] = []
+
+
+def _registered_groups() -> set:
+    # torch keeps no public list of live groups; its registry is the one complete source
+    # (megatron also creates groups it stores nowhere).
+    return set(dist.distributed_c10d._world.pg_map)
+
+
+def destroy_megatron_groups() -> None:
+    """Tear down megatron's parallel state and destroy every process group it created."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    live = _registered_groups() if dist.is_initialized() else set()
+    for group in _megatron_groups:
+        if group in live:
+            dist.destroy_process_group(group)
+    _megatron_groups.clear()
+
+
+def build_megatron_groups(layout: ParallelLayout, timeout_minutes: int = 30) -> None:
+    """(Re)build megatron's parallel state for a resolved ``layout`` on the current process group.
+
+    The groups of a previous call are destroyed first, so rebuilding any number of times
+    (a test pool switching layouts) keeps the process's threads and groups flat.
+    """
+    from megatron.core import parallel_state as ps
+
+    destroy_megatron_groups()
+    before = _registered_groups()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if (layout.vpp or 1) > 1 else None,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        distributed_timeout_minutes=timeout_minutes,
+    )
+    _megatron_groups.extend(g for g in _registered_groups() if g not in before)
+
+
 def init_runtime(layout: ParallelLayout, seed: int = 1234, timeout_minutes: int = 30) -> Runtime:
     """Create the job's distributed runtime; call once per process.
 
@@ -249,18 +295,7 @@ def init_runtime(layout: ParallelLayout, seed: int = 1234, timeout_minutes: int 
             "parallel.cp > 1 needs Transformer Engine attention, which needs CUDA; this machine has no GPU"
         )
 
-    from megatron.core import parallel_state as ps
-
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp if (layout.vpp or 1) > 1 else None,
-        context_parallel_size=layout.cp,
-        expert_model_parallel_size=layout.ep,
-        distributed_timeout_minutes=timeout_minutes,
-    )
+    build_megatron_groups(layout, timeout_minutes)
     seed_everything(seed)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     return Runtime(
@@ -277,10 +312,7 @@ def init_runtime(layout: ParallelLayout, seed: int = 1234, timeout_minutes: int 
 
 
 def shutdown(runtime: Runtime | None = None) -> None:
-    """Tear down megatron's parallel state and the process group."""
-    from megatron.core import parallel_state as ps
-
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+    """Tear down megatron's parallel state, its groups and the process group."""
+    destroy_megatron_groups()
     if dist.is_initialized():
         dist.destroy_process_group()
