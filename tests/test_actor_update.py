@@ -17,6 +17,8 @@ import math
 import pytest
 import torch
 
+from tests.closeness import assert_adam_weights_close, assert_close_report
+
 VOCAB, TP_LEN, TR_LEN, BATCH = 63, 6, 5, 8
 TEMPERATURE, KL_SHIFT, LR = 0.8, 0.3, 1e-2
 
@@ -258,23 +260,12 @@ def test_missing_temperature_or_keys_raise():
 
 
 def _assert_same_update(run: dict, ref: dict) -> None:
-    torch.testing.assert_close(run["old_log_probs"], ref["old_log_probs"], rtol=1e-5, atol=1e-5)
-    for key, values in ref["metrics"].items():
-        torch.testing.assert_close(
-            torch.tensor(run["metrics"][key], dtype=torch.float64),
-            torch.tensor(values, dtype=torch.float64),
-            rtol=1e-4,
-            atol=1e-6,
-            msg=f"metric {key} differs",
-        )
-    assert run["weights"].keys() == ref["weights"].keys()
-    # Adam divides by sqrt(v): float32 summation-order noise on a small gradient moves an
-    # element by a small fraction of lr (1e-2); allow 0.1% of one lr step per step taken.
-    atol = 1e-5 * (1 + len(ref["metrics"]["actor/grad_norm"]))
-    for name, tensor in ref["weights"].items():
-        torch.testing.assert_close(
-            run["weights"][name], tensor, rtol=0, atol=atol, msg=f"weight {name} differs"
-        )
+    assert_close_report(
+        run["old_log_probs"], ref["old_log_probs"], rtol=1e-5, atol=1e-5, what="old_log_probs"
+    )
+    assert_close_report(run["metrics"], ref["metrics"], rtol=1e-4, atol=1e-6, what="metrics")
+    steps = len(ref["metrics"]["actor/grad_norm"])
+    assert_adam_weights_close(run["weights"], ref["weights"], lr=LR, steps=steps, what="weights")
 
 
 def test_variants_match_padded_reference(reference):

@@ -22,6 +22,7 @@ import math
 import pytest
 import torch
 
+from tests.closeness import assert_adam_weights_close, assert_close_report
 from tests.test_actor_update import KL_SHIFT, TEMPERATURE, VOCAB, make_batch
 
 HIDDEN, FFN, LAYERS = 16, 32, 2
@@ -125,17 +126,20 @@ def test_engine_on_cpu_says_what_cp_needs():
 # ------------------------------------------------------------------ 2-process jobs
 def _runtime(cp: int):
     """A runtime whose megatron state has cp ranks (init_runtime refuses cp > 1 without CUDA)."""
-    from megatron.core import parallel_state as ps
-
-    from verl_megatron.distributed.parallel import ParallelLayout, init_runtime, seed_everything
+    from verl_megatron.distributed.parallel import (
+        ParallelLayout,
+        build_megatron_groups,
+        init_runtime,
+        seed_everything,
+    )
 
     runtime = init_runtime(ParallelLayout(), seed=3)
     if cp == 1:
         return runtime
-    ps.destroy_model_parallel()
-    ps.initialize_model_parallel(context_parallel_size=cp)
+    layout = ParallelLayout(cp=cp).resolve(runtime.world_size)
+    build_megatron_groups(layout)
     seed_everything(3)
-    return dataclasses.replace(runtime, layout=ParallelLayout(cp=cp).resolve(runtime.world_size))
+    return dataclasses.replace(runtime, layout=layout)
 
 
 def _tokenwise_gpt(pre: bool, post: bool, vp_stage):
@@ -341,16 +345,10 @@ def test_cp2_update_matches_one_process(pool2, reference):
         # Sequences of 11, 5, 5, 4, 8, 7, 7, 7 tokens take slots of 12, 8, 8, 4, 8, 8, 8, 8
         # (multiples of 2*cp): 64 tokens, 32 on each cp rank.
         assert r["local_tokens"] == 32
-        torch.testing.assert_close(r["log_probs"], reference["log_probs"], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(r["entropy"], reference["entropy"], rtol=1e-5, atol=1e-6)
-        for got, want in zip(r["metrics"], reference["metrics"]):
-            for name in want:
-                assert math.isclose(got[name], want[name], rel_tol=1e-5, abs_tol=1e-7), name
-        torch.testing.assert_close(
-            torch.tensor(r["grad_norm"]), torch.tensor(reference["grad_norm"]), rtol=1e-5, atol=0
-        )
-        assert r["weights"].keys() == reference["weights"].keys()
-        for name, tensor in reference["weights"].items():
-            torch.testing.assert_close(
-                r["weights"][name], tensor, rtol=0, atol=2e-5, msg=f"weight {name} differs"
-            )
+        assert_close_report(r["log_probs"], reference["log_probs"], rtol=1e-5, atol=1e-6, what="log_probs")
+        assert_close_report(r["entropy"], reference["entropy"], rtol=1e-5, atol=1e-6, what="entropy")
+        # The tolerances of tests/test_actor_update.py: the second step's metrics see
+        # weights that differ by the first step's float32 noise.
+        assert_close_report(r["metrics"], reference["metrics"], rtol=1e-4, atol=1e-6, what="metrics")
+        assert_close_report(r["grad_norm"], reference["grad_norm"], rtol=1e-5, atol=0, what="grad_norm")
+        assert_adam_weights_close(r["weights"], reference["weights"], lr=1e-2, steps=2, what="weights")

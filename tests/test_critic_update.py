@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 
+from tests.closeness import assert_adam_weights_close, assert_close_report
 from tests.test_actor_update import TP_LEN, build_hf_model, build_model, full_weights, make_batch, merge
 
 RETURN_SHIFT, LR = 0.5, 1e-2
@@ -115,22 +116,10 @@ def test_first_step_value_loss_by_hand(reference):
 
 
 def _assert_same_update(run: dict, ref: dict) -> None:
-    torch.testing.assert_close(run["values"], ref["values"], rtol=1e-5, atol=1e-5)
-    for key, values in ref["metrics"].items():
-        torch.testing.assert_close(
-            torch.tensor(run["metrics"][key], dtype=torch.float64),
-            torch.tensor(values, dtype=torch.float64),
-            rtol=1e-4,
-            atol=1e-6,
-            msg=f"metric {key} differs",
-        )
-    assert run["weights"].keys() == ref["weights"].keys()
-    # See tests/test_actor_update.py: 0.1% of one lr step per step taken.
-    atol = 1e-5 * (1 + len(ref["metrics"]["critic/grad_norm"]))
-    for name, tensor in ref["weights"].items():
-        torch.testing.assert_close(
-            run["weights"][name], tensor, rtol=0, atol=atol, msg=f"weight {name} differs"
-        )
+    assert_close_report(run["values"], ref["values"], rtol=1e-5, atol=1e-5, what="values")
+    assert_close_report(run["metrics"], ref["metrics"], rtol=1e-4, atol=1e-6, what="metrics")
+    steps = len(ref["metrics"]["critic/grad_norm"])
+    assert_adam_weights_close(run["weights"], ref["weights"], lr=LR, steps=steps, what="weights")
 
 
 def test_packed_and_dynamic_match_padded(reference):

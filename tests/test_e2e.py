@@ -14,6 +14,8 @@ import os
 import pytest
 import torch
 
+from tests.closeness import assert_close_report
+
 QUICKSTART = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "quickstart.yaml"
 )
@@ -128,11 +130,10 @@ def _assert_same_run(reference: dict, other: dict) -> None:
             steps[step]["val/test_score/synthetic/reverse"]
             == ref_steps[step]["val/test_score/synthetic/reverse"]
         )
-    assert reference["export"].keys() == other["export"].keys()
+    # Adam divides by sqrt(v): where a gradient is tiny its rounding shows ~100x in the step.
+    assert_close_report(other["export"], reference["export"], rtol=0, atol=1e-4, what="exported weights")
     for name, tensor in reference["export"].items():
-        # Adam divides by sqrt(v): where a gradient is tiny its rounding shows ~100x in the step.
-        diff = other["export"][name] - tensor
-        assert diff.abs().max() < 1e-4 and diff.norm() < 1e-4 * tensor.norm(), name
+        assert (other["export"][name] - tensor).norm() < 1e-4 * tensor.norm(), name
 
 
 @pytest.fixture(scope="module")

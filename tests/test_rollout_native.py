@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests.closeness import assert_close_report
+
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 96, 64, 4, 4, 2, 128
 PAD, EOS = 0, 1
 PROMPT_LENGTHS = [7, 3, 5, 1, 6]
@@ -198,8 +200,12 @@ def test_tp2_sampling_matches_tp1(pool2, single, model_dir):
     )
     for run in runs:
         assert torch.equal(run["responses"], single["sampled"]["responses"])
-        torch.testing.assert_close(
-            run["rollout_log_probs"], single["sampled"]["rollout_log_probs"], rtol=0, atol=1e-4
+        assert_close_report(
+            run["rollout_log_probs"],
+            single["sampled"]["rollout_log_probs"],
+            rtol=0,
+            atol=1e-4,
+            what="log-probs",
         )
 
 
@@ -209,8 +215,12 @@ def test_pp2_greedy_matches_pp1(pool2, single, model_dir, vpp):
                      config={"ignore_eos": True}, meta={"do_sample": False})  # fmt: skip
     for run in runs:
         assert torch.equal(run["responses"], single["greedy"]["responses"])
-        torch.testing.assert_close(
-            run["rollout_log_probs"], single["greedy"]["rollout_log_probs"], rtol=0, atol=1e-4
+        assert_close_report(
+            run["rollout_log_probs"],
+            single["greedy"]["rollout_log_probs"],
+            rtol=0,
+            atol=1e-4,
+            what="log-probs",
         )
 
 
