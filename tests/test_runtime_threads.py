@@ -5,7 +5,8 @@ only drops its references to its groups, so a worker that switched layouts for e
 test used to accumulate them: ~2,000 threads per worker over the suite. The job here
 switches between five layouts (including pipeline, virtual pipeline and expert groups)
 several rounds over and counts the OS threads in /proc/self/task (which, unlike
-``threading.active_count``, sees the threads gloo starts in C++).
+``threading.active_count``, sees the threads gloo starts in C++). Asking for the layout
+already built reuses its groups.
 """
 
 from __future__ import annotations
@@ -38,8 +39,13 @@ def threads_job(rounds: int) -> dict:
             init_runtime(ParallelLayout(**kwargs))
             threads.append(os_threads())
             groups.append(process_groups())
+    from megatron.core import parallel_state as ps
+
+    first = ps.get_tensor_model_parallel_group()
+    init_runtime(ParallelLayout(**LAYOUTS[-1]))
+    reused = ps.get_tensor_model_parallel_group() is first
     init_runtime(ParallelLayout())
-    return {"start": start, "threads": threads, "groups": groups}
+    return {"start": start, "threads": threads, "groups": groups, "reused": reused}
 
 
 def test_switching_layouts_leaks_no_threads_or_groups(pool2):
@@ -50,3 +56,4 @@ def test_switching_layouts_leaks_no_threads_or_groups(pool2):
         assert max(r["groups"]) - start["groups"] <= 40, (rank, r)
         # Bounded by one layout's groups, not growing with the number of rebuilds.
         assert max(r["threads"]) - start["threads"] <= 4, f"rank {rank}: OS threads {start} -> {r['threads']}"
+        assert r["reused"], "the same layout twice built new groups"
