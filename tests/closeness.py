@@ -40,11 +40,11 @@ def _report_one(
         return None
     both_nan = actual.isnan() & expected.isnan()
     same = (actual == expected) | both_nan  # also equal infinities
-    diff = torch.where(same, 0.0, (actual - expected).abs().nan_to_num(math.inf))
-    bad = diff > atol + rtol * expected.abs().nan_to_num(0.0)
+    diff = torch.where(same, 0.0, (actual - expected).abs().nan_to_num(nan=math.inf, posinf=math.inf))
+    bad = diff > atol + rtol * expected.abs().nan_to_num(nan=0.0, posinf=0.0)
     if not bad.any():
         return None
-    rel = torch.where(diff == 0, 0.0, diff / expected.abs()).nan_to_num(math.inf)
+    rel = torch.where(diff == 0, 0.0, diff / expected.abs()).nan_to_num(nan=math.inf, posinf=math.inf)
     flat = int(diff.reshape(-1).argmax())
     index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), actual.shape))
     rflat = int(rel.reshape(-1).argmax())
