@@ -66,14 +66,13 @@ def precision_report(chunks, optimizer) -> dict:
     }
 
 
-def update_job(path: str, tp: int, dtype: str, round_weights: bool = False) -> dict:
-    """Log-probs, two actor updates (two mini-batches) and the weights after them."""
+def build_actor(path: str, tp: int, dtype: str, round_weights: bool = False):
+    """(runtime, chunks, optimizer, actor): the tiny Llama as a DDP-wrapped megatron actor."""
     from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
     from verl_megatron.models.builder import build_gpt_chunks
     from verl_megatron.models.config import ModelConfig, load_hf_config
     from verl_megatron.models.convert import load_hf_weights
     from verl_megatron.models.megatron_model import build_optimizer, wrap_ddp
-    from verl_megatron.protocol import DataProto
     from verl_megatron.workers.actor import MegatronActor
     from verl_megatron.workers.config import ActorConfig, OptimConfig
     from verl_megatron.workers.lr_schedule import build_lr_scheduler, optim_settings
@@ -96,15 +95,28 @@ def update_job(path: str, tp: int, dtype: str, round_weights: bool = False) -> d
         kl_loss_type="low_var_kl",
         optim=OptimConfig(lr=LR, weight_decay=0.0, clip_grad=1.0),
     )
-    bf16 = dtype == "bfloat16"
-    optimizer = build_optimizer(chunks, optim_settings(cfg.optim, bf16=bf16))
+    optimizer = build_optimizer(chunks, optim_settings(cfg.optim, bf16=dtype == "bfloat16"))
     actor = MegatronActor(runtime, cfg, chunks, optimizer, build_lr_scheduler(optimizer, cfg.optim))
-    start = full_weights(chunks, runtime)
+    return runtime, chunks, optimizer, actor
+
+
+def update(actor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Log-probs and entropies [B, Tr] of the batch, then two updates (two mini-batches): metrics."""
+    from verl_megatron.protocol import DataProto
+
     data = DataProto.from_dict(make_batch(), meta_info={"temperature": TEMPERATURE})
     log_probs, entropy = actor.compute_log_prob(data, calculate_entropy=True)
     data.batch["old_log_probs"] = log_probs
     data.batch["ref_log_prob"] = log_probs - KL_SHIFT * data.batch["response_mask"]
-    metrics = actor.update_policy(data)
+    return log_probs, entropy, actor.update_policy(data)
+
+
+def update_job(path: str, tp: int, dtype: str, round_weights: bool = False) -> dict:
+    """Log-probs, two actor updates and the weights before and after them."""
+    runtime, chunks, optimizer, actor = build_actor(path, tp, dtype, round_weights)
+    bf16 = dtype == "bfloat16"
+    start = full_weights(chunks, runtime)
+    log_probs, entropy, metrics = update(actor)
     return {
         "log_probs": log_probs,
         "entropy": entropy,
@@ -113,6 +125,43 @@ def update_job(path: str, tp: int, dtype: str, round_weights: bool = False) -> d
         "weights": full_weights(chunks, runtime),
         "main": main_weights(chunks, optimizer, runtime) if bf16 else full_weights(chunks, runtime),
         "precision": precision_report(chunks, optimizer) if bf16 else None,
+    }
+
+
+def _training_state(chunks, optimizer) -> list[torch.Tensor]:
+    """Copies of every bf16 weight, its fp32 main weight and Adam moments, in parameter order."""
+    state = []
+    for param in (p for c in chunks for p in c.parameters()):
+        main = param.main_param
+        moments = next(o.optimizer.state[main] for o in _optimizers(optimizer) if main in o.optimizer.state)
+        state += [
+            param.data.clone(),
+            main.data.clone(),
+            moments["exp_avg"].clone(),
+            moments["exp_avg_sq"].clone(),
+        ]
+    return state
+
+
+def checkpoint_job(path: str, ckpt_dir: str) -> dict:
+    """Train, save, load into a freshly built actor: is every piece of bf16 training state restored?"""
+    from verl_megatron.checkpoint.manager import load_checkpoint, save_checkpoint
+
+    runtime, chunks, optimizer, actor = build_actor(path, 1, "bfloat16")
+    update(actor)
+    saved = _training_state(chunks, optimizer)
+    save_checkpoint(ckpt_dir, 1, chunks=chunks, optimizer=optimizer, runtime=runtime, name="actor")
+    runtime, chunks, optimizer, actor = build_actor(path, 1, "bfloat16")
+    for _ in range(2):  # twice the saved actor's steps: every piece of state differs from it
+        update(actor)
+    before = _training_state(chunks, optimizer)
+    load_checkpoint(ckpt_dir, chunks=chunks, optimizer=optimizer, runtime=runtime, name="actor")
+    loaded = _training_state(chunks, optimizer)
+    return {
+        "differed_before": [not torch.equal(a, b) for a, b in zip(saved, before)],
+        "equal": [torch.equal(a, b) for a, b in zip(saved, loaded)],
+        "dtypes": sorted({(str(a.dtype), str(b.dtype)) for a, b in zip(saved, loaded)}),
+        "main_finer": any(not torch.equal(saved[i + 1], saved[i].float()) for i in range(0, len(saved), 4)),
     }
 
 
@@ -224,3 +273,12 @@ def test_bf16_tp2_matches_one_process_within_bf16_rounding_spread(pool2, runs, m
     compare_within_spread(tp2, runs["bf16"], "tp=2 bf16 vs one process")
     assert tp2["precision"]["param_dtypes"] == ["torch.bfloat16"]
     assert tp2["precision"]["rounded_from_main"]
+
+
+def test_bf16_checkpoint_restores_main_weights_and_moments(pool1, model_path, tmp_path):
+    (result,) = pool1.run(f"{__name__}:checkpoint_job", path=model_path, ckpt_dir=str(tmp_path / "ckpt"))
+    # The fp32 main weights hold more than their bf16 copies, and come back bit for bit
+    # (not re-derived from the bf16 weights), with the Adam moments.
+    assert result["main_finer"] and all(result["differed_before"])
+    assert result["dtypes"] == [("torch.bfloat16", "torch.bfloat16"), ("torch.float32", "torch.float32")]
+    assert all(result["equal"]), [i for i, ok in enumerate(result["equal"]) if not ok][:8]

@@ -130,12 +130,22 @@ def _run(pool1, assets, tmp_path, recipe: str, extra: list[str] = ()) -> tuple[d
     return result, steps, first
 
 
-def test_grpo_recipe_runs_a_step(pool1, assets, tmp_path):
+def test_grpo_recipe_runs_a_step_and_resumes(pool1, assets, tmp_path):
     result, _, m = _run(pool1, assets, tmp_path, "grpo")
     # GRPO: a KL loss against the reference, no critic; 5 samples per prompt.
     assert result["config"]["rollout"]["n"] == 5
     assert m["actor/kl_loss"] >= 0.0 and "critic/vf_loss" not in m
     assert m["actor/lr"] == 1e-6
+    # The bf16 checkpoint (weights, fp32 main weights, Adam moments) loads: a second run
+    # in the same folder resumes from step 1 and trains step 2.
+    out = str(tmp_path / "grpo")
+    overrides = [*sizes(assets, out), *RECIPES["grpo"], "trainer.total_training_steps=2"]
+    (resumed,) = pool1.run(f"{__name__}:recipe_job", recipe="grpo", out_dir=out, overrides=overrides)
+    steps = sorted({row["step"] for row in resumed["rows"]})
+    assert steps == [0, 1, 2], steps
+    assert sum("actor/pg_loss" in row for row in resumed["rows"] if row["step"] == 1) == 1  # not retrained
+    second = {k: v for row in resumed["rows"] if row["step"] == 2 for k, v in row.items()}
+    assert math.isfinite(second["actor/pg_loss"]) and "global_step_2" in resumed["files"]
 
 
 def test_ppo_recipe_runs_a_step(pool1, assets, tmp_path):
