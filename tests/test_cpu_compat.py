@@ -58,6 +58,8 @@ def compat_job() -> dict:
     # Below the threshold nothing changes.
     mcore_optimizer.clip_grad_by_total_norm_fp32([a, b], max_norm=100.0, total_norm=1.3)
     out["unclipped"] = torch.cat([a.grad, b.grad]).tolist()
+    # CPU tensors are named by their CUDA type only inside the mixed-precision optimizer's constructor.
+    out["type_names"] = [torch.zeros(1, dtype=d).type() for d in (torch.bfloat16, torch.float32)]
     return out
 
 
@@ -71,6 +73,7 @@ def test_layer_answers_megatron_cuda_calls_on_cpu(pool1):
     expected = [0.3, 0.4, 0.0, 1.2]
     assert all(abs(x - y) < 1e-6 for x, y in zip(out["clipped"], expected))
     assert all(abs(x - y) < 1e-6 for x, y in zip(out["unclipped"], expected))
+    assert out["type_names"] == ["torch.BFloat16Tensor", "torch.FloatTensor"]
 
 
 def test_layer_stays_out_of_the_way_when_cuda_exists():
@@ -85,6 +88,8 @@ def test_layer_stays_out_of_the_way_when_cuda_exists():
         assert torch.cuda.current_device is original
         from torch.overrides import _get_current_function_mode_stack
         assert not _get_current_function_mode_stack()
+        from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+        assert not hasattr(Float16OptimizerWithFloat16Params.__init__, "__wrapped__")
         print("untouched")
         """
     )

@@ -22,7 +22,9 @@ weights in place, makes the three hooks no-ops. Multi-turn rollouts wrap an engi
 from __future__ import annotations
 
 import abc
+import functools
 import importlib
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -113,6 +115,7 @@ def build_rollout(
         raise ValueError(f"rollout.name must be one of {list(_ENGINES)}, got {config.name!r}")
     module_name, class_name, _, _ = _ENGINES[config.name]
     require_package(config.name)
+    generation_eos_ids(_model_dir(hf_config))  # a broken generation_config.json fails here, not mid-run
     engine_cls = getattr(importlib.import_module(module_name), class_name)
     return engine_cls(config, runtime, actor_chunks, tokenizer, hf_config)
 
@@ -171,17 +174,44 @@ def _as_ids(value: Any) -> list[int]:
     return [int(v) for v in value]
 
 
+@functools.cache
+def generation_eos_ids(model_dir: str | None) -> tuple[int, ...]:
+    """The eos ids of a checkpoint folder's ``generation_config.json`` (none without one).
+
+    Chat models list every token that ends a turn there, often more than the tokenizer's one
+    eos: Qwen2.5-Instruct [151645, 151643], Llama-3.1-Instruct [128001, 128008, 128009]. Read
+    once per folder, from disk only.
+    """
+    if not model_dir or not os.path.isfile(os.path.join(model_dir, "generation_config.json")):
+        return ()
+    from transformers import GenerationConfig
+
+    try:
+        generation = GenerationConfig.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ValueError(
+            f"{os.path.join(model_dir, 'generation_config.json')} cannot be read: {err}"
+        ) from err
+    return tuple(_as_ids(generation.eos_token_id))
+
+
+def _model_dir(hf_config: Any) -> str | None:
+    return getattr(hf_config, "_name_or_path", None) or None
+
+
 def stop_token_ids(
     config: RolloutConfig, meta_info: dict[str, Any], tokenizer: Any, hf_config: Any
 ) -> list[int]:
-    """Token ids that end a response: EOS (``meta_info['eos_token_id']``, else the tokenizer's and
-    the model's generation config's; none with ``ignore_eos``) plus ``config.stop_token_ids``."""
+    """Token ids that end a response: EOS (``meta_info['eos_token_id']``, else the tokenizer's,
+    the model config's and its ``generation_config.json``'s; none with ``ignore_eos``) plus
+    ``config.stop_token_ids``."""
     eos: list[int] = []
     if not config.ignore_eos:
         eos = _as_ids(meta_info.get("eos_token_id"))
         if not eos:
             eos = _as_ids(getattr(tokenizer, "eos_token_id", None))
             eos += _as_ids(getattr(hf_config, "eos_token_id", None))
+            eos += generation_eos_ids(_model_dir(hf_config))
     return sorted(set(eos) | set(config.stop_token_ids))
 
 
