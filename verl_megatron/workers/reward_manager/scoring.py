@@ -14,6 +14,7 @@ import math
 import multiprocessing
 import multiprocessing.connection
 import numbers
+import os
 import signal
 import time
 from collections import deque
@@ -28,6 +29,14 @@ OK, TIMEOUT, ERROR, INVALID = "ok", "timeout", "error", "invalid"
 # at all is a configuration error.
 _WORKER_START_TIMEOUT_S = 120.0
 _WORKER_STOP_TIMEOUT_S = 5.0
+# A call slower than this (or a tenth of the timeout, if less) is treated as possibly hung:
+# it stops holding up the calls behind it. Well above a rule-based scorer's milliseconds.
+_MAX_STALL_S = 1.0
+# Stalled calls waited on at once, beyond ``num_workers``: each is an idle forked process.
+DEFAULT_MAX_STALLED = 64
+# The per-call limit when none is configured (verl: None, i.e. none at all, which lets
+# one sleeping scorer hang training for ever).
+DEFAULT_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -91,10 +100,24 @@ def _run_one(fn: Callable[..., Any], task_id: int, kwargs: dict[str, Any]) -> tu
         return task_id, ERROR, f"{type(err).__name__}: {err}"
 
 
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this worker when the trainer dies (even by SIGKILL), so a
+    scorer stuck in a sleep is not left behind; elsewhere a closed pipe ends idle workers."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        parent = multiprocessing.parent_process()
+        if parent is not None and os.getppid() != parent.pid:  # it died before prctl
+            os._exit(0)
+
+
 def _worker_main(conn: multiprocessing.connection.Connection, fn: Callable[..., Any]) -> None:
     # Ctrl-C goes to the whole process group; the trainer handles it and our
     # pipe closing ends this loop, so the worker itself ignores it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
     conn.send(("ready", None, None))
     while True:
         try:
@@ -129,7 +152,13 @@ class _Worker:
         finally:
             child_conn.close()
         self.in_flight: deque[int] = deque()  # task ids sent, in the order they run
+        self.started = math.inf  # when the call at in_flight[0] started
         self.deadline = math.inf
+        # Set once the running call is slower than the stall threshold: the calls queued
+        # behind it went back to the pool, so this worker must not run them (it is stopped
+        # as soon as its call ends) and no longer counts towards ``num_workers``.
+        self.stalled = False
+        self.reclaimed = False
 
     def wait_ready(self) -> None:
         if not self.conn.poll(_WORKER_START_TIMEOUT_S):
@@ -146,7 +175,8 @@ class _Worker:
             ) from err
 
     def restart_clock(self, timeout: float | None) -> None:
-        self.deadline = time.monotonic() + timeout if timeout else math.inf
+        self.started = time.monotonic()
+        self.deadline = self.started + timeout if timeout else math.inf
 
     def kill(self) -> None:
         if self.process.is_alive():
@@ -159,11 +189,17 @@ class ScorerPool:
     """Worker processes that run ``fn(**kwargs)`` with a hard time limit.
 
     A call still running ``timeout`` seconds after it started is ended by
-    killing its worker (SIGKILL: works for C loops and sleeps); a fresh
-    worker takes its place and the calls queued behind it are handed out
-    again. Tasks go to workers in chunks (one pipe message per chunk, one
-    per result) because a cheap scorer costs less than a message round trip.
-    Workers start on first use and are reused until :meth:`close`.
+    killing its worker (SIGKILL: works for C loops and sleeps). Tasks go to
+    workers in chunks (one pipe message per chunk, one per result) because a
+    cheap scorer costs less than a message round trip. Workers start on
+    first use and are reused until :meth:`close`.
+
+    Hung calls are cut off in parallel, not one after another: a call that
+    runs past ``stall_s`` (a tenth of the timeout, at most 1 s) stops
+    counting towards ``num_workers``; the calls queued behind it go back to
+    the pool and a fresh worker takes them. So a batch in which k calls hang
+    costs about one ``timeout``, not k of them, as long as at most
+    ``max_stalled`` calls are stalled at once (more wait for a free slot).
 
     ``start_method``: "fork" (default where available) starts a worker in
     milliseconds and inherits the scorer as loaded, closures included; the
@@ -179,6 +215,7 @@ class ScorerPool:
         timeout: float | None = None,
         start_method: str | None = None,
         max_chunk: int = 32,
+        max_stalled: int = DEFAULT_MAX_STALLED,
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"ScorerPool: num_workers must be >= 1, got {num_workers}")
@@ -193,6 +230,8 @@ class ScorerPool:
         self.num_workers = num_workers
         self.timeout = timeout
         self.max_chunk = max_chunk
+        self.max_stalled = max_stalled
+        self.stall_s = min(_MAX_STALL_S, timeout / 10) if timeout else _MAX_STALL_S
         self.ctx = multiprocessing.get_context(start_method)
         self._workers: list[_Worker] = []
 
@@ -202,13 +241,20 @@ class ScorerPool:
             worker.wait_ready()
         self._workers.extend(fresh)
 
-    def _replace(self, worker: _Worker, pending: deque[int]) -> _Worker:
+    def _retire(self, worker: _Worker, pending: deque[int]) -> None:
         """Kill ``worker``; its queued (not yet started) calls go back to ``pending``."""
         pending.extendleft(reversed(worker.in_flight))
         worker.kill()
         self._workers.remove(worker)
-        self._ensure_workers(len(self._workers) + 1)
-        return self._workers[-1]
+
+    @staticmethod
+    def _stall(worker: _Worker, pending: deque[int]) -> None:
+        """``worker``'s call is slow: hand the calls queued behind it to other workers."""
+        running = worker.in_flight.popleft()
+        pending.extendleft(reversed(worker.in_flight))
+        worker.reclaimed = bool(worker.in_flight)
+        worker.in_flight = deque([running])
+        worker.stalled = True
 
     def map(
         self, tasks: Sequence[ScoreTask], coerce: Callable[[Any], ScoreOutcome] = coerce_result
@@ -218,6 +264,7 @@ class ScorerPool:
         if not tasks:
             return []
         outcomes: list[ScoreOutcome] = [ScoreOutcome()] * len(tasks)
+        keep = max(len(self._workers), min(self.num_workers, len(tasks)))
         self._ensure_workers(min(self.num_workers, len(tasks)))
         # Several chunks per worker keep the load balanced when call costs vary.
         chunk = max(1, min(self.max_chunk, len(tasks) // (4 * len(self._workers))))
@@ -225,23 +272,24 @@ class ScorerPool:
         idle = list(self._workers)
         busy: dict[Any, _Worker] = {}
         while pending or busy:
-            while pending and idle:
-                worker = idle.pop()
-                worker.in_flight = deque(pending.popleft() for _ in range(min(chunk, len(pending))))
-                worker.conn.send([(task_id, tasks[task_id].kwargs) for task_id in worker.in_flight])
-                worker.restart_clock(self.timeout)
-                busy[worker.conn] = worker
-            wait_s = min(w.deadline for w in busy.values()) - time.monotonic()
+            self._dispatch(tasks, pending, idle, busy, chunk)
+            now = time.monotonic()
+            wake = [w.deadline for w in busy.values()]
+            # A call that stalls while others wait (queued behind it or in the pool) frees its slot.
+            wake += [w.started + self.stall_s for w in busy.values() if self._may_stall(w, pending)]
+            wait_s = min(wake) - now
             ready = multiprocessing.connection.wait(
                 list(busy), timeout=None if wait_s == math.inf else max(wait_s, 0)
             )
             for conn in ready:
                 worker = busy[conn]
-                if not self._drain(worker, outcomes, coerce):
-                    del busy[conn]
-                    idle.append(self._replace(worker, pending))
+                alive = self._drain(worker, outcomes, coerce)
+                if not alive or worker.reclaimed:
+                    del busy[conn]  # dead, or would now run calls that were handed out again
+                    self._retire(worker, pending)
                 elif not worker.in_flight:
                     del busy[conn]
+                    worker.stalled = False
                     idle.append(worker)
             now = time.monotonic()
             for conn, worker in list(busy.items()):
@@ -249,8 +297,47 @@ class ScorerPool:
                     del busy[conn]
                     message = f"scorer did not return within {self.timeout:g} s (worker process killed)"
                     outcomes[worker.in_flight.popleft()] = ScoreOutcome(0.0, None, TIMEOUT, message)
-                    idle.append(self._replace(worker, pending))
+                    self._retire(worker, pending)
+                elif self._may_stall(worker, pending) and now - worker.started >= self.stall_s:
+                    self._stall(worker, pending)
+        # Back to ``keep`` workers, all idle: extras started past stalled calls stop,
+        # killed ones are replaced now rather than at the start of the next batch.
+        for worker in self._workers[keep:]:
+            worker.kill()
+        del self._workers[keep:]
+        self._ensure_workers(keep)
         return outcomes
+
+    @staticmethod
+    def _may_stall(worker: _Worker, pending: deque[int]) -> bool:
+        return not worker.stalled and (bool(pending) or len(worker.in_flight) > 1)
+
+    def _dispatch(
+        self,
+        tasks: Sequence[ScoreTask],
+        pending: deque[int],
+        idle: list[_Worker],
+        busy: dict[Any, _Worker],
+        chunk: int,
+    ) -> None:
+        """Hand queued calls to idle workers, starting workers where stalled calls hold the slots."""
+        stalled = sum(w.stalled for w in busy.values())
+        while pending:
+            if not idle:
+                full = len(busy) - stalled >= self.num_workers
+                if full or len(self._workers) >= self.num_workers + self.max_stalled:
+                    return
+                self._ensure_workers(len(self._workers) + 1)
+                idle.append(self._workers[-1])
+            worker = idle.pop()
+            worker.in_flight = deque(pending.popleft() for _ in range(min(chunk, len(pending))))
+            try:
+                worker.conn.send([(task_id, tasks[task_id].kwargs) for task_id in worker.in_flight])
+            except OSError:  # the worker died while idle (killed from outside): use another
+                self._retire(worker, pending)
+                continue
+            worker.restart_clock(self.timeout)
+            busy[worker.conn] = worker
 
     def _drain(
         self, worker: _Worker, outcomes: list[ScoreOutcome], coerce: Callable[[Any], ScoreOutcome]
