@@ -16,6 +16,7 @@ import multiprocessing.connection
 import numbers
 import os
 import signal
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -29,8 +30,12 @@ OK, TIMEOUT, ERROR, INVALID = "ok", "timeout", "error", "invalid"
 # at all is a configuration error.
 _WORKER_START_TIMEOUT_S = 120.0
 _WORKER_STOP_TIMEOUT_S = 5.0
-# A call slower than this (or a tenth of the timeout, if less) is treated as possibly hung:
-# it stops holding up the calls behind it. Well above a rule-based scorer's milliseconds.
+# A call is treated as possibly hung, and stops holding up the calls behind it, once it
+# runs _STALL_FACTOR times longer than the median of recent calls, clamped to
+# [_MIN_STALL_S, min(_MAX_STALL_S, timeout / 10)]. Hung calls are found one after another
+# on a worker slot, so this threshold, not the timeout, is what each costs the batch.
+_STALL_FACTOR = 20.0
+_MIN_STALL_S = 0.05
 _MAX_STALL_S = 1.0
 # Stalled calls waited on at once, beyond ``num_workers``: each is an idle forked process.
 DEFAULT_MAX_STALLED = 64
@@ -93,11 +98,13 @@ def call_contained(
     return coerce(result)
 
 
-def _run_one(fn: Callable[..., Any], task_id: int, kwargs: dict[str, Any]) -> tuple[int, str, Any]:
+def _run_one(fn: Callable[..., Any], task_id: int, kwargs: dict[str, Any]) -> tuple[int, str, Any, float]:
+    start = time.perf_counter()
     try:
-        return task_id, OK, fn(**kwargs)
+        result = fn(**kwargs)
     except BaseException as err:  # SystemExit from user code must not end the worker either
-        return task_id, ERROR, f"{type(err).__name__}: {err}"
+        return task_id, ERROR, f"{type(err).__name__}: {err}", time.perf_counter() - start
+    return task_id, OK, result, time.perf_counter() - start
 
 
 def _die_with_parent() -> None:
@@ -134,7 +141,8 @@ def _worker_main(conn: multiprocessing.connection.Connection, fn: Callable[..., 
             try:
                 conn.send(message)
             except Exception as err:  # pickling fails before any byte is written
-                conn.send((task_id, ERROR, f"scorer result cannot be sent between processes: {err}"))
+                message = f"scorer result cannot be sent between processes: {err}"
+                conn.send((task_id, ERROR, message, 0.0))
 
 
 class _Worker:
@@ -178,11 +186,17 @@ class _Worker:
         self.started = time.monotonic()
         self.deadline = self.started + timeout if timeout else math.inf
 
-    def kill(self) -> None:
+    def kill(self, wait: bool = True) -> None:
+        """SIGKILL; ``wait=False`` leaves the reaping to :meth:`reap` (tearing down a
+        forked copy of a big trainer process takes the kernel ~0.1 s)."""
         if self.process.is_alive():
             self.process.kill()
-        self.process.join(_WORKER_STOP_TIMEOUT_S)
         self.conn.close()
+        if wait:
+            self.reap()
+
+    def reap(self) -> None:
+        self.process.join(_WORKER_STOP_TIMEOUT_S)
 
 
 class ScorerPool:
@@ -195,8 +209,8 @@ class ScorerPool:
     first use and are reused until :meth:`close`.
 
     Hung calls are cut off in parallel, not one after another: a call that
-    runs past ``stall_s`` (a tenth of the timeout, at most 1 s) stops
-    counting towards ``num_workers``; the calls queued behind it go back to
+    runs past ``stall_s`` (20x the median call, within 0.05 s and a tenth of
+    the timeout or 1 s) stops counting towards ``num_workers``; the calls queued behind it go back to
     the pool and a fresh worker takes them. So a batch in which k calls hang
     costs about one ``timeout``, not k of them, as long as at most
     ``max_stalled`` calls are stalled at once (more wait for a free slot).
@@ -231,9 +245,19 @@ class ScorerPool:
         self.timeout = timeout
         self.max_chunk = max_chunk
         self.max_stalled = max_stalled
-        self.stall_s = min(_MAX_STALL_S, timeout / 10) if timeout else _MAX_STALL_S
+        self.max_stall_s = min(_MAX_STALL_S, timeout / 10) if timeout else _MAX_STALL_S
+        self._durations: deque[float] = deque(maxlen=256)  # seconds of recent calls
         self.ctx = multiprocessing.get_context(start_method)
         self._workers: list[_Worker] = []
+        self._killed: list[_Worker] = []  # killed during a map, reaped at its end
+
+    @property
+    def stall_s(self) -> float:
+        """Seconds after which a running call stops holding up others (see _STALL_FACTOR)."""
+        if not self._durations:
+            return self.max_stall_s
+        typical = statistics.median(self._durations)
+        return min(self.max_stall_s, max(_MIN_STALL_S, _STALL_FACTOR * typical))
 
     def _ensure_workers(self, count: int) -> None:
         fresh = [_Worker(self.ctx, self.fn) for _ in range(count - len(self._workers))]
@@ -244,8 +268,9 @@ class ScorerPool:
     def _retire(self, worker: _Worker, pending: deque[int]) -> None:
         """Kill ``worker``; its queued (not yet started) calls go back to ``pending``."""
         pending.extendleft(reversed(worker.in_flight))
-        worker.kill()
+        worker.kill(wait=False)
         self._workers.remove(worker)
+        self._killed.append(worker)
 
     @staticmethod
     def _stall(worker: _Worker, pending: deque[int]) -> None:
@@ -271,12 +296,17 @@ class ScorerPool:
         pending = deque(range(len(tasks)))
         idle = list(self._workers)
         busy: dict[Any, _Worker] = {}
+        stalls = 0
         while pending or busy:
-            self._dispatch(tasks, pending, idle, busy, chunk)
+            # Hung calls are found one after another on a slot; once some have been, more
+            # slots (up to the CPU count) find the rest side by side.
+            active = max(self.num_workers, min(os.cpu_count() or 1, self.num_workers + stalls))
+            self._dispatch(tasks, pending, idle, busy, chunk, active)
+            stall_s = self.stall_s
             now = time.monotonic()
             wake = [w.deadline for w in busy.values()]
             # A call that stalls while others wait (queued behind it or in the pool) frees its slot.
-            wake += [w.started + self.stall_s for w in busy.values() if self._may_stall(w, pending)]
+            wake += [w.started + stall_s for w in busy.values() if self._may_stall(w, pending)]
             wait_s = min(wake) - now
             ready = multiprocessing.connection.wait(
                 list(busy), timeout=None if wait_s == math.inf else max(wait_s, 0)
@@ -298,14 +328,19 @@ class ScorerPool:
                     message = f"scorer did not return within {self.timeout:g} s (worker process killed)"
                     outcomes[worker.in_flight.popleft()] = ScoreOutcome(0.0, None, TIMEOUT, message)
                     self._retire(worker, pending)
-                elif self._may_stall(worker, pending) and now - worker.started >= self.stall_s:
+                elif self._may_stall(worker, pending) and now - worker.started >= stall_s:
                     self._stall(worker, pending)
+                    stalls += 1
         # Back to ``keep`` workers, all idle: extras started past stalled calls stop,
         # killed ones are replaced now rather than at the start of the next batch.
         for worker in self._workers[keep:]:
-            worker.kill()
+            worker.kill(wait=False)
+        self._killed += self._workers[keep:]
         del self._workers[keep:]
         self._ensure_workers(keep)
+        for worker in self._killed:
+            worker.reap()
+        self._killed = []
         return outcomes
 
     @staticmethod
@@ -319,12 +354,14 @@ class ScorerPool:
         idle: list[_Worker],
         busy: dict[Any, _Worker],
         chunk: int,
+        active: int,
     ) -> None:
-        """Hand queued calls to idle workers, starting workers where stalled calls hold the slots."""
+        """Hand queued calls to idle workers; start workers while fewer than ``active`` calls
+        run that have not stalled."""
         stalled = sum(w.stalled for w in busy.values())
         while pending:
             if not idle:
-                full = len(busy) - stalled >= self.num_workers
+                full = len(busy) - stalled >= active
                 if full or len(self._workers) >= self.num_workers + self.max_stalled:
                     return
                 self._ensure_workers(len(self._workers) + 1)
@@ -346,13 +383,14 @@ class ScorerPool:
         it was running is then recorded as an error)."""
         while worker.in_flight:
             try:
-                task_id, status, payload = worker.conn.recv()
+                task_id, status, payload, seconds = worker.conn.recv()
             except (EOFError, OSError):
                 worker.process.join(_WORKER_STOP_TIMEOUT_S)
                 message = f"scorer process died (exit code {worker.process.exitcode})"
                 outcomes[worker.in_flight.popleft()] = ScoreOutcome(0.0, None, ERROR, message)
                 return False
             worker.in_flight.popleft()  # results arrive in the order the calls were sent
+            self._durations.append(seconds)
             outcomes[task_id] = (
                 ScoreOutcome(0.0, None, ERROR, payload) if status == ERROR else coerce(payload)
             )
@@ -369,7 +407,9 @@ class ScorerPool:
         for worker in self._workers:
             worker.process.join(_WORKER_STOP_TIMEOUT_S)
             worker.kill()
-        self._workers = []
+        for worker in self._killed:  # left by a map that raised
+            worker.reap()
+        self._workers, self._killed = [], []
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
