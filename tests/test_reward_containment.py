@@ -107,8 +107,11 @@ def test_each_failure_scores_zero_and_is_counted(tok, bad_scorer, case, counter)
     kwargs = {"compute_score_timeout": 1.0} if case == "sleep" else {}
     manager = load_reward_manager(default_config(bad_scorer, **kwargs), tok)
     rows = [("p", "ab", "s", "g"), ("p", case, "s", "g"), ("p", "abcd", "s", "g")]
-    with pytest.warns(RuntimeWarning, match="1 of 3 sample"):
-        out = manager(make_batch(tok, rows), return_dict=True)
+    try:
+        with pytest.warns(RuntimeWarning, match="1 of 3 sample"):
+            out = manager(make_batch(tok, rows), return_dict=True)
+    finally:
+        manager.close()
     # The other samples keep their scores (the worker is replaced after a crash).
     assert out["reward_tensor"][0, 1].item() == 2.0 and out["reward_tensor"][2, 3].item() == 4.0
     assert out["reward_tensor"][1].abs().sum().item() == 0.0
@@ -116,13 +119,12 @@ def test_each_failure_scores_zero_and_is_counted(tok, bad_scorer, case, counter)
     expected[f"reward/{counter}_count"] = 1
     assert out["reward_metrics"] == expected
     assert out["reward_extra_info"][f"reward/{counter}_count"] == [0, 1, 0]
-    manager.close()
 
 
 @pytest.mark.parametrize("manager_name", ["naive", "parallel"])
 def test_hung_calls_are_cut_off_side_by_side(tok, bad_scorer, manager_name):
-    # 50 samples, 10 of them hang; limit 1 s. One after another they would cost >= 10 s.
-    timeout, hung = 1.0, 10
+    # 50 samples, 10 of them hang; limit 2 s. One after another they would cost >= 20 s.
+    timeout, hung = 2.0, 10
     texts = ["sleep" if i % 5 == 2 else "x" * (1 + i % 7) for i in range(50)]
     kwargs = {"compute_score_timeout": timeout}
     if manager_name == "parallel":
@@ -131,11 +133,16 @@ def test_hung_calls_are_cut_off_side_by_side(tok, bad_scorer, manager_name):
     config.reward_model.reward_manager = manager_name
     manager = load_reward_manager(config, tok)
     data = make_batch(tok, [("p", text, "s", "g") for text in texts])
-    manager(data[:1])  # workers started
-    start = time.monotonic()
-    with pytest.warns(RuntimeWarning, match=f"{hung} of 50 sample"):
-        out = manager(data, return_dict=True)
-    elapsed = time.monotonic() - start
+    try:
+        manager(data[:1])  # workers started
+        start = time.monotonic()
+        with pytest.warns(RuntimeWarning, match=f"{hung} of 50 sample"):
+            out = manager(data, return_dict=True)
+        elapsed = time.monotonic() - start
+        # The pool is back to its size, every extra worker started past a hung call gone.
+        assert len(manager._pool._workers) == (2 if manager_name == "parallel" else 1)
+    finally:
+        manager.close()
     assert out["reward_metrics"]["reward/timeout_count"] == hung
     assert out["reward_metrics"]["reward/error_count"] == 0
     serial = hung * timeout
@@ -144,9 +151,6 @@ def test_hung_calls_are_cut_off_side_by_side(tok, bad_scorer, manager_name):
     )
     scores = out["reward_tensor"].sum(-1).tolist()
     assert scores == [0.0 if text == "sleep" else float(len(text)) for text in texts]
-    # The pool is back to its size, every extra worker started past a hung call gone.
-    assert len(manager._pool._workers) == (2 if manager_name == "parallel" else 1)
-    manager.close()
 
 
 def test_workers_end_with_close_and_with_garbage_collection(tok, bad_scorer):
@@ -167,7 +171,7 @@ def test_workers_end_with_close_and_with_garbage_collection(tok, bad_scorer):
         gc.collect()
     assert len(pids) == 6
     assert not [pid for pid in pids if _live(pid)]
-    assert {p.pid for p in multiprocessing.active_children()} == before
+    assert {p.pid for p in multiprocessing.active_children()} <= before
 
 
 def test_a_worker_dies_with_a_trainer_killed_hard(tmp_path, bad_scorer):
