@@ -3,7 +3,8 @@
 Scores GSM8K-style responses (``#### answer``, a regex: microseconds per
 sample) and MATH-style boxed answers (math-verify: about a millisecond) with
 the default scorer and reports samples/s per manager, as a markdown table
-and as JSON::
+and as JSON. Built-in scorers run in-process by default; a user's scorer file
+runs in an isolated worker process (the second row: same scorer, isolated)::
 
     python benchmarks/bench_reward.py                 # 1,000 samples per workload
     python benchmarks/bench_reward.py --quick         # smoke test: 100 samples, 1 repeat
@@ -98,7 +99,8 @@ def bench_workload(tokenizer, name: str, num_samples: int, repeats: int) -> list
     data = make_batch(tokenizer, data_source, make_sample, num_samples)
     managers = {
         "naive (in-process)": NaiveRewardManager(tokenizer, 0),
-        "naive, 5 s hard timeout (1 worker)": NaiveRewardManager(tokenizer, 0, compute_score_timeout=5.0),
+        # How a user's scorer file runs by default: one killable worker, 30 s limit per call.
+        "naive, isolated worker (user scorer default)": NaiveRewardManager(tokenizer, 0, isolation="process"),
         "parallel, 2 workers": ParallelRewardManager(tokenizer, 0, num_processes=2),
         "parallel, 4 workers": ParallelRewardManager(tokenizer, 0, num_processes=4),
     }

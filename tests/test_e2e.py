@@ -91,7 +91,9 @@ def _check_run(result: dict, world: int, critic: bool, lowest_score: float = 0.0
     """What every run must show, whatever its layout."""
     steps = _by_step(result["rows"])
     assert sorted(steps) == [0, 1, 2, 3]
-    assert set(steps[0]) == {"step", "val/test_score/synthetic/reverse"}
+    val_failures = {f"val/reward/{kind}_count" for kind in ("timeout", "error", "invalid")}
+    assert set(steps[0]) == {"step", "val/test_score/synthetic/reverse", *val_failures}
+    assert all(steps[0][key] == 0 for key in val_failures)
     stages = {"gen", "reward", "old_log_prob", "adv", "update_actor", "step"} | (
         {"values", "update_critic"} if critic else set()
     )

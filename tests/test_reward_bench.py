@@ -17,7 +17,7 @@ def test_quick_benchmark_writes_consistent_json(tmp_path, monkeypatch, capsys):
     rows = result["results"]
     assert [(r["workload"], r["manager"]) for r in rows][:4] == [
         ("gsm8k", "naive (in-process)"),
-        ("gsm8k", "naive, 5 s hard timeout (1 worker)"),
+        ("gsm8k", "naive, isolated worker (user scorer default)"),
         ("gsm8k", "parallel, 2 workers"),
         ("gsm8k", "parallel, 4 workers"),
     ]

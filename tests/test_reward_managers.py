@@ -217,7 +217,7 @@ def test_batch_manager_makes_one_vectorised_call(tok):
         return [len(s) + bonus for s in solution_strs]
 
     rows = [("p", "ab", "s1", "g1"), ("p", "abcd", "s2", "g2")]
-    manager = BatchRewardManager(tok, 0, compute_score=batched, bonus=0.5)
+    manager = BatchRewardManager(tok, 0, compute_score=batched, isolation="none", bonus=0.5)
     reward = manager(make_batch(tok, rows, extra_info=[{"i": 0}, {"i": 1}]))
     assert calls == [(["s1", "s2"], ["ab", "abcd"], ["g1", "g2"], [{"i": 0}, {"i": 1}])]
     torch.testing.assert_close(reward, expected_tensor({(0, 1): 2.5, (1, 3): 4.5}, 2), rtol=0, atol=0)

@@ -62,11 +62,13 @@ def run(config_path: str | None, overrides: Sequence[str]) -> dict[str, float]:
         load_config,
         validate_config,
     )
+    from verl_megatron.trainer.ppo.reward import check_reward_config
     from verl_megatron.trainer.ppo_trainer import PPOTrainer
     from verl_megatron.trainer.quickstart import prepare_quickstart_assets
 
     config = load_config(config_path or default_config_path(), list(overrides))
     validate_config(config, int(os.environ.get("WORLD_SIZE", "1")))
+    check_reward_config(config)  # imports the scorer file in a child process, before any model
     _set_threads()
     runtime = init_runtime(config.parallel, seed=config.trainer.seed)
     try:

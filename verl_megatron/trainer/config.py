@@ -139,7 +139,10 @@ class RewardModelConfig:
 
     Attributes:
         reward_manager: "naive", "dapo", "batch", "parallel", "prime" or an import path.
-        reward_kwargs: extra keyword arguments for the manager.
+        reward_kwargs: extra keyword arguments for the manager, e.g. ``compute_score_timeout``
+            (seconds per scorer call, default 30; null: no limit) and ``isolation`` ("auto":
+            a custom_reward_function in a killable worker process, built-in scorers in-process;
+            "process"; "none"). Unknown names are rejected at start-up.
         overlong_buffer: DAPO's overlong penalty (used by the "dapo" manager).
         num_examine: decoded samples per data source printed per step (rank 0).
     """

@@ -409,14 +409,18 @@ class PPOTrainer:
         ``val/test_score/<data_source>`` = mean score."""
         sources: list[str] = []
         scores: list[float] = []
+        failures: dict[str, float] = {}  # val/reward/{timeout,error,invalid}_count over the set
         for prompts in self.val_loader.epoch_batches():
             output = self._generate(prompts, validate=True)
-            reward, _ = self._reward(output, self.val_reward_fn)
+            reward, extra = self._reward(output, self.val_reward_fn)
             scores.extend(reward.sum(-1).tolist())
             sources.extend(str(s) for s in output.non_tensor_batch[self.config.data.reward_fn_key])
+            for key, values in extra.items():
+                if key.startswith("reward/") and key.endswith("_count"):
+                    failures[f"val/{key}"] = failures.get(f"val/{key}", 0.0) + float(np.sum(values))
         result = M.validation_metrics(sources, scores)
         self.val_history.append((step, float(np.mean(list(result.values())))))
-        return result
+        return {**result, **failures}
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -14,14 +14,23 @@ Config keys read (verl's names; a DictConfig, a dict or a plain object):
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from verl_megatron.utils.reward_score import batch_default_compute_score, default_compute_score
+from verl_megatron.utils.reward_score import (
+    batch_default_compute_score,
+    check_file,
+    default_compute_score,
+)
 from verl_megatron.utils.reward_score.custom import load_custom_compute_score
 from verl_megatron.workers.reward_manager import (
     REWARD_MANAGER_REGISTRY,
@@ -30,6 +39,8 @@ from verl_megatron.workers.reward_manager import (
 )
 
 _MISSING = object()
+# Importing a scorer file may import heavy libraries (torch, sympy): seconds, not minutes.
+_CHECK_TIMEOUT_S = 120.0
 
 
 def _get(node: Any, key: str, default: Any = None) -> Any:
@@ -94,6 +105,79 @@ def get_custom_reward_fn(config: Any) -> Callable[..., Any] | None:
     name = _get(custom, "name", "compute_score")
     kwargs = _as_dict(_get(custom, "reward_kwargs"), "custom_reward_function.reward_kwargs")
     return load_custom_compute_score(path, name, kwargs)
+
+
+def check_scorer_file(path: str, name: str, timeout: float = _CHECK_TIMEOUT_S) -> str | None:
+    """Import the scorer file ``path`` in a child interpreter and look up ``name``.
+
+    Returns None when it loads, else a one-line message naming the file (and line) and
+    the function. The child contains whatever the file's top level does: an exception,
+    ``sys.exit``, ``os._exit``, a crash or a hang (cut off after ``timeout`` seconds).
+    """
+    full_path = os.path.abspath(os.path.expanduser(str(path)))
+    where = f"custom_reward_function.path='{path}'"
+    if not os.path.isfile(full_path):
+        return f"{where}: file not found (resolved to '{full_path}')"
+    with open(check_file.__file__) as f:
+        source = f.read()
+    try:
+        child = subprocess.run(
+            [sys.executable, "-c", source, full_path, str(name)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+        )
+    except subprocess.TimeoutExpired:
+        return f"{where}: importing it did not finish within {timeout:g} s; cannot load function '{name}'"
+    results = [line for line in child.stdout.splitlines() if line.startswith(check_file.MARKER)]
+    if not results:
+        return (
+            f"{where}: importing it ended the interpreter (exit code {child.returncode}); "
+            f"cannot load function '{name}'"
+        )
+    return json.loads(results[-1][len(check_file.MARKER) :]).get("error")
+
+
+def _check_manager_kwargs(manager_cls: type, kwargs: dict[str, Any]) -> str | None:
+    """A message naming the first key of ``reward_model.reward_kwargs`` the manager does not take."""
+    params = inspect.signature(manager_cls.__init__).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return None
+    accepted = [n for n in params if n not in ("self", "tokenizer", "num_examine", "compute_score")]
+    for key in kwargs:
+        if key not in params:
+            close = difflib.get_close_matches(key, accepted, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            return (
+                f"reward_model.reward_kwargs.{key}: {manager_cls.__name__} takes no such argument; {hint}"
+                f"(it takes: {', '.join(accepted)})"
+            )
+    return None
+
+
+def check_reward_config(config: Any) -> None:
+    """Start-up check of the reward setup, before any model is built.
+
+    Raises ``ConfigError`` (one line) when ``reward_model.reward_kwargs`` names an argument
+    the manager does not take, or when the ``custom_reward_function`` file does not import
+    (syntax error with its line, failing import, top-level exit or hang) or lacks the function.
+    """
+    from verl_megatron.trainer.config import ConfigError
+
+    reward_model = _get(config, "reward_model")
+    name = str(_get(reward_model, "reward_manager", "naive"))
+    try:
+        manager_cls = resolve_reward_manager_cls(name)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    kwargs = _as_dict(_get(reward_model, "reward_kwargs"), "reward_model.reward_kwargs")
+    problem = _check_manager_kwargs(manager_cls, kwargs)
+    custom = _get(config, "custom_reward_function")
+    if problem is None and _get(custom, "path"):
+        problem = check_scorer_file(_get(custom, "path"), _get(custom, "name", "compute_score"))
+    if problem is not None:
+        raise ConfigError(problem)
 
 
 def load_reward_manager(config: Any, tokenizer: Any, num_examine: int = 0, **reward_kwargs: Any) -> Any:

@@ -69,4 +69,33 @@ def batch_default_compute_score(
     ]
 
 
-__all__ = ["batch_default_compute_score", "default_compute_score", "known_data_sources"]
+# The project's own rule-based scorers: regexes and math-verify (milliseconds, with their
+# own parse/verify time limits), trusted to run inside the trainer. Anything else is
+# user code, which reward managers run in a killable worker process by default.
+BUILTIN_SCORERS = frozenset(
+    {
+        default_compute_score,
+        batch_default_compute_score,
+        gsm8k.compute_score,
+        math_dapo.compute_score,
+        math_verify_score.compute_score,
+        synthetic.compute_score,
+    }
+)
+
+
+def is_builtin_scorer(fn: Any) -> bool:
+    """True for the project's own scorers (see ``BUILTIN_SCORERS``)."""
+    try:
+        return fn in BUILTIN_SCORERS
+    except TypeError:  # an unhashable callable is not one of ours
+        return False
+
+
+__all__ = [
+    "BUILTIN_SCORERS",
+    "batch_default_compute_score",
+    "default_compute_score",
+    "is_builtin_scorer",
+    "known_data_sources",
+]

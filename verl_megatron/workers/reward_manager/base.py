@@ -1,6 +1,16 @@
 """What every reward manager shares: decode the batch, score each response,
 write the reward at its last valid token, and report failures.
 
+Containment holds by default. A user's scorer (anything but the project's
+built-in rule-based scorers) runs in a worker process with a hard time limit
+per call (``compute_score_timeout``, default 30 s; None: no limit), so an
+exception, ``sys.exit``, ``os._exit``, a segfault, a hang or a NaN scores 0
+and is counted, and training goes on. ``isolation``: "auto" (the default:
+user scorers in a worker, built-ins in this process, where they are 10-100x
+faster and bounded by their own parse/verify limits), "process" (always a
+worker) or "none" (always in this process: only exceptions and bad values
+are contained, the time limit is not enforced).
+
 ``__call__(data, return_dict=False)`` returns the reward tensor, float32
 [B, T_resp] with the reward at each response's last valid token and zeros
 elsewhere, or with ``return_dict=True``::
@@ -27,8 +37,9 @@ from typing import Any
 
 import torch
 
-from verl_megatron.utils.reward_score import default_compute_score
+from verl_megatron.utils.reward_score import default_compute_score, is_builtin_scorer
 from verl_megatron.workers.reward_manager.scoring import (
+    DEFAULT_TIMEOUT_S,
     ERROR,
     INVALID,
     TIMEOUT,
@@ -43,6 +54,7 @@ FAILURE_METRICS = {
     ERROR: "reward/error_count",
     INVALID: "reward/invalid_count",
 }
+ISOLATION_MODES = ("auto", "process", "none")
 
 
 @dataclass
@@ -88,28 +100,42 @@ class RewardManagerBase:
         num_examine: int,
         compute_score: Callable[..., Any] | None = None,
         reward_fn_key: str = "data_source",
-        compute_score_timeout: float | None = None,
+        compute_score_timeout: float | None = DEFAULT_TIMEOUT_S,
+        isolation: str = "auto",
     ) -> None:
-        if compute_score_timeout is not None and not compute_score_timeout > 0:
+        if compute_score_timeout is not None and not (
+            isinstance(compute_score_timeout, (int, float)) and compute_score_timeout > 0
+        ):
             raise ValueError(
                 f"{type(self).__name__}: compute_score_timeout must be a positive number of seconds "
                 f"or None, got {compute_score_timeout!r}"
+            )
+        if isolation not in ISOLATION_MODES:
+            raise ValueError(
+                f"{type(self).__name__}: isolation must be one of {ISOLATION_MODES}, got {isolation!r}"
             )
         self.tokenizer = tokenizer
         self.num_examine = num_examine  # decoded samples printed per data source and call
         self.compute_score = compute_score or default_compute_score
         self.reward_fn_key = reward_fn_key
         self.compute_score_timeout = compute_score_timeout
+        self.isolation = isolation
         self.last_metrics: dict[str, int] = {}
         self._pool: ScorerPool | None = None
 
     # ---- scoring strategies -------------------------------------------------
 
+    @property
+    def isolated(self) -> bool:
+        """Whether scorer calls run in killable worker processes (see the module docstring)."""
+        if self.isolation == "auto":
+            return not is_builtin_scorer(self.compute_score)
+        return self.isolation == "process"
+
     def _score(self, samples: list[Sample]) -> list[ScoreOutcome]:
-        """One outcome per sample; in this process unless a hard time limit
-        is asked for, which needs a killable worker process."""
+        """One outcome per sample: one worker process (more only past hung calls) or this process."""
         tasks = [self._task(sample) for sample in samples]
-        if self.compute_score_timeout is None:
+        if not self.isolated:
             return [call_contained(self.compute_score, task.kwargs) for task in tasks]
         return self._get_pool(num_workers=1).map(tasks)
 
@@ -245,7 +271,8 @@ class RewardManagerBase:
     # ---- lifecycle ----------------------------------------------------------
 
     def close(self) -> None:
-        """Stop scorer worker processes (they also stop with this process)."""
+        """Stop scorer worker processes (also done when the manager is garbage collected,
+        and by the kernel when this process dies)."""
         if self._pool is not None:
             self._pool.close()
             self._pool = None

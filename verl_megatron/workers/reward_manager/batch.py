@@ -16,6 +16,9 @@ from verl_megatron.workers.reward_manager.scoring import (
     coerce_result,
 )
 
+# One call scores the whole batch, so its limit is a batch's worth of the per-sample default.
+DEFAULT_BATCH_TIMEOUT_S = 600.0
+
 
 def _keep_raw(value: Any) -> ScoreOutcome:
     return ScoreOutcome(raw=value)
@@ -27,9 +30,11 @@ class BatchRewardManager(RewardManagerBase):
     extra_infos=..., **reward_kwargs)`` once and expects one score (a number
     or a dict with "score") per sample.
 
-    If the call raises, times out (``compute_score_timeout`` covers the whole
-    call) or returns the wrong number of scores, every sample scores 0 and
-    is counted; each returned score is then checked on its own.
+    If the call raises, exits, crashes, times out (``compute_score_timeout``
+    covers the whole call; default 600 s) or returns the wrong number of
+    scores, every sample scores 0 and is counted; each returned score is
+    then checked on its own. A user's scorer runs in a worker process, the
+    built-in one here (``isolation``, as in the base class).
     """
 
     def __init__(
@@ -38,7 +43,8 @@ class BatchRewardManager(RewardManagerBase):
         num_examine: int,
         compute_score: Callable[..., Any] | None = None,
         reward_fn_key: str = "data_source",
-        compute_score_timeout: float | None = None,
+        compute_score_timeout: float | None = DEFAULT_BATCH_TIMEOUT_S,
+        isolation: str = "auto",
         **reward_kwargs: Any,
     ) -> None:
         super().__init__(
@@ -47,6 +53,7 @@ class BatchRewardManager(RewardManagerBase):
             compute_score or batch_default_compute_score,
             reward_fn_key,
             compute_score_timeout,
+            isolation,
         )
         self.reward_kwargs = reward_kwargs
 
@@ -58,7 +65,7 @@ class BatchRewardManager(RewardManagerBase):
             "extra_infos": [s.extra_info for s in samples],
             **self.reward_kwargs,
         }
-        if self.compute_score_timeout is None:
+        if not self.isolated:
             call = call_contained(self.compute_score, kwargs, coerce=_keep_raw)
         else:
             call = self._get_pool(num_workers=1).map([ScoreTask(kwargs)], coerce=_keep_raw)[0]

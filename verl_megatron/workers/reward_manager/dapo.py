@@ -8,6 +8,7 @@ from typing import Any
 
 from verl_megatron.workers.reward_manager.base import RewardManagerBase, Sample
 from verl_megatron.workers.reward_manager.registry import register
+from verl_megatron.workers.reward_manager.scoring import DEFAULT_TIMEOUT_S
 
 
 def _field(cfg: Any, name: str, default: Any = None) -> Any:
@@ -47,9 +48,12 @@ class DAPORewardManager(RewardManagerBase):
         reward_fn_key: str = "data_source",
         max_resp_len: int | None = None,
         overlong_buffer_cfg: Any = None,
-        compute_score_timeout: float | None = None,
+        compute_score_timeout: float | None = DEFAULT_TIMEOUT_S,
+        isolation: str = "auto",
     ) -> None:
-        super().__init__(tokenizer, num_examine, compute_score, reward_fn_key, compute_score_timeout)
+        super().__init__(
+            tokenizer, num_examine, compute_score, reward_fn_key, compute_score_timeout, isolation
+        )
         self.max_resp_len = max_resp_len
         self.overlong_buffer_cfg = overlong_buffer_cfg
         self.overlong_enabled = bool(

@@ -7,15 +7,15 @@ from typing import Any
 
 from verl_megatron.workers.reward_manager.base import RewardManagerBase
 from verl_megatron.workers.reward_manager.registry import register
+from verl_megatron.workers.reward_manager.scoring import DEFAULT_TIMEOUT_S
 
 
 @register("naive")
 class NaiveRewardManager(RewardManagerBase):
-    """Scores samples one after another.
-
-    Without ``compute_score_timeout`` the scorer runs in this process (an
-    exception still only zeroes its sample); with it, each call runs in a
-    worker process that is killed when the call overruns.
+    """Scores samples one after another: a user's scorer in one worker process
+    (killed and replaced when a call overruns ``compute_score_timeout``; hung
+    calls are waited on side by side), a built-in one in this process. See
+    :mod:`~verl_megatron.workers.reward_manager.base` for ``isolation``.
     """
 
     def __init__(
@@ -24,6 +24,9 @@ class NaiveRewardManager(RewardManagerBase):
         num_examine: int,
         compute_score: Callable[..., Any] | None = None,
         reward_fn_key: str = "data_source",
-        compute_score_timeout: float | None = None,
+        compute_score_timeout: float | None = DEFAULT_TIMEOUT_S,
+        isolation: str = "auto",
     ) -> None:
-        super().__init__(tokenizer, num_examine, compute_score, reward_fn_key, compute_score_timeout)
+        super().__init__(
+            tokenizer, num_examine, compute_score, reward_fn_key, compute_score_timeout, isolation
+        )

@@ -8,11 +8,7 @@ from typing import Any
 
 from verl_megatron.workers.reward_manager.base import RewardManagerBase, Sample
 from verl_megatron.workers.reward_manager.registry import register
-from verl_megatron.workers.reward_manager.scoring import ScoreOutcome
-
-# Scorers that hang would otherwise hold a worker for ever; verl's PRIME
-# manager uses the same 300 s limit per sample.
-DEFAULT_TIMEOUT_S = 300.0
+from verl_megatron.workers.reward_manager.scoring import DEFAULT_TIMEOUT_S, ScoreOutcome
 
 
 @register("parallel")
@@ -20,7 +16,8 @@ class ParallelRewardManager(RewardManagerBase):
     """Scores samples in ``num_processes`` worker processes at once.
 
     Each call has a hard time limit (``compute_score_timeout``, default
-    300 s; None for none). Workers start on the first call and are reused.
+    30 s; None for none), built-in scorers included. Workers start on the
+    first call and are reused; hung calls do not hold up the others.
     ``mp_start_method`` is "fork" by default (fast, no pickling of the
     scorer); use "spawn" to keep workers clear of the parent's state.
     """
