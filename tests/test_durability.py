@@ -88,3 +88,212 @@ def test_a_line_cut_short_by_a_kill_is_skipped(tmp_path):
     path.write_text('{"step": 0}\nnot json\n{"step": 1}\n')
     with pytest.raises(ValueError, match=r"metrics.jsonl, line 2: not a JSON object"):
         read_jsonl_metrics(path)
+
+
+# ------------------------------------------------------------------ whole runs (tiny quickstart)
+
+QUICKSTART = os.path.join(ROOT, "configs", "quickstart.yaml")
+TINY = [
+    "quickstart.num_digits=2",
+    "data.train_batch_size=8",
+    "data.max_response_length=3",
+    "rollout.n=4",
+    "actor.ppo_mini_batch_size=4",
+    "actor.ppo_micro_batch_size_per_gpu=8",
+    "trainer.test_freq=-1",
+    "trainer.val_before_train=false",
+    "trainer.save_freq=1",
+    "trainer.export_hf=false",
+    "trainer.logger=[console]",
+]
+
+
+def _train(out_dir, *overrides: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "verl_megatron.train", "--config", QUICKSTART, *TINY]
+    command += [f"trainer.default_local_dir={out_dir}", *overrides]
+    return subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=600)
+
+
+def _steps(out_dir) -> list[int]:
+    return [r["step"] for r in read_jsonl_metrics(os.path.join(out_dir, "metrics.jsonl"))]
+
+
+def _error_lines(proc: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory):
+    """A finished run: 2 steps, a checkpoint after each."""
+    out = tmp_path_factory.mktemp("two_steps") / "run"
+    proc = _train(out, "trainer.total_training_steps=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def _copy(src, tmp_path):
+    import shutil
+
+    dst = tmp_path / "run"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _flip_a_byte(part) -> str:
+    shard = sorted(p for p in os.listdir(part) if p.endswith(".distcp"))[0]
+    path = os.path.join(part, shard)
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.seek(size // 2)
+        byte = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert os.path.getsize(path) == size
+    return shard
+
+
+def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_resumed(two_steps, tmp_path):
+    out = _copy(two_steps, tmp_path)
+    shard = _flip_a_byte(out / "global_step_2" / "actor")
+    proc = _train(out, "trainer.total_training_steps=3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning: damaged checkpoint")]
+    assert len(warnings) == 1, proc.stderr[-3000:]
+    assert "global_step_2" in warnings[0] and shard in warnings[0] and "sha256 differs" in warnings[0]
+    assert f"resuming from {out / 'global_step_1'} instead" in warnings[0]
+    assert "resumed from step 1" in proc.stdout
+    assert _steps(out) == [1, 2, 3]
+
+    # Every checkpoint damaged: one error line saying how to choose one, nothing changed.
+    for step in (1, 2, 3):  # 2 was saved again by the resumed run
+        _flip_a_byte(out / f"global_step_{step}" / "actor")
+    before = (out / "metrics.jsonl").read_text()
+    proc = _train(out, "trainer.total_training_steps=4")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    (line,) = _error_lines(proc)
+    assert line.startswith(f"error: no intact checkpoint under {out}: global_step_3 (")
+    assert "trainer.resume_from_path=" in line and "Traceback" not in proc.stderr
+    assert (out / "metrics.jsonl").read_text() == before
+
+
+def test_a_changed_learning_rate_is_applied_and_said_a_changed_batch_size_refused(two_steps, tmp_path):
+    out = _copy(two_steps, tmp_path)
+    before = (out / "metrics.jsonl").read_text()
+    proc = _train(out, "trainer.total_training_steps=3", "data.train_batch_size=16")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    (line,) = _error_lines(proc)
+    assert line.startswith(
+        f"error: resuming {out / 'global_step_2'} with data.train_batch_size=16, "
+        "but it was trained with data.train_batch_size=8"
+    )
+    assert "trainer.resume_allow_changes=true" in line
+    assert (out / "metrics.jsonl").read_text() == before and not (out / "global_step_3").exists()
+
+    proc = _train(out, "trainer.total_training_steps=3", "actor.optim.lr=2e-3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resume: actor.optim.lr 0.001 -> 0.002 (applied)" in proc.stdout.splitlines()
+    rows = read_jsonl_metrics(out / "metrics.jsonl")
+    assert [(r["step"], r["actor/lr"]) for r in rows] == [(1, 1e-3), (2, 1e-3), (3, 2e-3)]
+    saved = json.loads((out / "global_step_3" / "config.json").read_text())
+    assert (
+        saved["actor"]["optim"]["lr"]
+        == 2e-3
+        == json.loads((out / "config.json").read_text())["actor"]["optim"]["lr"]
+    )
+
+
+def test_a_rerun_never_overwrites_an_earlier_run(two_steps, tmp_path):
+    out = _copy(two_steps, tmp_path)
+    before = (out / "metrics.jsonl").read_text()
+    proc = _train(out, "trainer.total_training_steps=2", "trainer.resume_mode=disable")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    (line,) = _error_lines(proc)
+    assert line.startswith(f"error: trainer.default_local_dir={out} holds checkpoints up to global_step_2")
+    assert "trainer.resume_mode=auto" in line
+
+    # Metrics but no checkpoint (a run with save_freq=-1): refused too, whatever the resume mode.
+    import shutil
+
+    for step in (1, 2):
+        shutil.rmtree(out / f"global_step_{step}")
+    for mode in ("auto", "disable"):
+        proc = _train(out, "trainer.total_training_steps=2", f"trainer.resume_mode={mode}")
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        (line,) = _error_lines(proc)
+        assert line.startswith(
+            f"error: trainer.default_local_dir={out} holds metrics.jsonl with 2 logged training step(s) "
+            "and no checkpoint to resume from"
+        )
+    assert (out / "metrics.jsonl").read_text() == before
+
+
+# ------------------------------------------------------------------ the output-dir lock
+
+
+def test_a_second_run_in_a_locked_directory_is_refused(tmp_path):
+    from verl_megatron.trainer.config import load_config
+    from verl_megatron.trainer.run_dir import LOCK_FILE, OutputDirError, claim_output_dir
+
+    out = tmp_path / "run"
+    config = load_config(QUICKSTART, [*TINY, f"trainer.default_local_dir={out}"])
+    with claim_output_dir(config, rank=0):
+        proc = _train(out, "trainer.total_training_steps=1")
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        (line,) = _error_lines(proc)
+        assert line.startswith(
+            f"error: trainer.default_local_dir={out} is in use by another run (pid {os.getpid()} on "
+        )
+        assert not (out / "metrics.jsonl").exists()
+        with (
+            pytest.raises(OutputDirError, match="is in use by another run"),
+            claim_output_dir(config, rank=0),
+        ):
+            pass
+        # Only rank 0 locks: other ranks pass (they learn rank 0's verdict under torch.distributed).
+        with claim_output_dir(config, rank=1):
+            pass
+    with claim_output_dir(config, rank=0):  # released on exit
+        pass
+    # A holder that dies without cleaning up (SIGKILL, os._exit) releases it: the kernel drops flocks.
+    dying = f"""
+import os
+from verl_megatron.trainer.config import load_config
+from verl_megatron.trainer.run_dir import claim_output_dir
+with claim_output_dir(load_config({QUICKSTART!r}, {[*TINY, f"trainer.default_local_dir={out}"]!r}), rank=0):
+    os._exit(5)
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", dying], env=_env(), capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 5, proc.stderr[-2000:]
+    assert (out / LOCK_FILE).exists()
+    with claim_output_dir(config, rank=0):
+        pass
+
+
+# ------------------------------------------------------------------ the divergence guard
+
+
+def test_a_blown_up_run_stops_with_a_message_and_keeps_the_last_good_checkpoint(two_steps, tmp_path):
+    from verl_megatron.checkpoint import find_latest_checkpoint
+    from verl_megatron.checkpoint.storage import read_part_meta
+
+    out = _copy(two_steps, tmp_path)
+    proc = _train(out, "trainer.total_training_steps=4", "actor.optim.lr=1e6")
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    (line,) = _error_lines(proc)
+    assert line.startswith("error: training diverged at step 3: the actor's weight norm grew ")
+    assert "actor.optim.lr=1e+06" in line and "Traceback" not in proc.stderr
+    # Step 3 is logged (the blow-up is in the history) but its checkpoint is never published.
+    assert _steps(out) == [1, 2, 3]
+    assert find_latest_checkpoint(out) == out / "global_step_2"
+    assert read_part_meta(out / "global_step_2" / "actor")["step"] == 2
+
+    # Off: the same run "succeeds" with a destroyed model (what every run did before the guard).
+    proc = _train(
+        tmp_path / "unguarded",
+        "trainer.total_training_steps=1",
+        "actor.optim.lr=1e6",
+        "trainer.divergence_guard.enable=false",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
