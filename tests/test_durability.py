@@ -297,3 +297,73 @@ def test_a_blown_up_run_stops_with_a_message_and_keeps_the_last_good_checkpoint(
         "trainer.divergence_guard.enable=false",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+# ------------------------------------------------------------------ what a resume may change
+
+
+def test_config_changes_are_classified_per_key():
+    from verl_megatron.trainer.config import load_config, to_dict
+    from verl_megatron.trainer.run_dir import _refused, config_changes
+
+    saved = to_dict(load_config(QUICKSTART, TINY))
+    new = to_dict(
+        load_config(
+            QUICKSTART,
+            [
+                *TINY,
+                "actor.optim.lr=2e-3",
+                "actor.optim.weight_decay=0.1",
+                "rollout.n=8",
+                "trainer.resume_mode=disable",  # how to resume: never reported
+            ],
+        )
+    )
+    # The trainer fills these in from other keys: not a change.
+    saved["actor"]["rollout_n"], saved["actor"]["optim"]["total_training_steps"] = 4, 150
+    changes = config_changes(saved, new)
+    assert changes == [
+        ("actor.optim.lr", 1e-3, 2e-3),
+        ("actor.optim.weight_decay", 0.0, 0.1),
+        ("rollout.n", 4, 8),
+    ]
+    assert [_refused(key) for key, _, _ in changes] == [False, False, True]
+    for key in ("data.train_batch_size", "trainer.seed", "model.path", "data.apply_chat_template_kwargs.x"):
+        assert _refused(key), key
+    for key in ("actor.optim.clip_grad", "parallel.tp", "trainer.total_training_steps", "data.val_files"):
+        assert not _refused(key), key
+
+
+def test_the_guard_stops_on_growth_nan_weights_and_repeated_skips_only():
+    import torch
+
+    from verl_megatron.trainer.guard import DivergenceGuard, DivergenceGuardConfig, TrainingDivergedError
+
+    layer = torch.nn.Linear(4, 4, bias=False)
+    torch.nn.init.constant_(layer.weight, 0.5)  # norm 2
+    guard = DivergenceGuard(DivergenceGuardConfig(), lr=1e-3)
+    guard.start([layer])
+    with torch.no_grad():
+        layer.weight.mul_(3.9)  # just under the default 4x
+    guard.check(1, {"actor/skipped_steps": 0.0}, [layer])
+    with torch.no_grad():
+        layer.weight.mul_(4.1)
+    with pytest.raises(
+        TrainingDivergedError, match=r"step 2: the actor's weight norm grew 4.1x in one step \(7.8 -> 31.98"
+    ):
+        guard.check(2, {}, [layer])
+
+    guard = DivergenceGuard(DivergenceGuardConfig(max_nonfinite_steps=2), lr=1e-3)
+    guard.start([layer])
+    skipped = {"actor/skipped_steps": 1.0, "actor/grad_norm": float("nan")}
+    guard.check(1, skipped, [layer])
+    guard.check(2, {"actor/skipped_steps": 0.0}, [layer])  # a good step resets the count
+    guard.check(3, skipped, [layer])
+    with pytest.raises(TrainingDivergedError, match=r"step 4: 2 steps in a row had a non-finite loss"):
+        guard.check(4, skipped, [layer])
+
+    with torch.no_grad():
+        layer.weight[0, 0] = float("nan")
+    with pytest.raises(TrainingDivergedError, match=r"step 5: the actor's weights hold NaN/inf"):
+        guard.check(5, {}, [layer])
+    DivergenceGuard(DivergenceGuardConfig(enable=False), lr=1.0).check(6, skipped, [layer])  # off: no check

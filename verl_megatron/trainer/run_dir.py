@@ -259,6 +259,8 @@ def claim_output_dir(config: PPOConfig, rank: int) -> Iterator[list[str]]:
             notes = inspect_output_dir(config)
         except OutputDirError as err:
             error = str(err)
+        except OSError as err:  # every rank must leave the broadcast below, then fail together
+            error = f"cannot use trainer.default_local_dir={config.trainer.default_local_dir}: {err}"
     error, notes = _agree((error, notes))
     try:
         if error is not None:
