@@ -228,3 +228,13 @@ def test_bytes_changed_in_place_are_named_by_their_checksum(tmp_path):
             found.append(index)
     assert len(found) == 1
     assert storage.read_part_meta(part, share=None)["name"] == "actor"
+
+
+def test_a_marker_without_checksums_is_checked_by_size(tmp_path):
+    _save(tmp_path, 1)
+    part = tmp_path / "global_step_1" / "actor"
+    marker = json.loads((part / storage.PART_MARKER).read_text())
+    assert set(marker["sha256"]) == set(marker["files"])
+    del marker["sha256"]  # as written before checksums existed
+    (part / storage.PART_MARKER).write_text(json.dumps(marker))
+    assert storage.read_part_meta(part)["name"] == "actor"

@@ -271,6 +271,31 @@ with claim_output_dir(load_config({QUICKSTART!r}, {[*TINY, f"trainer.default_loc
         pass
 
 
+def refused_job(out_dir: str) -> str:
+    """Runs on every rank of a pool: a run into a directory another process holds."""
+    from verl_megatron.train import run
+    from verl_megatron.trainer.run_dir import OutputDirError
+
+    try:
+        run(QUICKSTART, [*TINY, f"trainer.default_local_dir={out_dir}", "trainer.total_training_steps=1"])
+    except OutputDirError as err:
+        return str(err)
+    return "no error"
+
+
+def test_every_rank_of_a_distributed_run_refuses_a_locked_directory(pool2, tmp_path):
+    from verl_megatron.trainer.config import load_config
+    from verl_megatron.trainer.run_dir import claim_output_dir
+
+    out = tmp_path / "run"
+    with claim_output_dir(load_config(QUICKSTART, [*TINY, f"trainer.default_local_dir={out}"]), rank=0):
+        messages = pool2.run(f"{__name__}:refused_job", out_dir=str(out))
+    assert len(messages) == 2 and messages[0] == messages[1], messages
+    assert messages[0].startswith(
+        f"trainer.default_local_dir={out} is in use by another run (pid {os.getpid()} "
+    )
+
+
 # ------------------------------------------------------------------ the divergence guard
 
 
