@@ -202,6 +202,19 @@ def test_a_changed_learning_rate_is_applied_and_said_a_changed_batch_size_refuse
     )
 
 
+def test_a_changed_fixed_kl_coefficient_is_applied_on_resume(tmp_path):
+    out = tmp_path / "run"
+    kl = ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=fixed"]
+    assert (
+        _train(out, "trainer.total_training_steps=1", *kl, "algorithm.kl_ctrl.kl_coef=0.001").returncode == 0
+    )
+    proc = _train(out, "trainer.total_training_steps=2", *kl, "algorithm.kl_ctrl.kl_coef=0.01")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resume: algorithm.kl_ctrl.kl_coef 0.001 -> 0.01 (applied)" in proc.stdout.splitlines()
+    rows = read_jsonl_metrics(out / "metrics.jsonl")
+    assert [(r["step"], r["actor/reward_kl_penalty_coeff"]) for r in rows] == [(1, 0.001), (2, 0.01)]
+
+
 def test_a_rerun_never_overwrites_an_earlier_run(two_steps, tmp_path):
     out = _copy(two_steps, tmp_path)
     before = (out / "metrics.jsonl").read_text()

@@ -495,7 +495,12 @@ class PPOTrainer:
         else:
             state = load(trainer.resume_from_path)
         self.train_loader.load_state_dict(state["train_loader"])
-        if self.kl_ctrl is not None and state["kl_coef"] is not None:
+        # A fixed coefficient is config, not state: a resume with a new kl_coef uses it.
+        if (
+            self.kl_ctrl is not None
+            and state["kl_coef"] is not None
+            and self.config.algorithm.kl_ctrl.type != "fixed"
+        ):
             self.kl_ctrl.value = state["kl_coef"]
         # The rollout seeds each call from a call counter, the workers their mini-batch
         # shuffles from an update counter: both continue where the saved run stopped.
