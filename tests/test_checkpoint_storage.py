@@ -207,3 +207,34 @@ def test_damaged_parts_are_reported_with_the_file_at_fault(tmp_path):
         CheckpointCorruptError, match=r"checkpoint marker .*checkpoint_meta.json is unreadable"
     ):
         storage.read_part_meta(part)
+
+
+def test_bytes_changed_in_place_are_named_by_their_checksum(tmp_path):
+    _save(tmp_path, 1)
+    part = tmp_path / "global_step_1" / "actor"
+    data = bytearray((part / "weights.bin").read_bytes())
+    data[5] ^= 0x01  # one bit, same size
+    (part / "weights.bin").write_bytes(bytes(data))
+    with pytest.raises(
+        CheckpointCorruptError, match=r"damaged: weights.bin does not hold the bytes that were written"
+    ):
+        storage.read_part_meta(part)
+    # Ranks split the reading: exactly one of two shares finds it; a size-only check does not.
+    found = []
+    for index in range(2):
+        try:
+            storage.read_part_meta(part, share=(index, 2))
+        except CheckpointCorruptError:
+            found.append(index)
+    assert len(found) == 1
+    assert storage.read_part_meta(part, share=None)["name"] == "actor"
+
+
+def test_a_marker_without_checksums_is_checked_by_size(tmp_path):
+    _save(tmp_path, 1)
+    part = tmp_path / "global_step_1" / "actor"
+    marker = json.loads((part / storage.PART_MARKER).read_text())
+    assert set(marker["sha256"]) == set(marker["files"])
+    del marker["sha256"]  # as written before checksums existed
+    (part / storage.PART_MARKER).write_text(json.dumps(marker))
+    assert storage.read_part_meta(part)["name"] == "actor"

@@ -65,6 +65,7 @@ def run(config_path: str | None, overrides: Sequence[str]) -> dict[str, float]:
     from verl_megatron.trainer.ppo.reward import check_reward_config
     from verl_megatron.trainer.ppo_trainer import PPOTrainer
     from verl_megatron.trainer.quickstart import prepare_quickstart_assets
+    from verl_megatron.trainer.run_dir import claim_output_dir
 
     config = load_config(config_path or default_config_path(), list(overrides))
     validate_config(config, int(os.environ.get("WORLD_SIZE", "1")))
@@ -72,10 +73,12 @@ def run(config_path: str | None, overrides: Sequence[str]) -> dict[str, float]:
     _set_threads()
     runtime = init_runtime(config.parallel, seed=config.trainer.seed)
     try:
-        config = prepare_quickstart_assets(config, runtime.rank)
-        check_model_fits(runtime.layout, config.model.path)
-        config, components = build_components(config, runtime)
-        return PPOTrainer(config, runtime, components).fit()
+        # Held until the run ends: one run per output dir, and no silent overwrite of an earlier one.
+        with claim_output_dir(config, runtime.rank):
+            config = prepare_quickstart_assets(config, runtime.rank)
+            check_model_fits(runtime.layout, config.model.path)
+            config, components = build_components(config, runtime)
+            return PPOTrainer(config, runtime, components).fit()
     finally:
         # A caller that started torch.distributed itself (a test's worker pool) keeps it.
         if runtime._owns_process_group:
@@ -85,6 +88,7 @@ def run(config_path: str | None, overrides: Sequence[str]) -> dict[str, float]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry; a config error prints its message (naming the key) and exits with 2."""
     from verl_megatron.trainer.config import ConfigError
+    from verl_megatron.trainer.guard import TrainingDivergedError
 
     args = parse_args(argv)
     _quiet_libraries()
@@ -93,6 +97,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except TrainingDivergedError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 3
     return 0
 
 

@@ -265,9 +265,21 @@ def save_checkpoint(
     return storage.step_dir(root, step)
 
 
-def commit_checkpoint(root: str | os.PathLike, step: int, *, max_ckpt_to_keep: int | None = None) -> Path:
-    """Publish the parts saved for ``step`` (rank 0's file work, see :func:`storage.commit_step`); collective."""
-    _on_rank0(lambda: storage.commit_step(root, step, max_ckpt_to_keep), f"committing step {step} in {root}")
+def commit_checkpoint(
+    root: str | os.PathLike,
+    step: int,
+    *,
+    max_ckpt_to_keep: int | None = None,
+    files: dict[str, str] | None = None,
+) -> Path:
+    """Publish the parts saved for ``step`` (rank 0's file work, see :func:`storage.commit_step`); collective.
+
+    ``files``: name -> text of small files (e.g. the run's config) to publish in the step directory.
+    """
+    _on_rank0(
+        lambda: storage.commit_step(root, step, max_ckpt_to_keep, files=files),
+        f"committing step {step} in {root}",
+    )
     return storage.step_dir(root, step)
 
 
@@ -299,6 +311,10 @@ def load_checkpoint(
     this rank's part), and the model, optimizer and scheduler change only once
     every rank has read everything.
 
+    The optimizer's hyper-parameters (learning rate, betas, weight decay) and the
+    scheduler's schedule are those of the objects loaded into: the checkpoint
+    brings their state (moments, step counts), so a changed config takes effect.
+
     Loading weights without the optimizer into a model trained with a
     mixed-precision (bf16) optimizer leaves its fp32 master copies stale:
     pass the optimizer, or call its ``reload_model_params()``.
@@ -311,7 +327,8 @@ def load_checkpoint(
     mine = _model_shapes(chunks)
     try:
         part = storage.resolve_part(root_or_step_dir, name)
-        meta = storage.read_part_meta(part)
+        # Every rank checks the checksums of its share of the files.
+        meta = storage.read_part_meta(part, share=_world())
         ckpt = _checkpoint_shapes(part)
         _check_common_readable(part)
         _check_fits(part, meta, mine, ckpt, optimizer, scheduler)
@@ -427,6 +444,12 @@ def _apply(loaded, meta, chunks, optimizer, scheduler, backup) -> None:
             _load_scheduler(scheduler, _unpack(loaded["scheduler"]))
         if optimizer is not None and meta["optimizer"] == "state":
             optimizer.load_state_dict(loaded["optimizer"])
+            # The checkpoint brings the optimizer's state (moments, step counts); its
+            # hyper-parameters (max_lr, betas, eps, ...) stay those of the optimizer being
+            # loaded into, i.e. of the current config: a resume with a new learning rate uses it.
+            for opt, fresh in zip(_torch_optimizers(optimizer), backup["optimizer"]):
+                for group, hyper in zip(opt.param_groups, fresh["param_groups"]):
+                    group.update(hyper)
         elif optimizer is not None:
             # Saved before the first step: the optimizer starts from scratch too.
             for opt in _torch_optimizers(optimizer):
@@ -434,6 +457,8 @@ def _apply(loaded, meta, chunks, optimizer, scheduler, backup) -> None:
         for i, chunk in enumerate(chunks):
             # Keys were compared above; strict=False only tolerates the dropped "_extra_state".
             _unwrap(chunk).load_state_dict(model_states[f"chunk{i}"], strict=False)
+        if scheduler is not None and hasattr(scheduler, "get_lr") and hasattr(scheduler, "num_steps"):
+            scheduler.step(0)  # megatron's: set this step's lr and weight decay from the current schedule
     except Exception:
         _restore(optimizer, scheduler, backup)
         raise

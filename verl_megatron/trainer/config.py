@@ -32,6 +32,7 @@ from verl_megatron.data.config import DataConfig
 from verl_megatron.distributed.parallel import ParallelLayout
 from verl_megatron.models.config import ModelConfig
 from verl_megatron.rollout.config import RolloutConfig
+from verl_megatron.trainer.guard import DivergenceGuardConfig
 from verl_megatron.workers.config import ActorConfig, CriticConfig, RefConfig
 
 __all__ = [
@@ -190,6 +191,9 @@ class TrainerConfig:
         resume_mode: "auto" (latest complete checkpoint in default_local_dir, if any),
             "disable" (start fresh) or "resume_path" (``resume_from_path``).
         resume_from_path: checkpoint folder for resume_mode "resume_path".
+        resume_allow_changes: resume even when a key that decides the data order or the model
+            (``run_dir.REFUSED_ON_RESUME``) differs from the checkpoint's config.
+        divergence_guard: stop a run whose loss or weights blow up (``trainer.guard``).
         max_actor_ckpt_to_keep: keep only the newest N checkpoints; None keeps all.
         export_hf: write the final actor as a Hugging Face model to ``<default_local_dir>/hf_export``.
         seed: seed of the data order, sampling and model init.
@@ -212,6 +216,8 @@ class TrainerConfig:
     default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
     resume_mode: str = "auto"
     resume_from_path: str | None = None
+    resume_allow_changes: bool = False
+    divergence_guard: DivergenceGuardConfig = field(default_factory=DivergenceGuardConfig)
     max_actor_ckpt_to_keep: int | None = None
     export_hf: bool = False
     seed: int = 1

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import math
 import os
+import sys
 from typing import Any
 
 import numpy as np
@@ -31,6 +33,7 @@ from verl_megatron.protocol import DataProto, pad_dataproto_to_divisor, unpad_da
 from verl_megatron.trainer import metrics as M
 from verl_megatron.trainer.components import Components, total_training_steps
 from verl_megatron.trainer.config import PPOConfig, to_dict
+from verl_megatron.trainer.guard import DivergenceGuard
 from verl_megatron.trainer.ppo import core_algos
 from verl_megatron.trainer.ppo.reward import compute_reward
 from verl_megatron.trainer.tracking import Tracking
@@ -75,6 +78,7 @@ class PPOTrainer:
         # count actor updates so a copy is refreshed once per update, not once per call.
         self._weights_version, self._synced_version = 0, -1
         self._staged_checkpoint: int | None = None  # step saved but not yet published
+        self.guard = DivergenceGuard(config.trainer.divergence_guard, config.actor.optim.lr)
 
     # ------------------------------------------------------------------ the loop
 
@@ -96,9 +100,13 @@ class PPOTrainer:
             self.tracker.print(f"resumed from step {start} in {trainer.default_local_dir}")
         if trainer.val_before_train and start == 0 and self.val_loader is not None:
             self.tracker.log(self._validate(0), step=0)
+        self.guard.start(self.actor.chunks)
         for step in range(start + 1, self.total_steps + 1):
             self.global_step = step
-            self.tracker.log(self.train_step(step), step=step)
+            metrics = self.train_step(step)
+            self.tracker.log(metrics, step=step)
+            # Raises before a blown-up step's checkpoint is published.
+            self.guard.check(step, metrics, self.actor.chunks)
             # A step's checkpoint is written inside train_step but published only now, after its
             # metrics are in the log: a run killed in between resumes from the previous
             # checkpoint, so no published step is ever missing from the log.
@@ -456,33 +464,49 @@ class PPOTrainer:
         from verl_megatron.checkpoint import commit_checkpoint
 
         trainer = self.config.trainer
-        commit_checkpoint(trainer.default_local_dir, step, max_ckpt_to_keep=trainer.max_actor_ckpt_to_keep)
+        config_json = json.dumps(to_dict(self.config), indent=2, default=str)  # compared on resume
+        commit_checkpoint(
+            trainer.default_local_dir, step, max_ckpt_to_keep=trainer.max_actor_ckpt_to_keep,
+            files={"config.json": config_json},
+        )  # fmt: skip
         self._staged_checkpoint = None
 
     def _resume(self) -> int:
         """Load the checkpoint ``trainer.resume_mode`` points at; return its step (0: fresh start)."""
-        from verl_megatron.checkpoint import find_latest_checkpoint, load_checkpoint
+        from verl_megatron.checkpoint import load_checkpoint
+        from verl_megatron.checkpoint.resume import load_newest_intact
 
         trainer = self.config.trainer
+
+        def load(path) -> dict[str, Any]:
+            state = load_checkpoint(
+                path, chunks=self.actor.chunks, optimizer=self.actor.optimizer, scheduler=self.actor.scheduler,
+                runtime=self.runtime, name="actor",
+            )  # fmt: skip
+            if self.critic is not None:
+                load_checkpoint(
+                    path, chunks=self.critic.chunks, optimizer=self.critic.optimizer,
+                    scheduler=self.critic.scheduler, runtime=self.runtime, name="critic",
+                )  # fmt: skip
+            return state
+
         if trainer.resume_mode == "disable":
             return 0
         if trainer.resume_mode == "auto":
-            path = find_latest_checkpoint(trainer.default_local_dir)
-            if path is None:
+            # A damaged newest checkpoint is named and the newest intact one is used.
+            found = load_newest_intact(trainer.default_local_dir, load, self._warn)
+            if found is None:
                 return 0
+            state = found[1]
         else:
-            path = trainer.resume_from_path
-        state = load_checkpoint(
-            path, chunks=self.actor.chunks, optimizer=self.actor.optimizer, scheduler=self.actor.scheduler,
-            runtime=self.runtime, name="actor",
-        )  # fmt: skip
-        if self.critic is not None:
-            load_checkpoint(
-                path, chunks=self.critic.chunks, optimizer=self.critic.optimizer,
-                scheduler=self.critic.scheduler, runtime=self.runtime, name="critic",
-            )  # fmt: skip
+            state = load(trainer.resume_from_path)
         self.train_loader.load_state_dict(state["train_loader"])
-        if self.kl_ctrl is not None and state["kl_coef"] is not None:
+        # A fixed coefficient is config, not state: a resume with a new kl_coef uses it.
+        if (
+            self.kl_ctrl is not None
+            and state["kl_coef"] is not None
+            and self.config.algorithm.kl_ctrl.type != "fixed"
+        ):
             self.kl_ctrl.value = state["kl_coef"]
         # The rollout seeds each call from a call counter, the workers their mini-batch
         # shuffles from an update counter: both continue where the saved run stopped.
@@ -492,6 +516,10 @@ class PPOTrainer:
             self.critic.update_calls = state["critic_update_calls"]
         self.val_history = [tuple(v) for v in state["val_history"]]
         return int(state["global_step"])
+
+    def _warn(self, line: str) -> None:
+        if self.runtime.is_main:
+            print(line, file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ end of run
 

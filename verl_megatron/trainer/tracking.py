@@ -5,6 +5,11 @@ which does nothing). The JSONL file ``metrics.jsonl`` is always written, one
 object per step with ``"step"`` and every metric; when a run resumes from step
 ``k`` the lines past ``k`` (logged by the interrupted run after its last
 checkpoint) are dropped, so the file is one consistent history.
+
+The file is only ever appended to or replaced whole (temporary file, fsync,
+``os.replace``): a run killed at any moment leaves the old history or the new
+one, never an empty or half-rewritten file. A line cut short by a kill in the
+middle of an append is skipped when the file is read.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import math
 import os
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 __all__ = ["TRACKING_BACKENDS", "Tracking", "plot_curves", "read_jsonl_metrics"]
@@ -40,9 +46,31 @@ def _as_float(value: Any) -> float:
 
 
 def read_jsonl_metrics(path: str | os.PathLike) -> list[dict[str, float]]:
-    """Every step's metrics from a ``metrics.jsonl`` file, in file order."""
+    """Every step's metrics from a ``metrics.jsonl`` file, in file order.
+
+    A last line without its newline is what a kill in the middle of an append
+    leaves: it is dropped. Any other unreadable line is an error naming it.
+    """
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = f.read().split("\n")
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except ValueError as err:
+            if number == len(lines):  # the unterminated last line
+                break
+            raise ValueError(f"{path}, line {number}: not a JSON object ({err})") from err
+    return rows
+
+
+def _replace_file(path: str, text: str) -> None:
+    """Replace ``path`` by ``text`` atomically: a reader (or a kill) sees the old or the new file."""
+    from verl_megatron.checkpoint.storage import write_text_atomic
+
+    write_text_atomic(Path(path), text)
 
 
 class Tracking:
@@ -83,8 +111,7 @@ class Tracking:
             return
         os.makedirs(log_dir, exist_ok=True)
         if config is not None:
-            with open(os.path.join(log_dir, "config.json"), "w", encoding="utf-8") as f:
-                json.dump(config, f, indent=2, default=str)
+            _replace_file(os.path.join(log_dir, "config.json"), json.dumps(config, indent=2, default=str))
         self._start_jsonl(resume_step)
         if "tensorboard" in self.backends:
             from torch.utils.tensorboard import SummaryWriter
@@ -96,12 +123,17 @@ class Tracking:
             self._start_progress(total_steps, resume_step or 0)
 
     def _start_jsonl(self, resume_step: int | None) -> None:
-        kept = []
-        if resume_step is not None and os.path.exists(self.jsonl_path):
-            kept = [m for m in read_jsonl_metrics(self.jsonl_path) if m.get("step", 0) <= resume_step]
-        with open(self.jsonl_path, "w", encoding="utf-8") as f:
-            for metrics in kept:
-                f.write(json.dumps(metrics) + "\n")
+        if not os.path.exists(self.jsonl_path):
+            _replace_file(self.jsonl_path, "")
+            return
+        rows = read_jsonl_metrics(self.jsonl_path)
+        kept = [] if resume_step is None else [m for m in rows if m.get("step", 0) <= resume_step]
+        with open(self.jsonl_path, "rb") as f:
+            whole_lines = f.read().endswith(b"\n") or os.path.getsize(self.jsonl_path) == 0
+        if len(kept) == len(rows) and whole_lines:
+            return  # nothing to drop: the file is appended to as it is
+        # Rewritten whole and swapped in atomically: a kill here must not cost the history.
+        _replace_file(self.jsonl_path, "".join(json.dumps(m) + "\n" for m in kept))
 
     @staticmethod
     def _start_wandb(project: str, experiment: str, config: Mapping[str, Any] | None) -> Any:
@@ -144,7 +176,10 @@ class Tracking:
             return
         metrics = {name: _as_float(value) for name, value in data.items()}
         with open(self.jsonl_path, "a", encoding="utf-8") as f:
+            # One write per line, flushed to disk: a crash loses at most the line being written.
             f.write(json.dumps({"step": step, **metrics}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
         if self._tb is not None:
             for name, value in metrics.items():
                 self._tb.add_scalar(name, value, step)
