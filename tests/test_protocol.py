@@ -429,6 +429,9 @@ def test_pickle_uses_raw_buffers_and_disk_roundtrip(tmp_path, monkeypatch):
     back = DataProto()
     back.__setstate__(state)
     assert torch.equal(back.batch["obs"], data.batch["obs"]) and uids(back) == ["u0", "u1", "u2"]
+    legacy = DataProto()
+    legacy.__setstate__(dict(vars(make(2))))  # the attribute dict of a pickle made before __getstate__
+    assert uids(legacy) == ["u0", "u1"] and legacy.batch["obs"][:, 0].tolist() == [0, 10]
     empty = pickle.loads(pickle.dumps(DataProto(batch=TensorDict({}, batch_size=[4]))))
     assert list(empty.batch.keys()) == [] and list(empty.batch.batch_size) == [4]
     data.save_to_disk(tmp_path / "batch.pkl")

@@ -577,7 +577,9 @@ class DataProto:
             batch = serialize_tensordict(batch)
         return batch, self.non_tensor_batch, self.meta_info
 
-    def __setstate__(self, state: tuple) -> None:
+    def __setstate__(self, state: tuple | dict) -> None:
+        if isinstance(state, dict):  # pickled before __getstate__ existed: the plain attribute dict
+            state = (state.get("batch"), state.get("non_tensor_batch", {}), state.get("meta_info", {}))
         batch, non_tensor_batch, meta_info = state
         if isinstance(batch, tuple):
             batch_size, device, items = batch
