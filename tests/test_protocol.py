@@ -1,12 +1,28 @@
 """DataProto: exact rows after each operation, and clear errors on inconsistent input."""
 
 import pickle
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import torch
+from tensordict import TensorDict
 
-from verl_megatron.protocol import DataProto, DataProtoItem, pad_dataproto_to_divisor, unpad_dataproto
+import verl_megatron
+from verl_megatron.protocol import (
+    DataProto,
+    DataProtoFuture,
+    DataProtoItem,
+    deserialize_single_tensor,
+    deserialize_tensordict,
+    fold_batch_dim,
+    pad_dataproto_to_divisor,
+    serialize_single_tensor,
+    serialize_tensordict,
+    unfold_batch_dim,
+    union_numpy_dict,
+    unpad_dataproto,
+)
 
 
 def make(n: int = 4) -> DataProto:
@@ -239,3 +255,241 @@ def test_pickle_roundtrip():
     assert torch.equal(back.batch["obs"], data.batch["obs"])
     assert uids(back) == ["u0", "u1"]
     assert back.meta_info == {"temperature": 1.0}
+
+
+# ---------------------------------------------------------------- verl 0.9 API surface
+
+
+def test_package_root_exports_dataproto_like_verl():
+    assert verl_megatron.DataProto is DataProto
+    assert verl_megatron.DataProtoFuture is DataProtoFuture
+    with pytest.raises(AttributeError, match="has no attribute 'DataProtoo'"):
+        _ = verl_megatron.DataProtoo
+
+
+def test_concat_merges_meta_info_of_every_part_and_gathers_metrics():
+    parts = [
+        DataProto.from_dict(tensors={"x": torch.tensor([0])}, meta_info={"step": 3}),
+        DataProto.from_dict(
+            tensors={"x": torch.tensor([1])}, meta_info={"metrics": {"loss": 1.0, "acc": 0.5}, "step": 3}
+        ),
+        DataProto.from_dict(
+            tensors={"x": torch.tensor([2])},
+            meta_info={"metrics": [{"loss": 2.0, "acc": 0.25}, {"loss": 3.0, "acc": 0.0}], "extra": "e"},
+        ),
+    ]
+    joined = DataProto.concat(parts)
+    assert joined.batch["x"].tolist() == [0, 1, 2]
+    assert joined.meta_info == {
+        "step": 3,
+        "metrics": {"loss": [1.0, 2.0, 3.0], "acc": [0.5, 0.25, 0.0]},
+        "extra": "e",
+    }
+    # Equal values of different numeric types (or NaN) are not a conflict.
+    same = [
+        DataProto.from_dict(tensors={"x": torch.tensor([i])}, meta_info={"t": v})
+        for i, v in enumerate([1, 1.0])
+    ]
+    assert DataProto.concat(same).meta_info == {"t": 1}
+
+
+def test_concat_refuses_a_conflicting_meta_key_as_assertion_and_value_error():
+    a = DataProto.from_dict(tensors={"x": torch.tensor([0])}, meta_info={"temperature": 1.0})
+    b = DataProto.from_dict(tensors={"x": torch.tensor([1])}, meta_info={"temperature": 0.7})
+    for error in (AssertionError, ValueError):
+        with pytest.raises(
+            error, match=r"Conflicting values for meta_info key 'temperature': part 1 has 0\.7"
+        ):
+            DataProto.concat([a, b])
+    odd = DataProto.from_dict(tensors={"x": torch.tensor([1])}, meta_info={"metrics": {"other": 1.0}})
+    first = DataProto.from_dict(tensors={"x": torch.tensor([0])}, meta_info={"metrics": {"loss": 1.0}})
+    with pytest.raises(AssertionError, match=r"metric 'other' .* missing from the first metrics dict"):
+        DataProto.concat([first, odd])
+
+
+def test_union_numpy_dict_deep_equality():
+    nested = np.empty(2, dtype=object)
+    nested[0], nested[1] = np.array([1.0, np.nan]), {"k": [1, 2]}
+    twin = np.empty(2, dtype=object)
+    twin[0], twin[1] = np.array([1.0, np.nan]), {"k": [1, 2]}
+    merged = union_numpy_dict({"a": nested}, {"a": twin, "b": np.arange(2)})
+    assert sorted(merged) == ["a", "b"]
+    ring1, ring2 = np.empty(1, dtype=object), np.empty(1, dtype=object)
+    ring1[0], ring2[0] = ring1, ring2  # arrays that contain themselves
+    union_numpy_dict({"r": ring1}, {"r": ring2})
+    changed = np.empty(2, dtype=object)
+    changed[0], changed[1] = np.array([1.0, 2.0]), {"k": [1, 2]}
+    with pytest.raises(
+        AssertionError, match=r"`a` in tensor_dict1 and tensor_dict2 are not the same object\."
+    ):
+        union_numpy_dict({"a": nested}, {"a": changed})
+    with pytest.raises(ValueError, match="`a` in tensor_dict2 is a list, not a numpy array"):
+        union_numpy_dict({"a": nested}, {"a": [1, 2]})
+    with pytest.raises(AssertionError, match="not the same object"):
+        union_numpy_dict({"a": np.arange(3, dtype=np.int32)}, {"a": np.arange(3, dtype=np.int64)})
+
+
+def test_fold_and_unfold_batch_dim():
+    data = make(6)
+    folded = fold_batch_dim(data, new_batch_size=2)
+    assert list(folded.batch.batch_size) == [2]
+    assert folded.batch["obs"][:, :, 0].tolist() == [[0, 10, 20], [30, 40, 50]]
+    assert folded.non_tensor_batch["uid"].tolist() == [["u0", "u1", "u2"], ["u3", "u4", "u5"]]
+    folded.reorder(torch.tensor([1, 0]))
+    flat = unfold_batch_dim(folded, batch_dims=2)
+    assert flat.batch["obs"][:, 0].tolist() == [30, 40, 50, 0, 10, 20]
+    assert uids(flat) == ["u3", "u4", "u5", "u0", "u1", "u2"]
+    assert flat.meta_info == {"temperature": 1.0}
+    assert len(data) == 6 and uids(data)[0] == "u0"  # the source is left as it was
+    with pytest.raises(AssertionError, match="6 rows do not fold into 4 equal groups"):
+        fold_batch_dim(data, 4)
+
+
+def test_from_dict_has_one_batch_dim_and_auto_padding_allows_unequal_chunks():
+    with pytest.raises(AssertionError, match="num_batch_dims=2"):
+        DataProto.from_dict(tensors={"x": torch.zeros(2, 3)}, num_batch_dims=2)
+    with pytest.raises(AssertionError, match="length 5 is not divisible into 2 equal chunks"):
+        DataProto.from_dict(tensors={"x": torch.arange(5)}).chunk(2)
+    padded = DataProto.from_dict(tensors={"x": torch.arange(5)}, meta_info={"a": 1}, auto_padding=True)
+    assert padded.is_padding_enabled()
+    assert [p.batch["x"].tolist() for p in padded.chunk(2)] == [[0, 1, 2], [3, 4]]
+    assert [len(p) for p in padded.chunk(4)] == [2, 2, 1, 0]
+    padded.padding(2, "first")
+    assert padded.batch["x"].tolist() == [0, 1, 2, 3, 4, 0, 0]
+    single = DataProto.from_single_dict({"x": torch.arange(3)}, auto_padding=True)
+    assert single.is_padding_enabled() and not make(2).is_padding_enabled()
+
+
+def test_sample_level_repeat_and_unfold_column_chunks():
+    data = make(3)
+    for counts in ([2, 0, 1], (2, 0, 1), np.array([2, 0, 1]), torch.tensor([2, 0, 1])):
+        out = data.sample_level_repeat(counts)
+        assert out.batch["obs"][:, 0].tolist() == [0, 0, 20]
+        assert uids(out) == ["u0", "u0", "u2"]
+    with pytest.raises(AssertionError, match="one non-negative count per row"):
+        data.sample_level_repeat([1, 1])
+
+    wide = DataProto.from_dict(
+        tensors={"ids": torch.arange(12).reshape(3, 4), "score": torch.tensor([1.0, 2.0, 3.0])},
+        non_tensors={"pairs": [["a", "b"], ["c", "d"], ["e", "f"]], "uid": ["u0", "u1", "u2"]},
+    )
+    out = wide.unfold_column_chunks(2, split_keys=["ids", "pairs"])
+    assert out.batch["ids"].tolist() == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11]]
+    assert out.batch["score"].tolist() == [1.0, 1.0, 2.0, 2.0, 3.0, 3.0]
+    assert out.non_tensor_batch["pairs"].tolist() == [["a"], ["b"], ["c"], ["d"], ["e"], ["f"]]
+    assert uids(out) == ["u0", "u0", "u1", "u1", "u2", "u2"]
+    with pytest.raises(AssertionError, match="'ids' of shape \\(3, 4\\) cannot split dim 1 into 3"):
+        wide.unfold_column_chunks(3, split_keys=["ids"])
+    with pytest.raises(KeyError, match="split_keys \\['nope'\\] not found"):
+        wide.unfold_column_chunks(2, split_keys=["nope"])
+
+
+def test_make_iterator_order_epochs_and_seed():
+    data = make(4)
+    in_order = [p.batch["obs"][:, 0].tolist() for p in data.make_iterator(mini_batch_size=2, epochs=2)]
+    assert in_order == [[0, 10], [20, 30], [0, 10], [20, 30]]
+    batches = list(data.make_iterator(2, epochs=1, seed=5, dataloader_kwargs={"shuffle": True}))
+    assert all(b.meta_info == {"temperature": 1.0} and isinstance(b, DataProto) for b in batches)
+    shuffled = [u for b in batches for u in uids(b)]
+    assert sorted(shuffled) == ["u0", "u1", "u2", "u3"] and shuffled != sorted(shuffled)
+    again = list(data.make_iterator(2, epochs=1, seed=5, dataloader_kwargs={"shuffle": True}))
+    assert [uids(b) for b in again] == [uids(b) for b in batches]
+    with pytest.raises(AssertionError, match="4 rows are not a multiple of mini_batch_size=3"):
+        data.make_iterator(3, epochs=1)
+
+
+def test_tensor_serialisation_roundtrips_dtypes_nested_and_empty():
+    for tensor in (
+        torch.tensor([[1.5, -2.0]], dtype=torch.bfloat16),
+        torch.tensor([True, False]),
+        torch.arange(6, dtype=torch.int32).reshape(2, 3).t(),  # not contiguous
+        torch.zeros(0, 3),
+    ):
+        dtype, shape, raw = serialize_single_tensor(tensor)
+        assert dtype == str(tensor.dtype).removeprefix("torch.") and shape == tuple(tensor.shape)
+        back = deserialize_single_tensor((dtype, shape, raw))
+        assert back.dtype == tensor.dtype and torch.equal(back, tensor)
+    nested = torch.nested.as_nested_tensor([torch.ones(2), torch.zeros(3)], layout=torch.jagged)
+    td = TensorDict({"n": nested, "d": torch.arange(2)}, batch_size=[2])
+    back = deserialize_tensordict(serialize_tensordict(td))
+    assert back.batch_size == td.batch_size and back["d"].tolist() == [0, 1]
+    assert [t.tolist() for t in back["n"].unbind()] == [[1.0, 1.0], [0.0, 0.0, 0.0]]
+    with pytest.raises(AssertionError, match="'float99' is not a torch dtype"):
+        deserialize_single_tensor(("float99", (1,), np.zeros(4, dtype=np.uint8)))
+
+
+def test_pickle_uses_raw_buffers_and_disk_roundtrip(tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("TensorDict.consolidate must not run when pickling")
+
+    monkeypatch.setattr(TensorDict, "consolidate", refuse)
+    data = make(3)
+    state = data.__getstate__()
+    assert isinstance(state[0], tuple)  # (batch_size, device, encoded tensors)
+    back = DataProto()
+    back.__setstate__(state)
+    assert torch.equal(back.batch["obs"], data.batch["obs"]) and uids(back) == ["u0", "u1", "u2"]
+    legacy = DataProto()
+    legacy.__setstate__(dict(vars(make(2))))  # the attribute dict of a pickle made before __getstate__
+    assert uids(legacy) == ["u0", "u1"] and legacy.batch["obs"][:, 0].tolist() == [0, 10]
+    empty = pickle.loads(pickle.dumps(DataProto(batch=TensorDict({}, batch_size=[4]))))
+    assert list(empty.batch.keys()) == [] and list(empty.batch.batch_size) == [4]
+    data.save_to_disk(tmp_path / "batch.pkl")
+    loaded = DataProto.load_from_disk(tmp_path / "batch.pkl")
+    assert torch.equal(loaded.batch["score"], data.batch["score"]) and loaded.meta_info == {
+        "temperature": 1.0
+    }
+    (tmp_path / "other.pkl").write_bytes(pickle.dumps({"not": "a batch"}))
+    with pytest.raises(TypeError, match="holds a dict, not a DataProto"):
+        DataProto.load_from_disk(tmp_path / "other.pkl")
+
+
+def test_tensordict_roundtrip_keeps_nested_objects_and_meta():
+    data = DataProto.from_dict(
+        tensors={"obs": torch.tensor([1, 2])},
+        non_tensors={"turns": [[], [0.5, 0.8]], "info": [{"acc": 1.0}, {"acc": 0.0}], "uid": ["a", "b"]},
+        meta_info={"step": 4},
+    )
+    td = data.to_tensordict()
+    assert td["obs"].tolist() == [1, 2] and td["step"] == 4
+    assert list(td["turns"][1]) == [0.5, 0.8] and dict(td["info"][0]) == {"acc": 1.0}
+    back = DataProto.from_tensordict(td)
+    assert back.batch["obs"].tolist() == [1, 2]
+    assert back.non_tensor_batch["turns"].tolist() == [[], [0.5, 0.8]]
+    assert back.non_tensor_batch["info"].tolist() == [{"acc": 1.0}, {"acc": 0.0}]
+    assert back.non_tensor_batch["uid"].tolist() == ["a", "b"] and back.meta_info == {"step": 4}
+    clash = DataProto.from_dict(tensors={"k": torch.zeros(1)}, non_tensors={"k": ["x"]})
+    with pytest.raises(AssertionError, match=r"keys \['k'\] are in both"):
+        clash.to_tensordict()
+
+
+def test_get_data_info_lists_keys_and_meta_types():
+    data = DataProto.from_dict(
+        tensors={"obs": torch.zeros(2, 3, dtype=torch.int64)},
+        non_tensors={"uid": ["a", "b"]},
+        meta_info={"temperature": 1.0, "ids": [1, 2], "m": {"a": 0.5}, "t": (1, "x"), "e": []},
+    )
+    assert data.get_data_info().splitlines() == [
+        "batch",
+        "  obs: (2, 3) (torch.int64) cpu",
+        "non_tensor_batch",
+        "  uid: ndarray(2,) (object)",
+        "meta_info",
+        "  temperature: float",
+        "  ids: list[int]",
+        "  m: dict[str: float]",
+        "  t: tuple(int, str)",
+        "  e: list[...]",
+    ]
+
+
+def test_dataproto_future_joins_worker_results_and_chunks():
+    parts = [DataProto.from_dict(tensors={"x": torch.tensor([i, i + 10])}) for i in range(2)]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = [pool.submit(lambda d=d: d) for d in parts]
+        joined = DataProtoFuture.concat(futures)
+        assert joined.get().batch["x"].tolist() == [0, 10, 1, 11]
+        assert [c.get().batch["x"].tolist() for c in joined.chunk(2)] == [[0, 10], [1, 11]]
+        bad = DataProtoFuture.concat([pool.submit(lambda: 3)])
+        with pytest.raises(TypeError, match="future 0 produced a int"):
+            bad.get()

@@ -3,11 +3,13 @@
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from verl_megatron.utils.tokenizer import hf_tokenizer, set_pad_token_id
+from verl_megatron.utils.tokenizer import hf_processor, hf_tokenizer, normalize_token_ids, set_pad_token_id
 
 
 def save_word_tokenizer(out_dir: Path, special: dict[int, str], **token_kwargs: str) -> Path:
@@ -109,3 +111,54 @@ def test_missing_or_wrong_paths_name_the_path(tmp_path):
     empty.mkdir()
     with pytest.raises(FileNotFoundError, match=r"tokenizer directory '.*empty_dir' holds none of"):
         hf_tokenizer(empty)
+
+
+class _Encoding:
+    """Stands in for transformers' BatchEncoding: ids under an ``input_ids`` attribute."""
+
+    def __init__(self, input_ids):
+        self.input_ids = input_ids
+
+
+@pytest.mark.parametrize(
+    "output",
+    [
+        [4, 5, 6],
+        (4, 5, 6),
+        np.array([4, 5, 6]),
+        torch.tensor([4, 5, 6]),
+        torch.tensor([[4, 5, 6]]),  # a batch of one
+        {"input_ids": [4, 5, 6], "attention_mask": [1, 1, 1]},
+        {"input_ids": [[4, 5, 6]]},
+        _Encoding(torch.tensor([[4, 5, 6]])),
+        [np.int32(4), np.int64(5), torch.tensor(6)],
+    ],
+)
+def test_normalize_token_ids_flattens_every_tokenizer_output(output):
+    ids = normalize_token_ids(output)
+    assert ids == [4, 5, 6]
+    assert all(type(i) is int for i in ids)
+
+
+@pytest.mark.parametrize(
+    ("output", "match"),
+    [
+        ("4 5 6", "expected token ids, got str"),
+        ({"attention_mask": [1, 1]}, "expected token ids, got dict"),
+        ([[4, 5], [6, 7]], "token 0 is a list"),
+        ([4, 5.5], "token 1 is a float"),
+        ([4, None], "token 1 is a NoneType"),
+    ],
+)
+def test_normalize_token_ids_rejects_non_ids_with_type_error(output, match):
+    with pytest.raises(TypeError, match=match):
+        normalize_token_ids(output)
+
+
+def test_hf_processor_is_none_for_a_text_only_model(tmp_path):
+    folder = save_word_tokenizer(tmp_path / "tok", {0: "<pad>", 1: "<eos>", 3: "<unk>"}, eos_token="<eos>")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert hf_processor(str(folder)) is None
+    with pytest.raises(FileNotFoundError, match="processor directory '/nonexistent/model' does not exist"):
+        hf_processor("/nonexistent/model")

@@ -9,29 +9,56 @@ A ``DataProto`` holds three things about the same ``B`` samples:
 - ``meta_info``: a plain dict shared by the whole batch (e.g. ``temperature``).
 
 User code written against ``verl.protocol`` ports by changing the import. Unlike verl, bad input
-raises ``ValueError``/``KeyError``/``TypeError`` naming the offending key and sizes instead of a
-bare ``assert``.
+raises an error naming the offending key and sizes instead of a bare ``assert``; where verl
+asserts, the error is a ``VerlCompatError`` (both ``ValueError`` and ``AssertionError``) so code
+catching either keeps working.
 """
 
 from __future__ import annotations
 
 import copy
-import math
-from collections.abc import Iterable, Sequence
+import os
+import pickle
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 from tensordict import TensorDict
+from torch.utils.data import DataLoader
+
+from verl_megatron import protocol_ops
+from verl_megatron.protocol_future import DataProtoFuture
+from verl_megatron.protocol_ops import fold_batch_dim, unfold_batch_dim
+from verl_megatron.utils.deep_equal import values_equal
+from verl_megatron.utils.errors import VerlCompatError
+from verl_megatron.utils.tensor_serde import (
+    deserialize_single_tensor,
+    deserialize_tensordict,
+    serialize_single_tensor,
+    serialize_tensordict,
+)
 
 __all__ = [
     "DataProto",
+    "DataProtoFuture",
     "DataProtoItem",
+    "deserialize_single_tensor",
+    "deserialize_tensordict",
+    "fold_batch_dim",
     "pad_dataproto_to_divisor",
+    "serialize_single_tensor",
+    "serialize_tensordict",
+    "unfold_batch_dim",
+    "union_numpy_dict",
     "union_tensor_dict",
     "unpad_dataproto",
 ]
+
+# meta_info key that lets ``chunk`` split into unequal parts (verl's name, so flags set by verl
+# code carry over).
+AUTO_PADDING_KEY = "_verl_auto_padding"
 
 Index = int | np.integer | slice | list | np.ndarray | torch.Tensor
 
@@ -55,43 +82,13 @@ def _to_object_array(key: str, values: Any) -> np.ndarray:
     return array
 
 
-def _values_equal(a: Any, b: Any) -> bool:
-    """Deep equality for the values found in ``non_tensor_batch`` and ``meta_info``.
-
-    Treats NaN as equal to NaN (so a batch unions with its own copy) and compares arrays and
-    tensors element-wise instead of relying on their ambiguous ``__bool__``.
-    """
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-            return False
-        if a.shape != b.shape or a.dtype != b.dtype:
-            return False
-        a, b = a.detach().cpu(), b.detach().cpu()
-        if a.is_floating_point() or a.is_complex():
-            return bool(((a == b) | (a.isnan() & b.isnan())).all())
-        return torch.equal(a, b)
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)) or a.shape != b.shape:
-            return False
-        if a.dtype == object or b.dtype == object:
-            return all(_values_equal(x, y) for x, y in zip(a.flat, b.flat))
-        return bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc" and b.dtype.kind in "fc"))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_values_equal(a[k], b[k]) for k in a)
-    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
-        return type(a) is type(b) and len(a) == len(b) and all(_values_equal(x, y) for x, y in zip(a, b))
-    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
-        return True
-    return bool(a == b)
-
-
 def union_tensor_dict(tensor_dict1: TensorDict, tensor_dict2: TensorDict) -> TensorDict:
     """Add the keys of ``tensor_dict2`` to ``tensor_dict1`` in place and return it.
 
-    Raises ValueError when the batch sizes differ or a shared key holds different values.
+    Raises VerlCompatError when the batch sizes differ or a shared key holds different values.
     """
     if tensor_dict1.batch_size != tensor_dict2.batch_size:
-        raise ValueError(
+        raise VerlCompatError(
             f"cannot union batches of different sizes: {list(tensor_dict1.batch_size)} "
             f"and {list(tensor_dict2.batch_size)}"
         )
@@ -100,16 +97,38 @@ def union_tensor_dict(tensor_dict1: TensorDict, tensor_dict2: TensorDict) -> Ten
     for key, value in tensor_dict2.items():
         if key not in existing_keys:
             tensor_dict1[key] = value
-        elif not _values_equal(tensor_dict1[key], value):
-            raise ValueError(f"cannot union: batch key '{key}' holds different values in the two DataProtos")
+        elif not values_equal(tensor_dict1[key], value):
+            raise VerlCompatError(
+                f"cannot union: batch key '{key}' holds different values in the two DataProtos"
+            )
+    return tensor_dict1
+
+
+def union_numpy_dict(tensor_dict1: dict[str, np.ndarray], tensor_dict2: dict[str, np.ndarray]) -> dict:
+    """Add the arrays of ``tensor_dict2`` to ``tensor_dict1`` in place and return it.
+
+    A key in both must hold equal arrays (NaN equals NaN, object arrays compared element by element).
+    """
+    for key, value in tensor_dict2.items():
+        if key in tensor_dict1:
+            for name, array in (("tensor_dict1", tensor_dict1[key]), ("tensor_dict2", value)):
+                if not isinstance(array, np.ndarray):
+                    raise VerlCompatError(
+                        f"union_numpy_dict: `{key}` in {name} is a {type(array).__name__}, not a numpy array"
+                    )
+            if not values_equal(tensor_dict1[key], value):
+                raise VerlCompatError(f"`{key}` in tensor_dict1 and tensor_dict2 are not the same object.")
+        tensor_dict1[key] = value
     return tensor_dict1
 
 
 def _union_dicts(name: str, dict1: dict, dict2: dict) -> dict:
     """Add the entries of ``dict2`` to ``dict1`` in place; a shared key must hold equal values."""
     for key, value in dict2.items():
-        if key in dict1 and not _values_equal(dict1[key], value):
-            raise ValueError(f"cannot union: {name} key '{key}' holds different values in the two DataProtos")
+        if key in dict1 and not values_equal(dict1[key], value):
+            raise VerlCompatError(
+                f"cannot union: {name} key '{key}' holds different values in the two DataProtos"
+            )
         dict1[key] = value
     return dict1
 
@@ -155,34 +174,48 @@ class DataProto:
         tensors: dict[str, torch.Tensor] | None = None,
         non_tensors: dict[str, Any] | None = None,
         meta_info: dict | None = None,
+        num_batch_dims: int = 1,
+        auto_padding: bool = False,
     ) -> DataProto:
         """Build from tensors [B, ...] (all with the same first dimension) and per-sample values.
 
         ``non_tensors`` values may be numpy arrays or sequences (converted to 1-D object arrays).
+        ``num_batch_dims`` exists for verl's signature: a DataProto has exactly one batch dimension
+        (see ``fold_batch_dim`` for grouped rows). ``auto_padding`` lets ``chunk`` split unequally.
         """
         tensors = dict(tensors or {})
+        if num_batch_dims != 1 and (tensors or non_tensors):
+            raise VerlCompatError(
+                f"from_dict: a DataProto has one batch dimension, got num_batch_dims={num_batch_dims}"
+            )
+        meta_info = dict(meta_info or {})
+        if auto_padding:
+            meta_info[AUTO_PADDING_KEY] = True
         batch_size: int | None = None
         pivot_key = None
         for key, tensor in tensors.items():
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"tensors['{key}'] must be a torch.Tensor, got {type(tensor).__name__}")
             if tensor.dim() == 0:
-                raise ValueError(
+                raise VerlCompatError(
                     f"tensors['{key}'] is a scalar; batch tensors need a batch dimension [B, ...]"
                 )
             if batch_size is None:
                 batch_size, pivot_key = tensor.shape[0], key
             elif tensor.shape[0] != batch_size:
-                raise ValueError(
+                raise VerlCompatError(
                     f"tensor '{key}' has {tensor.shape[0]} rows but tensor '{pivot_key}' has {batch_size}"
                 )
         non_tensor_batch = {key: _to_object_array(key, val) for key, val in (non_tensors or {}).items()}
         batch = TensorDict(source=tensors, batch_size=[batch_size]) if tensors else None
-        return cls(batch=batch, non_tensor_batch=non_tensor_batch, meta_info=dict(meta_info or {}))
+        return cls(batch=batch, non_tensor_batch=non_tensor_batch, meta_info=meta_info)
 
     @classmethod
     def from_single_dict(
-        cls, data: dict[str, torch.Tensor | np.ndarray], meta_info: dict | None = None
+        cls,
+        data: dict[str, torch.Tensor | np.ndarray],
+        meta_info: dict | None = None,
+        auto_padding: bool = False,
     ) -> DataProto:
         """Build from one dict, sending tensors to ``batch`` and numpy arrays to ``non_tensor_batch``."""
         tensors, non_tensors = {}, {}
@@ -195,7 +228,9 @@ class DataProto:
                 raise TypeError(
                     f"from_single_dict: '{key}' must be a torch.Tensor or numpy.ndarray, got {type(val).__name__}"
                 )
-        return cls.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta_info)
+        return cls.from_dict(
+            tensors=tensors, non_tensors=non_tensors, meta_info=meta_info, auto_padding=auto_padding
+        )
 
     def check_consistency(self) -> None:
         """Raise if ``batch`` is not 1-D batched or any ``non_tensor_batch`` entry has the wrong length."""
@@ -205,7 +240,7 @@ class DataProto:
                     f"DataProto.batch must be a TensorDict or None, got {type(self.batch).__name__}"
                 )
             if len(self.batch.batch_size) != 1:
-                raise ValueError(
+                raise VerlCompatError(
                     f"DataProto.batch must have one batch dimension [B], got batch_size {list(self.batch.batch_size)}"
                 )
         if not isinstance(self.non_tensor_batch, dict):
@@ -224,11 +259,11 @@ class DataProto:
                     f"non_tensor '{key}' must be a numpy array (dtype=object), got {type(val).__name__}"
                 )
             if val.ndim == 0:
-                raise ValueError(f"non_tensor '{key}' is a 0-d array; it needs one entry per sample")
+                raise VerlCompatError(f"non_tensor '{key}' is a 0-d array; it needs one entry per sample")
             if reference_len is None:
                 reference_name, reference_len = f"non_tensor '{key}'", val.shape[0]
             elif val.shape[0] != reference_len:
-                raise ValueError(
+                raise VerlCompatError(
                     f"non_tensor '{key}' has {val.shape[0]} rows but {reference_name} has {reference_len}"
                 )
 
@@ -348,7 +383,7 @@ class DataProto:
         old = [old_keys] if isinstance(old_keys, str) else list(old_keys or [])
         new = [new_keys] if isinstance(new_keys, str) else list(new_keys or [])
         if len(old) != len(new):
-            raise ValueError(f"rename: got {len(old)} old keys but {len(new)} new keys")
+            raise VerlCompatError(f"rename: got {len(old)} old keys but {len(new)} new keys")
         if not old:
             return self
         if self.batch is None:
@@ -357,7 +392,7 @@ class DataProto:
         kept = set(self.batch.keys()) - set(old)
         clashes = sorted(kept.intersection(new))
         if clashes or len(set(new)) != len(new):
-            raise ValueError(
+            raise VerlCompatError(
                 f"rename: new keys {new} collide with each other or with existing keys {clashes}"
             )
         # Pop everything first so that swaps such as (a, b) -> (b, a) work.
@@ -369,10 +404,10 @@ class DataProto:
     def union(self, other: DataProto) -> DataProto:
         """Merge ``other`` into ``self`` in place and return ``self``.
 
-        Raises ValueError if the lengths differ or a key present in both holds different values.
+        Raises VerlCompatError if the lengths differ or a key present in both holds different values.
         """
         if not self._is_empty() and not other._is_empty() and len(self) != len(other):
-            raise ValueError(
+            raise VerlCompatError(
                 f"cannot union a DataProto of length {len(self)} with one of length {len(other)}"
             )
         if self.batch is None:
@@ -391,38 +426,58 @@ class DataProto:
         return self.batch is None and not self.non_tensor_batch
 
     # ------------------------------------------------------------------ splitting and joining
+    def is_padding_enabled(self) -> bool:
+        """True when this DataProto was built with ``auto_padding=True`` (``chunk`` may split unequally)."""
+        return bool(self.meta_info.get(AUTO_PADDING_KEY, False))
+
+    def padding(self, padding_size: int, padding_candidate: str = "") -> None:
+        """Append ``padding_size`` copies of the first row (``"first"``) or else the last row, in place."""
+        if padding_size <= 0:
+            return
+        row = self.select_idxs([0 if padding_candidate == "first" else len(self) - 1])
+        padded = DataProto.concat([self, row.repeat(padding_size)])
+        self.batch, self.non_tensor_batch = padded.batch, padded.non_tensor_batch
+
     def chunk(self, chunks: int) -> list[DataProto]:
-        """Split into ``chunks`` equal parts along the batch dimension; each keeps ``meta_info``."""
+        """Split into ``chunks`` equal parts along the batch dimension; each keeps ``meta_info``.
+
+        With auto-padding enabled the length need not divide: parts hold ceil(B / chunks) rows as
+        ``torch.chunk`` does, and trailing parts may be shorter or empty.
+        """
         if chunks <= 0:
-            raise ValueError(f"chunk: chunks must be positive, got {chunks}")
-        if len(self) % chunks != 0:
-            raise ValueError(
+            raise VerlCompatError(f"chunk: chunks must be positive, got {chunks}")
+        if len(self) % chunks != 0 and not self.is_padding_enabled():
+            raise VerlCompatError(
                 f"chunk: DataProto of length {len(self)} is not divisible into {chunks} equal chunks"
             )
-        size = len(self) // chunks
+        size = -(-len(self) // chunks)
         return [self.slice(i * size, (i + 1) * size) for i in range(chunks)]
 
     def split(self, split_size: int) -> list[DataProto]:
         """Consecutive parts of ``split_size`` rows (the last one may be shorter)."""
         if split_size <= 0:
-            raise ValueError(f"split: split_size must be positive, got {split_size}")
+            raise VerlCompatError(f"split: split_size must be positive, got {split_size}")
         return [self.slice(i, i + split_size) for i in range(0, len(self), split_size)]
 
     @staticmethod
     def concat(data: list[DataProto]) -> DataProto:
-        """Join along the batch dimension; all parts need the same keys. ``meta_info`` is the first one's."""
+        """Join along the batch dimension; all parts need the same keys.
+
+        ``meta_info`` is merged: every part's keys (equal values where parts share a key) and the
+        parts' ``metrics`` gathered into one dict of lists (see ``protocol_ops.merge_meta_info``).
+        """
         if not data:
-            raise ValueError("concat: got an empty list of DataProto")
+            raise VerlCompatError("concat: got an empty list of DataProto")
         first = data[0]
         batch_keys = set(first.batch.keys()) if first.batch is not None else None
         for i, part in enumerate(data[1:], start=1):
             keys = set(part.batch.keys()) if part.batch is not None else None
             if keys != batch_keys:
-                raise ValueError(
+                raise VerlCompatError(
                     f"concat: part {i} has batch keys {_sorted(keys)} but part 0 has {_sorted(batch_keys)}"
                 )
             if part.non_tensor_batch.keys() != first.non_tensor_batch.keys():
-                raise ValueError(
+                raise VerlCompatError(
                     f"concat: part {i} has non_tensor keys {sorted(part.non_tensor_batch)} "
                     f"but part 0 has {sorted(first.non_tensor_batch)}"
                 )
@@ -431,12 +486,13 @@ class DataProto:
             key: np.concatenate([part.non_tensor_batch[key] for part in data], axis=0)
             for key in first.non_tensor_batch
         }
-        return type(first)(batch=batch, non_tensor_batch=non_tensor, meta_info=first.meta_info)
+        meta_info = protocol_ops.merge_meta_info([part.meta_info for part in data])
+        return type(first)(batch=batch, non_tensor_batch=non_tensor, meta_info=meta_info)
 
     def repeat(self, repeat_times: int = 2, interleave: bool = True) -> DataProto:
         """Each row ``repeat_times`` times: ``[a, a, b, b]`` when interleaved, else ``[a, b, a, b]``."""
         if repeat_times <= 0:
-            raise ValueError(f"repeat: repeat_times must be positive, got {repeat_times}")
+            raise VerlCompatError(f"repeat: repeat_times must be positive, got {repeat_times}")
         batch = None
         if self.batch is not None:
             if interleave:
@@ -463,6 +519,89 @@ class DataProto:
             self.batch = self.batch.to(device)
         return self
 
+    def sample_level_repeat(self, repeat_times: list[int] | tuple | np.ndarray | torch.Tensor) -> DataProto:
+        """Row ``i`` repeated ``repeat_times[i]`` times, rows kept in order."""
+        return protocol_ops.sample_level_repeat(self, repeat_times)
+
+    def unfold_column_chunks(self, n_split: int, split_keys: list[str] | None = None) -> DataProto:
+        """Dim 1 of ``split_keys`` cut into ``n_split`` new rows each; other keys repeated to match."""
+        return protocol_ops.unfold_column_chunks(self, n_split, split_keys)
+
+    def make_iterator(
+        self,
+        mini_batch_size: int,
+        epochs: int,
+        seed: int | None = None,
+        dataloader_kwargs: dict | None = None,
+    ) -> Iterator[DataProto]:
+        """Mini-batches of ``mini_batch_size`` rows, ``epochs`` passes over the data, each sharing
+        ``meta_info``. Rows come in order unless ``dataloader_kwargs`` asks ``shuffle=True`` (then
+        ``seed`` fixes the order). ``len(self)`` must be a multiple of ``mini_batch_size``."""
+        if mini_batch_size <= 0 or len(self) % mini_batch_size != 0:
+            raise VerlCompatError(
+                f"make_iterator: {len(self)} rows are not a multiple of mini_batch_size={mini_batch_size}"
+            )
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        # A DataLoader over row indices gives torch's sampling order (same as iterating a dataset).
+        loader = DataLoader(
+            range(len(self)), batch_size=mini_batch_size, generator=generator, **(dataloader_kwargs or {})
+        )
+
+        def batches() -> Iterator[DataProto]:
+            for _ in range(epochs):
+                for idxs in loader:
+                    yield self.select_idxs(idxs)
+
+        return batches()
+
+    # ------------------------------------------------------------------ conversion and storage
+    def to_tensordict(self) -> TensorDict:
+        """Everything in one TensorDict (objects as ``NonTensorStack``, meta as ``NonTensorData``)."""
+        return protocol_ops.to_tensordict(self)
+
+    @classmethod
+    def from_tensordict(
+        cls, tensor_dict: TensorDict, meta_info: dict | None = None, num_batch_dims: int = 1
+    ) -> DataProto:
+        """Inverse of ``to_tensordict``."""
+        return protocol_ops.from_tensordict(cls, tensor_dict, meta_info, num_batch_dims)
+
+    def get_data_info(self) -> str:
+        """Keys with shapes, dtypes and devices, and the types of ``meta_info`` values, one per line."""
+        return protocol_ops.describe(self)
+
+    def __getstate__(self) -> tuple:
+        # Tensors travel as raw numpy buffers (no torch.save, no TensorDict consolidation).
+        batch = self.batch
+        if batch is not None and all(isinstance(v, torch.Tensor) for v in batch.values()):
+            batch = serialize_tensordict(batch)
+        return batch, self.non_tensor_batch, self.meta_info
+
+    def __setstate__(self, state: tuple | dict) -> None:
+        if isinstance(state, dict):  # pickled before __getstate__ existed: the plain attribute dict
+            state = (state.get("batch"), state.get("non_tensor_batch", {}), state.get("meta_info", {}))
+        batch, non_tensor_batch, meta_info = state
+        if isinstance(batch, tuple):
+            batch_size, device, items = batch
+            if device is not None and device.startswith("cuda") and not torch.cuda.is_available():
+                device = "cpu"  # a batch saved on a GPU host still opens on a CPU-only one
+            batch = deserialize_tensordict((batch_size, device, items))
+        self.batch, self.non_tensor_batch, self.meta_info = batch, non_tensor_batch, meta_info
+
+    def save_to_disk(self, filepath: str | os.PathLike) -> None:
+        """Pickle to ``filepath`` (a trusted-file format: ``load_from_disk`` runs pickle)."""
+        with open(filepath, "wb") as f:
+            pickle.dump(self, f)
+
+    @staticmethod
+    def load_from_disk(filepath: str | os.PathLike) -> DataProto:
+        """Load a DataProto written by ``save_to_disk``; only open files you trust (pickle)."""
+        with open(filepath, "rb") as f:
+            data = pickle.load(f)
+        if not isinstance(data, DataProto):
+            raise TypeError(f"load_from_disk: '{filepath}' holds a {type(data).__name__}, not a DataProto")
+        return data
+
 
 def _sorted(keys: set[str] | None) -> list[str] | None:
     return sorted(keys) if keys is not None else None
@@ -476,7 +615,7 @@ def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataPr
     if not isinstance(data, DataProto):
         raise TypeError(f"pad_dataproto_to_divisor expects a DataProto, got {type(data).__name__}")
     if size_divisor <= 0:
-        raise ValueError(f"size_divisor must be positive, got {size_divisor}")
+        raise VerlCompatError(f"size_divisor must be positive, got {size_divisor}")
     length = len(data)
     if length == 0 or length % size_divisor == 0:
         return data, 0
@@ -489,5 +628,5 @@ def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataPr
 def unpad_dataproto(data: DataProto, pad_size: int) -> DataProto:
     """Drop the last ``pad_size`` rows added by ``pad_dataproto_to_divisor``."""
     if not 0 <= pad_size <= len(data):
-        raise ValueError(f"pad_size {pad_size} must be between 0 and the DataProto length {len(data)}")
+        raise VerlCompatError(f"pad_size {pad_size} must be between 0 and the DataProto length {len(data)}")
     return data if pad_size == 0 else data.slice(0, len(data) - pad_size)

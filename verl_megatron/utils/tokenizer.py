@@ -1,14 +1,16 @@
-"""Loading Hugging Face tokenizers with verl's eos/pad corrections."""
+"""Loading Hugging Face tokenizers (with verl's eos/pad corrections) and processors, and reading
+token ids out of whatever a tokenizer call returned."""
 
 from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-__all__ = ["hf_tokenizer", "set_pad_token_id"]
+__all__ = ["hf_processor", "hf_tokenizer", "normalize_token_ids", "set_pad_token_id"]
 
 # gemma-2-2b-it declares <eos> as its eos token, but its chat turns end with <end_of_turn>; a policy
 # that stops on <eos> keeps generating past the turn, which hurts RL. verl switches eos to the turn
@@ -39,6 +41,21 @@ def _looks_like_path(name: str) -> bool:
     return os.path.isabs(name) or name.startswith(("./", "../", "~", ".\\", "..\\")) or name in (".", "..")
 
 
+def _local_name(name_or_path: str | os.PathLike, kwargs: dict[str, Any], what: str) -> str:
+    """The expanded name; a local directory gets ``local_files_only`` so nothing touches the network.
+
+    A name that can only be a path but does not exist, or is a file, raises naming it.
+    """
+    name = os.path.expanduser(os.fspath(name_or_path))
+    if os.path.isdir(name):
+        kwargs.setdefault("local_files_only", True)
+    elif os.path.exists(name):
+        raise NotADirectoryError(f"{what} path '{name}' is a file; pass the directory that holds its files")
+    elif _looks_like_path(name):
+        raise FileNotFoundError(f"{what} directory '{name}' does not exist")
+    return name
+
+
 def hf_tokenizer(
     name_or_path: str | os.PathLike,
     correct_pad_token: bool = True,
@@ -55,17 +72,9 @@ def hf_tokenizer(
     that is a path but does not exist raises FileNotFoundError naming it. Other names are treated as
     hub ids and passed to transformers unchanged. Extra ``kwargs`` go to ``from_pretrained``.
     """
-    name = os.path.expanduser(os.fspath(name_or_path))
-    if os.path.isdir(name):
-        if not any(os.path.exists(os.path.join(name, f)) for f in _TOKENIZER_FILES):
-            raise FileNotFoundError(f"tokenizer directory '{name}' holds none of {list(_TOKENIZER_FILES)}")
-        kwargs.setdefault("local_files_only", True)
-    elif os.path.exists(name):
-        raise NotADirectoryError(
-            f"tokenizer path '{name}' is a file; pass the directory that holds tokenizer files"
-        )
-    elif _looks_like_path(name):
-        raise FileNotFoundError(f"tokenizer directory '{name}' does not exist")
+    name = _local_name(name_or_path, kwargs, "tokenizer")
+    if os.path.isdir(name) and not any(os.path.exists(os.path.join(name, f)) for f in _TOKENIZER_FILES):
+        raise FileNotFoundError(f"tokenizer directory '{name}' holds none of {list(_TOKENIZER_FILES)}")
 
     gemma2 = correct_gemma2 and "gemma-2-2b-it" in name
     if gemma2:
@@ -108,3 +117,64 @@ def _set_gemma2_eos(tokenizer: PreTrainedTokenizerBase, name: str) -> None:
             "gemma-2-2b-it",
             stacklevel=3,
         )
+
+
+def hf_processor(name_or_path: str | os.PathLike, **kwargs: Any) -> Any | None:
+    """The multimodal processor of a model (``AutoProcessor``), or None for a text-only model.
+
+    transformers falls back to the plain tokenizer (or fails for lack of a preprocessor config)
+    when a model has no processor; both mean "text only" and give None, as in verl. Paths are
+    checked like ``hf_tokenizer``'s. Extra ``kwargs`` go to ``from_pretrained``.
+    """
+    from transformers import AutoProcessor
+
+    name = _local_name(name_or_path, kwargs, "processor")
+    try:
+        processor = AutoProcessor.from_pretrained(name, **kwargs)
+    except (OSError, ValueError, KeyError) as err:
+        # A text-only checkpoint has no processor files; a missing checkpoint is reported by
+        # hf_tokenizer / the model loader with a better message than AutoProcessor's.
+        warnings.warn(
+            f"no multimodal processor for '{name}' ({type(err).__name__}); using text only", stacklevel=2
+        )
+        return None
+    if isinstance(processor, PreTrainedTokenizerBase) or "Processor" not in type(processor).__name__:
+        return None
+    return processor
+
+
+def normalize_token_ids(tokenized_output: Any) -> list[int]:
+    """The token ids of one sequence as a flat ``list[int]``.
+
+    Accepts what tokenizers return across transformers 4 and 5: a list/tuple/array/tensor of ids,
+    a mapping or ``BatchEncoding`` with ``input_ids``, or a batch holding exactly one sequence.
+    Anything else (a string, several sequences, non-integer ids) raises TypeError naming it.
+    """
+    ids = tokenized_output
+    if isinstance(ids, Mapping):
+        ids = ids.get("input_ids", ids)
+    elif not isinstance(ids, str | bytes) and hasattr(ids, "input_ids"):
+        ids = ids.input_ids
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    if isinstance(ids, tuple):
+        ids = list(ids)
+    if not isinstance(ids, list):
+        raise TypeError(f"normalize_token_ids: expected token ids, got {type(ids).__name__}: {_preview(ids)}")
+    if len(ids) == 1 and isinstance(ids[0], list | tuple):
+        ids = list(ids[0])  # a batch of one sequence
+    out = []
+    for position, token in enumerate(ids):
+        value = token.item() if hasattr(token, "item") else token
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(
+                f"normalize_token_ids: token {position} is a {type(token).__name__} ({_preview(token)}), "
+                "not an integer id; pass one sequence, not a batch"
+            )
+        out.append(int(value))
+    return out
+
+
+def _preview(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
