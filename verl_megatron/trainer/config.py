@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import sys
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
@@ -35,6 +36,7 @@ from verl_megatron.rollout.config import RolloutConfig
 from verl_megatron.workers.config import ActorConfig, CriticConfig, RefConfig
 
 __all__ = [
+    "AlgoConfig",
     "AlgorithmConfig",
     "ConfigError",
     "CustomRewardFunctionConfig",
@@ -114,6 +116,10 @@ class AlgorithmConfig:
     kl_penalty: str = "kl"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+
+
+# verl's name for the algorithm section's class.
+AlgoConfig = AlgorithmConfig
 
 
 @dataclass
@@ -620,3 +626,8 @@ def validate_config(config: PPOConfig, world_size: int) -> ParallelLayout:
     if config.model.path:
         check_model_fits(layout, config.model.path)
     return layout
+
+
+# verl's module path ``verl.trainer.config.algorithm`` (AlgoConfig lives there in verl);
+# the import system returns a module registered under a child name once the parent is in.
+sys.modules[f"{__name__}.algorithm"] = sys.modules[__name__]
