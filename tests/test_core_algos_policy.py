@@ -280,7 +280,9 @@ def test_registry_lookup_and_custom_registration() -> None:
         "geo_mean",
         "cispo",
     }
-    with pytest.raises(ValueError, match=r"Unsupported loss mode: 'nope'. Supported modes are: \['bypass_mode'"):
+    with pytest.raises(
+        ValueError, match=r"Unsupported loss mode: 'nope'. Supported modes are: \['bypass_mode'"
+    ):
         get_policy_loss_fn("nope")
 
     @register_policy_loss("test_only_zero")

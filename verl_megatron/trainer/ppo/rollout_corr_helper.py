@@ -70,7 +70,9 @@ def _positive(value: float, what: str) -> float:
 def parse_rollout_is_threshold(spec: str | float) -> tuple[float, float | None]:
     """(upper, lower) from a number (TIS: lower None) or a "lower_upper" string (IcePop)."""
     if isinstance(spec, bool):  # bool is an int: True would silently mean 1.0
-        raise TypeError(f"rollout_is_threshold must be a number or a 'lower_upper' string, not a boolean ({spec}).")
+        raise TypeError(
+            f"rollout_is_threshold must be a number or a 'lower_upper' string, not a boolean ({spec})."
+        )
     if not isinstance(spec, (int, float, str)):
         raise TypeError(f"rollout_is_threshold must be a number or a 'lower_upper' string, got {spec!r}.")
     lower: float | None = None
