@@ -89,7 +89,15 @@ def _check_run(result: dict, world: int, critic: bool, lowest_score: float = 0.0
     """What every run must show, whatever its layout."""
     steps = _by_step(result["rows"])
     assert sorted(steps) == [0, 1, 2, 3]
-    assert set(steps[0]) == {"step", "val/test_score/synthetic/reverse"}
+    # the project's name and verl's (one greedy sample per prompt: mean@1)
+    assert set(steps[0]) == {
+        "step",
+        "val/test_score/synthetic/reverse",
+        "val-core/synthetic/reverse/reward/mean@1",
+    }
+    assert steps[0]["val-core/synthetic/reverse/reward/mean@1"] == pytest.approx(
+        steps[0]["val/test_score/synthetic/reverse"]
+    )
     stages = {"gen", "reward", "old_log_prob", "adv", "update_actor", "step"} | (
         {"values", "update_critic"} if critic else set()
     )

@@ -407,14 +407,17 @@ class PPOTrainer:
         ``val/test_score/<data_source>`` = mean score."""
         sources: list[str] = []
         scores: list[float] = []
-        for prompts in self.val_loader.epoch_batches():
+        verl_names = M.VerlValidationMetrics()  # val-core/... and val-aux/..., as verl logs them
+        for index, prompts in enumerate(self.val_loader.epoch_batches()):
+            verl_names.tag_prompts(prompts, index)
             output = self._generate(prompts, validate=True)
-            reward, _ = self._reward(output, self.val_reward_fn)
+            reward, extra = self._reward(output, self.val_reward_fn)
             scores.extend(reward.sum(-1).tolist())
             sources.extend(str(s) for s in output.non_tensor_batch[self.config.data.reward_fn_key])
+            verl_names.add(output, reward, extra, self.config.data.reward_fn_key)
         result = M.validation_metrics(sources, scores)
         self.val_history.append((step, float(np.mean(list(result.values())))))
-        return result
+        return {**result, **verl_names.metrics()}
 
     # ------------------------------------------------------------------ checkpoints
 
