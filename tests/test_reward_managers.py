@@ -257,6 +257,28 @@ def test_dapo_dict_scores_log_their_keys_not_acc(tok):
     assert "acc" not in out["reward_extra_info"]
 
 
+def test_reward_loop_dapo_scores_the_last_sample(tok):
+    import asyncio
+
+    from omegaconf import OmegaConf
+
+    from verl_megatron.experimental.reward_loop.reward_manager.dapo import DAPORewardManager as LoopDAPO
+
+    cfg = {"enable": True, "len": 4, "penalty_factor": 0.5, "log": True}
+    config = OmegaConf.create({"reward": {"reward_kwargs": {"max_resp_len": 10, "overlong_buffer_cfg": cfg}}})
+    manager = LoopDAPO(config, tok, constant_one)
+    out = asyncio.run(manager.run_single(make_batch(tok, LENGTH_ROWS)))
+    # the last row has 10 tokens: exceed 4, penalty -0.5 (as in test_dapo_overlong_penalty_is_exact)
+    assert out == {
+        "reward_score": 0.5,
+        "reward_extra_info": {"acc": 1.0, "overlong_reward": -0.5, "overlong": True},
+    }
+    with pytest.raises(AssertionError, match="max_resp_len must be provided"):
+        LoopDAPO(
+            OmegaConf.create({"reward": {"reward_kwargs": {"overlong_buffer_cfg": cfg}}}), tok, constant_one
+        )
+
+
 def test_precomputed_rm_scores_return_extra_info_from_meta_keys(tok):
     data = make_batch(tok, LENGTH_ROWS[:2])
     data.batch["rm_scores"] = torch.tensor([[0.0] * 9 + [0.25], [0.0] * 9 + [0.75]])
