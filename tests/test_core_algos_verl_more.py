@@ -257,3 +257,32 @@ def test_pf_ppo_weights_and_resampling() -> None:
     assert data.batch["row"].tolist() == [0, 1, 2, 3]  # the input is left alone
     with pytest.raises(ValueError, match="Unsupported reweight_method: 'top'"):
         core_algos.compute_pf_ppo_reweight_data(data, "top")
+
+
+# ---------------------------------------------------------------- trainer config
+
+
+def _config_error(overrides: list[str]) -> str:
+    import os
+
+    from verl_megatron.trainer.config import ConfigError, load_config, validate_config
+
+    path = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "quickstart.yaml"
+    )
+    with pytest.raises(ConfigError) as err:
+        validate_config(load_config(path, overrides), 1)
+    return str(err.value)
+
+
+def test_trainer_config_refuses_what_the_trainer_cannot_feed() -> None:
+    assert "needs the actor's sum of squared token probabilities" in _config_error(
+        ["algorithm.adv_estimator=optimal_token_baseline"]
+    )
+    assert "bypass_mode trains on the rollout's log-probs" in _config_error(
+        ["actor.policy_loss.loss_mode=bypass_mode"]
+    )
+    assert "gdpo needs algorithm.gdpo_reward_keys" in _config_error(["algorithm.adv_estimator=gdpo"])
+    assert "rollout.n must be >= 2, got 1" in _config_error(
+        ["algorithm.adv_estimator=rloo_vectorized", "rollout.n=1"]
+    )

@@ -116,6 +116,10 @@ class AlgorithmConfig:
     kl_penalty: str = "kl"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    gdpo_reward_keys: list[str] | None = None
+    """gdpo: reward_extra_info keys (from compute_score's dict) normalised one by one."""
+    gdpo_reward_weights: list[float] | None = None
+    """gdpo: weight of each of those keys (null: 1 each)."""
 
 
 # verl's name for the algorithm section's class.
@@ -442,7 +446,22 @@ def _check_algorithm(config: PPOConfig) -> None:
             f"algorithm.adv_estimator={algo.adv_estimator!r} is not registered"
             + _suggest(algo.adv_estimator, sorted(core_algos.ADV_ESTIMATOR_REGISTRY))
         )
+    if algo.adv_estimator in ("optimal_token_baseline", "tir_optimal_token_baseline"):
+        raise ConfigError(
+            f"algorithm.adv_estimator={algo.adv_estimator} needs the actor's sum of squared token "
+            "probabilities (sum_pi_squared), which this trainer does not compute; call it from core_algos"
+        )
+    if config.actor.policy_loss.loss_mode == "bypass_mode":
+        raise ConfigError(
+            "actor.policy_loss.loss_mode=bypass_mode trains on the rollout's log-probs, which this trainer "
+            "does not use as old_log_probs; call rollout_corr_helper.apply_bypass_mode in your own loop"
+        )
+    if algo.adv_estimator == "gdpo" and not algo.gdpo_reward_keys:
+        raise ConfigError(
+            "algorithm.adv_estimator=gdpo needs algorithm.gdpo_reward_keys (reward_extra_info keys)"
+        )
     group_estimators = ("grpo", "rloo", "grpo_passk", "opo", "reinforce_plus_plus_baseline", "gpg")
+    group_estimators += ("grpo_vectorized", "rloo_vectorized", "gdpo")
     if algo.adv_estimator in group_estimators and config.rollout.n < 2:
         raise ConfigError(
             f"algorithm.adv_estimator={algo.adv_estimator} compares samples of the same prompt: "

@@ -361,6 +361,8 @@ class PPOTrainer:
             "lam": algo.lam,
             "norm_adv_by_std_in_grpo": algo.norm_adv_by_std_in_grpo,
             "config": algo,
+            "non_tensor_batch": batch.non_tensor_batch,  # gdpo's reward components
+            "batch": tensors,
         }
         estimator = core_algos.get_adv_estimator_fn(algo.adv_estimator)
         wanted = inspect.signature(estimator).parameters
