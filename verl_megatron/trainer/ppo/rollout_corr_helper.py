@@ -98,25 +98,29 @@ def parse_rollout_is_threshold(spec: str | float) -> tuple[float, float | None]:
     return upper, lower
 
 
+def _number(text: str, option: str, spec: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"Invalid numeric threshold '{spec}' for option '{option}'.") from None
+
+
 def _parse_one_rs(option: str, spec: str) -> dict[str, float | None]:
     """k1 options: ratio bounds "lower_upper" (lower defaults to 1/upper); others: one upper."""
-    try:
-        if option.endswith("k1"):
-            low_text, up_text = spec.split("_", 1) if "_" in spec else (None, spec)
-            upper = float(up_text)
-            lower = 1.0 / upper if low_text is None else float(low_text)
-        else:
-            if "_" in spec:
-                raise ValueError(
-                    f"rollout_rs_threshold for option '{option}' must be a single upper bound, got '{spec}'."
-                )
-            upper, lower = float(spec), None
-    except ZeroDivisionError as exc:
-        raise ValueError(f"Thresholds for option '{option}' must be positive, got {spec}.") from exc
-    except ValueError as exc:
-        if "single upper bound" in str(exc):
-            raise
-        raise ValueError(f"Invalid numeric threshold '{spec}' for option '{option}'.") from exc
+    lower: float | None = None
+    if option.endswith("k1"):
+        low_text, up_text = spec.split("_", 1) if "_" in spec else (None, spec)
+        upper = _number(up_text, option, spec)
+        if low_text is not None:
+            lower = _number(low_text, option, spec)
+        elif upper > 0:
+            lower = 1.0 / upper
+    elif "_" in spec:
+        raise ValueError(
+            f"rollout_rs_threshold for option '{option}' must be a single upper bound, got '{spec}'."
+        )
+    else:
+        upper = _number(spec, option, spec)
     if upper <= 0 or (lower is not None and lower <= 0):
         raise ValueError(f"Thresholds for option '{option}' must be positive, got {spec}.")
     if lower is not None and lower > upper:
