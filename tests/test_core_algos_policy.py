@@ -28,6 +28,7 @@ class PolicyLossCfg:
     clip_cov_ub: float = 5.0
     kl_cov_ratio: float = 0.0002
     ppo_kl_coef: float = 1.0
+    dro_beta: float = 0.1
 
 
 @dataclass
@@ -140,13 +141,33 @@ def test_gspo_sequence_ratio_and_token_gradient() -> None:
     log_prob = torch.tensor([[0.05, 0.05], [-0.5, 9.0]], dtype=torch.float64, requires_grad=True)
     adv = torch.tensor([[1.0, 1.0], [-1.0, -1.0]], dtype=torch.float64)
     mask = torch.tensor([[1, 1], [1, 0]])
-    loss, metrics = get_policy_loss_fn("gspo")(old, log_prob, adv, mask, "token-mean", ActorCfg())
-    assert loss.item() == pytest.approx((-math.exp(0.05) + 0.8) / 2)  # seq-mean-token-mean whatever the mode
+    loss, metrics = get_policy_loss_fn("gspo")(old, log_prob, adv, mask, "seq-mean-token-mean", ActorCfg())
+    assert loss.item() == pytest.approx((-math.exp(0.05) + 0.8) / 2)
     assert metrics["actor/pg_clipfrac"] == pytest.approx(1 / 3)
     loss.backward()
     # each token's gradient is its own -A s_i, averaged within the row (1/2) and over rows (1/2)
     expected = torch.tensor([[-math.exp(0.05) / 4, -math.exp(0.05) / 4], [0.0, 0.0]], dtype=torch.float64)
     torch.testing.assert_close(log_prob.grad, expected)
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        # token values -e^0.05, -e^0.05, 0.8 over 3 tokens / summed / per-row means averaged
+        ("token-mean", (-2 * math.exp(0.05) + 0.8) / 3),
+        ("token-sum", -2 * math.exp(0.05) + 0.8),
+        ("seq-mean-token-mean", (-math.exp(0.05) + 0.8) / 2),
+        ("seq-mean-token-sum", (-2 * math.exp(0.05) + 0.8) / 2),
+    ],
+)
+def test_gspo_honours_loss_agg_mode(mode: str, expected: float) -> None:
+    # verl 0.9.1: GSPO aggregates with the requested mode (<= 0.9.0 forced seq-mean-token-mean)
+    old = torch.zeros(2, 2, dtype=torch.float64)
+    log_prob = torch.tensor([[0.05, 0.05], [-0.5, 9.0]], dtype=torch.float64)
+    adv = torch.tensor([[1.0, 1.0], [-1.0, -1.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1], [1, 0]])
+    loss, _ = get_policy_loss_fn("gspo")(old, log_prob, adv, mask, mode, ActorCfg())
+    assert loss.item() == pytest.approx(expected)
 
 
 def test_sapo_gate_value_and_gradient_on_policy() -> None:
@@ -233,7 +254,9 @@ def test_kl_cov_penalises_the_top_covariance_token() -> None:
     assert metrics == pytest.approx({"actor/ppo_kl": 0.6 / 4})
 
 
-@pytest.mark.parametrize("name", sorted(POLICY_LOSS_REGISTRY))
+# bypass_mode computes rollout-correction statistics, which (as in verl) refuse a batch
+# without any valid token: see test_bypass_mode_refuses_empty_mask.
+@pytest.mark.parametrize("name", sorted(set(POLICY_LOSS_REGISTRY) - {"bypass_mode"}))
 def test_every_policy_loss_is_finite_with_zero_grad_on_empty_mask(name: str) -> None:
     old = torch.randn(3, 4, dtype=torch.float64)
     log_prob = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
@@ -257,7 +280,9 @@ def test_registry_lookup_and_custom_registration() -> None:
         "geo_mean",
         "cispo",
     }
-    with pytest.raises(ValueError, match=r"'nope'.*registered: \['cispo'"):
+    with pytest.raises(
+        ValueError, match=r"Unsupported loss mode: 'nope'. Supported modes are: \['bypass_mode'"
+    ):
         get_policy_loss_fn("nope")
 
     @register_policy_loss("test_only_zero")

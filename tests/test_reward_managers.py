@@ -198,12 +198,98 @@ def test_dapo_without_overlong_cfg_is_plain_scoring(tok):
 
 
 def test_dapo_rejects_incomplete_overlong_cfg(tok):
-    with pytest.raises(ValueError, match="max_resp_len must be given"):
-        DAPORewardManager(tok, 0, overlong_buffer_cfg={"enable": True, "len": 4, "penalty_factor": 1.0})
-    with pytest.raises(ValueError, match=r"overlong_buffer_cfg.len must be a positive int, got 0"):
-        DAPORewardManager(tok, 0, max_resp_len=8, overlong_buffer_cfg={"enable": True, "len": 0})
-    with pytest.warns(RuntimeWarning, match="every response length is penalised"):
-        DAPORewardManager(tok, 0, max_resp_len=8, overlong_buffer_cfg={"enable": True, "len": 9})
+    # verl asserts these: the error is an AssertionError as well as a ValueError
+    for error in (ValueError, AssertionError):
+        with pytest.raises(error, match="max_resp_len must be provided"):
+            DAPORewardManager(tok, 0, overlong_buffer_cfg={"enable": True, "len": 4, "penalty_factor": 1.0})
+        with pytest.raises(error, match=r"overlong_buffer_cfg.len must be a positive int, got 0"):
+            DAPORewardManager(tok, 0, max_resp_len=8, overlong_buffer_cfg={"enable": True, "len": 0})
+        with pytest.raises(error, match=r"max_resp_len must be larger than overlong_buffer.len \(8 < 9\)"):
+            DAPORewardManager(tok, 0, max_resp_len=8, overlong_buffer_cfg={"enable": True, "len": 9})
+
+
+class EosTextTokenizer:
+    """Decodes id i to chr(ord('a') + i) and id 9 to an eos string that survives
+    skip_special_tokens (as with tokenizers whose eos is not a special token)."""
+
+    eos_token = "</s>"
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join("</s>" if int(i) == 9 else chr(ord("a") + int(i)) for i in ids)
+
+
+def exact_ab(data_source, solution_str, ground_truth, extra_info=None):
+    return 1.0 if solution_str == ground_truth else 0.0
+
+
+def test_dapo_strips_trailing_eos_and_logs_acc():
+    # responses "ab</s>", "ab", "a</s>b" (eos inside stays), "ba</s>"; ground truth "ab"
+    responses = torch.tensor([[0, 1, 9], [0, 1, 0], [0, 9, 1], [1, 0, 9]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 1, 1]])
+    data = DataProto.from_dict(
+        tensors={
+            "prompts": torch.zeros(4, 1, dtype=torch.long),
+            "responses": responses,
+            "attention_mask": mask,
+        },
+        non_tensors={
+            "data_source": np.array(["src"] * 4, dtype=object),
+            "reward_model": np.array([{"ground_truth": "ab"}] * 4, dtype=object),
+        },
+    )
+    out = DAPORewardManager(EosTextTokenizer(), 0, compute_score=exact_ab)(data, return_dict=True)
+    cells = {(0, 2): 1.0, (1, 1): 1.0, (2, 2): 0.0, (3, 2): 0.0}
+    torch.testing.assert_close(
+        out["reward_tensor"], expected_tensor(cells, 4, response_len=3), rtol=0, atol=0
+    )
+    assert out["reward_extra_info"]["acc"] == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_dapo_dict_scores_log_their_keys_not_acc(tok):
+    def with_pred(data_source, solution_str, ground_truth, extra_info=None):
+        return {"score": 0.5, "pred": solution_str}
+
+    out = DAPORewardManager(tok, 0, compute_score=with_pred)(
+        make_batch(tok, LENGTH_ROWS[:2]), return_dict=True
+    )
+    assert out["reward_extra_info"]["score"] == [0.5, 0.5]
+    assert out["reward_extra_info"]["pred"] == ["aaaaa", "aaaaaa"]
+    assert "acc" not in out["reward_extra_info"]
+
+
+def test_reward_loop_dapo_scores_the_last_sample(tok):
+    import asyncio
+
+    from omegaconf import OmegaConf
+
+    from verl_megatron.experimental.reward_loop.reward_manager.dapo import DAPORewardManager as LoopDAPO
+
+    cfg = {"enable": True, "len": 4, "penalty_factor": 0.5, "log": True}
+    config = OmegaConf.create({"reward": {"reward_kwargs": {"max_resp_len": 10, "overlong_buffer_cfg": cfg}}})
+    manager = LoopDAPO(config, tok, constant_one)
+    out = asyncio.run(manager.run_single(make_batch(tok, LENGTH_ROWS)))
+    # the last row has 10 tokens: exceed 4, penalty -0.5 (as in test_dapo_overlong_penalty_is_exact)
+    assert out == {
+        "reward_score": 0.5,
+        "reward_extra_info": {"acc": 1.0, "overlong_reward": -0.5, "overlong": True},
+    }
+    with pytest.raises(AssertionError, match="max_resp_len must be provided"):
+        LoopDAPO(
+            OmegaConf.create({"reward": {"reward_kwargs": {"overlong_buffer_cfg": cfg}}}), tok, constant_one
+        )
+
+
+def test_precomputed_rm_scores_return_extra_info_from_meta_keys(tok):
+    data = make_batch(tok, LENGTH_ROWS[:2])
+    data.batch["rm_scores"] = torch.tensor([[0.0] * 9 + [0.25], [0.0] * 9 + [0.75]])
+    data.non_tensor_batch["judge"] = np.array(["ok", "bad"], dtype=object)
+    data.meta_info["reward_extra_keys"] = ["judge"]
+    for manager in (NaiveRewardManager(tok, 0), DAPORewardManager(tok, 0)):
+        out = manager(data, return_dict=True)
+        assert out["reward_tensor"] is data.batch["rm_scores"]
+        assert list(out["reward_extra_info"]["judge"]) == ["ok", "bad"]
+    data.meta_info.pop("reward_extra_keys")
+    assert NaiveRewardManager(tok, 0)(data, return_dict=True)["reward_extra_info"] == {}
 
 
 # ---------------------------------------------------------------- batch

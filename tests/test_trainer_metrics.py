@@ -132,3 +132,44 @@ def test_tracking_writes_jsonl_truncates_on_resume_and_plots(tmp_path):
     assert not (tmp_path / "other").exists()
     with pytest.raises(ValueError, match="unknown backend"):
         Tracking("p", "e", ["mlflow"], log_dir)
+
+
+def test_verl_validation_metric_names_and_values():
+    """verl's val-core / val-aux names: per prompt (uid) statistics averaged over prompts."""
+    import numpy as np
+
+    collector = M.VerlValidationMetrics()
+    prompts = DataProto.from_dict(
+        tensors={"x": torch.zeros(2, 1)}, non_tensors={"data_source": np.array(["s", "s"])}
+    )
+    collector.tag_prompts(prompts, 0)
+    assert list(prompts.non_tensor_batch["uid"]) == ["val-0-0", "val-0-1"]
+    # prompt p0: rewards 1, 0 (acc 1, 0; pred A, B); prompt p1: rewards 1, 1 (acc 1, 1; pred A, A)
+    output = DataProto.from_dict(
+        tensors={"responses": torch.zeros(4, 2)},
+        non_tensors={
+            "data_source": np.array(["s"] * 4, dtype=object),
+            "uid": np.array(["p0", "p0", "p1", "p1"]),
+        },
+    )
+    reward = torch.tensor([[0.0, 1.0], [0.0, 0.0], [1.0, 0.0], [0.5, 0.5]])
+    extra = {"acc": [1.0, 0.0, 1.0, 1.0], "pred": ["A", "B", "A", "A"], "reward/error_count": [0, 0, 0, 0]}
+    collector.add(output, reward, extra, "data_source")
+    got = collector.metrics()
+
+    # bootstrap: 1000 draws of 2 out of 2 with replacement, numpy seed 42 (as verl)
+    picks = np.random.RandomState(42).choice(2, size=(1000, 2), replace=True)
+    best_p0 = (picks.min(axis=1) == 0).astype(float)  # a draw holding sample 0 (value 1) has max 1
+    worst_p0 = (picks.max(axis=1) == 0).astype(float)  # only draws of sample 0 twice have min 1
+    assert got["val-core/s/acc/mean@2"] == pytest.approx(0.75)
+    assert got["val-aux/s/acc/std@2"] == pytest.approx(0.25)
+    assert got["val-core/s/acc/best@2/mean"] == pytest.approx((best_p0.mean() + 1.0) / 2)
+    assert got["val-core/s/acc/best@2/std"] == pytest.approx(best_p0.std() / 2)
+    assert got["val-aux/s/acc/worst@2/mean"] == pytest.approx((worst_p0.mean() + 1.0) / 2)
+    # majority vote of p0's draws: (0, 1) / (1, 0) tie -> the first drawn; a draw of one sample twice -> it
+    maj_p0 = (picks[:, 0] == 0).astype(float)
+    assert got["val-core/s/acc/maj@2/mean"] == pytest.approx((maj_p0.mean() + 1.0) / 2)
+    # acc is the headline variable, so reward goes to val-aux; counters and strings are left out
+    assert got["val-aux/s/reward/mean@2"] == pytest.approx(0.75)
+    assert not any("/pred/" in k or "error_count" in k for k in got)
+    assert {k.split("/")[0] for k in got} == {"val-core", "val-aux"}

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import sys
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
@@ -36,6 +37,7 @@ from verl_megatron.trainer.guard import DivergenceGuardConfig
 from verl_megatron.workers.config import ActorConfig, CriticConfig, RefConfig
 
 __all__ = [
+    "AlgoConfig",
     "AlgorithmConfig",
     "ConfigError",
     "CustomRewardFunctionConfig",
@@ -115,6 +117,14 @@ class AlgorithmConfig:
     kl_penalty: str = "kl"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    gdpo_reward_keys: list[str] | None = None
+    """gdpo: reward_extra_info keys (from compute_score's dict) normalised one by one."""
+    gdpo_reward_weights: list[float] | None = None
+    """gdpo: weight of each of those keys (null: 1 each)."""
+
+
+# verl's name for the algorithm section's class.
+AlgoConfig = AlgorithmConfig
 
 
 @dataclass
@@ -445,7 +455,22 @@ def _check_algorithm(config: PPOConfig) -> None:
             f"algorithm.adv_estimator={algo.adv_estimator!r} is not registered"
             + _suggest(algo.adv_estimator, sorted(core_algos.ADV_ESTIMATOR_REGISTRY))
         )
+    if algo.adv_estimator in ("optimal_token_baseline", "tir_optimal_token_baseline"):
+        raise ConfigError(
+            f"algorithm.adv_estimator={algo.adv_estimator} needs the actor's sum of squared token "
+            "probabilities (sum_pi_squared), which this trainer does not compute; call it from core_algos"
+        )
+    if config.actor.policy_loss.loss_mode == "bypass_mode":
+        raise ConfigError(
+            "actor.policy_loss.loss_mode=bypass_mode trains on the rollout's log-probs, which this trainer "
+            "does not use as old_log_probs; call rollout_corr_helper.apply_bypass_mode in your own loop"
+        )
+    if algo.adv_estimator == "gdpo" and not algo.gdpo_reward_keys:
+        raise ConfigError(
+            "algorithm.adv_estimator=gdpo needs algorithm.gdpo_reward_keys (reward_extra_info keys)"
+        )
     group_estimators = ("grpo", "rloo", "grpo_passk", "opo", "reinforce_plus_plus_baseline", "gpg")
+    group_estimators += ("grpo_vectorized", "rloo_vectorized", "gdpo")
     if algo.adv_estimator in group_estimators and config.rollout.n < 2:
         raise ConfigError(
             f"algorithm.adv_estimator={algo.adv_estimator} compares samples of the same prompt: "
@@ -629,3 +654,8 @@ def validate_config(config: PPOConfig, world_size: int) -> ParallelLayout:
     if config.model.path:
         check_model_fits(layout, config.model.path)
     return layout
+
+
+# verl's module path ``verl.trainer.config.algorithm`` (AlgoConfig lives there in verl);
+# the import system returns a module registered under a child name once the parent is in.
+sys.modules[f"{__name__}.algorithm"] = sys.modules[__name__]

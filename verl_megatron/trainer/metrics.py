@@ -18,8 +18,10 @@ import numpy as np
 import torch
 
 from verl_megatron.protocol import DataProto
+from verl_megatron.trainer.ppo.metric_utils import validation_metric_dict
 
 __all__ = [
+    "VerlValidationMetrics",
     "compute_data_metrics",
     "compute_mfu",
     "compute_throughput_metrics",
@@ -226,3 +228,43 @@ def validation_metrics(data_sources: Sequence[str], scores: Sequence[float]) -> 
 def is_finite_metrics(metrics: Mapping[str, Any], keys: Sequence[str]) -> bool:
     """True when every present key in ``keys`` holds a finite number."""
     return all(math.isfinite(float(metrics[k])) for k in keys if k in metrics)
+
+
+class VerlValidationMetrics:
+    """Collects a validation pass for verl's metric names (``val-core/<source>/reward/mean@N``,
+    ``val-aux/...``; see ``trainer.ppo.metric_utils``): the summed reward and every numeric
+    per-sample reward_extra_info column, grouped by prompt (uid) and data source."""
+
+    def __init__(self) -> None:
+        self.sources: list[str] = []
+        self.uids: list[Any] = []
+        self.infos: dict[str, list[Any]] = defaultdict(list)
+
+    @staticmethod
+    def tag_prompts(prompts: DataProto, batch_index: int) -> None:
+        """Give each prompt of a validation batch a uid (kept if it has one): samples of the
+        same prompt form one group."""
+        if "uid" not in prompts.non_tensor_batch:
+            uids = [f"val-{batch_index}-{i}" for i in range(len(prompts))]
+            prompts.non_tensor_batch["uid"] = np.array(uids, dtype=object)
+
+    def add(
+        self, output: DataProto, reward: torch.Tensor, extra: Mapping[str, Sequence[Any]], source_key: str
+    ) -> None:
+        size = len(output)
+        before = len(self.sources)
+        self.sources.extend(str(s) for s in output.non_tensor_batch[source_key])
+        self.uids.extend(output.non_tensor_batch["uid"])
+        self.infos["reward"].extend(reward.sum(-1).tolist())
+        for key, values in extra.items():
+            # the project's namespaced counters (reward/error_count, ...) are not sample values
+            if "/" in key or len(values) != size:
+                continue
+            column = self.infos[key]
+            column.extend([None] * (before - len(column)))  # a key missing in earlier batches
+            column.extend(values.tolist() if isinstance(values, np.ndarray) else list(values))
+
+    def metrics(self) -> dict[str, float]:
+        total = len(self.sources)
+        infos = {key: [*column, *([None] * (total - len(column)))] for key, column in self.infos.items()}
+        return validation_metric_dict(self.sources, self.uids, infos) if total else {}

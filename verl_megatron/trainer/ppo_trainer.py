@@ -371,6 +371,8 @@ class PPOTrainer:
             "lam": algo.lam,
             "norm_adv_by_std_in_grpo": algo.norm_adv_by_std_in_grpo,
             "config": algo,
+            "non_tensor_batch": batch.non_tensor_batch,  # gdpo's reward components
+            "batch": tensors,
         }
         estimator = core_algos.get_adv_estimator_fn(algo.adv_estimator)
         wanted = inspect.signature(estimator).parameters
@@ -418,7 +420,9 @@ class PPOTrainer:
         sources: list[str] = []
         scores: list[float] = []
         failures: dict[str, float] = {}  # val/reward/{timeout,error,invalid}_count over the set
-        for prompts in self.val_loader.epoch_batches():
+        verl_names = M.VerlValidationMetrics()  # val-core/... and val-aux/..., as verl logs them
+        for index, prompts in enumerate(self.val_loader.epoch_batches()):
+            verl_names.tag_prompts(prompts, index)
             output = self._generate(prompts, validate=True)
             reward, extra = self._reward(output, self.val_reward_fn)
             scores.extend(reward.sum(-1).tolist())
@@ -426,9 +430,10 @@ class PPOTrainer:
             for key, values in extra.items():
                 if key.startswith("reward/") and key.endswith("_count"):
                     failures[f"val/{key}"] = failures.get(f"val/{key}", 0.0) + float(np.sum(values))
+            verl_names.add(output, reward, extra, self.config.data.reward_fn_key)
         result = M.validation_metrics(sources, scores)
         self.val_history.append((step, float(np.mean(list(result.values())))))
-        return {**result, **failures}
+        return {**result, **failures, **verl_names.metrics()}
 
     # ------------------------------------------------------------------ checkpoints
 

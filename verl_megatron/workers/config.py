@@ -9,7 +9,9 @@ never rewrites a value.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 from verl_megatron.trainer.ppo.core_algos import KL_PENALTY_NAMES, LOSS_AGG_MODES, POLICY_LOSS_REGISTRY
 
@@ -90,6 +92,10 @@ class PolicyLossConfig:
     """kl_cov: fraction of tokens given the KL penalty."""
     ppo_kl_coef: float = 0.1
     """kl_cov: coefficient of that penalty."""
+    dro_beta: float | None = None
+    """dro: weight of the quadratic log-ratio penalty (> 0; required by loss_mode dro)."""
+    rollout_correction: dict[str, Any] | None = None
+    """bypass_mode: the rollout-correction settings (loss_type, rollout_is, rollout_rs, ...)."""
 
     def __post_init__(self) -> None:
         if self.loss_mode not in POLICY_LOSS_REGISTRY:
@@ -206,8 +212,6 @@ class ActorConfig:
     """Host-memory offload between stages (GPU only)."""
 
     def __post_init__(self) -> None:
-        if self.strategy != "megatron":
-            raise WorkerConfigError(f"actor.strategy must be 'megatron', got {self.strategy!r}")
         if self.ppo_micro_batch_size is not None:
             raise WorkerConfigError(
                 "actor.ppo_micro_batch_size is deprecated (as in verl); set actor.ppo_micro_batch_size_per_gpu"
@@ -232,6 +236,10 @@ class ActorConfig:
 
     def validate(self) -> None:
         """What an actor that will train needs set (checked when the worker is built)."""
+        # Checked here, not at construction: verl code builds ActorConfig(strategy="fsdp")
+        # just to hand its fields to a policy loss.
+        if self.strategy != "megatron":
+            raise WorkerConfigError(f"actor.strategy must be 'megatron', got {self.strategy!r}")
         _require_micro_batch("actor", self.ppo_micro_batch_size_per_gpu, self.use_dynamic_bsz)
 
     @property
@@ -340,3 +348,8 @@ class CriticConfig:
     @property
     def infer_micro_batch_size(self) -> int | None:
         return self.ppo_infer_micro_batch_size_per_gpu or self.ppo_micro_batch_size_per_gpu
+
+
+# verl's module path for these classes (``verl.workers.config.actor``); the import system
+# returns a module registered under a child name once the parent has been imported.
+sys.modules[f"{__name__}.actor"] = sys.modules[__name__]

@@ -2,9 +2,17 @@
 
 - loss aggregation: `agg_loss` (global counts for dp), `megatron_microbatch_loss`
 - policy losses: `compute_policy_loss`, registry `register_policy_loss` / `get_policy_loss_fn`
-  with vanilla, gspo, sapo, gpg, clip_cov, kl_cov, geo_mean, cispo
+  with vanilla, dppo_tv, dppo_kl, gspo, sapo, gpg, clip_cov, kl_cov, geo_mean, dro, cispo,
+  bypass_mode; `compute_policy_loss_reinforce` (bypass mode's REINFORCE)
 - advantage estimators: `AdvantageEstimator`, `register_adv_est` / `get_adv_estimator_fn`
-  with gae, grpo, grpo_passk, rloo, reinforce_plus_plus(_baseline), remax, opo, gpg
+  with gae, grpo, grpo_vectorized, grpo_passk, gdpo, rloo, rloo_vectorized,
+  reinforce_plus_plus(_baseline), remax, opo, gpg, optimal_token_baseline,
+  tir_optimal_token_baseline
+- PF-PPO resampling: `compute_pf_ppo_reweight_data`
+
+The registries are looked up through this module's attributes: rebinding e.g.
+``core_algos.POLICY_LOSS_REGISTRY`` to another dict (as verl's tests do) switches both
+registration and lookup to it.
 - KL: `kl_penalty`, `FixedKLController`, `AdaptiveKLController`, `get_kl_controller`,
   `compute_rewards`, `apply_kl_penalty_to_rewards`
 - value and entropy: `compute_value_loss`, `compute_entropy_loss`, `entropy_from_logits`
@@ -25,10 +33,26 @@ from verl_megatron.trainer.ppo.algos.advantages import (
     get_adv_estimator_fn,
     register_adv_est,
 )
+from verl_megatron.trainer.ppo.algos.advantages_more import (
+    compute_gdpo_outcome_advantage,
+    compute_grpo_vectorized_outcome_advantage,
+    compute_multi_turn_optimal_token_baseline_advantage,
+    compute_optimal_token_baseline_advantage,
+    compute_rloo_vectorized_outcome_advantage,
+)
 from verl_megatron.trainer.ppo.algos.aggregation import LOSS_AGG_MODES, agg_loss, megatron_microbatch_loss
+from verl_megatron.trainer.ppo.algos.bypass_losses import (
+    compute_policy_loss_bypass_mode,
+    compute_policy_loss_reinforce,
+)
 from verl_megatron.trainer.ppo.algos.cov_losses import (
     compute_policy_loss_clip_cov,
     compute_policy_loss_kl_cov,
+)
+from verl_megatron.trainer.ppo.algos.dppo_losses import (
+    compute_policy_loss_dppo_kl,
+    compute_policy_loss_dppo_tv,
+    compute_policy_loss_dro,
 )
 from verl_megatron.trainer.ppo.algos.kl import (
     KL_PENALTY_NAMES,
@@ -41,6 +65,7 @@ from verl_megatron.trainer.ppo.algos.kl import (
     kl_penalty_forward,
 )
 from verl_megatron.trainer.ppo.algos.losses import compute_entropy_loss, compute_value_loss
+from verl_megatron.trainer.ppo.algos.pf_ppo import compute_pf_ppo_reweight_data
 from verl_megatron.trainer.ppo.algos.policy_losses import (
     POLICY_LOSS_REGISTRY,
     PolicyLossFn,
@@ -75,17 +100,27 @@ __all__ = [
     "apply_kl_penalty_to_rewards",
     "compute_entropy_loss",
     "compute_gae_advantage_return",
+    "compute_gdpo_outcome_advantage",
     "compute_gpg_outcome_advantage",
     "compute_grpo_outcome_advantage",
     "compute_grpo_passk_outcome_advantage",
+    "compute_grpo_vectorized_outcome_advantage",
+    "compute_multi_turn_optimal_token_baseline_advantage",
     "compute_opo_outcome_advantage",
+    "compute_optimal_token_baseline_advantage",
+    "compute_pf_ppo_reweight_data",
     "compute_policy_loss",
+    "compute_policy_loss_bypass_mode",
     "compute_policy_loss_cispo",
     "compute_policy_loss_clip_cov",
+    "compute_policy_loss_dppo_kl",
+    "compute_policy_loss_dppo_tv",
+    "compute_policy_loss_dro",
     "compute_policy_loss_geo_mean",
     "compute_policy_loss_gpg",
     "compute_policy_loss_gspo",
     "compute_policy_loss_kl_cov",
+    "compute_policy_loss_reinforce",
     "compute_policy_loss_sapo",
     "compute_policy_loss_vanilla",
     "compute_reinforce_plus_plus_baseline_outcome_advantage",
@@ -93,6 +128,7 @@ __all__ = [
     "compute_remax_outcome_advantage",
     "compute_rewards",
     "compute_rloo_outcome_advantage",
+    "compute_rloo_vectorized_outcome_advantage",
     "compute_value_loss",
     "entropy_from_logits",
     "get_adv_estimator_fn",

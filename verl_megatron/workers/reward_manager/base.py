@@ -165,7 +165,13 @@ class RewardManagerBase:
         if "rm_scores" in data.batch:
             # A model-based reward was computed upstream: pass it through, as verl does.
             rm_scores = data.batch["rm_scores"]
-            return {"reward_tensor": rm_scores, "reward_extra_info": {}} if return_dict else rm_scores
+            if not return_dict:
+                return rm_scores
+            keys = data.meta_info.get("reward_extra_keys", [])
+            return {
+                "reward_tensor": rm_scores,
+                "reward_extra_info": {k: data.non_tensor_batch[k] for k in keys},
+            }
         samples = self._decode(data)
         outcomes = self._score(samples)
         reward_tensor = torch.zeros_like(data.batch["responses"], dtype=torch.float32)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import warnings
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from verl_megatron.trainer.ppo.algos._errors import VerlCheckError
 from verl_megatron.workers.reward_manager.base import RewardManagerBase, Sample
 from verl_megatron.workers.reward_manager.registry import register
-from verl_megatron.workers.reward_manager.scoring import DEFAULT_TIMEOUT_S
+from verl_megatron.workers.reward_manager.scoring import DEFAULT_TIMEOUT_S, ScoreOutcome
 
 
 def _field(cfg: Any, name: str, default: Any = None) -> Any:
@@ -34,6 +35,10 @@ def overlong_penalty(
 @register("dapo")
 class DAPORewardManager(RewardManagerBase):
     """Like NaiveRewardManager, with the overlong penalty added to each score.
+
+    As verl's: the decoded response loses a trailing eos string (a tokenizer whose eos
+    is not a special token keeps it through skip_special_tokens, and scorers would see
+    it), and a scorer returning a plain number has it logged as ``acc``.
 
     ``overlong_buffer_cfg`` has ``enable``, ``len`` (buffer length in tokens),
     ``penalty_factor`` and ``log`` (add ``overlong_reward`` and ``overlong``
@@ -64,21 +69,35 @@ class DAPORewardManager(RewardManagerBase):
         self.buffer_len = _field(overlong_buffer_cfg, "len")
         self.penalty_factor = float(_field(overlong_buffer_cfg, "penalty_factor", 1.0))
         self.log_overlong = bool(_field(overlong_buffer_cfg, "log", False))
+        # VerlCheckError is also an AssertionError: verl asserts these three.
         if max_resp_len is None:
-            raise ValueError(
-                "DAPORewardManager: overlong_buffer_cfg.enable is set, so max_resp_len must be given"
+            raise VerlCheckError(
+                "DAPORewardManager: max_resp_len must be provided when overlong_buffer_cfg.enable is set, got None"
             )
         if not isinstance(self.buffer_len, int) or self.buffer_len <= 0:
-            raise ValueError(
+            raise VerlCheckError(
                 f"DAPORewardManager: overlong_buffer_cfg.len must be a positive int, got {self.buffer_len!r}"
             )
         if self.buffer_len > max_resp_len:
-            warnings.warn(
-                f"DAPORewardManager: overlong_buffer_cfg.len ({self.buffer_len}) > max_resp_len ({max_resp_len}): "
-                "every response length is penalised",
-                RuntimeWarning,
-                stacklevel=2,
+            raise VerlCheckError(
+                f"DAPORewardManager: max_resp_len must be larger than overlong_buffer.len "
+                f"({max_resp_len} < {self.buffer_len}): every response would be penalised"
             )
+
+    def _decode_many(self, id_lists: list[list[int]]) -> list[str]:
+        texts = super()._decode_many(id_lists)
+        eos = getattr(self.tokenizer, "eos_token", None)
+        if not eos:
+            return texts
+        return [text[: -len(eos)] if text.endswith(eos) else text for text in texts]
+
+    def _score(self, samples: list[Sample]) -> list[ScoreOutcome]:
+        outcomes = super()._score(samples)
+        # A plain-number score is logged as "acc"; a dict score logs its own keys.
+        return [
+            outcome if outcome.info is not None else dataclasses.replace(outcome, info={"acc": outcome.score})
+            for outcome in outcomes
+        ]
 
     def _adjust(self, sample: Sample, score: float) -> tuple[float, dict[str, Any]]:
         if not self.overlong_enabled:

@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from verl_megatron.trainer.ppo.algos._errors import VerlCheckError
+from verl_megatron.trainer.ppo.algos.policy_losses import core_registry
 from verl_megatron.utils.torch_functional import masked_whiten
 
 __all__ = [
@@ -48,6 +50,11 @@ class AdvantageEstimator(str, Enum):
     OPO = "opo"
     GRPO_PASSK = "grpo_passk"
     GPG = "gpg"
+    RLOO_VECTORIZED = "rloo_vectorized"
+    GRPO_VECTORIZED = "grpo_vectorized"
+    OPTIMAL_TOKEN_BASELINE = "optimal_token_baseline"
+    TIR_OPTIMAL_TOKEN_BASELINE = "tir_optimal_token_baseline"
+    GDPO = "gdpo"
 
 
 ADV_ESTIMATOR_REGISTRY: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -62,11 +69,10 @@ def register_adv_est(name_or_enum: str | AdvantageEstimator) -> Callable[[Callab
 
     def decorator(fn: Callable) -> Callable:
         name = _name(name_or_enum)
-        if ADV_ESTIMATOR_REGISTRY.get(name, fn) is not fn:
-            raise ValueError(
-                f"advantage estimator {name!r} is already registered as {ADV_ESTIMATOR_REGISTRY[name]}"
-            )
-        ADV_ESTIMATOR_REGISTRY[name] = fn
+        registry = core_registry("ADV_ESTIMATOR_REGISTRY", ADV_ESTIMATOR_REGISTRY)
+        if registry.get(name, fn) is not fn:
+            raise ValueError(f"advantage estimator {name!r} is already registered as {registry[name]}")
+        registry[name] = fn
         return fn
 
     return decorator
@@ -77,11 +83,11 @@ def get_adv_estimator_fn(
 ) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """The estimator registered under a name; ValueError listing the known names otherwise."""
     name = _name(name_or_enum)
-    if name not in ADV_ESTIMATOR_REGISTRY:
-        raise ValueError(
-            f"Unknown advantage estimator {name!r}; registered: {sorted(ADV_ESTIMATOR_REGISTRY)}"
-        )
-    return ADV_ESTIMATOR_REGISTRY[name]
+    registry = core_registry("ADV_ESTIMATOR_REGISTRY", ADV_ESTIMATOR_REGISTRY)
+    if name not in registry:
+        # verl's wording starts the message; code and tests match on it.
+        raise ValueError(f"Unknown advantage estimator simply: {name}; registered: {sorted(registry)}")
+    return registry[name]
 
 
 def _config_get(config: Any, name: str, default: Any) -> Any:
@@ -323,20 +329,27 @@ def compute_reinforce_plus_plus_outcome_advantage(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (arXiv:2501.03262): discounted return-to-go with `config.gamma`,
-    restarted after each masked position, whitened over the batch's unmasked tokens."""
+    whitened over the batch's unmasked tokens.
+
+    The discount runs over unmasked tokens only: a masked span inside a response (a
+    tool observation of a multi-turn episode) is skipped, carrying the running return
+    through unchanged, so earlier turns get credit for a later reward. Returns are 0
+    on masked tokens. E.g. rewards [0, 0, 0, 0, 2], mask [1, 1, 0, 0, 1], gamma 0.5
+    give returns [0.5, 1, 0, 0, 2].
+    """
     _check_rewards("compute_reinforce_plus_plus_outcome_advantage", token_level_rewards, response_mask)
     gamma = _config_get(config, "gamma", None)
     if gamma is None:
-        raise ValueError(
+        raise VerlCheckError(
             "compute_reinforce_plus_plus_outcome_advantage: needs config.gamma (algorithm config)"
         )
     mask = response_mask.to(token_level_rewards.dtype)
     returns = torch.zeros_like(token_level_rewards)
     running = torch.zeros_like(token_level_rewards[:, 0])
     for t in reversed(range(token_level_rewards.shape[1])):
-        running = token_level_rewards[:, t] + gamma * running
-        returns[:, t] = running
-        running = running * mask[:, t]
+        candidate = token_level_rewards[:, t] + gamma * running
+        returns[:, t] = candidate * mask[:, t]
+        running = candidate * mask[:, t] + running * (1 - mask[:, t])
     advantages = masked_whiten(returns, mask) * mask
     return advantages, returns
 

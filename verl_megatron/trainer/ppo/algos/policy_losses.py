@@ -18,6 +18,7 @@ in verl 0.9, else none (single-rank normalisation).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -52,11 +53,22 @@ _GSPO_MAX_LOG_RATIO = 10.0
 _GLOBAL_BATCH_KEYS = ("dp_size", "batch_num_tokens", "global_batch_size", "loss_scale_factor")
 
 
+def core_registry(name: str, default: dict) -> dict:
+    """The registry `name` as `core_algos` holds it now, else `default`.
+
+    verl's users (and verl's tests) rebind e.g. ``core_algos.POLICY_LOSS_REGISTRY`` to
+    a new dict; registering and looking up through the module attribute makes the
+    rebound dict the one in use. While core_algos is still importing, `default` is it.
+    """
+    core = sys.modules.get("verl_megatron.trainer.ppo.core_algos")
+    return getattr(core, name, default) if core is not None else default
+
+
 def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator registering a policy loss under `name` (a later registration replaces it)."""
 
     def decorator(fn: PolicyLossFn) -> PolicyLossFn:
-        POLICY_LOSS_REGISTRY[name] = fn
+        core_registry("POLICY_LOSS_REGISTRY", POLICY_LOSS_REGISTRY)[name] = fn
         return fn
 
     return decorator
@@ -64,9 +76,10 @@ def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
 
 def get_policy_loss_fn(name: str) -> PolicyLossFn:
     """The policy loss registered under `name`; ValueError listing the known names otherwise."""
-    if name not in POLICY_LOSS_REGISTRY:
-        raise ValueError(f"Unsupported policy loss mode {name!r}; registered: {sorted(POLICY_LOSS_REGISTRY)}")
-    return POLICY_LOSS_REGISTRY[name]
+    registry = core_registry("POLICY_LOSS_REGISTRY", POLICY_LOSS_REGISTRY)
+    if name not in registry:
+        raise ValueError(f"Unsupported loss mode: {name!r}. Supported modes are: {sorted(registry)}")
+    return registry[name]
 
 
 def cfg_value(config: Any, name: str, default: Any) -> Any:
@@ -237,8 +250,8 @@ def compute_policy_loss_gspo(
 
     s_i = exp(mean_t (log_prob - old_log_prob)) per sequence; each token uses
     sg[s_i] * pi / sg[pi], so its value is s_i and its gradient is that of its own
-    log-prob. Always aggregated with seq-mean-token-mean (the `loss_agg_mode`
-    argument is ignored, as in verl).
+    log-prob. Aggregated with `loss_agg_mode` as in verl 0.9.1 (the paper uses
+    seq-mean-token-mean, the default here; verl <= 0.9.0 always used it).
     """
     check_inputs("gspo", old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
     low, high = clip_ratios(config)
@@ -252,7 +265,7 @@ def compute_policy_loss_gspo(
     clipped = -advantages * torch.clamp(seq_ratio, 1 - low, 1 + high)
     pg_losses = _weighted(torch.maximum(unclipped, clipped), rollout_is_weights)
     pg_loss = agg_loss(
-        pg_losses, response_mask, "seq-mean-token-mean", **global_batch_kwargs(config, global_batch_info)
+        pg_losses, response_mask, loss_agg_mode, **global_batch_kwargs(config, global_batch_info)
     )
     pg_clipfrac = masked_mean(torch.gt(clipped, unclipped).to(log_prob.dtype), response_mask)
     ppo_kl = masked_mean(-log_ratio, response_mask)

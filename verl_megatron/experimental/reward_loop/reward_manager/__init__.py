@@ -1,0 +1,1 @@
+"""Per-sample (async) reward managers of verl's reward loop."""

@@ -1,0 +1,59 @@
+"""DAPO reward manager with the interface of verl's reward loop: built from the whole
+config (``reward.reward_kwargs.{max_resp_len, overlong_buffer_cfg}``), scoring one
+sample per awaited ``run_single`` call. The scoring itself (eos strip, acc, overlong
+penalty, the checks) is `workers.reward_manager.dapo.DAPORewardManager`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from verl_megatron.protocol import DataProto
+from verl_megatron.workers.reward_manager.dapo import DAPORewardManager as _BatchDAPO
+
+__all__ = ["DAPORewardManager"]
+
+
+def _reward_kwargs(config: Any) -> Any:
+    reward = config.get("reward", {}) if hasattr(config, "get") else getattr(config, "reward", {})
+    return reward.get("reward_kwargs", {}) if hasattr(reward, "get") else getattr(reward, "reward_kwargs", {})
+
+
+class DAPORewardManager:
+    """verl reward-loop DAPO manager: ``await run_single(data)`` -> {"reward_score",
+    "reward_extra_info"} for the last sample of `data` (a DataProto)."""
+
+    def __init__(
+        self,
+        config: Any,
+        tokenizer: Any,
+        compute_score: Callable[..., Any] | None,
+        reward_router_address: str | None = None,
+        reward_model_tokenizer: Any = None,
+    ) -> None:
+        if reward_router_address is not None:
+            raise ValueError(
+                "DAPORewardManager: a reward model router (reward_router_address) is not supported"
+            )
+        kwargs = _reward_kwargs(config)
+        self.config = config
+        self.tokenizer = tokenizer
+        self.max_resp_len = kwargs.get("max_resp_len", None)
+        self.overlong_buffer_cfg = kwargs.get("overlong_buffer_cfg", None)
+        self._manager = _BatchDAPO(
+            tokenizer,
+            num_examine=0,
+            compute_score=compute_score,
+            max_resp_len=self.max_resp_len,
+            overlong_buffer_cfg=self.overlong_buffer_cfg,
+        )
+
+    async def run_single(self, data: DataProto) -> dict[str, Any]:
+        """Score the last sample of `data` in a worker thread (scorers may block)."""
+        last = data[len(data) - 1 : len(data)]
+        out = await asyncio.to_thread(self._manager, last, True)
+        reward = out["reward_tensor"].sum().item()
+        extra = {key: values[0] for key, values in out["reward_extra_info"].items() if "/" not in key}
+        return {"reward_score": reward, "reward_extra_info": extra}
