@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from verl_megatron.trainer.ppo.algos._errors import VerlCheckError
+from verl_megatron.utils.errors import VerlCompatError
 from verl_megatron.workers.reward_manager.base import RewardManagerBase, Sample
 from verl_megatron.workers.reward_manager.registry import register
 from verl_megatron.workers.reward_manager.scoring import DEFAULT_TIMEOUT_S, ScoreOutcome
@@ -69,17 +69,17 @@ class DAPORewardManager(RewardManagerBase):
         self.buffer_len = _field(overlong_buffer_cfg, "len")
         self.penalty_factor = float(_field(overlong_buffer_cfg, "penalty_factor", 1.0))
         self.log_overlong = bool(_field(overlong_buffer_cfg, "log", False))
-        # VerlCheckError is also an AssertionError: verl asserts these three.
+        # VerlCompatError is also an AssertionError: verl asserts these three.
         if max_resp_len is None:
-            raise VerlCheckError(
+            raise VerlCompatError(
                 "DAPORewardManager: max_resp_len must be provided when overlong_buffer_cfg.enable is set, got None"
             )
         if not isinstance(self.buffer_len, int) or self.buffer_len <= 0:
-            raise VerlCheckError(
+            raise VerlCompatError(
                 f"DAPORewardManager: overlong_buffer_cfg.len must be a positive int, got {self.buffer_len!r}"
             )
         if self.buffer_len > max_resp_len:
-            raise VerlCheckError(
+            raise VerlCompatError(
                 f"DAPORewardManager: max_resp_len must be larger than overlong_buffer.len "
                 f"({max_resp_len} < {self.buffer_len}): every response would be penalised"
             )

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from verl_megatron.trainer.ppo.algos._errors import VerlCheckError
+from verl_megatron.utils.errors import VerlCompatError
 from verl_megatron.trainer.ppo.algos.policy_losses import core_registry
 from verl_megatron.utils.torch_functional import masked_whiten
 
@@ -340,7 +340,7 @@ def compute_reinforce_plus_plus_outcome_advantage(
     _check_rewards("compute_reinforce_plus_plus_outcome_advantage", token_level_rewards, response_mask)
     gamma = _config_get(config, "gamma", None)
     if gamma is None:
-        raise VerlCheckError(
+        raise VerlCompatError(
             "compute_reinforce_plus_plus_outcome_advantage: needs config.gamma (algorithm config)"
         )
     mask = response_mask.to(token_level_rewards.dtype)

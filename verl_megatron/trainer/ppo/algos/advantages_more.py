@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from verl_megatron.trainer.ppo.algos._errors import VerlCheckError
+from verl_megatron.utils.errors import VerlCompatError
 from verl_megatron.trainer.ppo.algos.advantages import (
     AdvantageEstimator,
     _config_get,
@@ -78,7 +78,7 @@ def _gdpo_components(config: Any, non_tensor_batch: Any, batch: Any, response_ma
     response's last valid token (found from batch's prompts and attention_mask)."""
     keys = _config_get(config, "gdpo_reward_keys", None)
     if not keys:
-        raise VerlCheckError(
+        raise VerlCompatError(
             "GDPO needs algorithm.gdpo_reward_keys: the reward component keys compute_score returns "
             "(e.g. ['format_reward', 'accuracy_reward'])"
         )
@@ -88,7 +88,7 @@ def _gdpo_components(config: Any, non_tensor_batch: Any, batch: Any, response_ma
     components = []
     for key in keys:
         if key not in non_tensor_batch:
-            raise VerlCheckError(
+            raise VerlCompatError(
                 f"GDPO reward key {key!r} is not in non_tensor_batch (has {sorted(non_tensor_batch)}); "
                 "compute_score must return a dict with it"
             )
@@ -126,7 +126,7 @@ def compute_gdpo_outcome_advantage(
     if weights is None:
         weights = [1.0] * len(components)
     if len(weights) != len(components):
-        raise VerlCheckError(
+        raise VerlCompatError(
             f"GDPO: {len(weights)} gdpo_reward_weights for {len(components)} gdpo_reward_keys"
         )
     total = torch.zeros_like(response_mask, dtype=torch.float32)
