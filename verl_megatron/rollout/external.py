@@ -3,8 +3,11 @@
 Each rank drives its own engine on its own GPU, next to the trainer. One training step uses
 the engine as::
 
-    engine.wake_up()          # take GPU memory back (weights, KV cache)
-    engine.sync_weights()     # actor weights -> engine, in buckets (see weight_sync.py)
+    engine.wake_up_weights()  # take back the weights' GPU memory only
+    engine.sync_weights()     # actor weights -> engine, in buckets (see weight_sync.py);
+                              # then the prefix cache is reset (it holds old-weight keys/values)
+    # (the trainer parks the actor's parameters here, before the KV cache is allocated)
+    engine.wake_up()          # the KV cache
     out = engine.generate_sequences(prompts)
     engine.sleep()            # give the memory to training (when rollout.free_cache_engine)
 
@@ -106,12 +109,16 @@ class EngineBackend(abc.ABC):
         """Load a bucket of (Hugging Face name, full tensor) into the engine's model."""
 
     @abc.abstractmethod
+    def reset_cache(self) -> None:
+        """Forget cached prompt prefixes (their keys/values were computed with the old weights)."""
+
+    @abc.abstractmethod
     def sleep(self) -> None:
         """Release the engine's GPU memory (KV cache; weights offloaded or dropped)."""
 
     @abc.abstractmethod
-    def wake_up(self) -> None:
-        """Re-allocate what :meth:`sleep` released."""
+    def wake_up(self, tags: tuple[str, ...] | None = None) -> None:
+        """Re-allocate what :meth:`sleep` released: ``("weights",)`` or ``("kv_cache",)`` alone, or all."""
 
 
 class ExternalRollout(RolloutEngine):
@@ -139,7 +146,7 @@ class ExternalRollout(RolloutEngine):
         self.hf_config = hf_config
         self.backend = backend
         self.seed = config.seed if config.seed is not None else runtime.seed
-        self.awake = True
+        self.awake = self.weights_awake = True
         self.last_sync: SyncStats | None = None
         self._calls = 0
 
@@ -175,6 +182,8 @@ class ExternalRollout(RolloutEngine):
 
     def sync_weights(self) -> None:
         """Stream the actor's weights (gathered over tp/pp; collective) into the engine."""
+        if not self.weights_awake:
+            raise RuntimeError("sync_weights: the engine's weights are asleep; call wake_up_weights() first")
         from verl_megatron.models.convert import iter_hf_weights
 
         self.last_sync = stream_weights(
@@ -184,16 +193,22 @@ class ExternalRollout(RolloutEngine):
             name_map=self.config.layer_name_map,
             dtype=engine_dtype(self.config),
         )
+        self.backend.reset_cache()
 
     def sleep(self) -> None:
         if self.config.free_cache_engine and self.awake:
             self.backend.sleep()
-            self.awake = False
+            self.awake = self.weights_awake = False
+
+    def wake_up_weights(self) -> None:
+        if not self.weights_awake:
+            self.backend.wake_up(("weights",))
+            self.weights_awake = True
 
     def wake_up(self) -> None:
         if not self.awake:
-            self.backend.wake_up()
-            self.awake = True
+            self.backend.wake_up(("kv_cache",) if self.weights_awake else None)
+            self.awake = self.weights_awake = True
 
 
 def _flatten(completions: list[list[Completion]], num_prompts: int, n: int) -> list[Completion]:

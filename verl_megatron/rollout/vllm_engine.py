@@ -17,6 +17,7 @@ plain functions, unit-tested on CPU; ``VLLMBackend`` is the thin part that calls
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -36,11 +37,32 @@ __all__ = [
     "VLLMBackend",
     "VLLMRollout",
     "completions_from_vllm",
+    "disable_engine_multiprocessing",
     "vllm_engine_kwargs",
     "vllm_sampling_kwargs",
 ]
 
 _SLEEP_LEVEL = 1
+# vLLM's engine core runs in a child process unless this is "0"; with
+# distributed_executor_backend="external_launcher" it must run in this process (vLLM asserts it).
+_MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+def disable_engine_multiprocessing(environ: dict[str, str] | None = None) -> None:
+    """Keep vLLM's engine core in the trainer's process (call before ``vllm.LLM`` is built).
+
+    Raises RolloutConfigError when the user explicitly asked for multiprocessing, which the
+    external launcher cannot run with.
+    """
+    environ = os.environ if environ is None else environ
+    value = environ.get(_MULTIPROCESSING_ENV)
+    if value is not None and value.strip() not in ("0", "false", "False"):
+        raise RolloutConfigError(
+            f"{_MULTIPROCESSING_ENV}={value!r} is set, but the colocated vLLM engine "
+            "(distributed_executor_backend='external_launcher') runs in the trainer's process: "
+            f"unset it or set it to 0"
+        )
+    environ[_MULTIPROCESSING_ENV] = "0"
 
 
 def vllm_engine_kwargs(config: RolloutConfig, hf_config: Any, runtime: Runtime) -> dict[str, Any]:
@@ -114,6 +136,7 @@ class VLLMBackend(EngineBackend):
     """Calls an in-process ``vllm.LLM`` (built from :func:`vllm_engine_kwargs`)."""
 
     def __init__(self, config: RolloutConfig, hf_config: Any, runtime: Runtime) -> None:
+        disable_engine_multiprocessing()
         from vllm import LLM
 
         self.llm = LLM(**vllm_engine_kwargs(config, hf_config, runtime))
@@ -133,11 +156,15 @@ class VLLMBackend(EngineBackend):
         # Runs in this process (external_launcher): the bucket is not copied between processes.
         self.llm.apply_model(lambda model: model.load_weights(weights=bucket))
 
+    def reset_cache(self) -> None:
+        # Prefix-cache blocks hold keys/values computed with the previous weights.
+        self.llm.reset_prefix_cache()
+
     def sleep(self) -> None:
         self.llm.sleep(level=_SLEEP_LEVEL)
 
-    def wake_up(self) -> None:
-        self.llm.wake_up()
+    def wake_up(self, tags: tuple[str, ...] | None = None) -> None:
+        self.llm.wake_up(tags=None if tags is None else list(tags))
 
 
 class VLLMRollout(ExternalRollout):

@@ -1,0 +1,154 @@
+"""The vLLM / SGLang adapters against fakes of the engines' Python APIs.
+
+vLLM and SGLang need a GPU; the fakes stand in for them and check the calls each real API
+requires (names and arguments checked against vLLM's ``vllm/entrypoints/llm.py`` and
+SGLang's ``python/sglang/srt/entrypoints/engine.py``):
+
+- vLLM's external launcher runs the engine core in the calling process: vLLM asserts
+  ``VLLM_ENABLE_V1_MULTIPROCESSING`` is off when ``distributed_executor_backend ==
+  "external_launcher"``;
+- ``LLM.wake_up(tags)`` takes ``"weights"`` / ``"kv_cache"``; ``LLM.reset_prefix_cache()``;
+- SGLang's ``Engine.update_weights_from_tensor(named_tensors, load_format=None, flush_cache=True)``,
+  ``Engine.flush_cache()``, ``Engine.resume_memory_occupation(tags=None)``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from verl_megatron.rollout import RolloutConfig, RolloutConfigError
+from verl_megatron.rollout.sglang_engine import SGLangBackend, SGLangRollout
+from verl_megatron.rollout.vllm_engine import VLLMBackend, VLLMRollout, disable_engine_multiprocessing
+
+_TAGS = {"weights", "kv_cache"}
+
+
+class FakeLLM:
+    """``vllm.LLM`` with the checks the real one makes; ``log`` records the calls in order."""
+
+    def __init__(self, model: str, **kwargs) -> None:
+        if kwargs.get("distributed_executor_backend") == "external_launcher":
+            # vLLM: the external launcher cannot hand its engine core to a child process.
+            assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0", "V1 multiprocessing is on"
+        self.kwargs = kwargs
+        self.log: list[tuple] = []
+        self.model = SimpleNamespace(load_weights=lambda weights: self.log.append(("load", len(weights))))
+
+    def apply_model(self, func):
+        return func(self.model)
+
+    def reset_prefix_cache(self, device=None) -> bool:
+        self.log.append(("reset_prefix_cache",))
+        return True
+
+    def sleep(self, level: int = 1) -> None:
+        self.log.append(("sleep", level))
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        assert tags is None or (isinstance(tags, list) and set(tags) <= _TAGS), tags
+        self.log.append(("wake_up", tags))
+
+
+class FakeEngine:
+    """``sglang.Engine`` (offline) recording the calls."""
+
+    def __init__(self, **kwargs) -> None:
+        self.kwargs = kwargs
+        self.log: list[tuple] = []
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        self.log.append(("update_weights_from_tensor", len(named_tensors), flush_cache))
+
+    def flush_cache(self):
+        self.log.append(("flush_cache",))
+
+    def release_memory_occupation(self, tags=None):
+        self.log.append(("release_memory_occupation", tags))
+
+    def resume_memory_occupation(self, tags=None):
+        assert tags is None or (isinstance(tags, list) and set(tags) <= _TAGS), tags
+        self.log.append(("resume_memory_occupation", tags))
+
+
+@pytest.fixture
+def fake_engines(monkeypatch):
+    vllm = types.ModuleType("vllm")
+    vllm.LLM = FakeLLM
+    sglang = types.ModuleType("sglang")
+    sglang.Engine = FakeEngine
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "sglang", sglang)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+
+    def weights(chunks, runtime, hf_config):
+        yield from [("a.weight", torch.ones(4)), ("b.weight", torch.ones(4))]
+
+    import verl_megatron.models.convert as convert
+
+    monkeypatch.setattr(convert, "iter_hf_weights", weights)
+
+
+RUNTIME = SimpleNamespace(world_size=2, seed=1, dp_rank=0, local_rank=0, rank=0)
+HF = SimpleNamespace(_name_or_path="/models/tiny")
+
+
+def test_vllm_engine_is_built_with_multiprocessing_off(fake_engines):
+    backend = VLLMBackend(RolloutConfig(name="vllm", tensor_model_parallel_size=2), HF, RUNTIME)
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert backend.llm.kwargs["distributed_executor_backend"] == "external_launcher"
+
+
+def test_explicit_vllm_multiprocessing_is_a_clear_error():
+    with pytest.raises(RolloutConfigError, match=r"VLLM_ENABLE_V1_MULTIPROCESSING='1'.*set it to 0"):
+        disable_engine_multiprocessing({"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    disable_engine_multiprocessing(env)
+    assert env == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def _cycle(rollout) -> None:
+    """One training step's engine calls, as the trainer makes them."""
+    rollout.sleep()
+    rollout.wake_up_weights()
+    rollout.sync_weights()
+    rollout.wake_up()
+
+
+def test_vllm_weight_sync_resets_the_prefix_cache_and_wakes_weights_first(fake_engines):
+    config = RolloutConfig(name="vllm", tensor_model_parallel_size=2, update_weights_bucket_megabytes=1)
+    rollout = VLLMRollout(config, RUNTIME, [], None, HF)
+    _cycle(rollout)
+    assert rollout.backend.llm.log == [
+        ("sleep", 1),
+        ("wake_up", ["weights"]),
+        ("load", 2),
+        ("reset_prefix_cache",),
+        ("wake_up", ["kv_cache"]),
+    ]
+    # Without a weights-only wake-up the engine is woken whole.
+    rollout.sleep()
+    rollout.wake_up()
+    assert rollout.backend.llm.log[-1] == ("wake_up", None)
+    rollout.sleep()
+    with pytest.raises(RuntimeError, match="wake_up_weights"):
+        rollout.sync_weights()
+
+
+def test_sglang_weight_sync_flushes_the_cache_once(fake_engines):
+    config = RolloutConfig(name="sglang", tensor_model_parallel_size=1, update_weights_bucket_megabytes=1)
+    rollout = SGLangRollout(config, RUNTIME, [], None, HF)
+    assert isinstance(rollout.backend, SGLangBackend)
+    _cycle(rollout)
+    assert rollout.backend.engine.log == [
+        ("release_memory_occupation", None),
+        ("resume_memory_occupation", ["weights"]),
+        ("update_weights_from_tensor", 2, False),
+        ("flush_cache",),
+        ("resume_memory_occupation", ["kv_cache"]),
+    ]
