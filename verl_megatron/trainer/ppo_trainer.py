@@ -2,8 +2,8 @@
 
 Every process runs this same loop on the same global batch; the workers split
 rows over data-parallel ranks themselves and return whole results, and the
-rollout engine receives each data-parallel rank's share of the prompts (the
-trainer gathers the responses back). Rank 0 alone computes rewards (then
+rollout engine receives each rollout replica's share of the prompts
+(``rollout/layout.py``; the trainer gathers the responses back). Rank 0 alone computes rewards (then
 broadcasts them, so a slow or random scorer cannot split the ranks) and logs.
 
 One step, top to bottom (``train_step``)::
@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
+from verl_megatron.rollout.layout import gather_replicas, shard_for
 from verl_megatron.trainer import metrics as M
 from verl_megatron.trainer.components import Components, total_training_steps
 from verl_megatron.trainer.config import PPOConfig, to_dict
@@ -221,19 +222,19 @@ class PPOTrainer:
         )
         if greedy:
             prompts.meta_info["do_sample"] = False
-        dp = self.runtime.layout.dp
-        padded, pad = pad_dataproto_to_divisor(prompts, dp)
+        # Split by the rollout's replicas (rollout/layout.py), not by the training dp rank.
+        shard = shard_for(rollout_cfg.name, rollout_cfg.tensor_model_parallel_size, self.runtime)
+        padded, pad = pad_dataproto_to_divisor(prompts, shard.replicas)
+        local = padded.chunk(shard.replicas)[shard.replica]
+        local.meta_info["prompt_offset"] = shard.replica * len(local)
         with self._rollout_phase():
-            output = self.rollout.generate_sequences(padded.chunk(dp)[self.runtime.dp_rank]).to("cpu")
-        if dp > 1:
-            parts: list[Any] = [None] * dp
-            dist.all_gather_object(parts, output, group=self.runtime.dp_group())
-            output = DataProto.concat(parts)
+            output = self.rollout.generate_sequences(local).to("cpu")
+        output = DataProto.concat(gather_replicas(output, shard, self.runtime.world_size))
         samples_per_prompt = len(output) // len(padded)
         output = unpad_dataproto(output, pad * samples_per_prompt)
         # The actor's log-probs must be those of the distribution the rollout sampled from.
         output.meta_info["temperature"] = rollout_cfg.temperature if rollout_cfg.temperature > 0 else 1.0
-        for key in ("validate", "do_sample"):
+        for key in ("validate", "do_sample", "prompt_offset"):
             output.meta_info.pop(key, None)
         return output
 
