@@ -152,3 +152,31 @@ def test_sglang_weight_sync_flushes_the_cache_once(fake_engines):
         ("flush_cache",),
         ("resume_memory_occupation", ["kv_cache"]),
     ]
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang", "native"])
+def test_external_engine_is_built_and_asleep_before_any_training_state(engine):
+    from verl_megatron.trainer.components import build_colocated
+
+    log: list[str] = []
+
+    class Engine:
+        def __init__(self, chunks):
+            log.append(f"build_engine:{chunks}")
+
+        def sleep(self):
+            log.append("engine_sleep")
+
+        def bind_actor(self, chunks):
+            log.append(f"bind:{chunks}")
+
+    def build_training():
+        log.append("build_training")
+        return SimpleNamespace(chunks="actor"), None, None
+
+    (actor, _, _), rollout = build_colocated(engine, build_training, Engine)
+    assert isinstance(rollout, Engine) and actor.chunks == "actor"
+    if engine == "native":
+        assert log == ["build_training", "build_engine:actor"]
+    else:
+        assert log == ["build_engine:[]", "engine_sleep", "build_training", "bind:actor"]

@@ -180,6 +180,10 @@ class ExternalRollout(RolloutEngine):
         )
         return assemble_output(prompts, responses, response_mask, rollout_log_probs, request.params.n)
 
+    def bind_actor(self, actor_chunks: list[torch.nn.Module]) -> None:
+        """The actor chunks to sync weights from (an engine built before the actor gets them here)."""
+        self.chunks = actor_chunks
+
     def sync_weights(self) -> None:
         """Stream the actor's weights (gathered over tp/pp; collective) into the engine."""
         if not self.weights_awake:

@@ -242,39 +242,46 @@ class PPOTrainer:
     def _rollout_phase(self):
         """Hand the accelerator to the rollout engine, then take it back.
 
-        The engine wakes up and, if the actor changed since it last did, loads the current
-        weights (a no-op for the native engine, which reads the actor in place). Training
-        state that the ``<role>.megatron`` offload switches name is parked in host memory
-        meanwhile (GPU only; on CPU the offload functions move nothing).
+        Order matters on a GPU: the training state the ``<role>.megatron`` offload switches
+        name is parked first; the engine then takes back its weights' memory and, if the actor
+        changed since the last sync, loads them (the actor's own parameters are still on the
+        GPU for that); only then are the actor's parameters parked and the KV cache allocated.
+        On CPU the offload functions move nothing. The native engine reads the actor in place.
         """
         from verl_megatron.models import offload
 
-        self.rollout.wake_up()
-        if self._synced_version != self._weights_version:
-            self.rollout.sync_weights()
-            self._synced_version = self._weights_version
         restore: list[tuple[Any, Any]] = []
+
+        def park(move: Any, load: Any, target: Any, **kwargs: Any) -> None:
+            move(target, **kwargs)
+            restore.append((load, target))
+
         actor_off = self.config.actor.megatron
         if actor_off.optimizer_offload:
-            offload.offload_optimizer(self.actor.optimizer)
-            restore.append((offload.load_optimizer, self.actor.optimizer))
-        # The native engine generates with the actor's own parameters: they stay.
-        if actor_off.param_offload and self.config.rollout.name != "native":
-            offload.offload_model(self.actor.chunks, grads=actor_off.grad_offload)
-            restore.append((offload.load_model, self.actor.chunks))
+            park(offload.offload_optimizer, offload.load_optimizer, self.actor.optimizer)
         if self.ref is not None and self.config.ref.megatron.param_offload:
-            offload.offload_model(self.ref.chunks, grads=False)
-            restore.append((offload.load_model, self.ref.chunks))
+            park(offload.offload_model, offload.load_model, self.ref.chunks, grads=False)
         if self.critic is not None:
             critic_off = self.config.critic.megatron
             if critic_off.param_offload:
-                offload.offload_model(self.critic.chunks, grads=critic_off.grad_offload)
-                restore.append((offload.load_model, self.critic.chunks))
+                park(
+                    offload.offload_model,
+                    offload.load_model,
+                    self.critic.chunks,
+                    grads=critic_off.grad_offload,
+                )
             if critic_off.optimizer_offload:
-                offload.offload_optimizer(self.critic.optimizer)
-                restore.append((offload.load_optimizer, self.critic.optimizer))
+                park(offload.offload_optimizer, offload.load_optimizer, self.critic.optimizer)
+        self.rollout.wake_up_weights()
+        if self._synced_version != self._weights_version:
+            self.rollout.sync_weights()
+            self._synced_version = self._weights_version
+        # The native engine generates with the actor's own parameters: they stay.
+        if actor_off.param_offload and self.config.rollout.name != "native":
+            park(offload.offload_model, offload.load_model, self.actor.chunks, grads=actor_off.grad_offload)
         if restore:
             offload.empty_device_cache()
+        self.rollout.wake_up()
         try:
             yield
         finally:
