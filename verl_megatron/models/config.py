@@ -60,6 +60,9 @@ class ModelConfig:
     use_te: bool | None = None
     """Transformer Engine layer spec: ``None`` uses it on a GPU (an error there without transformer_engine)
     and the local spec on CPU; ``True`` requires it; ``false`` picks the local spec (logged on a GPU)."""
+    make_vocab_size_divisible_by: int = 128
+    """Embedding rows are padded to a multiple of this (and of tp): the padded size, and so the
+    checkpoint's, stays the same for every tp that divides it."""
     sequence_parallel: bool = False
     """Split activations outside attention/MLP over tp ranks; needs tp > 1 and Transformer Engine."""
     enable_gradient_checkpointing: bool = False
@@ -119,6 +122,10 @@ class ModelConfig:
                 "model.dtype=bfloat16 on a machine without a GPU: matmuls run slowly and logits differ "
                 "from float32 by ~1e-2; use dtype=float32 on CPU",
                 stacklevel=2,
+            )
+        if self.make_vocab_size_divisible_by < 1:
+            raise ModelConfigError(
+                f"model.make_vocab_size_divisible_by must be >= 1, got {self.make_vocab_size_divisible_by}"
             )
         use_te = self.resolve_use_te()
         if self.sequence_parallel and layout.tp == 1:
