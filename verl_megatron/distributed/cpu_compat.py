@@ -4,7 +4,8 @@ megatron-core assumes a GPU in a handful of places (see
 ``shared/reference/megatron-on-cpu.md``): ``device="cuda"`` and
 ``device=torch.cuda.current_device()`` in tensor factories, ``.cuda()`` calls,
 the CUDA RNG functions behind the tensor-parallel RNG tracker, streams/events,
-and a type assertion in gradient clipping. This module covers exactly those,
+a type assertion in gradient clipping, and the ``tensor.type()`` names by which
+the mixed-precision (bf16) optimizer sorts parameters into fp32 and bf16 ones. This module covers exactly those,
 and nothing is touched when CUDA is present: :func:`install` is a no-op there.
 
 Everything is installed once per process by :func:`install`; the distributed
@@ -95,6 +96,38 @@ class _NullEvent:
         return 0.0
 
 
+# The float types megatron's mixed-precision optimizer accepts, by their CPU names.
+_CUDA_TYPE_NAMES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+}
+
+
+class _CudaTypeNamesMode(TorchFunctionMode):
+    """Makes ``tensor.type()`` name CPU float tensors as their CUDA counterparts.
+
+    Entered only around megatron code that sorts parameters by ``type()`` string
+    (fp32 vs bf16/fp16), so that sorting sees the dtype and not the device.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return _CUDA_TYPE_NAMES.get(name, name)
+        return func(*args, **kwargs)
+
+
+def _with_cuda_type_names(function: Any) -> Any:
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with _CudaTypeNamesMode():
+            return function(*args, **kwargs)
+
+    wrapped.__wrapped__ = function
+    return wrapped
+
+
 def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
     state = torch.get_rng_state()
     return state.clone() if clone else state
@@ -180,6 +213,10 @@ def _patch_megatron() -> None:
     mcore_random._get_cuda_rng_state = _cpu_get_rng_state
     mcore_random._set_cuda_rng_state = _cpu_set_rng_state
     mcore_optimizer.clip_grad_by_total_norm_fp32 = cpu_clip_grad_by_total_norm_fp32
+    # bf16/fp16 mixed precision: the optimizer keeps fp32 main copies of the params it
+    # finds to be 'torch.cuda.BFloat16Tensor'/'HalfTensor' and raises on any other name.
+    mixed = mcore_optimizer.Float16OptimizerWithFloat16Params
+    mixed.__init__ = _with_cuda_type_names(mixed.__init__)
     _run_backward_in_mode(mcore_random.CheckpointFunction)
     _run_backward_in_mode(mcore_random.CheckpointWithoutOutputFunction)
 

@@ -156,6 +156,18 @@ class ValueHead(torch.nn.Linear):
         return values, None
 
 
+def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Store every parameter in ``dtype``, in place (the Parameter objects and their attributes stay).
+
+    megatron's local spec builds its torch norms in float32 whatever ``params_dtype`` says; the
+    Transformer Engine spec, and megatron-LM's Float16Module, keep every weight in it. Doing the
+    same keeps bf16 layers on one dtype (no mixed-dtype norm kernels) and the checkpoints alike.
+    """
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+
+
 def _layer_spec(arch: HFArchitecture, use_te: bool):
     from megatron.core.models.gpt import gpt_layer_specs
 
@@ -205,6 +217,7 @@ def build_gpt_chunks(
             rotary.inv_freq = llama3_inv_freq(rotary.inv_freq, rope)
         if value_head and post_process:
             model.output_layer = ValueHead(config.hidden_size, config, runtime.seed, runtime.device)
+        _cast_parameters(model, config.params_dtype)
         model.verl_model_info = info
         return model
 

@@ -323,7 +323,9 @@ class PPOTrainer:
 
     def _keep_varied_groups(self, batch: DataProto, metric: str) -> tuple[DataProto, int]:
         """Rows of the groups (same ``uid``) whose ``metric`` differs between samples; and their count."""
-        if metric in _SEQUENCE_SCORE_METRICS:
+        # A float scorer's score is its accuracy ('acc' in verl's DAPO manager): a reward that
+        # reports no 'acc' of its own is filtered on its sequence score.
+        if metric in _SEQUENCE_SCORE_METRICS or (metric == "acc" and "acc" not in batch.non_tensor_batch):
             values = batch.batch["token_level_scores"].sum(-1).numpy()
         elif metric in batch.non_tensor_batch:
             values = np.asarray(batch.non_tensor_batch[metric], dtype=np.float64)

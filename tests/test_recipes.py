@@ -1,0 +1,177 @@
+"""Every shipped recipe trains: configs/grpo.yaml, ppo.yaml and dapo.yaml each run one step on CPU.
+
+Each recipe runs as written (bf16 mixed precision, its loss, estimator, KL, critic, dynamic
+sampling, overlong penalty, validation, checkpointing) with only sizes overridden: a tiny
+Qwen2-family model with a byte-level BPE tokenizer, a few GSM8K-style rows converted by the
+project's own converter, short prompts and responses, small batches and one step.
+(configs/quickstart.yaml runs in tests/test_quickstart.py.)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESPONSE_LENGTH = 8
+
+# A random model never solves GSM8K, so every DAPO group would score the same 'acc' and
+# dynamic sampling would drop them all. The DAPO run scores with this float scorer instead,
+# whose value varies with the sampled text: what the recipe's filter needs to keep a group.
+VARIED_SCORER = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return float(len(solution_str) % 2)
+"""
+
+
+def _gsm8k_rows(n: int, offset: int) -> list[dict]:
+    rows = []
+    for i in range(offset, offset + n):
+        a, b = 3 + i, 4 + 2 * i
+        answer = f"{a} plus {b} is <<{a}+{b}={a + b}>>{a + b}.\n#### {a + b}"
+        rows.append({"question": f"What is {a} plus {b}?", "answer": answer})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> dict[str, str]:
+    """Tiny model + tokenizer, GSM8K train/test parquet made by the converter, a scorer file."""
+    from verl_megatron.data import gsm8k_format
+    from verl_megatron.utils.local_assets import build_bpe_tokenizer, build_tiny_hf_model
+
+    root = tmp_path_factory.mktemp("recipes")
+    model = root / "model"
+    tokenizer = build_bpe_tokenizer(model)
+    build_tiny_hf_model(
+        model, "qwen2", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+        intermediate_size=64, tokenizer=tokenizer, seed=3,
+    )  # fmt: skip
+    for split, n, offset in (("train", 16, 0), ("test", 4, 100)):
+        raw = root / f"gsm8k_{split}.jsonl"
+        raw.write_text("".join(json.dumps(r) + "\n" for r in _gsm8k_rows(n, offset)))
+        gsm8k_format.main(["--in", str(raw), "--out", str(root / "gsm8k"), "--split", split])
+    scorer = root / "varied_score.py"
+    scorer.write_text(VARIED_SCORER)
+    return {"model": str(model), "data": str(root / "gsm8k"), "scorer": str(scorer)}
+
+
+def sizes(assets: dict[str, str], out_dir: str) -> list[str]:
+    """The overrides every recipe gets: where things are and how big, nothing algorithmic."""
+    return [
+        f"model.path={assets['model']}",
+        f"data.train_files=[{assets['data']}/train.parquet]",
+        f"data.val_files=[{assets['data']}/test.parquet]",
+        "data.max_prompt_length=64",
+        f"data.max_response_length={RESPONSE_LENGTH}",
+        "trainer.total_training_steps=1",
+        f"trainer.default_local_dir={out_dir}",
+        "trainer.logger=[console]",
+    ]
+
+
+RECIPES = {
+    # Mini-batches hold a multiple of the recipe's micro-batch size (4 for grpo and ppo).
+    "grpo": ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4"],
+    "ppo": [
+        "data.train_batch_size=8",
+        "actor.ppo_mini_batch_size=4",  # two actor and two critic steps
+        "critic.ppo_mini_batch_size=4",
+    ],
+    "dapo": [
+        "data.train_batch_size=2",
+        "data.gen_batch_size=4",
+        "actor.ppo_mini_batch_size=2",
+        "reward_model.overlong_buffer.len=4",  # the recipe's buffer is half the response length too
+    ],
+}
+
+
+def recipe_job(recipe: str, out_dir: str, overrides: list[str]) -> dict:
+    """One training run of configs/<recipe>.yaml in a pool worker; its metrics rows and saved config."""
+    from verl_megatron.train import run
+    from verl_megatron.trainer.tracking import read_jsonl_metrics
+
+    run(os.path.join(ROOT, "configs", f"{recipe}.yaml"), [f"trainer.default_local_dir={out_dir}", *overrides])
+    with open(os.path.join(out_dir, "config.json")) as f:
+        config = json.load(f)
+    return {
+        "rows": read_jsonl_metrics(os.path.join(out_dir, "metrics.jsonl")),
+        "config": config,
+        "files": sorted(os.listdir(out_dir)),
+    }
+
+
+def _run(pool1, assets, tmp_path, recipe: str, extra: list[str] = ()) -> tuple[dict, dict, dict]:
+    out = str(tmp_path / recipe)
+    (result,) = pool1.run(
+        f"{__name__}:recipe_job",
+        recipe=recipe,
+        out_dir=out,
+        overrides=[*sizes(assets, out), *RECIPES[recipe], *extra],
+    )
+    steps: dict[int, dict] = {}
+    for row in result["rows"]:
+        steps.setdefault(row["step"], {}).update(row)
+    assert sorted(steps) == [0, 1], sorted(steps)
+    first = steps[1]
+    assert first["training/global_step"] == 1.0
+    bad = {k: v for k, v in first.items() if isinstance(v, float) and not math.isfinite(v)}
+    assert not bad, f"non-finite metrics: {bad}"
+    # The recipe's own settings were kept: bf16, validation before and after, a checkpoint.
+    assert result["config"]["model"]["dtype"] == "bfloat16"
+    assert "val/test_score/openai/gsm8k" in steps[0] and "val/test_score/openai/gsm8k" in first
+    assert "global_step_1" in result["files"]
+    assert 1.0 <= first["response_length/mean"] <= RESPONSE_LENGTH
+    for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "critic/score/mean"):
+        assert key in first, key
+    return result, steps, first
+
+
+def test_grpo_recipe_runs_a_step(pool1, assets, tmp_path):
+    result, _, m = _run(pool1, assets, tmp_path, "grpo")
+    # GRPO: a KL loss against the reference, no critic; 5 samples per prompt.
+    assert result["config"]["rollout"]["n"] == 5
+    assert m["actor/kl_loss"] >= 0.0 and "critic/vf_loss" not in m
+    assert m["actor/lr"] == 1e-6
+
+
+def test_ppo_recipe_runs_a_step(pool1, assets, tmp_path):
+    result, _, m = _run(pool1, assets, tmp_path, "ppo")
+    # PPO: a critic trained with GAE, a KL penalty in the reward, no KL loss.
+    assert {"critic/vf_loss", "critic/grad_norm", "critic/values/mean", "actor/reward_kl_penalty"} <= set(m)
+    assert "actor/kl_loss" not in m
+    assert result["config"]["algorithm"]["adv_estimator"] == "gae"
+
+
+def test_dapo_recipe_runs_a_step(pool1, assets, tmp_path):
+    extra = [f"custom_reward_function.path={assets['scorer']}", "custom_reward_function.name=compute_score"]
+    result, _, m = _run(pool1, assets, tmp_path, "dapo", extra)
+    cfg = result["config"]
+    # Dynamic sampling on 'acc' kept 2 prompt groups of 16 samples; the overlong penalty is on.
+    assert cfg["algorithm"]["filter_groups"] == {"enable": True, "metric": "acc", "max_num_gen_batches": 10}
+    assert cfg["reward_model"]["overlong_buffer"]["enable"] and cfg["actor"]["clip_ratio_high"] == 0.28
+    assert m["train/num_gen_batches"] >= 1.0 and m["train/num_kept_groups"] >= 2.0
+    assert "actor/kl_loss" not in m and "critic/vf_loss" not in m
+    # The scorer gives 0 or 1; the overlong penalty can only lower a score.
+    assert -1.0 <= m["critic/score/mean"] <= 1.0
+
+
+def test_dynamic_sampling_on_acc_uses_a_float_scorers_score():
+    import numpy as np
+    import torch
+
+    from verl_megatron.protocol import DataProto
+    from verl_megatron.trainer.ppo_trainer import PPOTrainer
+
+    scores = torch.tensor([[0.0, 1.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]])
+    uids = np.array(["a", "a", "b", "b"], dtype=object)
+    batch = DataProto.from_dict(tensors={"token_level_scores": scores}, non_tensors={"uid": uids})
+    kept, groups = PPOTrainer._keep_varied_groups(None, batch, "acc")
+    assert groups == 1 and list(kept.non_tensor_batch["uid"]) == ["a", "a"]
+    # A reward that reports its own 'acc' is filtered on it, not on the score.
+    batch.non_tensor_batch["acc"] = np.array([1.0, 1.0, 0.0, 1.0], dtype=object)
+    kept, groups = PPOTrainer._keep_varied_groups(None, batch, "acc")
+    assert groups == 1 and list(kept.non_tensor_batch["uid"]) == ["b", "b"]
