@@ -189,7 +189,10 @@ class ExternalRollout(RolloutEngine):
         if not self.weights_awake:
             raise RuntimeError("sync_weights: the engine's weights are asleep; call wake_up_weights() first")
         from verl_megatron.models.convert import iter_hf_weights
+        from verl_megatron.models.megatron_model import gather_updated_params
 
+        # Distributed optimizer with overlap_param_gather: the last update is not all-gathered yet.
+        gather_updated_params(self.chunks)
         self.last_sync = stream_weights(
             iter_hf_weights(self.chunks, self.runtime, self.hf_config),
             self.backend.load_weights,

@@ -104,8 +104,9 @@ def _trained(chunks: list[torch.nn.Module], optim: Any, bf16: bool):
     from verl_megatron.models.megatron_model import build_optimizer, wrap_ddp
     from verl_megatron.workers.lr_schedule import build_lr_scheduler, optim_settings
 
-    chunks = wrap_ddp(chunks)
-    optimizer = build_optimizer(chunks, optim_settings(optim, bf16=bf16))
+    settings = optim_settings(optim, bf16=bf16)
+    chunks = wrap_ddp(chunks, settings)
+    optimizer = build_optimizer(chunks, settings)
     return chunks, optimizer, build_lr_scheduler(optimizer, optim)
 
 
