@@ -611,6 +611,11 @@ def validate_config(config: PPOConfig, world_size: int) -> ParallelLayout:
             section.validate()
         except WorkerConfigError as err:
             raise ConfigError(str(err)) from None
+    if config.actor.megatron.param_offload and config.rollout.name == "native":
+        raise ConfigError(
+            "actor.megatron.param_offload=true cannot apply with rollout.name='native', which generates "
+            "with the actor's parameters on the device; set it to false, or use rollout.name='vllm'/'sglang'"
+        )
     if not config.model.path and not config.quickstart.enable:
         raise ConfigError(
             "model.path is not set (a Hugging Face checkpoint folder); or set quickstart.enable=true"

@@ -143,7 +143,7 @@ class OffloadConfig:
 
     GPU only: on CPU everything already lives in host memory and the switches do nothing.
     With the native rollout engine the actor's parameters are needed to generate, so
-    ``param_offload`` applies to the reference and critic only.
+    ``actor.megatron.param_offload`` is a config error there (reference and critic apply it).
     """
 
     param_offload: bool = False
