@@ -180,3 +180,47 @@ def test_external_engine_is_built_and_asleep_before_any_training_state(engine):
         assert log == ["build_training", "build_engine:actor"]
     else:
         assert log == ["build_engine:[]", "engine_sleep", "build_training", "bind:actor"]
+
+
+def test_prompt_seeds_follow_the_global_row_not_the_layout(fake_engines):
+    from tests.test_rollout_engines import ScriptedBackend, _prompts
+
+    def seeds(offset: int, rows: slice) -> tuple[int, ...]:
+        backend = ScriptedBackend()
+        tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=1)
+        config = RolloutConfig(n=2, seed=4, tensor_model_parallel_size=1)
+        engine = VLLMRollout(config, RUNTIME, [], tokenizer, HF, backend=backend)
+        prompts = _prompts()[rows]
+        prompts.meta_info["prompt_offset"] = offset
+        engine.generate_sequences(prompts)
+        return backend.calls[0][2].prompt_seeds
+
+    whole = seeds(0, slice(0, 2))
+    assert seeds(0, slice(0, 1)) + seeds(1, slice(1, 2)) == whole  # two replicas, one prompt each
+    assert len(set(whole)) == 2
+
+
+def test_vllm_gets_one_sampling_params_per_prompt_with_its_seed(fake_engines):
+    captured = {}
+
+    class SamplingParams:
+        def __init__(self, **kwargs):
+            self.seed = kwargs["seed"]
+
+    def generate(prompts, sampling_params=None, use_tqdm=True):
+        captured["seeds"] = [p.seed for p in sampling_params]
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[1], logprobs=None)]) for _ in prompts]
+
+    sys.modules["vllm"].SamplingParams = SamplingParams
+    sys.modules["vllm.inputs"] = types.SimpleNamespace(TokensPrompt=lambda prompt_token_ids: prompt_token_ids)
+    try:
+        backend = VLLMBackend(RolloutConfig(name="vllm", tensor_model_parallel_size=2), HF, RUNTIME)
+        backend.llm.generate = generate
+        from tests.test_rollout_engines import _request
+
+        request = _request()
+        request = type(request)(**{**request.__dict__, "prompt_seeds": (11, 12), "logprobs": False})
+        backend.generate([[5], [6]], request)
+    finally:
+        del sys.modules["vllm.inputs"]
+    assert captured["seeds"] == [11, 12]

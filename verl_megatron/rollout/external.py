@@ -36,7 +36,7 @@ from verl_megatron.rollout.base import (
     stop_token_ids,
 )
 from verl_megatron.rollout.config import RolloutConfig, RolloutConfigError
-from verl_megatron.rollout.sampling import SamplingParams, call_seed, resolve_sampling
+from verl_megatron.rollout.sampling import SamplingParams, call_seed, prompt_seed, resolve_sampling
 from verl_megatron.rollout.weight_sync import NamedTensor, SyncStats, stream_weights
 
 __all__ = [
@@ -79,6 +79,7 @@ class GenerationRequest:
         ignore_eos: generate to ``max_tokens`` whatever is produced.
         seed: the call's sampling seed.
         logprobs: also return the sampled tokens' log-probs.
+        prompt_seeds: one seed per prompt, from its row in the global batch (layout-invariant).
     """
 
     params: SamplingParams
@@ -87,6 +88,7 @@ class GenerationRequest:
     ignore_eos: bool
     seed: int
     logprobs: bool
+    prompt_seeds: tuple[int, ...] = ()
 
 
 @dataclass
@@ -165,6 +167,11 @@ class ExternalRollout(RolloutEngine):
             ignore_eos=self.config.ignore_eos,
             seed=call_seed(self.seed, self.runtime.dp_rank, self._calls),
             logprobs=self.config.calculate_log_probs,
+            # The trainer passes where this share starts in the global batch (rollout/layout.py).
+            prompt_seeds=tuple(
+                prompt_seed(self.seed, self._calls, int(meta.get("prompt_offset", 0)) + i)
+                for i in range(input_ids.shape[0])
+            ),
         )
         self._calls += 1
         token_lists = [row[keep].tolist() for row, keep in zip(input_ids.cpu(), mask.cpu().bool())]

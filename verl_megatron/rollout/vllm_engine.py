@@ -96,8 +96,9 @@ def vllm_engine_kwargs(config: RolloutConfig, hf_config: Any, runtime: Runtime) 
     return kwargs
 
 
-def vllm_sampling_kwargs(request: GenerationRequest) -> dict[str, Any]:
-    """Keyword arguments for ``vllm.SamplingParams`` (vLLM: temperature 0 is greedy, top_k -1 is off)."""
+def vllm_sampling_kwargs(request: GenerationRequest, seed: int | None = None) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.SamplingParams`` (vLLM: temperature 0 is greedy, top_k -1 is off);
+    ``seed`` (a prompt's) replaces the call's."""
     params = request.params
     return {
         "n": params.n,
@@ -108,7 +109,7 @@ def vllm_sampling_kwargs(request: GenerationRequest) -> dict[str, Any]:
         "stop_token_ids": list(request.stop_token_ids),
         "ignore_eos": request.ignore_eos,
         "logprobs": 0 if request.logprobs else None,
-        "seed": request.seed,
+        "seed": request.seed if seed is None else seed,
         "detokenize": False,
     }
 
@@ -145,9 +146,12 @@ class VLLMBackend(EngineBackend):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        # One SamplingParams per prompt (vLLM takes a list as long as the prompts): each prompt
+        # draws from its own seed, whichever replica generates it.
+        seeds = request.prompt_seeds or (request.seed,) * len(prompts)
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in prompts],
-            sampling_params=SamplingParams(**vllm_sampling_kwargs(request)),
+            sampling_params=[SamplingParams(**vllm_sampling_kwargs(request, seed)) for seed in seeds],
             use_tqdm=False,
         )
         return completions_from_vllm(outputs, request.logprobs)
