@@ -165,7 +165,12 @@ class ExternalRollout(RolloutEngine):
             max_tokens=int(meta.get("response_length", self.config.response_length)),
             stop_token_ids=tuple(stop_token_ids(self.config, meta, self.tokenizer, self.hf_config)),
             ignore_eos=self.config.ignore_eos,
-            seed=call_seed(self.seed, self.runtime.dp_rank, self._calls),
+            # The same on every rank of an engine's tp group (ranks r*t .. r*t+t-1, rollout/layout.py).
+            seed=call_seed(
+                self.seed,
+                getattr(self.runtime, "rank", 0) // self.config.tensor_model_parallel_size,
+                self._calls,
+            ),
             logprobs=self.config.calculate_log_probs,
             # The trainer passes where this share starts in the global batch (rollout/layout.py).
             prompt_seeds=tuple(
