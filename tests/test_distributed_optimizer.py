@@ -193,3 +193,21 @@ def test_settings_must_agree_between_wrapping_and_optimizer():
 
     with pytest.raises(ValueError, match=r"optim.use_distributed_optimizer=True but the model was wrapped"):
         build_optimizer([Wrapped()], OptimSettings(use_distributed_optimizer=True))
+
+
+def test_distributed_optimizer_with_checkpoints_is_refused_at_start_up():
+    """Saving it fails inside megatron 0.16 (flattened_range / param-group keys): refused up front."""
+    from tests.test_config import QUICKSTART
+    from verl_megatron.trainer.config import ConfigError, load_config, validate_config
+
+    config = load_config(QUICKSTART, ["actor.optim.use_distributed_optimizer=true", "trainer.save_freq=5"])
+    with pytest.raises(
+        ConfigError, match=r"actor.optim.use_distributed_optimizer=true cannot be checkpointed"
+    ):
+        validate_config(config, 1)
+    overrides = [
+        "actor.optim.use_distributed_optimizer=true",
+        "trainer.save_freq=0",
+        "trainer.resume_mode=disable",
+    ]
+    validate_config(load_config(QUICKSTART, overrides), 1)
