@@ -102,8 +102,11 @@ def test_llama3_frequencies_match_transformers():
     assert ((wavelen > 32) & (wavelen < 64)).any()  # at least one blended frequency
 
 
-def test_padded_vocab_is_a_multiple_of_tp():
-    assert [padded_vocab_size(131, tp) for tp in (1, 2, 4, 8)] == [131, 132, 132, 136]
+def test_padded_vocab_is_a_multiple_of_tp_and_the_same_for_every_tp_dividing_the_multiple():
+    assert [padded_vocab_size(131, tp) for tp in (1, 2, 4, 8)] == [256] * 4
+    assert [padded_vocab_size(151_936, tp) for tp in (1, 2, 4, 8)] == [151_936] * 4  # Qwen2
+    assert padded_vocab_size(131, 3) == 384  # lcm(128, 3)
+    assert [padded_vocab_size(131, tp, divisible_by=1) for tp in (1, 2, 4, 8)] == [131, 132, 132, 136]
 
 
 def test_unsupported_model_type_lists_the_supported_ones():

@@ -65,8 +65,17 @@ def offload_job(mode: str) -> dict:
             "main_grad_storage": {p.main_grad.untyped_storage().size() for p in params},
         }
         out["again"] = [offload._offload_model(chunks, True, cpu), offload._offload_optimizer(optimizer, cpu)]
+        host_ptrs = [p.data_ptr() for p in params] + [
+            c[k].data_ptr() for c, k in offload.optimizer_tensors(optimizer)
+        ]
         out["reports"] += [offload._load_model(chunks), offload._load_optimizer(optimizer)]
         out["again"] += [offload._load_model(chunks), offload._load_optimizer(optimizer)]
+        # A second round trip writes into the same host memory: no new (pinned) buffers.
+        offload._offload_model(chunks, True, cpu), offload._offload_optimizer(optimizer, cpu)
+        out["host_reused"] = host_ptrs == [p.data_ptr() for p in params] + [
+            c[k].data_ptr() for c, k in offload.optimizer_tensors(optimizer)
+        ]
+        offload._load_model(chunks), offload._load_optimizer(optimizer)
         out["restored"] = all(torch.equal(p, q) for p, q in zip(params, before["params"]))
         out["grads_zero"] = all(g.untyped_storage().size() > 0 and not g.any() for g in grad_buffers)
     out["grad_bytes"] = sum(g.numel() * g.element_size() for g in grad_buffers)
@@ -115,7 +124,7 @@ def test_gpu_path_moves_every_tensor_and_brings_it_back_exactly(pool1, reference
         "nothing was offloaded",
         "nothing was offloaded",
     ]
-    assert run["restored"] and run["grads_zero"]
+    assert run["restored"] and run["grads_zero"] and run["host_reused"]
     _same_weights(run["weights"], reference["weights"])
 
 
@@ -130,11 +139,20 @@ class _FakeDDP(torch.nn.Module):
         self.module.b = torch.nn.Parameter(torch.empty(0))
         self.module.w.data = storage[:6].view(2, 3)
         self.module.b.data = storage[6:]
-        self.buffers = [
-            SimpleNamespace(
-                param_data=storage, grad_data=torch.ones(10), params=[self.module.w, self.module.b]
-            )
-        ]
+        self.buffers = [_FakeBuffer(storage, torch.ones(10), [self.module.w, self.module.b])]
+
+
+class _FakeBuffer(SimpleNamespace):
+    """megatron's parameter/gradient buffer: its data, and its own grad release / reload."""
+
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer
+
+    offload_to_cpu = _ParamAndGradBuffer.offload_to_cpu
+    reload_from_cpu = _ParamAndGradBuffer.reload_from_cpu
+
+    def __init__(self, param_data, grad_data, params) -> None:
+        super().__init__(param_data=param_data, grad_data=grad_data, params=params, param_data_cpu=None,
+                         grad_data_size=0)  # fmt: skip
 
 
 def test_parameter_buffer_moves_as_one_tensor_and_views_survive():
@@ -163,3 +181,15 @@ def test_plain_module_on_cpu_is_left_alone():
     assert report.skipped and report.tensors == 0
     assert linear.weight.data_ptr() == ptr and torch.equal(linear.weight.grad, grad)
     assert offload.device_memory_gb() == {"allocated_gb": 0.0, "reserved_gb": 0.0}
+
+
+def test_actor_param_offload_with_the_native_engine_is_a_config_error():
+    from tests.test_config import QUICKSTART
+    from verl_megatron.trainer.config import ConfigError, load_config, validate_config
+
+    config = load_config(QUICKSTART, ["actor.megatron.param_offload=true"])
+    with pytest.raises(
+        ConfigError, match=r"actor.megatron.param_offload=true cannot apply with rollout.name='native'"
+    ):
+        validate_config(config, 1)
+    validate_config(load_config(QUICKSTART, ["actor.megatron.optimizer_offload=true"]), 1)

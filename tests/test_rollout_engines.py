@@ -147,10 +147,13 @@ class ScriptedBackend(EngineBackend):
         for name, tensor in bucket:
             self.loaded[name] = tensor.clone()
 
+    def reset_cache(self):
+        self.calls.append(("reset_cache",))
+
     def sleep(self):
         self.calls.append(("sleep",))
 
-    def wake_up(self):
+    def wake_up(self, tags=None):
         self.calls.append(("wake_up",))
 
 

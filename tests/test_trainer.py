@@ -43,6 +43,9 @@ class ScriptedRollout(RolloutEngine):
     def wake_up(self) -> None:
         self.events.append("wake")
 
+    def wake_up_weights(self) -> None:
+        self.events.append("wake_weights")
+
     def sleep(self) -> None:
         self.events.append("sleep")
 
@@ -226,8 +229,9 @@ def test_rollout_phase_syncs_weights_once_per_actor_update(dataset):
     trainer._weights_version += 1  # what train_step does after update_policy
     trainer._collect_batch(step=3, timing={})
     trainer._collect_batch(step=4, timing={})
-    cycle = ["wake", "gen", "sleep"]
-    assert engine.events == ["wake", "sync", "gen", "sleep", *cycle, "wake", "sync", "gen", "sleep", *cycle]
+    cycle = ["wake_weights", "wake", "gen", "sleep"]
+    synced = ["wake_weights", "sync", "wake", "gen", "sleep"]
+    assert engine.events == [*synced, *cycle, *synced, *cycle]
     # The sampling counter is what a checkpoint keeps, so a resumed run samples on.
     assert engine.state_dict() == {"calls": 4}
     restored = ScriptedRollout(plan)
@@ -251,6 +255,38 @@ def test_offload_switches_park_and_restore_around_generation(dataset, monkeypatc
     trainer.actor = SimpleNamespace(optimizer="actor-opt", chunks="actor-chunks")
     trainer._collect_batch(step=1, timing={})
     assert log == [("offload_optimizer", "actor-opt"), ("load_optimizer", "actor-opt")]
+
+
+def test_colocated_memory_order_parks_training_state_before_the_engine_wakes(dataset, monkeypatch):
+    """GPU order (issue 18): optimizer / reference / critic parked, engine weights woken, weights
+    synced from the actor (still on the GPU), actor parked, then the KV cache; all back after."""
+    from verl_megatron.models import offload
+
+    trainer = None
+
+    def record(name):
+        return lambda target, *a, **k: trainer.rollout.events.append(f"{name}:{target}")
+
+    for name in ("offload_optimizer", "load_optimizer", "offload_model", "load_model"):
+        monkeypatch.setattr(offload, name, record(name))
+    monkeypatch.setattr(offload, "empty_device_cache", lambda: trainer.rollout.events.append("empty_cache"))
+    overrides = [
+        "rollout.n=2", "data.train_batch_size=4", "rollout.name=vllm",
+        "actor.megatron.optimizer_offload=true", "actor.megatron.param_offload=true",
+        "ref.megatron.param_offload=true", "critic.megatron.param_offload=true",
+        "critic.megatron.optimizer_offload=true",
+    ]  # fmt: skip
+    trainer = _trainer(dataset, overrides, [[VARIED] * 4])
+    trainer.actor = SimpleNamespace(optimizer="actor-opt", chunks="actor")
+    trainer.ref = SimpleNamespace(chunks="ref")
+    trainer.critic = SimpleNamespace(optimizer="critic-opt", chunks="critic")
+    trainer._collect_batch(step=1, timing={})
+    assert trainer.rollout.events == [
+        "offload_optimizer:actor-opt", "offload_model:ref", "offload_model:critic",
+        "offload_optimizer:critic-opt", "wake_weights", "sync", "offload_model:actor", "empty_cache",
+        "wake", "gen", "sleep", "load_model:actor", "load_optimizer:critic-opt", "load_model:critic",
+        "load_model:ref", "load_optimizer:actor-opt",
+    ]  # fmt: skip
 
 
 def test_contained_scorer_failures_reach_the_step_metrics(dataset):

@@ -217,6 +217,10 @@ def _patch_megatron() -> None:
     # finds to be 'torch.cuda.BFloat16Tensor'/'HalfTensor' and raises on any other name.
     mixed = mcore_optimizer.Float16OptimizerWithFloat16Params
     mixed.__init__ = _with_cuda_type_names(mixed.__init__)
+    # The distributed optimizer sorts its shards the same way (fp32 / bf16 / fp16 by type name).
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    DistributedOptimizer.__init__ = _with_cuda_type_names(DistributedOptimizer.__init__)
     _run_backward_in_mode(mcore_random.CheckpointFunction)
     _run_backward_in_mode(mcore_random.CheckpointWithoutOutputFunction)
 

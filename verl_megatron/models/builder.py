@@ -26,8 +26,9 @@ How to call a chunk (``megatron.core.models.gpt.GPTModel.forward``)::
   holds a contiguous slice of columns); ``runtime_gather_output=True`` gathers [B, T, V_pad].
   Critic (``value_head=True``): values [B, T, 1], identical on every tp rank.
 
-Vocabulary padding: the vocabulary is padded to ``padded_vocab_size`` (a multiple of tp) so it
-splits evenly. The converter fills padded embedding / output rows with zeros, so padded logits
+Vocabulary padding: the vocabulary is padded to ``padded_vocab_size`` (a multiple of
+``model.make_vocab_size_divisible_by`` and of tp, the same size for every tp dividing it) so it
+splits evenly and checkpoints reload at another tp. The converter fills padded embedding / output rows with zeros, so padded logits
 start at exactly 0 — but 0 is not "impossible", and training updates those rows through the
 softmax normaliser. Callers must never let padded columns take part: slice logits to
 ``[..., :info.vocab_size]`` when gathered, and with vocabulary-parallel logits set the columns
@@ -73,9 +74,15 @@ class ModelInfo:
         return self.arch.tie_word_embeddings and not self.value_head
 
 
-def padded_vocab_size(vocab_size: int, tp: int) -> int:
-    """Smallest multiple of ``tp`` that holds ``vocab_size`` rows."""
-    return math.ceil(vocab_size / tp) * tp
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Smallest multiple of lcm(``divisible_by``, ``tp``) that holds ``vocab_size`` rows.
+
+    The size does not depend on tp as long as tp divides ``divisible_by`` (every power of two
+    up to 128 by default), so a checkpoint saved at one tp reloads at another. (megatron's
+    ``make_vocab_size_divisible_by * tp`` rule changes the size with tp.)
+    """
+    multiple = math.lcm(divisible_by, tp)
+    return math.ceil(vocab_size / multiple) * multiple
 
 
 def model_info(chunks: list[torch.nn.Module]) -> ModelInfo:
@@ -186,7 +193,8 @@ def build_gpt_chunks(
 
     config = hf_to_transformer_config(hf_config, runtime.layout, model_cfg)
     arch = read_hf_architecture(hf_config)
-    info = ModelInfo(arch, padded_vocab_size(arch.vocab_size, runtime.layout.tp), value_head)
+    padded = padded_vocab_size(arch.vocab_size, runtime.layout.tp, model_cfg.make_vocab_size_divisible_by)
+    info = ModelInfo(arch, padded, value_head)
     spec = _layer_spec(arch, model_cfg.resolve_use_te())
     rope = arch.rope
 

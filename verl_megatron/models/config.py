@@ -11,6 +11,7 @@ into one typed object that the builder and the weight converter share, and
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -19,6 +20,8 @@ from typing import Any
 import torch
 
 from verl_megatron.distributed.parallel import ParallelLayout
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
@@ -55,7 +58,11 @@ class ModelConfig:
     dtype: str = "bfloat16"
     """Parameter dtype: ``float32`` or ``bfloat16`` (verl's megatron default; slow on CPU)."""
     use_te: bool | None = None
-    """Transformer Engine layer spec: ``None`` picks it when TE and CUDA are present, ``True`` requires it."""
+    """Transformer Engine layer spec: ``None`` uses it on a GPU (an error there without transformer_engine)
+    and the local spec on CPU; ``True`` requires it; ``false`` picks the local spec (logged on a GPU)."""
+    make_vocab_size_divisible_by: int = 128
+    """Embedding rows are padded to a multiple of this (and of tp): the padded size, and so the
+    checkpoint's, stays the same for every tp that divides it."""
     sequence_parallel: bool = False
     """Split activations outside attention/MLP over tp ranks; needs tp > 1 and Transformer Engine."""
     enable_gradient_checkpointing: bool = False
@@ -76,8 +83,25 @@ class ModelConfig:
         return _DTYPES[self.dtype]
 
     def resolve_use_te(self) -> bool:
-        """Whether the Transformer Engine spec is used; raises when ``use_te=True`` cannot be honoured."""
+        """Whether the Transformer Engine spec is used; raises when ``use_te=True`` cannot be honoured.
+
+        On a GPU without Transformer Engine, auto (``use_te=None``) is an error: the local spec
+        builds a dense [T, T] mask per packed micro-batch (256 MiB at 16k tokens) and runs
+        unfused attention, so it is taken only when asked for (``use_te=false``), and logged.
+        """
         available = transformer_engine_available()
+        if torch.cuda.is_available() and not self.use_te:
+            if self.use_te is None and not available:
+                raise ModelConfigError(
+                    "model.use_te is auto and this GPU machine has no transformer_engine: install it "
+                    "(pip install 'verl-megatron[gpu]'), or set model.use_te=false to run megatron's local "
+                    "spec on the GPU (dense attention mask per packed micro-batch, unfused attention)"
+                )
+            if self.use_te is False:
+                logger.warning(
+                    "model.use_te=false on a GPU: megatron's local layer spec (dense attention mask per "
+                    "packed micro-batch, unfused attention), as configured"
+                )
         if self.use_te and not available:
             why = (
                 "no GPU is present"
@@ -98,6 +122,10 @@ class ModelConfig:
                 "model.dtype=bfloat16 on a machine without a GPU: matmuls run slowly and logits differ "
                 "from float32 by ~1e-2; use dtype=float32 on CPU",
                 stacklevel=2,
+            )
+        if self.make_vocab_size_divisible_by < 1:
+            raise ModelConfigError(
+                f"model.make_vocab_size_divisible_by must be >= 1, got {self.make_vocab_size_divisible_by}"
             )
         use_te = self.resolve_use_te()
         if self.sequence_parallel and layout.tp == 1:

@@ -37,29 +37,34 @@ def build_chunks(runtime: Runtime, make_chunk: ChunkFactory) -> list[torch.nn.Mo
     return chunks
 
 
-def wrap_ddp(
-    chunks: list[torch.nn.Module],
-    *,
-    grad_reduce_in_fp32: bool = True,
-    overlap_grad_reduce: bool = False,
-    use_distributed_optimizer: bool = False,
-    bucket_size: int | None = None,
-) -> list[torch.nn.Module]:
-    """Wrap each chunk in megatron's DistributedDataParallel (gradient buffers + dp all-reduce)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+def ddp_config(settings: OptimSettings):
+    """megatron's DistributedDataParallelConfig for ``settings``: the one place that ties the
+    gradient buffers and their reduction to the optimizer that consumes them."""
+    from megatron.core.distributed import DistributedDataParallelConfig
 
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=grad_reduce_in_fp32,
-        overlap_grad_reduce=overlap_grad_reduce,
-        use_distributed_optimizer=use_distributed_optimizer,
-        bucket_size=bucket_size,
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=settings.grad_reduce_in_fp32,
+        overlap_grad_reduce=settings.overlap_grad_reduce,
+        overlap_param_gather=settings.overlap_param_gather,
+        use_distributed_optimizer=settings.use_distributed_optimizer,
+        bucket_size=settings.bucket_size,
     )
+
+
+def wrap_ddp(chunks: list[torch.nn.Module], settings: OptimSettings | None = None) -> list[torch.nn.Module]:
+    """Wrap each chunk in megatron's DistributedDataParallel (gradient buffers + dp reduction).
+
+    ``settings`` must be the ones later passed to :func:`build_optimizer` (it checks).
+    """
+    from megatron.core.distributed import DistributedDataParallel
+
+    config = ddp_config(settings or OptimSettings())
     wrapped = []
     for i, chunk in enumerate(chunks):
         wrapped.append(
             DistributedDataParallel(
                 config=chunk.config,
-                ddp_config=ddp_config,
+                ddp_config=config,
                 module=chunk,
                 # Only the first chunk's buffer is bucketed for overlap; megatron does the same.
                 disable_bucketing=i > 0,
@@ -75,11 +80,15 @@ def attach_schedule_hooks(chunks: list[torch.nn.Module]) -> None:
     for chunk in chunks:
         config = _unwrap(chunk).config
         config.finalize_model_grads_func = finalize_model_grads
-        if len(chunks) > 1:
-            config.no_sync_func = [c.no_sync for c in chunks]
-            config.grad_sync_func = [c.start_grad_sync for c in chunks]
-        else:
-            config.no_sync_func = chunks[0].no_sync
+        config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
+        # As megatron's training loop: the interleaved schedule starts a chunk's reduction early
+        # only when it can overlap. Without overlap, finalize_model_grads reduces every bucket
+        # anyway, so an early start would reduce twice (a second reduce-scatter corrupts the
+        # distributed optimizer's shards).
+        overlap = any(
+            getattr(c, "ddp_config", None) is not None and c.ddp_config.overlap_grad_reduce for c in chunks
+        )
+        config.grad_sync_func = [c.start_grad_sync for c in chunks] if overlap and len(chunks) > 1 else None
 
 
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
@@ -101,17 +110,40 @@ class OptimSettings:
     optimizer: str = "adam"
     bf16: bool = False
     use_distributed_optimizer: bool = False
+    """Shard optimizer state and fp32 master weights over dp ranks (reduce-scatter grads, all-gather params)."""
+    overlap_grad_reduce: bool = False
+    """Reduce gradient buckets during the backward pass instead of after it."""
+    overlap_param_gather: bool = False
+    """Distributed optimizer: all-gather updated params during the next forward (pre-hooks)."""
+    grad_reduce_in_fp32: bool = True
+    """Gradient buffers (and their reduction) in float32 whatever the params' dtype."""
+    bucket_size: int | None = None
+    """Elements per gradient bucket (None: megatron's default)."""
+
+
+def _check_ddp_matches(chunks: list[torch.nn.Module], settings: OptimSettings) -> None:
+    for chunk in chunks:
+        wrapped = getattr(chunk, "ddp_config", None)
+        if wrapped is None:
+            continue
+        for name in ("use_distributed_optimizer", "overlap_param_gather"):
+            if getattr(wrapped, name) != getattr(settings, name):
+                raise ValueError(
+                    f"optim.{name}={getattr(settings, name)} but the model was wrapped with {name}="
+                    f"{getattr(wrapped, name)}: pass the same OptimSettings to wrap_ddp and build_optimizer"
+                )
 
 
 def build_optimizer(chunks: list[torch.nn.Module], settings: OptimSettings):
     """Megatron optimizer over all chunks (fp32 master weights; clipping by global norm)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    if settings.use_distributed_optimizer and not torch.cuda.is_available():
+    if settings.overlap_param_gather and not settings.use_distributed_optimizer:
         raise ValueError(
-            "optim.use_distributed_optimizer=True needs CUDA (reduce-scatter and CUDA tensors); "
-            "this machine has no GPU"
+            "optim.overlap_param_gather=True needs optim.use_distributed_optimizer=True "
+            "(without it every rank holds the whole updated parameters: nothing to gather)"
         )
+    _check_ddp_matches(chunks, settings)
     config = OptimizerConfig(
         optimizer=settings.optimizer,
         lr=settings.lr,
@@ -124,8 +156,22 @@ def build_optimizer(chunks: list[torch.nn.Module], settings: OptimSettings):
         bf16=settings.bf16,
         params_dtype=torch.bfloat16 if settings.bf16 else torch.float32,
         use_distributed_optimizer=settings.use_distributed_optimizer,
+        overlap_param_gather=settings.overlap_param_gather,
     )
     return get_megatron_optimizer(config, chunks)
+
+
+def gather_updated_params(chunks: list[torch.nn.Module]) -> None:
+    """Complete the distributed optimizer's parameter all-gather now (collective over dp).
+
+    With ``overlap_param_gather`` the updated parameters reach every rank only in the next
+    forward's pre-hooks; code that reads whole parameters outside a forward (weight sync to an
+    inference engine, checkpoints) calls this first. A no-op otherwise.
+    """
+    for chunk in chunks:
+        config = getattr(chunk, "ddp_config", None)
+        if config is not None and config.use_distributed_optimizer and config.overlap_param_gather:
+            chunk.start_param_sync(force_sync=True)
 
 
 def zero_grads(chunks: list[torch.nn.Module], optimizer) -> None:

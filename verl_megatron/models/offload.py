@@ -7,9 +7,17 @@ in host memory and brings it back before the next update (verl's
 - parameters are copied to (pinned) host memory; parameters that live in a
   megatron DDP parameter buffer (distributed optimizer) move as the whole
   buffer, whose GPU storage is then released while every view stays valid;
-- gradient buffers are released without a copy: offloading happens after
-  the optimizer step, when gradients are spent, and they come back zeroed;
+- gradient buffers are released without a copy, by megatron's own
+  ``_ParamAndGradBuffer.offload_to_cpu(move_grads=True)`` / ``reload_from_cpu``: offloading
+  happens after the optimizer step, when gradients are spent, and they come back zeroed;
 - optimizer state (Adam moments) and fp32 master weights are copied to host.
+
+Host copies are allocated (pinned) once and reused by every later offload. Kept here rather
+than megatron's: its buffer parameter offload copies with ``.cpu()`` (an alias, not a copy,
+when the buffer is on the host, so its bookkeeping cannot be exercised on CPU), and its
+optimizer ``offload_to_cpu`` moves ``param_groups`` tensors, which for the fp32 optimizer
+are the model's own parameters and for the fp32 distributed optimizer views of its parameter
+buffer that ``restore_from_cpu`` would not re-attach.
 
 On a machine without CUDA everything already lives in host memory: the
 public functions move nothing, log that once, and return a report saying so.
@@ -109,7 +117,14 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _to_host(t: torch.Tensor, host: torch.device) -> torch.Tensor:
+def _to_host(t: torch.Tensor, host: torch.device, reuse: torch.Tensor | None = None) -> torch.Tensor:
+    """A host copy of ``t``, written into ``reuse`` (the previous offload's copy) when it fits.
+
+    Pinned host memory is allocated once per tensor and kept across offloads: pinning is slow
+    and pinned pages are a scarce resource.
+    """
+    if reuse is not None and reuse.shape == t.shape and reuse.dtype == t.dtype and reuse.device == host:
+        return reuse.copy_(t)
     if t.is_cuda and host.type == "cpu":
         # Pinned pages: the copy back to the GPU runs at full bus speed.
         out = torch.empty(t.shape, dtype=t.dtype, device=host, pin_memory=True)
@@ -160,22 +175,24 @@ def _offload_model(chunks: list[torch.nn.Module], grads: bool, host: torch.devic
             # Every parameter is a view of param_data: keep the storage object,
             # copy it out, shrink it to nothing; the views come back with it.
             setattr(buffer, _HOME, param_data.device)
-            buffer._verl_param_copy = _to_host(param_data, host)
+            buffer._verl_param_copy = _to_host(param_data, host, getattr(buffer, "_verl_param_copy", None))
             buffer._verl_param_size = param_data.untyped_storage().size()
             param_data.untyped_storage().resize_(0)
             report.moved_bytes += _nbytes(buffer._verl_param_copy)
             report.tensors += 1
         grad_data = getattr(buffer, "grad_data", None)
         if grads and grad_data is not None and grad_data.untyped_storage().size() > 0:
-            buffer._verl_grad_size = grad_data.untyped_storage().size()
-            report.freed_bytes += buffer._verl_grad_size
-            grad_data.untyped_storage().resize_(0)
+            # megatron's own release (storage resized to 0, views kept); it records the size.
+            freed = grad_data.untyped_storage().nbytes()
+            buffer.offload_to_cpu(move_params=False, move_grads=True)
+            report.freed_bytes += freed
             report.tensors += 1
     for param in loose:
         if hasattr(param, _HOME):
             continue
         setattr(param, _HOME, param.device)
-        param.data = _to_host(param.data, host)
+        param.data = _to_host(param.data, host, getattr(param, "_verl_host_copy", None))
+        param._verl_host_copy = param.data
         report.moved_bytes += _nbytes(param.data)
         report.tensors += 1
         if grads and param.grad is not None:
@@ -195,20 +212,19 @@ def _load_model(chunks: list[torch.nn.Module]) -> OffloadReport:
     for buffer in buffers:
         if hasattr(buffer, _HOME):
             buffer.param_data.untyped_storage().resize_(buffer._verl_param_size)
-            buffer.param_data.copy_(buffer._verl_param_copy.to(getattr(buffer, _HOME)))
+            buffer.param_data.copy_(buffer._verl_param_copy, non_blocking=True)
             report.moved_bytes += _nbytes(buffer.param_data)
             report.tensors += 1
-            del buffer._verl_param_copy
+            # The host copy stays allocated for the next offload.
             delattr(buffer, _HOME)
-        if getattr(buffer, "_verl_grad_size", 0):
-            buffer.grad_data.untyped_storage().resize_(buffer._verl_grad_size)
-            buffer.grad_data.zero_()
-            report.freed_bytes += buffer._verl_grad_size
+        if getattr(buffer, "grad_data_size", 0):
+            # megatron's reload: storage re-allocated and zeroed.
+            report.freed_bytes += buffer.grad_data_size * buffer.grad_data.element_size()
+            buffer.reload_from_cpu(move_params=False, move_grads=True)
             report.tensors += 1
-            buffer._verl_grad_size = 0
     for param in loose:
         if hasattr(param, _HOME):
-            param.data = param.data.to(getattr(param, _HOME), copy=True)
+            param.data = param.data.to(getattr(param, _HOME), copy=True, non_blocking=True)
             delattr(param, _HOME)
             report.moved_bytes += _nbytes(param.data)
             report.tensors += 1
@@ -242,16 +258,24 @@ def _offload_optimizer(optimizer, host: torch.device) -> OffloadReport:
     slots = optimizer_tensors(optimizer)
     masters = list(_master_params(optimizer))
     home = next((c[k].device for c, k in slots), None) or next((m.device for m in masters), None)
+    # Host copies kept from the previous offload, reused in the same order.
+    previous = getattr(optimizer, "_verl_host_copies", [])
+    copies: list[torch.Tensor] = []
     for container, key in slots:
-        container[key] = _to_host(container[key], host)
+        reuse = previous[len(copies)] if len(copies) < len(previous) else None
+        container[key] = _to_host(container[key], host, reuse)
+        copies.append(container[key])
         report.moved_bytes += _nbytes(container[key])
     for master in masters:
-        master.data = _to_host(master.data, host)
+        reuse = previous[len(copies)] if len(copies) < len(previous) else None
+        master.data = _to_host(master.data, host, reuse)
+        copies.append(master.data)
         report.moved_bytes += _nbytes(master.data)
     report.tensors = len(slots) + len(masters)
     if report.tensors == 0:
         # Before the first step there is no state yet; nothing to bring back either.
         return OffloadReport(skipped="optimizer has no state yet")
+    optimizer._verl_host_copies = copies
     setattr(optimizer, _HOME, home)
     return report
 
@@ -264,10 +288,10 @@ def _load_optimizer(optimizer) -> OffloadReport:
     slots = optimizer_tensors(optimizer)
     masters = list(_master_params(optimizer))
     for container, key in slots:
-        container[key] = container[key].to(home, copy=True)
+        container[key] = container[key].to(home, copy=True, non_blocking=True)
         report.moved_bytes += _nbytes(container[key])
     for master in masters:
-        master.data = master.data.to(home, copy=True)
+        master.data = master.data.to(home, copy=True, non_blocking=True)
         report.moved_bytes += _nbytes(master.data)
     report.tensors = len(slots) + len(masters)
     setattr(optimizer, _HOME, None)

@@ -13,9 +13,9 @@ response mask is 1 on generated tokens up to and including the stop token (EOS o
 0 on padding. Every rank of a model-parallel group calls ``generate_sequences`` with the same
 prompts (its data-parallel shard) and gets the same result.
 
-A training step drives any engine the same way: ``wake_up()``, ``sync_weights()``,
-``generate_sequences(prompts)``, ``sleep()``; the native engine, which reads the actor's
-weights in place, makes the three hooks no-ops. Multi-turn rollouts wrap an engine in
+A training step drives any engine the same way: ``wake_up_weights()``, ``sync_weights()``,
+``wake_up()``, ``generate_sequences(prompts)``, ``sleep()``; the native engine, which reads the
+actor's weights in place, makes the hooks no-ops. Multi-turn rollouts wrap an engine in
 ``verl_megatron.rollout.multiturn.MultiTurnRollout`` with an environment.
 """
 
@@ -78,6 +78,10 @@ class RolloutEngine(abc.ABC):
 
     def wake_up(self) -> None:  # noqa: B027
         """Take the memory back before generating."""
+
+    def wake_up_weights(self) -> None:  # noqa: B027
+        """Take back only the weights' memory, so that ``sync_weights`` can run before the KV cache
+        is allocated (the trainer parks the actor's parameters in between)."""
 
 
 # engine name -> (module, class, pip package, extra to install)

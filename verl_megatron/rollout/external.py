@@ -3,8 +3,11 @@
 Each rank drives its own engine on its own GPU, next to the trainer. One training step uses
 the engine as::
 
-    engine.wake_up()          # take GPU memory back (weights, KV cache)
-    engine.sync_weights()     # actor weights -> engine, in buckets (see weight_sync.py)
+    engine.wake_up_weights()  # take back the weights' GPU memory only
+    engine.sync_weights()     # actor weights -> engine, in buckets (see weight_sync.py);
+                              # then the prefix cache is reset (it holds old-weight keys/values)
+    # (the trainer parks the actor's parameters here, before the KV cache is allocated)
+    engine.wake_up()          # the KV cache
     out = engine.generate_sequences(prompts)
     engine.sleep()            # give the memory to training (when rollout.free_cache_engine)
 
@@ -33,7 +36,7 @@ from verl_megatron.rollout.base import (
     stop_token_ids,
 )
 from verl_megatron.rollout.config import RolloutConfig, RolloutConfigError
-from verl_megatron.rollout.sampling import SamplingParams, call_seed, resolve_sampling
+from verl_megatron.rollout.sampling import SamplingParams, call_seed, prompt_seed, resolve_sampling
 from verl_megatron.rollout.weight_sync import NamedTensor, SyncStats, stream_weights
 
 __all__ = [
@@ -76,6 +79,7 @@ class GenerationRequest:
         ignore_eos: generate to ``max_tokens`` whatever is produced.
         seed: the call's sampling seed.
         logprobs: also return the sampled tokens' log-probs.
+        prompt_seeds: one seed per prompt, from its row in the global batch (layout-invariant).
     """
 
     params: SamplingParams
@@ -84,6 +88,7 @@ class GenerationRequest:
     ignore_eos: bool
     seed: int
     logprobs: bool
+    prompt_seeds: tuple[int, ...] = ()
 
 
 @dataclass
@@ -106,12 +111,16 @@ class EngineBackend(abc.ABC):
         """Load a bucket of (Hugging Face name, full tensor) into the engine's model."""
 
     @abc.abstractmethod
+    def reset_cache(self) -> None:
+        """Forget cached prompt prefixes (their keys/values were computed with the old weights)."""
+
+    @abc.abstractmethod
     def sleep(self) -> None:
         """Release the engine's GPU memory (KV cache; weights offloaded or dropped)."""
 
     @abc.abstractmethod
-    def wake_up(self) -> None:
-        """Re-allocate what :meth:`sleep` released."""
+    def wake_up(self, tags: tuple[str, ...] | None = None) -> None:
+        """Re-allocate what :meth:`sleep` released: ``("weights",)`` or ``("kv_cache",)`` alone, or all."""
 
 
 class ExternalRollout(RolloutEngine):
@@ -139,7 +148,7 @@ class ExternalRollout(RolloutEngine):
         self.hf_config = hf_config
         self.backend = backend
         self.seed = config.seed if config.seed is not None else runtime.seed
-        self.awake = True
+        self.awake = self.weights_awake = True
         self.last_sync: SyncStats | None = None
         self._calls = 0
 
@@ -156,8 +165,18 @@ class ExternalRollout(RolloutEngine):
             max_tokens=int(meta.get("response_length", self.config.response_length)),
             stop_token_ids=tuple(stop_token_ids(self.config, meta, self.tokenizer, self.hf_config)),
             ignore_eos=self.config.ignore_eos,
-            seed=call_seed(self.seed, self.runtime.dp_rank, self._calls),
+            # The same on every rank of an engine's tp group (ranks r*t .. r*t+t-1, rollout/layout.py).
+            seed=call_seed(
+                self.seed,
+                getattr(self.runtime, "rank", 0) // self.config.tensor_model_parallel_size,
+                self._calls,
+            ),
             logprobs=self.config.calculate_log_probs,
+            # The trainer passes where this share starts in the global batch (rollout/layout.py).
+            prompt_seeds=tuple(
+                prompt_seed(self.seed, self._calls, int(meta.get("prompt_offset", 0)) + i)
+                for i in range(input_ids.shape[0])
+            ),
         )
         self._calls += 1
         token_lists = [row[keep].tolist() for row, keep in zip(input_ids.cpu(), mask.cpu().bool())]
@@ -173,10 +192,19 @@ class ExternalRollout(RolloutEngine):
         )
         return assemble_output(prompts, responses, response_mask, rollout_log_probs, request.params.n)
 
+    def bind_actor(self, actor_chunks: list[torch.nn.Module]) -> None:
+        """The actor chunks to sync weights from (an engine built before the actor gets them here)."""
+        self.chunks = actor_chunks
+
     def sync_weights(self) -> None:
         """Stream the actor's weights (gathered over tp/pp; collective) into the engine."""
+        if not self.weights_awake:
+            raise RuntimeError("sync_weights: the engine's weights are asleep; call wake_up_weights() first")
         from verl_megatron.models.convert import iter_hf_weights
+        from verl_megatron.models.megatron_model import gather_updated_params
 
+        # Distributed optimizer with overlap_param_gather: the last update is not all-gathered yet.
+        gather_updated_params(self.chunks)
         self.last_sync = stream_weights(
             iter_hf_weights(self.chunks, self.runtime, self.hf_config),
             self.backend.load_weights,
@@ -184,16 +212,22 @@ class ExternalRollout(RolloutEngine):
             name_map=self.config.layer_name_map,
             dtype=engine_dtype(self.config),
         )
+        self.backend.reset_cache()
 
     def sleep(self) -> None:
         if self.config.free_cache_engine and self.awake:
             self.backend.sleep()
-            self.awake = False
+            self.awake = self.weights_awake = False
+
+    def wake_up_weights(self) -> None:
+        if not self.weights_awake:
+            self.backend.wake_up(("weights",))
+            self.weights_awake = True
 
     def wake_up(self) -> None:
         if not self.awake:
-            self.backend.wake_up()
-            self.awake = True
+            self.backend.wake_up(("kv_cache",) if self.weights_awake else None)
+            self.awake = self.weights_awake = True
 
 
 def _flatten(completions: list[list[Completion]], num_prompts: int, n: int) -> list[Completion]:

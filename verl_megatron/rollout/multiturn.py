@@ -141,6 +141,9 @@ class MultiTurnRollout(RolloutEngine):
     def wake_up(self) -> None:
         self.engine.wake_up()
 
+    def wake_up_weights(self) -> None:
+        self.engine.wake_up_weights()
+
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Conversations for left-padded prompts [B, Tp] -> [B*n, ...], keys as the engine's."""
         input_ids, mask, _ = prompt_tensors(prompts)

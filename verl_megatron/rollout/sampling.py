@@ -20,7 +20,7 @@ import torch
 
 from verl_megatron.rollout.config import RolloutConfig, RolloutConfigError
 
-__all__ = ["SamplingParams", "call_seed", "resolve_sampling", "sample_next"]
+__all__ = ["SamplingParams", "call_seed", "prompt_seed", "resolve_sampling", "sample_next"]
 
 # Candidates examined before falling back to a full sort for top-p: if the K most likely tokens
 # already hold top_p of the probability, the nucleus lies within them (exact, not a heuristic).
@@ -85,6 +85,15 @@ def call_seed(seed: int, dp_rank: int, call: int) -> int:
     seed repeats the same sequence of calls' draws.
     """
     return ((seed * 1_000_003 + dp_rank) * 1_000_033 + call) % (2**63)
+
+
+def prompt_seed(seed: int, call: int, prompt_index: int) -> int:
+    """The sampling seed of one prompt's samples in one generate call.
+
+    ``prompt_index`` is the prompt's row in the global batch, so the seed (and an engine's draws
+    for that prompt) does not depend on how prompts are split over replicas.
+    """
+    return ((seed * 1_000_003 + call) * 1_000_033 + prompt_index) % (2**63)
 
 
 def _inverse_cdf(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

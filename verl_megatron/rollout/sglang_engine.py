@@ -116,13 +116,18 @@ class SGLangBackend(EngineBackend):
         return completions_from_sglang(outputs, n, request.logprobs)
 
     def load_weights(self, bucket: list[NamedTensor]) -> None:
-        self.engine.update_weights_from_tensor(named_tensors=bucket)
+        # One cache flush after the last bucket (reset_cache), not one per bucket.
+        self.engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=False)
+
+    def reset_cache(self) -> None:
+        # The radix cache holds keys/values computed with the previous weights.
+        self.engine.flush_cache()
 
     def sleep(self) -> None:
         self.engine.release_memory_occupation()
 
-    def wake_up(self) -> None:
-        self.engine.resume_memory_occupation()
+    def wake_up(self, tags: tuple[str, ...] | None = None) -> None:
+        self.engine.resume_memory_occupation(tags=None if tags is None else list(tags))
 
 
 class SGLangRollout(ExternalRollout):

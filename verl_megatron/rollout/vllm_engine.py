@@ -17,6 +17,7 @@ plain functions, unit-tested on CPU; ``VLLMBackend`` is the thin part that calls
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -36,11 +37,32 @@ __all__ = [
     "VLLMBackend",
     "VLLMRollout",
     "completions_from_vllm",
+    "disable_engine_multiprocessing",
     "vllm_engine_kwargs",
     "vllm_sampling_kwargs",
 ]
 
 _SLEEP_LEVEL = 1
+# vLLM's engine core runs in a child process unless this is "0"; with
+# distributed_executor_backend="external_launcher" it must run in this process (vLLM asserts it).
+_MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+def disable_engine_multiprocessing(environ: dict[str, str] | None = None) -> None:
+    """Keep vLLM's engine core in the trainer's process (call before ``vllm.LLM`` is built).
+
+    Raises RolloutConfigError when the user explicitly asked for multiprocessing, which the
+    external launcher cannot run with.
+    """
+    environ = os.environ if environ is None else environ
+    value = environ.get(_MULTIPROCESSING_ENV)
+    if value is not None and value.strip() not in ("0", "false", "False"):
+        raise RolloutConfigError(
+            f"{_MULTIPROCESSING_ENV}={value!r} is set, but the colocated vLLM engine "
+            "(distributed_executor_backend='external_launcher') runs in the trainer's process: "
+            f"unset it or set it to 0"
+        )
+    environ[_MULTIPROCESSING_ENV] = "0"
 
 
 def vllm_engine_kwargs(config: RolloutConfig, hf_config: Any, runtime: Runtime) -> dict[str, Any]:
@@ -74,8 +96,9 @@ def vllm_engine_kwargs(config: RolloutConfig, hf_config: Any, runtime: Runtime) 
     return kwargs
 
 
-def vllm_sampling_kwargs(request: GenerationRequest) -> dict[str, Any]:
-    """Keyword arguments for ``vllm.SamplingParams`` (vLLM: temperature 0 is greedy, top_k -1 is off)."""
+def vllm_sampling_kwargs(request: GenerationRequest, seed: int | None = None) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.SamplingParams`` (vLLM: temperature 0 is greedy, top_k -1 is off);
+    ``seed`` (a prompt's) replaces the call's."""
     params = request.params
     return {
         "n": params.n,
@@ -86,7 +109,7 @@ def vllm_sampling_kwargs(request: GenerationRequest) -> dict[str, Any]:
         "stop_token_ids": list(request.stop_token_ids),
         "ignore_eos": request.ignore_eos,
         "logprobs": 0 if request.logprobs else None,
-        "seed": request.seed,
+        "seed": request.seed if seed is None else seed,
         "detokenize": False,
     }
 
@@ -114,6 +137,7 @@ class VLLMBackend(EngineBackend):
     """Calls an in-process ``vllm.LLM`` (built from :func:`vllm_engine_kwargs`)."""
 
     def __init__(self, config: RolloutConfig, hf_config: Any, runtime: Runtime) -> None:
+        disable_engine_multiprocessing()
         from vllm import LLM
 
         self.llm = LLM(**vllm_engine_kwargs(config, hf_config, runtime))
@@ -122,9 +146,12 @@ class VLLMBackend(EngineBackend):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        # One SamplingParams per prompt (vLLM takes a list as long as the prompts): each prompt
+        # draws from its own seed, whichever replica generates it.
+        seeds = request.prompt_seeds or (request.seed,) * len(prompts)
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in prompts],
-            sampling_params=SamplingParams(**vllm_sampling_kwargs(request)),
+            sampling_params=[SamplingParams(**vllm_sampling_kwargs(request, seed)) for seed in seeds],
             use_tqdm=False,
         )
         return completions_from_vllm(outputs, request.logprobs)
@@ -133,11 +160,15 @@ class VLLMBackend(EngineBackend):
         # Runs in this process (external_launcher): the bucket is not copied between processes.
         self.llm.apply_model(lambda model: model.load_weights(weights=bucket))
 
+    def reset_cache(self) -> None:
+        # Prefix-cache blocks hold keys/values computed with the previous weights.
+        self.llm.reset_prefix_cache()
+
     def sleep(self) -> None:
         self.llm.sleep(level=_SLEEP_LEVEL)
 
-    def wake_up(self) -> None:
-        self.llm.wake_up()
+    def wake_up(self, tags: tuple[str, ...] | None = None) -> None:
+        self.llm.wake_up(tags=None if tags is None else list(tags))
 
 
 class VLLMRollout(ExternalRollout):

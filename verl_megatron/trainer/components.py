@@ -9,6 +9,7 @@ anything itself.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +19,13 @@ from verl_megatron.data import PromptLoader, RLHFDataset
 from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.trainer.config import PPOConfig, use_critic, use_reference
 
-__all__ = ["Components", "build_components", "resolve_worker_configs", "total_training_steps"]
+__all__ = [
+    "Components",
+    "build_colocated",
+    "build_components",
+    "resolve_worker_configs",
+    "total_training_steps",
+]
 
 
 @dataclass
@@ -97,9 +104,29 @@ def _trained(chunks: list[torch.nn.Module], optim: Any, bf16: bool):
     from verl_megatron.models.megatron_model import build_optimizer, wrap_ddp
     from verl_megatron.workers.lr_schedule import build_lr_scheduler, optim_settings
 
-    chunks = wrap_ddp(chunks)
-    optimizer = build_optimizer(chunks, optim_settings(optim, bf16=bf16))
+    settings = optim_settings(optim, bf16=bf16)
+    chunks = wrap_ddp(chunks, settings)
+    optimizer = build_optimizer(chunks, settings)
     return chunks, optimizer, build_lr_scheduler(optimizer, optim)
+
+
+def build_colocated(
+    engine: str, build_training: Callable[[], tuple[Any, Any, Any]], make_rollout: Callable[[list], Any]
+) -> tuple[tuple[Any, Any, Any], Any]:
+    """((actor, ref, critic), rollout) built in the order a shared GPU needs.
+
+    vLLM and SGLang size their KV cache from the GPU memory free when they start, so an external
+    engine is built before any training state exists, put to sleep, and given the actor's chunks
+    (for weight syncs) once they exist. The native engine is built on the actor's chunks.
+    """
+    if engine == "native":
+        training = build_training()
+        return training, make_rollout(training[0].chunks)
+    rollout = make_rollout([])
+    rollout.sleep()
+    training = build_training()
+    rollout.bind_actor(training[0].chunks)
+    return training, rollout
 
 
 def _reward_fns(config: PPOConfig, tokenizer: Any) -> tuple[Any, Any]:
@@ -143,22 +170,29 @@ def build_components(config: PPOConfig, runtime: Runtime) -> tuple[PPOConfig, Co
     config = resolve_worker_configs(config, total_training_steps(config, len(train_loader)))
     bf16 = config.model.dtype == "bfloat16"
 
-    actor_chunks, optimizer, scheduler = _trained(
-        _policy_chunks(config, runtime, hf_config), config.actor.optim, bf16
-    )
-    actor = MegatronActor(runtime, config.actor, actor_chunks, optimizer, scheduler)
-    ref = None
-    if use_reference(config):
-        ref = MegatronRef(runtime, config.ref, _policy_chunks(config, runtime, hf_config))
-    critic = None
-    if use_critic(config):
-        from verl_megatron.workers.critic import MegatronCritic
-
-        critic_parts = _trained(
-            _policy_chunks(config, runtime, hf_config, value_head=True), config.critic.optim, bf16
+    def build_training() -> tuple[Any, Any, Any]:
+        actor_chunks, optimizer, scheduler = _trained(
+            _policy_chunks(config, runtime, hf_config), config.actor.optim, bf16
         )
-        critic = MegatronCritic(runtime, config.critic, *critic_parts)
-    rollout = build_rollout(config.rollout, runtime, actor_chunks, tokenizer, hf_config)
+        actor = MegatronActor(runtime, config.actor, actor_chunks, optimizer, scheduler)
+        ref = None
+        if use_reference(config):
+            ref = MegatronRef(runtime, config.ref, _policy_chunks(config, runtime, hf_config))
+        critic = None
+        if use_critic(config):
+            from verl_megatron.workers.critic import MegatronCritic
+
+            critic_parts = _trained(
+                _policy_chunks(config, runtime, hf_config, value_head=True), config.critic.optim, bf16
+            )
+            critic = MegatronCritic(runtime, config.critic, *critic_parts)
+        return actor, ref, critic
+
+    (actor, ref, critic), rollout = build_colocated(
+        config.rollout.name,
+        build_training,
+        lambda chunks: build_rollout(config.rollout, runtime, chunks, tokenizer, hf_config),
+    )
     if environment is not None:
         from verl_megatron.rollout.multiturn import MultiTurnRollout
 

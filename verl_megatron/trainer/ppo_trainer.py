@@ -2,8 +2,8 @@
 
 Every process runs this same loop on the same global batch; the workers split
 rows over data-parallel ranks themselves and return whole results, and the
-rollout engine receives each data-parallel rank's share of the prompts (the
-trainer gathers the responses back). Rank 0 alone computes rewards (then
+rollout engine receives each rollout replica's share of the prompts
+(``rollout/layout.py``; the trainer gathers the responses back). Rank 0 alone computes rewards (then
 broadcasts them, so a slow or random scorer cannot split the ranks) and logs.
 
 One step, top to bottom (``train_step``)::
@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
+from verl_megatron.rollout.layout import gather_replicas, shard_for
 from verl_megatron.trainer import metrics as M
 from verl_megatron.trainer.components import Components, total_training_steps
 from verl_megatron.trainer.config import PPOConfig, to_dict
@@ -229,19 +230,19 @@ class PPOTrainer:
         )
         if greedy:
             prompts.meta_info["do_sample"] = False
-        dp = self.runtime.layout.dp
-        padded, pad = pad_dataproto_to_divisor(prompts, dp)
+        # Split by the rollout's replicas (rollout/layout.py), not by the training dp rank.
+        shard = shard_for(rollout_cfg.name, rollout_cfg.tensor_model_parallel_size, self.runtime)
+        padded, pad = pad_dataproto_to_divisor(prompts, shard.replicas)
+        local = padded.chunk(shard.replicas)[shard.replica]
+        local.meta_info["prompt_offset"] = shard.replica * len(local)
         with self._rollout_phase():
-            output = self.rollout.generate_sequences(padded.chunk(dp)[self.runtime.dp_rank]).to("cpu")
-        if dp > 1:
-            parts: list[Any] = [None] * dp
-            dist.all_gather_object(parts, output, group=self.runtime.dp_group())
-            output = DataProto.concat(parts)
+            output = self.rollout.generate_sequences(local).to("cpu")
+        output = DataProto.concat(gather_replicas(output, shard, self.runtime.world_size))
         samples_per_prompt = len(output) // len(padded)
         output = unpad_dataproto(output, pad * samples_per_prompt)
         # The actor's log-probs must be those of the distribution the rollout sampled from.
         output.meta_info["temperature"] = rollout_cfg.temperature if rollout_cfg.temperature > 0 else 1.0
-        for key in ("validate", "do_sample"):
+        for key in ("validate", "do_sample", "prompt_offset"):
             output.meta_info.pop(key, None)
         return output
 
@@ -249,39 +250,46 @@ class PPOTrainer:
     def _rollout_phase(self):
         """Hand the accelerator to the rollout engine, then take it back.
 
-        The engine wakes up and, if the actor changed since it last did, loads the current
-        weights (a no-op for the native engine, which reads the actor in place). Training
-        state that the ``<role>.megatron`` offload switches name is parked in host memory
-        meanwhile (GPU only; on CPU the offload functions move nothing).
+        Order matters on a GPU: the training state the ``<role>.megatron`` offload switches
+        name is parked first; the engine then takes back its weights' memory and, if the actor
+        changed since the last sync, loads them (the actor's own parameters are still on the
+        GPU for that); only then are the actor's parameters parked and the KV cache allocated.
+        On CPU the offload functions move nothing. The native engine reads the actor in place.
         """
         from verl_megatron.models import offload
 
-        self.rollout.wake_up()
-        if self._synced_version != self._weights_version:
-            self.rollout.sync_weights()
-            self._synced_version = self._weights_version
         restore: list[tuple[Any, Any]] = []
+
+        def park(move: Any, load: Any, target: Any, **kwargs: Any) -> None:
+            move(target, **kwargs)
+            restore.append((load, target))
+
         actor_off = self.config.actor.megatron
         if actor_off.optimizer_offload:
-            offload.offload_optimizer(self.actor.optimizer)
-            restore.append((offload.load_optimizer, self.actor.optimizer))
-        # The native engine generates with the actor's own parameters: they stay.
-        if actor_off.param_offload and self.config.rollout.name != "native":
-            offload.offload_model(self.actor.chunks, grads=actor_off.grad_offload)
-            restore.append((offload.load_model, self.actor.chunks))
+            park(offload.offload_optimizer, offload.load_optimizer, self.actor.optimizer)
         if self.ref is not None and self.config.ref.megatron.param_offload:
-            offload.offload_model(self.ref.chunks, grads=False)
-            restore.append((offload.load_model, self.ref.chunks))
+            park(offload.offload_model, offload.load_model, self.ref.chunks, grads=False)
         if self.critic is not None:
             critic_off = self.config.critic.megatron
             if critic_off.param_offload:
-                offload.offload_model(self.critic.chunks, grads=critic_off.grad_offload)
-                restore.append((offload.load_model, self.critic.chunks))
+                park(
+                    offload.offload_model,
+                    offload.load_model,
+                    self.critic.chunks,
+                    grads=critic_off.grad_offload,
+                )
             if critic_off.optimizer_offload:
-                offload.offload_optimizer(self.critic.optimizer)
-                restore.append((offload.load_optimizer, self.critic.optimizer))
+                park(offload.offload_optimizer, offload.load_optimizer, self.critic.optimizer)
+        self.rollout.wake_up_weights()
+        if self._synced_version != self._weights_version:
+            self.rollout.sync_weights()
+            self._synced_version = self._weights_version
+        # The native engine generates with the actor's own parameters: they stay.
+        if actor_off.param_offload and self.config.rollout.name != "native":
+            park(offload.offload_model, offload.load_model, self.actor.chunks, grads=actor_off.grad_offload)
         if restore:
             offload.empty_device_cache()
+        self.rollout.wake_up()
         try:
             yield
         finally:

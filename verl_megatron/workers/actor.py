@@ -291,12 +291,12 @@ class MegatronActor(_PolicyForward):
         dp = counts["dp_size"]
         # Each micro-batch's share of a mini-batch-wide value: agg values carry a dp factor
         # (summed over dp ranks they count dp times); masked means are weighted by tokens.
-        share = float(mask.sum()) / max(counts["batch_num_tokens"], 1)
+        share = mask.sum() / max(counts["batch_num_tokens"], 1)  # stays on the device: no sync
         metrics = {
             "pg_loss": pg_loss.detach() / dp,
             "entropy": entropy_agg.detach() / dp,
             **{
-                name: torch.tensor(pg_metrics.get(f"actor/{name}", 0.0) * share)
+                name: torch.as_tensor(pg_metrics.get(f"actor/{name}", 0.0), device=share.device) * share
                 for name in ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower")
             },
         }

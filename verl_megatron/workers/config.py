@@ -52,6 +52,12 @@ class OptimConfig:
     """After warmup: ``constant``, ``linear``, ``cosine`` or ``inverse-square-root`` (megatron's names)."""
     min_lr: float = 0.0
     """Floor of decaying schedules."""
+    use_distributed_optimizer: bool = False
+    """Shard Adam state and fp32 master weights over the dp ranks (megatron's distributed optimizer)."""
+    overlap_grad_reduce: bool = False
+    """Reduce gradient buckets while the backward pass runs (megatron DDP)."""
+    overlap_param_gather: bool = False
+    """With the distributed optimizer: all-gather the updated parameters during the next forward."""
 
     def __post_init__(self) -> None:
         if self.lr < 0 or self.min_lr < 0 or self.lr_warmup_init < 0:
@@ -74,6 +80,10 @@ class OptimConfig:
             raise WorkerConfigError(f"optim.optimizer must be 'adam' or 'sgd', got {self.optimizer!r}")
         if self.clip_grad < 0:
             raise WorkerConfigError(f"optim.clip_grad must be >= 0, got {self.clip_grad}")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise WorkerConfigError(
+                "optim.overlap_param_gather=true needs optim.use_distributed_optimizer=true"
+            )
 
 
 @dataclass
@@ -139,7 +149,7 @@ class OffloadConfig:
 
     GPU only: on CPU everything already lives in host memory and the switches do nothing.
     With the native rollout engine the actor's parameters are needed to generate, so
-    ``param_offload`` applies to the reference and critic only.
+    ``actor.megatron.param_offload`` is a config error there (reference and critic apply it).
     """
 
     param_offload: bool = False

@@ -137,8 +137,7 @@ class MegatronCritic:
             self.config.loss_agg_mode,
             **counts,
         )
-        tokens = float(mask.sum())
-        share = tokens / max(counts["batch_num_tokens"], 1)
+        share = mask.sum() / max(counts["batch_num_tokens"], 1)  # stays on the device: no sync
         metrics = {
             "vf_loss": vf_loss.detach() / counts["dp_size"],
             "vf_clipfrac": vf_clipfrac.detach() * share,

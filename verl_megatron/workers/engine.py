@@ -327,12 +327,15 @@ class ModelRunner:
         """
         zero_grads(self.chunks, optimizer)
         results = self.run(micro_batches, step_fn, forward_only=False)
+        # megatron's optimizer.step() would prepare the grads and compute the norm again:
+        # its pieces are called here once each.
         found_inf = optimizer.prepare_grads()
         grad_norm = float("nan") if found_inf else float(optimizer.get_grad_norm())
         if not math.isfinite(grad_norm):
             zero_grads(self.chunks, optimizer)
             return results, grad_norm, False
-        stepped, _, _ = optimizer.step()
+        clip_by_norm(optimizer, grad_norm)
+        stepped = optimizer.step_with_ready_grads()
         return results, grad_norm, bool(stepped)
 
     # ------------------------------------------------------------------ moving results
@@ -418,17 +421,39 @@ class ModelRunner:
     def reduce_metrics(self, results: list[StepResult], names: Sequence[str]) -> dict[str, float]:
         """Sum the named metric partial sums over micro-batches and dp ranks; same on every rank."""
         totals = torch.zeros(len(names), dtype=torch.float64)
-        if self.runtime.is_pp_last:
-            for result in results:
-                for i, name in enumerate(names):
-                    if name in result.metrics:
-                        totals[i] += float(result.metrics[name])
+        if self.runtime.is_pp_last and results:
+            # Summed where the metrics live, moved to the host once (not once per micro-batch).
+            zero = torch.zeros((), dtype=torch.float64)
+            per_name = [
+                torch.stack(
+                    [torch.as_tensor(r.metrics[name]).detach().double() for r in results if name in r.metrics]
+                    or [zero]
+                ).sum()
+                for name in names
+            ]
+            totals = torch.stack([t.to(per_name[0].device) for t in per_name]).cpu()
         if self.runtime.layout.dp > 1:
             totals = totals.to(self.runtime.device)
             dist.all_reduce(totals, group=self.runtime.dp_group())
             totals = totals.cpu()
         totals = self._broadcast_pp(totals)
         return dict(zip(names, totals.tolist()))
+
+
+def clip_by_norm(optimizer, grad_norm: float) -> None:
+    """Clip every (sub-)optimizer's main grads to its ``clip_grad`` with the global norm computed once."""
+    from megatron.core.optimizer import optimizer as mcore_optimizer
+
+    for sub in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        params = sub.get_parameters()
+        if sub.config.clip_grad > 0.0 and params:
+            # Looked up on the module at call time: the CPU layer replaces it.
+            mcore_optimizer.clip_grad_by_total_norm_fp32(
+                params,
+                max_norm=sub.config.clip_grad,
+                total_norm=grad_norm,
+                use_decoupled_grad=sub.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
+            )
 
 
 def _to_device(packed, device: torch.device):

@@ -25,6 +25,9 @@ def optim_settings(optim: OptimConfig, *, bf16: bool = False) -> OptimSettings:
         clip_grad=optim.clip_grad,
         optimizer=optim.optimizer,
         bf16=bf16,
+        use_distributed_optimizer=optim.use_distributed_optimizer,
+        overlap_grad_reduce=optim.overlap_grad_reduce,
+        overlap_param_gather=optim.overlap_param_gather,
     )
 
 
