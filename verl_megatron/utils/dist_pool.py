@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import multiprocessing as mp
+import multiprocessing.util as mp_util
 import os
 import socket
 import sys
@@ -57,7 +58,10 @@ def _worker(rank: int, world_size: int, port: int, conn, env: dict[str, str]) ->
 
     init_process_group()
     while True:
-        message = conn.recv()
+        try:
+            message = conn.recv()
+        except EOFError:  # the parent is gone without saying goodbye
+            break
         if message is None:
             break
         target, kwargs = message
@@ -88,10 +92,16 @@ class DistPool:
         self._procs = []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, args=(rank, world_size, port, child, env), daemon=True)
+            # Not daemonic: a job may start processes of its own, as the trainer does (the
+            # contained reward scorers), and daemonic processes may not have children.
+            proc = ctx.Process(target=_worker, args=(rank, world_size, port, child, env), daemon=False)
             proc.start()
             self._conns.append(parent)
             self._procs.append(proc)
+        # multiprocessing joins non-daemonic children at interpreter exit; kill ours first
+        # (finalizers with an exit priority run before that join) so a pool never left
+        # closed cannot hang the exit.
+        mp_util.Finalize(None, self.close, kwargs={"force": True}, exitpriority=10)
 
     def run(self, target: str, timeout_s: float = _JOB_TIMEOUT_S, **kwargs: Any) -> list[Any]:
         """Run ``target(**kwargs)`` on every rank; return results in rank order."""
