@@ -165,7 +165,7 @@ def test_section_checks_name_their_key():
     overlong = ["reward_model.reward_manager=dapo", "reward_model.overlong_buffer.enable=true"]
     assert "reward_model.overlong_buffer.len=0 must be in 1..data.max_response_length=4" in _error(overlong)
     assert _error(["reward_model.reward_manager=naiv"]).startswith(
-        "reward_model.reward_manager: unknown reward manager 'naiv'"
+        "reward_model.reward_manager: Unknown reward manager: naiv"
     )
     assert "custom_reward_function.path='/nope.py' does not exist" in _error(
         ["custom_reward_function.path=/nope.py"]

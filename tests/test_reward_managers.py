@@ -454,7 +454,7 @@ def test_registry_lookup_and_errors():
     assert get_reward_manager_cls("parallel") is ParallelRewardManager
     assert get_reward_manager_cls("prime") is PrimeRewardManager
     with pytest.raises(
-        ValueError, match=r"unknown reward manager 'nope'; registered reward managers: .*dapo.*naive"
+        ValueError, match=r"Unknown reward manager: nope; registered reward managers: .*dapo.*naive"
     ):
         get_reward_manager_cls("nope")
     assert register("naive")(NaiveRewardManager) is NaiveRewardManager  # idempotent
@@ -464,3 +464,21 @@ def test_registry_lookup_and_errors():
 
     with pytest.raises(ValueError, match=r"'naive' is already registered to .*NaiveRewardManager"):
         register("naive")(Other)
+
+
+def test_score_timeout_context_is_verls_in_process_guard():
+    import time
+
+    from verl_megatron.workers.reward_manager.naive import _score_timeout
+
+    start = time.monotonic()
+    with pytest.raises(TimeoutError), _score_timeout(0.2):
+        time.sleep(5)
+    assert time.monotonic() - start < 2.0
+    for off in (None, 0):  # disabled: no alarm is installed, the block runs to the end
+        with _score_timeout(off):
+            time.sleep(0.05)
+    with _score_timeout(2.0):
+        value = 1 + 1
+    assert value == 2
+    time.sleep(0.1)  # the timer of the fast block was cancelled: nothing fires afterwards

@@ -2,12 +2,39 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import signal
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from verl_megatron.workers.reward_manager.base import RewardManagerBase
 from verl_megatron.workers.reward_manager.registry import register
 from verl_megatron.workers.reward_manager.scoring import DEFAULT_TIMEOUT_S
+
+
+@contextlib.contextmanager
+def _score_timeout(seconds: float | None) -> Iterator[None]:
+    """Raise TimeoutError in the block after ``seconds`` (verl's in-process guard; None or 0: none).
+
+    A SIGALRM timer, so only in the main thread and only for Python code that returns to the
+    interpreter; the managers' own limit (``compute_score_timeout``) kills a worker process
+    instead, which also stops C loops, exits and crashes. Kept for code written against verl.
+    """
+    if not seconds or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _alarm(signum, frame):
+        raise TimeoutError(f"compute_score exceeded {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 @register("naive")

@@ -40,5 +40,6 @@ def get_reward_manager_cls(name: str) -> type:
     """
     if name not in REWARD_MANAGER_REGISTRY:
         known = ", ".join(sorted(REWARD_MANAGER_REGISTRY))
-        raise ValueError(f"unknown reward manager {name!r}; registered reward managers: {known}")
+        # verl's wording first (code ported from verl matches on it), then what is there.
+        raise ValueError(f"Unknown reward manager: {name}; registered reward managers: {known or 'none'}")
     return REWARD_MANAGER_REGISTRY[name]
