@@ -37,13 +37,16 @@ def _overrides(out_dir: str, scorer: str, delay: float, resume_mode: str) -> lis
     ]
 
 
-def reference_job(overrides: list[str]) -> list[dict]:
+def reference_job(overrides: list[str]) -> tuple[list[dict], int]:
+    """The run's metrics rows, and how many child processes (scorer workers) outlived it."""
+    import multiprocessing
+
     from verl_megatron.train import run
     from verl_megatron.trainer.tracking import read_jsonl_metrics
 
     run(QUICKSTART, overrides)
     out_dir = next(o.split("=", 1)[1] for o in overrides if o.startswith("trainer.default_local_dir="))
-    return read_jsonl_metrics(os.path.join(out_dir, "metrics.jsonl"))
+    return read_jsonl_metrics(os.path.join(out_dir, "metrics.jsonl")), len(multiprocessing.active_children())
 
 
 def _command(overrides: list[str]) -> list[str]:
@@ -64,10 +67,12 @@ def test_sigkilled_run_resumes_to_the_uninterrupted_metrics(pool1, tmp_path):
 
     scorer = tmp_path / "slow_scorer.py"
     scorer.write_text(SLOW_SCORER)
-    reference = pool1.run(
+    reference, leftover_children = pool1.run(
         "tests.test_e2e_resume:reference_job",
         overrides=_overrides(str(tmp_path / "reference"), str(scorer), 0.0, "disable"),
     )[0]
+    # The custom scorer ran in worker processes; the finished run closed them.
+    assert leftover_children == 0, f"{leftover_children} scorer worker(s) outlived the run"
 
     out = tmp_path / "killed"
     proc = subprocess.Popen(

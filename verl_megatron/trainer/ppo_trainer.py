@@ -85,6 +85,18 @@ class PPOTrainer:
 
     def fit(self) -> dict[str, float]:
         """Train until ``total_steps``; returns the first and last mean validation score."""
+        try:
+            return self._fit()
+        finally:
+            # Scorer worker processes end with the run, not at garbage collection.
+            for reward_fn in {
+                id(f): f for f in (self.reward_fn, self.val_reward_fn) if f is not None
+            }.values():
+                close = getattr(reward_fn, "close", None)
+                if callable(close):
+                    close()
+
+    def _fit(self) -> dict[str, float]:
         trainer = self.config.trainer
         start = self._resume()
         self.tracker = Tracking(
