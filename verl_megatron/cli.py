@@ -85,7 +85,7 @@ def _report_failures(err) -> int:
             message = str(failure.message.get("message", ""))
             # The error file holds "TypeName: message".
             _, _, text = message.partition(": ")
-            print(f"error: {text or message}", file=sys.stderr, flush=True)
+            print(f"error: {' '.join((text or message).split())}", file=sys.stderr, flush=True)
             return EXIT_USER_ERROR
     if any(f.exitcode == EXIT_USER_ERROR for _, f in failures):
         return EXIT_USER_ERROR
