@@ -547,7 +547,7 @@ def _check_lengths(config: PPOConfig) -> None:
     data, rollout = config.data, config.rollout
     if data.truncation not in TRUNCATION_MODES:
         raise ConfigError(
-            f"data.truncation={data.truncation!r}; expected one of {list(TRUNCATION_MODES)}"
+            f"data.truncation={data.truncation!r} is not a truncation mode"
             + _suggest(data.truncation, list(TRUNCATION_MODES))
         )
     if data.train_batch_size < 1:
