@@ -143,7 +143,7 @@ def test_parallel_sizes_against_world_and_model(tiny_model):
     assert "num_key_value_heads=2 is not divisible by tp=4" in _error([model, "parallel.tp=4"], 4)
     assert "num_layers=2 is not divisible by pp*vpp = 4*1 = 4" in _error([model, "parallel.pp=4"], 4)
     assert f"(model.path='{tiny_model}')" in _error([model, "parallel.pp=4"], 4)
-    assert _error(["model.path=/nowhere"]).startswith("model.path: model path '/nowhere' is not a directory")
+    assert _error(["model.path=/nowhere"]) == "model.path='/nowhere' does not exist"
 
 
 def test_section_checks_name_their_key():

@@ -201,7 +201,7 @@ def test_gsm8k_conversion(tmp_path, tokenizer):
         tmp_path / "gsm8k_test.jsonl",
         [{"question": "What is 2+2?", "answer": "2+2=4\n#### 4"}, {"question": "Q2", "answer": "#### 1,000"}],
     )
-    gsm8k_main(["--in", src, "--out", str(tmp_path / "out")])
+    assert gsm8k_main(["--in", src, "--split", "test", "--out", str(tmp_path / "out")]) == 0
     import pyarrow.parquet as pq
 
     rows = pq.read_table(tmp_path / "out" / "test.parquet").to_pylist()
@@ -215,3 +215,38 @@ def test_gsm8k_conversion(tmp_path, tokenizer):
         convert_rows(
             [{"question": "a", "answer": "#### 1"}, {"question": "b", "answer": "2"}], "train", "in.jsonl"
         )
+
+
+def _gsm8k_records() -> list[dict]:
+    return [
+        {"question": "What is 2+2?", "answer": "2+2=4\n#### 4"},
+        {"question": "Q2", "answer": "#### 1,000"},
+    ]
+
+
+@pytest.mark.parametrize("form", ["json array", "jsonl with BOM", "json array with BOM"])
+def test_gsm8k_reads_json_arrays_and_byte_order_marks(tmp_path, form):
+    records = _gsm8k_records()
+    text = json.dumps(records) if "array" in form else "\n".join(json.dumps(r) for r in records) + "\n"
+    src = tmp_path / ("in.json" if "array" in form else "in.jsonl")
+    src.write_text(text, encoding="utf-8-sig" if "BOM" in form else "utf-8")
+    assert gsm8k_main(["--in", str(src), "--split", "train", "--out", str(tmp_path / "out")]) == 0
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(tmp_path / "out" / "train.parquet").to_pylist()
+    assert [r["reward_model"]["ground_truth"] for r in rows] == ["4", "1000"]
+
+
+def test_gsm8k_split_comes_from_the_flag_not_the_file_name(tmp_path, capsys):
+    src = _write_jsonl(tmp_path / "gsm8k_test.jsonl", _gsm8k_records())
+    assert gsm8k_main(["--in", src, "--split", "train", "--out", str(tmp_path / "out")]) == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["train.parquet"]
+    with pytest.raises(SystemExit):  # --split is required
+        gsm8k_main(["--in", src, "--out", str(tmp_path / "out")])
+    assert "--split" in capsys.readouterr().err
+    bad = _write_jsonl(tmp_path / "bad.jsonl", ["{oops"])
+    assert gsm8k_main(["--in", bad, "--split", "test", "--out", str(tmp_path / "o2")]) == 2
+    assert (
+        capsys.readouterr().err.strip()
+        == f"error: {bad}: line 1 is not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"
+    )

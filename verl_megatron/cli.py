@@ -1,68 +1,146 @@
-"""The ``verl-megatron`` console script.
+"""The ``verl-megatron`` console script: ``train``, ``check-hf``, ``--version``, ``--help``.
 
-    verl-megatron train [--config FILE] [key=value ...]   # default config: the CPU quickstart
-    verl-megatron check-hf PATH [--tp N --pp N]           # HF <-> megatron logit check
+``train`` outside torchrun with ``trainer.n_gpus_per_node > 1`` checks the config and the data
+here, then re-launches itself as ``torchrun --nproc_per_node=N -m verl_megatron.train ...``
+on this node (several nodes: launch/multi_node.sh and launch/slurm.sbatch).
 
-``train`` outside torchrun with ``trainer.n_gpus_per_node > 1`` re-launches itself as
-``torchrun --nproc_per_node=N -m verl_megatron.train ...`` on this node (several nodes:
-see launch/multi_node.sh and launch/slurm.sbatch).
+Heavy libraries (torch, megatron, transformers) are imported only once a command runs,
+so ``--help`` and ``--version`` answer at once.
 """
 
 from __future__ import annotations
 
+import os
 import socket
-import subprocess
 import sys
 from collections.abc import Sequence
 
+from verl_megatron.errors import EXIT_USER_ERROR, is_user_error, report_user_error
+
 __all__ = ["main"]
 
-_USAGE = "usage: verl-megatron {train,check-hf} [args...]"
+_USAGE = "usage: verl-megatron {train,check-hf} [args...] | --version | --help"
+_HELP = f"""{_USAGE}
+
+Reinforcement-learning post-training (PPO, GRPO, DAPO) on megatron-core.
+
+commands:
+  train [--config FILE] [key=value ...]   train; without --config: the CPU quickstart
+                                          (verl-megatron train --help for more)
+  check-hf PATH [--tp N] [--pp N]         compare megatron's logits with transformers'
+                                          for a Hugging Face checkpoint
+
+With trainer.n_gpus_per_node > 1, train starts torchrun on this node itself.
+Several nodes: launch/multi_node.sh or launch/slurm.sbatch.
+"""
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("verl-megatron")
+    except PackageNotFoundError:  # a source tree on PYTHONPATH without pip install
+        from verl_megatron import __version__
+
+        return __version__
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _torchrun(argv: list[str], nproc: int) -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-        f"--master-port={port}", "-m", "verl_megatron.train", *argv,
-    ]  # fmt: skip
-    return subprocess.call(cmd)
+    """Run ``verl_megatron.train`` under torchrun on this node; return the job's exit status.
+
+    Workers that stop on a user error exit with 2 and leave the message in torchrun's
+    per-worker error file; it is printed here once, instead of torchrun's failure report.
+    """
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser
+    from torch.distributed.run import run as torchrun
+
+    args = get_args_parser().parse_args(
+        [f"--nproc-per-node={nproc}", f"--master-port={_free_port()}", "-m", "verl_megatron.train",
+         "--errors-to-launcher", *argv]
+    )  # fmt: skip
+    # The agent logs every worker's exit at ERROR; the workers' own output says what happened.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    try:
+        torchrun(args)
+    except ChildFailedError as err:
+        return _report_failures(err)
+    return 0
+
+
+def _report_failures(err) -> int:
+    """One line for the job: a worker's user error (exit 2), else which rank failed and how."""
+    failures = sorted(err.failures.items())
+    for _, failure in failures:
+        if failure.exitcode == EXIT_USER_ERROR and isinstance(failure.message, dict):
+            message = str(failure.message.get("message", ""))
+            # The error file holds "TypeName: message".
+            _, _, text = message.partition(": ")
+            print(f"error: {' '.join((text or message).split())}", file=sys.stderr, flush=True)
+            return EXIT_USER_ERROR
+    if any(f.exitcode == EXIT_USER_ERROR for _, f in failures):
+        return EXIT_USER_ERROR
+    rank, failure = next(((r, f) for r, f in failures if f.exitcode > 0), failures[0])
+    print(
+        f"error: training failed: rank {rank} exited with code {failure.exitcode} (its output is above)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return 1
 
 
 def train(argv: list[str]) -> int:
     """Run training here, or under torchrun when the config asks for several processes."""
-    import os
-
     from verl_megatron import train as train_module
-    from verl_megatron.trainer.config import ConfigError, default_config_path, load_config
 
-    if "WORLD_SIZE" not in os.environ:
-        args = train_module.parse_args(argv)
-        try:
-            config = load_config(args.config or default_config_path(), args.overrides)
-        except (ConfigError, FileNotFoundError) as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-        if config.trainer.nnodes > 1:
+    if "WORLD_SIZE" in os.environ:  # already a torchrun worker
+        return train_module.main(argv)
+    args = train_module.parse_args(argv)  # --help answers here, before any heavy import
+    config_path = args.config or "configs/quickstart.yaml (default)"
+    print(f"verl-megatron train: checking {config_path} with {len(args.overrides)} override(s)", flush=True)
+    train_module.quiet_warnings()
+    try:
+        from verl_megatron.trainer.config import default_config_path, load_config
+        from verl_megatron.trainer.preflight import prepare_run
+
+        config = load_config(args.config or default_config_path(), args.overrides)
+        trainer = config.trainer
+        if trainer.nnodes > 1:
             print(
-                f"error: trainer.nnodes={config.trainer.nnodes}: start multi-node jobs with torchrun on every "
+                f"error: trainer.nnodes={trainer.nnodes}: start multi-node jobs with torchrun on every "
                 "node (launch/multi_node.sh or launch/slurm.sbatch)",
                 file=sys.stderr,
             )
-            return 2
-        if config.trainer.n_gpus_per_node > 1:
-            return _torchrun(argv, config.trainer.n_gpus_per_node)
+            return EXIT_USER_ERROR
+        if trainer.n_gpus_per_node > 1:
+            # Everything that can be checked without a process group is checked here, once.
+            prepare_run(args.config, args.overrides, trainer.n_gpus_per_node)
+    except Exception as err:
+        if not is_user_error(err):
+            raise
+        return report_user_error(err)
+    if trainer.n_gpus_per_node > 1:
+        return _torchrun(argv, trainer.n_gpus_per_node)
     return train_module.main(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(_USAGE)
-        print(__doc__)
-        return 0 if argv else 2
+        print(_HELP if argv else _USAGE, file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else EXIT_USER_ERROR
+    if argv[0] in ("-V", "--version"):
+        print(f"verl-megatron {_version()}")
+        return 0
     command, rest = argv[0], argv[1:]
     if command == "train":
         return train(rest)
@@ -71,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return check_hf_main(rest)
     print(f"error: unknown command {command!r}\n{_USAGE}", file=sys.stderr)
-    return 2
+    return EXIT_USER_ERROR
 
 
 if __name__ == "__main__":

@@ -27,8 +27,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "overrides", nargs="*", help="config overrides, e.g. actor.optim.lr=1e-6 parallel.tp=2"
     )
+    # Set by ``verl-megatron train`` when it launches torchrun: the launcher prints the error line.
+    parser.add_argument("--errors-to-launcher", action="store_true", help=argparse.SUPPRESS)
     # Intermixed: "--config x a=1" and "a=1 --config x b=2" both work.
     return parser.parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))
+
+
+def _rank() -> int:
+    """This process's rank: torch.distributed's when a caller (a test's worker pool) started it."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
 
 
 def _set_threads() -> None:
@@ -40,36 +50,43 @@ def _set_threads() -> None:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
 
-def _quiet_libraries() -> None:
-    """Keep the console readable: megatron warns about absent Apex / Transformer Engine at
-    every import, torch.distributed about deprecated names, transformers draws progress bars."""
+def quiet_warnings() -> None:
+    """Megatron warns about absent Apex / Transformer Engine at every import, torch.distributed
+    about deprecated names: noise on the console (cheap; call before importing them)."""
     import warnings
-
-    from transformers.utils import logging as hf_logging
 
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.")
+
+
+def _quiet_libraries() -> None:
+    """Also keep transformers from drawing progress bars while it loads a checkpoint."""
+    from transformers.utils import logging as hf_logging
+
+    quiet_warnings()
     hf_logging.disable_progress_bar()
 
 
 def run(config_path: str | None, overrides: Sequence[str]) -> dict[str, float]:
     """Load, check, build and train; returns the trainer's summary (first/last validation score)."""
+    from verl_megatron.trainer.ppo.reward import check_reward_config
+    from verl_megatron.trainer.preflight import prepare_run
+    from verl_megatron.trainer.progress import startup_line
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    config, layout, data_sizes = prepare_run(config_path, overrides, world_size)
+    check_reward_config(config)  # imports the scorer file in a child process, before any model
+    if _rank() == 0:
+        print(startup_line(config, layout, world_size, data_sizes), flush=True)
+
     from verl_megatron.distributed.parallel import init_runtime, shutdown
     from verl_megatron.trainer.components import build_components
-    from verl_megatron.trainer.config import (
-        check_model_fits,
-        default_config_path,
-        load_config,
-        validate_config,
-    )
-    from verl_megatron.trainer.ppo.reward import check_reward_config
+    from verl_megatron.trainer.config import check_model_fits
     from verl_megatron.trainer.ppo_trainer import PPOTrainer
     from verl_megatron.trainer.quickstart import prepare_quickstart_assets
     from verl_megatron.trainer.run_dir import claim_output_dir
 
-    config = load_config(config_path or default_config_path(), list(overrides))
-    validate_config(config, int(os.environ.get("WORLD_SIZE", "1")))
-    check_reward_config(config)  # imports the scorer file in a child process, before any model
+    _quiet_libraries()
     _set_threads()
     runtime = init_runtime(config.parallel, seed=config.trainer.seed)
     try:
@@ -85,21 +102,35 @@ def run(config_path: str | None, overrides: Sequence[str]) -> dict[str, float]:
             shutdown(runtime)
 
 
+def _record_for_launcher(err: BaseException) -> None:
+    """Leave the message where torchrun's agent collects a worker's error (its per-worker error file)."""
+    if "TORCHELASTIC_ERROR_FILE" in os.environ:
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(err)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry; a config error prints its message (naming the key) and exits with 2."""
-    from verl_megatron.trainer.config import ConfigError
+    """Command-line entry. Input the user can fix (config, data, checkpoint: a UserInputError)
+    prints one ``error:`` line and exits with 2 on every rank; rank 0 alone prints it, or the
+    launching ``verl-megatron train`` does when it started torchrun. A run stopped by the
+    divergence guard prints its one line and exits with 3."""
+    from verl_megatron.errors import is_user_error, report_user_error
     from verl_megatron.trainer.guard import TrainingDivergedError
 
     args = parse_args(argv)
-    _quiet_libraries()
+    quiet_warnings()
     try:
         run(args.config, args.overrides)
-    except (ConfigError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
     except TrainingDivergedError as err:
         print(f"error: {err}", file=sys.stderr)
         return 3
+    except Exception as err:
+        if not is_user_error(err):
+            raise
+        if args.errors_to_launcher:
+            _record_for_launcher(err)
+        return report_user_error(err, show=_rank() == 0 and not args.errors_to_launcher)
     return 0
 
 

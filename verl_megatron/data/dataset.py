@@ -29,38 +29,101 @@ import numpy as np
 import torch
 
 from verl_megatron.data.config import TRUNCATION_MODES, DataConfig
+from verl_megatron.errors import UserInputError
 from verl_megatron.protocol import DataProto
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DataFormatError", "PromptLoader", "RLHFDataset", "collate_prompts", "read_rows"]
+__all__ = [
+    "DataFileNotFoundError",
+    "DataFormatError",
+    "DataOrderMismatchError",
+    "PromptLoader",
+    "RLHFDataset",
+    "check_data_files",
+    "collate_prompts",
+    "read_rows",
+]
 
 
-class DataFormatError(ValueError):
+class DataFormatError(UserInputError):
     """A data file or row that does not follow verl's row format."""
 
 
+class DataFileNotFoundError(DataFormatError, FileNotFoundError):
+    """A data file that does not exist."""
+
+
+class DataOrderMismatchError(UserInputError):
+    """A resumed run whose data order was drawn with another seed than this run's."""
+
+
+def _read_json_rows(path: str) -> list[Any]:
+    """JSON Lines, or one JSON array of rows (``.json``); a UTF-8 byte-order mark is skipped."""
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            text = f.read()
+    except UnicodeDecodeError as err:
+        raise DataFormatError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    if text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise DataFormatError(f"{path}: not a valid JSON array (line {err.lineno}: {err.msg})") from None
+        return rows
+    rows = []
+    for line_no, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            raise DataFormatError(f"{path}: line {line_no} is not valid JSON ({err})") from None
+    return rows
+
+
 def read_rows(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """All rows of a ``.parquet`` or ``.jsonl``/``.json`` file as dicts, in file order."""
+    """All rows of a ``.parquet``, ``.jsonl`` or ``.json`` (JSON Lines or one array) file, in file order.
+
+    Raises DataFileNotFoundError or DataFormatError naming the file (and line) for a missing,
+    unreadable or empty file.
+    """
     path = os.fspath(path)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"data file '{path}' does not exist")
+        raise DataFileNotFoundError(f"data file '{path}' does not exist")
+    if os.path.isdir(path):
+        raise DataFormatError(
+            f"data file '{path}' is a directory; list its files, e.g. data.train_files=[{path}/train.parquet]"
+        )
     if path.endswith(".parquet"):
+        import pyarrow
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
-    if path.endswith((".jsonl", ".json")):
-        rows = []
-        with open(path, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as err:
-                    raise DataFormatError(f"{path}: line {line_no} is not valid JSON ({err})") from err
-        return rows
-    raise DataFormatError(f"data file '{path}': unsupported extension (use .parquet or .jsonl)")
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except (pyarrow.ArrowException, OSError) as err:
+            raise DataFormatError(f"data file '{path}' is not a readable parquet file ({err})") from None
+    elif path.endswith((".jsonl", ".json")):
+        rows = _read_json_rows(path)
+    else:
+        raise DataFormatError(f"data file '{path}': unsupported extension (use .parquet, .jsonl or .json)")
+    if not rows:
+        raise DataFormatError(f"data file '{path}' has no rows")
+    return rows
+
+
+def check_data_files(files: Sequence[str], config: DataConfig) -> int:
+    """Read and check every row of ``files`` (no tokenizer); return the number of rows.
+
+    Cheap enough for the launching process: it finds a missing file or a malformed
+    row before any worker starts.
+    """
+    total = 0
+    for path in files:
+        for row_no, row in enumerate(read_rows(path)):
+            _check_row(row, f"{path}: row {row_no}", config)
+            total += 1
+    return total
 
 
 @dataclass
@@ -127,6 +190,18 @@ def _check_row(row: Any, where: str, config: DataConfig) -> dict[str, Any]:
     }
 
 
+def _check_chat_template(tokenizer: Any, config: DataConfig) -> None:
+    """Prompts are chat messages: without a template there is no way to turn them into tokens."""
+    if getattr(tokenizer, "chat_template", None) or config.apply_chat_template_kwargs.get("chat_template"):
+        return
+    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+    raise DataFormatError(
+        f"the tokenizer at '{name}' has no chat template (no chat_template.jinja, no 'chat_template' in "
+        "tokenizer_config.json); use an instruct model's tokenizer (model.tokenizer_path) or give one "
+        "with data.apply_chat_template_kwargs.chat_template='{% for m in messages %}...{% endfor %}'"
+    )
+
+
 def _truncate(ids: list[int], max_len: int, mode: str) -> list[int]:
     if mode == "left":  # keep the end of the prompt, where the question usually is
         return ids[-max_len:]
@@ -146,10 +221,13 @@ class RLHFDataset:
 
     def __init__(self, data_files: str | Sequence[str], tokenizer: Any, config: DataConfig) -> None:
         if config.truncation not in TRUNCATION_MODES:
-            raise ValueError(f"data.truncation={config.truncation!r}; expected one of {TRUNCATION_MODES}")
+            raise DataFormatError(
+                f"data.truncation={config.truncation!r}; expected one of {TRUNCATION_MODES}"
+            )
         files = [data_files] if isinstance(data_files, (str, os.PathLike)) else list(data_files)
         if not files:
-            raise ValueError("RLHFDataset: no data files given")
+            raise DataFormatError("RLHFDataset: no data files given")
+        _check_chat_template(tokenizer, config)
         self.config = config
         self.tokenizer = tokenizer
         self.items: list[PromptItem] = []
@@ -283,7 +361,7 @@ class PromptLoader:
         if batch_size < 1:
             raise ValueError(f"PromptLoader: batch_size must be >= 1, got {batch_size}")
         if drop_last and len(dataset) < batch_size:
-            raise ValueError(
+            raise DataFormatError(
                 f"the dataset has {len(dataset)} prompts, fewer than one batch of {batch_size} "
                 "(data.train_batch_size)"
             )
@@ -334,7 +412,7 @@ class PromptLoader:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if int(state["seed"]) != self.seed:
-            raise ValueError(
+            raise DataOrderMismatchError(
                 f"the checkpoint's data order was drawn with seed {state['seed']}, this run uses {self.seed}; "
                 "resume with the same data.seed/trainer.seed"
             )

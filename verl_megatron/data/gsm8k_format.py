@@ -1,11 +1,12 @@
-"""Convert GSM8K-style jsonl (``{"question", "answer"}``, answer ending in ``#### 72``) to verl rows.
+"""Convert GSM8K-style records (``{"question", "answer"}``, answer ending in ``#### 72``) to verl rows.
 
-    python -m verl_megatron.data.gsm8k_format --in train.jsonl --out data/gsm8k
+    python -m verl_megatron.data.gsm8k_format --in train.jsonl --split train --out data/gsm8k
 
-writes ``data/gsm8k/<split>.parquet`` (split: ``--split``, else ``train`` or
-``test`` guessed from the input file name) with ``data_source``
-``openai/gsm8k``, the question plus verl's step-by-step instruction as the user
-message, and the number after ``####`` (commas removed) as ground truth.
+reads JSON Lines, one JSON array (``.json``) or parquet (a UTF-8 byte-order mark is
+fine) and writes ``data/gsm8k/<split>.parquet`` with ``data_source`` ``openai/gsm8k``,
+the question plus verl's step-by-step instruction as the user message, and the number
+after ``####`` (commas removed) as ground truth. The split is given, never guessed
+from the file name.
 """
 
 from __future__ import annotations
@@ -13,15 +14,17 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sys
 from typing import Any
 
 from verl_megatron.data.dataset import DataFormatError, read_rows
 from verl_megatron.data.synthetic import write_parquet
+from verl_megatron.errors import UserInputError, report_user_error
 
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 _SOLUTION = re.compile(r"#### (\-?[0-9\.\,]+)")
 
-__all__ = ["INSTRUCTION", "convert_rows", "extract_solution"]
+__all__ = ["INSTRUCTION", "SPLITS", "convert_rows", "extract_solution", "main"]
 
 
 def extract_solution(answer: str) -> str | None:
@@ -35,6 +38,8 @@ def convert_rows(rows: list[dict[str, Any]], split: str, source: str = "<input>"
     out = []
     for i, row in enumerate(rows):
         where = f"{source}: row {i}"
+        if not isinstance(row, dict):
+            raise DataFormatError(f"{where}: a record must be an object, got {type(row).__name__}")
         question, answer = row.get("question"), row.get("answer")
         if not isinstance(question, str) or not isinstance(answer, str):
             raise DataFormatError(f"{where}: needs string fields 'question' and 'answer' (has {sorted(row)})")
@@ -53,23 +58,28 @@ def convert_rows(rows: list[dict[str, Any]], split: str, source: str = "<input>"
     return out
 
 
-def _guess_split(path: str) -> str:
-    name = os.path.basename(path).lower()
-    return "test" if "test" in name else "train"
+SPLITS = ("train", "test")
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--in", dest="inp", required=True, help="GSM8K-style .jsonl (or .parquet) file")
+def main(argv: list[str] | None = None) -> int:
+    """Command line; a bad input file prints one ``error:`` line and returns 2."""
+    parser = argparse.ArgumentParser(
+        prog="python -m verl_megatron.data.gsm8k_format",
+        description="Convert GSM8K-style records to verl rows (<out>/<split>.parquet).",
+    )
+    parser.add_argument("--in", dest="inp", required=True, help="GSM8K-style .jsonl, .json or .parquet file")
     parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--split", default=None, help="split name (default: from the input file name)")
+    parser.add_argument("--split", required=True, choices=SPLITS, help="which split the input file is")
     args = parser.parse_args(argv)
-    split = args.split or _guess_split(args.inp)
-    rows = convert_rows(read_rows(args.inp), split, source=args.inp)
-    path = os.path.join(args.out, f"{split}.parquet")
+    try:
+        rows = convert_rows(read_rows(args.inp), args.split, source=args.inp)
+    except UserInputError as err:
+        return report_user_error(err)
+    path = os.path.join(args.out, f"{args.split}.parquet")
     write_parquet(rows, path)
     print(f"wrote {len(rows)} rows to {path}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from verl_megatron.distributed.parallel import ParallelLayout, Runtime, init_runtime
+from verl_megatron.errors import UserInputError, report_user_error
 from verl_megatron.models.builder import build_gpt_chunks, model_info
 from verl_megatron.models.config import ModelConfig, load_hf_config
 from verl_megatron.models.convert import load_hf_weights
@@ -51,11 +52,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     _quiet_libraries()
-    if args.tp < 1 or args.pp < 1:
-        raise SystemExit(f"check-hf: --tp and --pp must be positive, got tp={args.tp} pp={args.pp}")
+    try:
+        # Checked before torchrun starts: a bad path or layout is one line, not a traceback per rank.
+        check_args(args)
+    except UserInputError as err:
+        return report_user_error(err, show=int(os.environ.get("RANK", "0")) == 0)
     if "WORLD_SIZE" not in os.environ and args.tp * args.pp > 1:
         return _launch(argv, args.tp * args.pp)
     return run_check(args)
+
+
+class CheckHfArgumentError(UserInputError):
+    """A check-hf argument that cannot work: no checkpoint at the path, or a layout the model cannot take."""
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """The checkpoint folder exists and its model can be split over ``--tp``/``--pp``/``--vpp``."""
+    from verl_megatron.distributed.parallel import ParallelConfigError
+    from verl_megatron.models.config import ModelConfigError, read_hf_architecture
+
+    if args.tp < 1 or args.pp < 1:
+        raise CheckHfArgumentError(f"check-hf: --tp and --pp must be positive, got tp={args.tp} pp={args.pp}")
+    if not os.path.exists(os.path.expanduser(args.path)):
+        raise CheckHfArgumentError(f"check-hf: checkpoint folder '{args.path}' does not exist")
+    try:
+        hf_config = load_hf_config(args.path)
+    except (OSError, ValueError) as err:
+        raise CheckHfArgumentError(f"check-hf: {' '.join(str(err).split())}") from None
+    try:
+        arch = read_hf_architecture(hf_config)
+        layout = ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp).resolve(args.tp * args.pp)
+        layout.check_model(
+            num_layers=arch.num_layers,
+            num_attention_heads=arch.num_attention_heads,
+            num_query_groups=arch.num_key_value_heads,
+        )
+    except (ParallelConfigError, ModelConfigError) as err:
+        flags = f"--tp {args.tp} --pp {args.pp}" + (f" --vpp {args.vpp}" if args.vpp else "")
+        raise CheckHfArgumentError(f"check-hf {args.path} {flags}: {err}") from None
 
 
 def _quiet_libraries() -> None:

@@ -8,15 +8,28 @@ Bad values raise ``RolloutConfigError`` naming the field; nothing is silently re
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ENGINE_NAMES", "MultiTurnConfig", "RolloutConfig", "RolloutConfigError", "SamplingConfig"]
+from verl_megatron.errors import UserInputError
+
+__all__ = [
+    "ENGINE_NAMES",
+    "MultiTurnConfig",
+    "RolloutConfig",
+    "RolloutConfigError",
+    "SamplingConfig",
+    "check_engine_installed",
+    "old_log_prob_micro_batch_size",
+]
 
 ENGINE_NAMES = ("native", "vllm", "sglang")
+# engine -> (pip package, verl-megatron extra that installs it)
+_ENGINE_PACKAGES = {"vllm": ("vllm", "gpu"), "sglang": ("sglang", "sglang")}
 
 
-class RolloutConfigError(ValueError):
+class RolloutConfigError(UserInputError):
     """A rollout setting that cannot work; the message names the field."""
 
 
@@ -104,13 +117,17 @@ class RolloutConfig:
     val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)
     """Sampling for validation batches (``meta_info['validate']``)."""
     log_prob_micro_batch_size: int | None = None
-    """Deprecated global micro-batch size for recomputing log-probs (verl field)."""
+    """Deprecated in verl; must stay null (set log_prob_micro_batch_size_per_gpu)."""
     log_prob_micro_batch_size_per_gpu: int | None = None
-    """Micro-batch size per rank when the actor recomputes log-probs of rollouts."""
+    """Sequences per micro-batch on one rank when the actor recomputes the rollouts' log-probs
+    (``old_log_probs``), as in verl; the actor's ``ppo_infer_micro_batch_size_per_gpu`` says
+    the same, so set one of them (null: the actor's value)."""
     log_prob_use_dynamic_bsz: bool = False
-    """Recompute log-probs with token-budget micro-batches instead of a fixed size."""
+    """Token-budget micro-batches when recomputing log-probs; the actor's ``use_dynamic_bsz``
+    decides, so true here needs ``actor.use_dynamic_bsz=true``."""
     log_prob_max_token_len_per_gpu: int = 16384
-    """Token budget per micro-batch with log_prob_use_dynamic_bsz."""
+    """Token budget per micro-batch with dynamic batching; the actor reads its own
+    ``ppo_infer_max_token_len_per_gpu``, so another value here must equal it."""
     disable_log_stats: bool = True
     """vllm: no periodic engine statistics in the log."""
     enable_chunked_prefill: bool = True
@@ -156,6 +173,16 @@ class RolloutConfig:
                 "rollout.multi_turn.enable=true needs rollout.multi_turn.environment "
                 "('pkg.module:name' or '/path/file.py:name' of the environment callable)"
             )
+        if self.log_prob_micro_batch_size is not None:
+            raise RolloutConfigError(
+                "rollout.log_prob_micro_batch_size is deprecated (as in verl); "
+                "set rollout.log_prob_micro_batch_size_per_gpu"
+            )
+        if self.log_prob_micro_batch_size_per_gpu is not None and self.log_prob_micro_batch_size_per_gpu < 1:
+            raise RolloutConfigError(
+                f"rollout.log_prob_micro_batch_size_per_gpu must be >= 1 or null, "
+                f"got {self.log_prob_micro_batch_size_per_gpu}"
+            )
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise RolloutConfigError(
                 f"rollout.stop_token_ids must be token ids >= 0, got {self.stop_token_ids}"
@@ -175,3 +202,51 @@ def _check_sampling(where: str, temperature: float, top_k: int, top_p: float, n:
         raise RolloutConfigError(f"{where}.top_p must be in (0, 1], got {top_p}")
     if n < 1:
         raise RolloutConfigError(f"{where}.n must be >= 1, got {n}")
+
+
+def check_engine_installed(name: str) -> None:
+    """Raise RolloutConfigError when engine ``name`` needs a package this machine lacks.
+
+    Looks the package up without importing it (importing vllm takes seconds), so the
+    launching process can check before any worker starts.
+    """
+    if name not in _ENGINE_PACKAGES:
+        return
+    package, extra = _ENGINE_PACKAGES[name]
+    if importlib.util.find_spec(package) is None:
+        raise RolloutConfigError(
+            f"rollout.name={name!r} needs the '{package}' package, which is not installed; "
+            f"install it with pip install 'verl-megatron[{extra}]' (GPU only), or use rollout.name=native"
+        )
+
+
+_DEFAULT_LOG_PROB_MAX_TOKENS = 16384
+
+
+def old_log_prob_micro_batch_size(rollout: RolloutConfig, actor: Any) -> int | None:
+    """The micro-batch size the actor recomputes rollout log-probs with (its
+    ``ppo_infer_micro_batch_size_per_gpu``), taking ``rollout.log_prob_*`` into account.
+
+    verl reads ``rollout.log_prob_micro_batch_size_per_gpu`` at that point; here the actor
+    does the recomputation with its own fields, so the rollout's value fills the actor's
+    when the actor leaves it unset, and values that disagree are an error naming both keys.
+    """
+    mine, theirs = rollout.log_prob_micro_batch_size_per_gpu, actor.ppo_infer_micro_batch_size_per_gpu
+    if mine is not None and theirs is not None and mine != theirs:
+        raise RolloutConfigError(
+            f"rollout.log_prob_micro_batch_size_per_gpu={mine} and actor.ppo_infer_micro_batch_size_per_gpu="
+            f"{theirs} both set the micro-batch for recomputing log-probs; keep one"
+        )
+    if rollout.log_prob_use_dynamic_bsz and not actor.use_dynamic_bsz:
+        raise RolloutConfigError(
+            "rollout.log_prob_use_dynamic_bsz=true is not read: the actor recomputes log-probs with "
+            "actor.use_dynamic_bsz (set that to true instead)"
+        )
+    max_tokens = rollout.log_prob_max_token_len_per_gpu
+    if max_tokens != _DEFAULT_LOG_PROB_MAX_TOKENS and max_tokens != actor.ppo_infer_max_token_len_per_gpu:
+        raise RolloutConfigError(
+            f"rollout.log_prob_max_token_len_per_gpu={max_tokens} is not read: the actor recomputes "
+            f"log-probs with actor.ppo_infer_max_token_len_per_gpu={actor.ppo_infer_max_token_len_per_gpu} "
+            "(set that instead)"
+        )
+    return theirs if mine is None else mine

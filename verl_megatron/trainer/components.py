@@ -17,6 +17,7 @@ import torch
 
 from verl_megatron.data import PromptLoader, RLHFDataset
 from verl_megatron.distributed.parallel import Runtime
+from verl_megatron.rollout.config import old_log_prob_micro_batch_size
 from verl_megatron.trainer.config import PPOConfig, use_critic, use_reference
 
 __all__ = [
@@ -52,11 +53,13 @@ def total_training_steps(config: PPOConfig, batches_per_epoch: int) -> int:
 
 
 def resolve_worker_configs(config: PPOConfig, total_steps: int) -> PPOConfig:
-    """Copy the values the workers take from other sections: samples per prompt and run length."""
+    """Copy the values the workers take from other sections: samples per prompt, run length and
+    the micro-batch for recomputing log-probs (``rollout.log_prob_micro_batch_size_per_gpu``)."""
     n = config.rollout.n
     actor = dataclasses.replace(
         config.actor,
         rollout_n=n,
+        ppo_infer_micro_batch_size_per_gpu=old_log_prob_micro_batch_size(config.rollout, config.actor),
         optim=dataclasses.replace(config.actor.optim, total_training_steps=total_steps),
     )
     critic = dataclasses.replace(

@@ -21,6 +21,8 @@ Sections and their owners: ``model`` (models/config.py), ``parallel``
 from __future__ import annotations
 
 import difflib
+import importlib.util
+import math
 import os
 import sys
 import typing
@@ -31,6 +33,7 @@ from omegaconf import MISSING
 
 from verl_megatron.data.config import DataConfig
 from verl_megatron.distributed.parallel import ParallelLayout
+from verl_megatron.errors import UserInputError
 from verl_megatron.models.config import ModelConfig
 from verl_megatron.rollout.config import RolloutConfig
 from verl_megatron.trainer.guard import DivergenceGuardConfig
@@ -40,6 +43,7 @@ __all__ = [
     "AlgoConfig",
     "AlgorithmConfig",
     "ConfigError",
+    "ConfigFileNotFoundError",
     "CustomRewardFunctionConfig",
     "FilterGroupsConfig",
     "KLControlConfig",
@@ -54,8 +58,12 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
+class ConfigError(UserInputError):
     """A config value that cannot work; the message names the key."""
+
+
+class ConfigFileNotFoundError(ConfigError, FileNotFoundError):
+    """The ``--config`` file does not exist."""
 
 
 @dataclass
@@ -349,14 +357,52 @@ def _merge(base: Any, values: dict[str, Any], source: str) -> Any:
 
 
 def _parse_overrides(overrides: list[str]) -> list[tuple[str, dict[str, Any]]]:
+    import yaml
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
     parsed = []
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override '{item}' must look like key=value (e.g. actor.optim.lr=1e-6)")
-        parsed.append((item, OmegaConf.to_container(OmegaConf.from_dotlist([item]))))
+        try:
+            values = OmegaConf.to_container(OmegaConf.from_dotlist([item]))
+        except (OmegaConfBaseException, yaml.YAMLError) as err:
+            reason = getattr(err, "problem", None) or str(getattr(err, "msg", err)).strip().splitlines()[0]
+            raise ConfigError(
+                f"override '{item}' is not valid YAML ({reason}); a list override looks like "
+                "'trainer.logger=[console,jsonl]'"
+            ) from None
+        parsed.append((item, values))
     return parsed
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    """The file's top-level mapping; ConfigError naming the file (and line) for anything unreadable."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    if not os.path.exists(path):
+        raise ConfigFileNotFoundError(f"config file '{path}' does not exist")
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file '{path}' is not a file")
+    try:
+        # OmegaConf's YAML loader reads 1e-6 as a float (plain YAML 1.1 reads a string).
+        values = OmegaConf.to_container(OmegaConf.load(path), resolve=False) or {}
+    except OSError as err:
+        raise ConfigError(f"config file '{path}' cannot be read: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"config file '{path}' is not UTF-8 text ({err.reason} at byte {err.start})"
+        ) from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"config file '{path}' is not valid YAML{where}: {problem}") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    return values
 
 
 def load_config(path: str | None = None, overrides: list[str] | None = None) -> PPOConfig:
@@ -370,13 +416,7 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
 
     merged = _schema()
     if path is not None:
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"config file '{path}' does not exist")
-        # OmegaConf's YAML loader reads 1e-6 as a float (plain YAML 1.1 reads a string).
-        values = OmegaConf.to_container(OmegaConf.load(path), resolve=False) or {}
-        if not isinstance(values, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of sections")
-        merged = _merge(merged, values, f"in {path}")
+        merged = _merge(merged, _read_yaml(path), f"in {path}")
     for item, values in _parse_overrides(list(overrides or [])):
         merged = _merge(merged, values, f"from override '{item}'")
     try:
@@ -509,6 +549,12 @@ def _check_trainer(config: PPOConfig) -> None:
             f"trainer.logger has unknown backend {unknown[0]!r}"
             + _suggest(unknown[0], list(TRACKING_BACKENDS))
         )
+    for backend, package in (("wandb", "wandb"), ("tensorboard", "tensorboard")):
+        if backend in trainer.logger and importlib.util.find_spec(package) is None:
+            raise ConfigError(
+                f"trainer.logger includes '{backend}' but the '{package}' package is not installed: "
+                f"pip install {package} (or drop '{backend}' from trainer.logger)"
+            )
     if trainer.resume_mode not in RESUME_MODES:
         raise ConfigError(
             f"trainer.resume_mode={trainer.resume_mode!r}; expected one of {list(RESUME_MODES)}"
@@ -530,7 +576,14 @@ def _check_trainer(config: PPOConfig) -> None:
 
 
 def _check_lengths(config: PPOConfig) -> None:
+    from verl_megatron.data.config import TRUNCATION_MODES
+
     data, rollout = config.data, config.rollout
+    if data.truncation not in TRUNCATION_MODES:
+        raise ConfigError(
+            f"data.truncation={data.truncation!r} is not a truncation mode"
+            + _suggest(data.truncation, list(TRUNCATION_MODES))
+        )
     if data.train_batch_size < 1:
         raise ConfigError(f"data.train_batch_size must be >= 1, got {data.train_batch_size}")
     if data.max_prompt_length < 1 or data.max_response_length < 1:
@@ -576,15 +629,28 @@ def _check_reward(config: PPOConfig) -> None:
         raise ConfigError(f"custom_reward_function.path='{path}' does not exist")
 
 
+def _check_finite(node: Any, prefix: str) -> None:
+    """A NaN or infinite float anywhere in the config (``actor.optim.lr=nan``) is a typo, never a setting."""
+    for f in fields(node):
+        value = getattr(node, f.name)
+        if is_dataclass(value):
+            _check_finite(value, f"{prefix}{f.name}.")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{prefix}{f.name} must be a finite number, got {value}")
+
+
 def check_model_fits(layout: ParallelLayout, model_path: str) -> None:
     """Parallel sizes against the checkpoint's heads, kv heads and layers (reads config.json only)."""
     from verl_megatron.distributed.parallel import ParallelConfigError
     from verl_megatron.models.config import ModelConfigError, load_hf_config, read_hf_architecture
 
+    if not os.path.exists(os.path.expanduser(model_path)):
+        raise ConfigError(f"model.path='{model_path}' does not exist")
     try:
         hf_config = load_hf_config(model_path)
-    except FileNotFoundError as err:
-        raise ConfigError(f"model.path: {err}") from None
+    except (OSError, ValueError) as err:  # absent, or a config.json transformers cannot read
+        reason = " ".join(str(err).split())
+        raise ConfigError(f"model.path: {reason}") from None
     try:
         arch = read_hf_architecture(hf_config)
         layout.check_model(
@@ -604,11 +670,25 @@ def validate_config(config: PPOConfig, world_size: int) -> ParallelLayout:
     (the quickstart checks its own tiny model once it is built).
     """
     from verl_megatron.distributed.parallel import ParallelConfigError
+    from verl_megatron.models.config import ModelConfigError
+    from verl_megatron.rollout.config import (
+        RolloutConfigError,
+        check_engine_installed,
+        old_log_prob_micro_batch_size,
+    )
 
     try:
         layout = config.parallel.resolve(world_size)
     except ParallelConfigError as err:
         raise ConfigError(f"parallel: {err}") from None
+    _check_finite(config, "")
+    try:
+        config.model.validate(layout)
+        config.model.recompute_settings()
+        check_engine_installed(config.rollout.name)
+        old_log_prob_micro_batch_size(config.rollout, config.actor)
+    except (ModelConfigError, RolloutConfigError) as err:
+        raise ConfigError(str(err)) from None
     _check_lengths(config)
     _check_trainer(config)
     _check_algorithm(config)

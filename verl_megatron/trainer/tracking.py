@@ -22,6 +22,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from verl_megatron.trainer.progress import StepClock
+
 __all__ = ["TRACKING_BACKENDS", "Tracking", "plot_curves", "read_jsonl_metrics"]
 
 TRACKING_BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
@@ -107,6 +109,7 @@ class Tracking:
         self.log_dir = log_dir
         self.jsonl_path = os.path.join(log_dir, "metrics.jsonl")
         self._tb = self._wandb = self._progress = self._task = None
+        self._clock = StepClock(total_steps, resume_step or 0)
         if not enabled:
             return
         os.makedirs(log_dir, exist_ok=True)
@@ -193,7 +196,7 @@ class Tracking:
             k for k in metrics if k.startswith("val/")
         )
         parts = [f"{k}={_fmt(metrics[k])}" for k in shown]
-        self.print(f"step {step}: " + "  ".join(parts))
+        self.print(f"{self._clock.prefix(step)}: " + "  ".join(parts))
         if self._progress is not None:
             score = metrics.get("critic/score/mean")
             self._progress.update(

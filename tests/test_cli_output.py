@@ -1,0 +1,142 @@
+"""What a user sees: --version, a fast plain-text --help, the start-up line, step k/N with the
+time left; and rollout.log_prob_micro_batch_size_per_gpu, which must be read or refused."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from importlib.metadata import version
+
+import pytest
+
+from verl_megatron import cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICKSTART = os.path.join(ROOT, "configs", "quickstart.yaml")
+HEAVY = ("torch", "megatron", "transformers")
+
+
+def test_version(capsys):
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"verl-megatron {version('verl-megatron')}"
+
+
+def test_help_is_plain_text(capsys):
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "``" not in out and "usage: verl-megatron" in out and "check-hf PATH" in out
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["--version"]])
+def test_help_imports_no_heavy_library(argv):
+    code = (
+        "import sys\nfrom verl_megatron import cli\n"
+        f"try:\n    cli.main({argv!r})\nexcept SystemExit:\n    pass\n"
+        f"print('HEAVY', sorted(m for m in {HEAVY!r} if m in sys.modules))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": ROOT},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "HEAVY []", result.stdout
+    if argv == ["train", "--help"]:
+        assert "--config" in result.stdout and "overrides" in result.stdout
+
+
+def test_startup_line_comes_before_the_runtime(monkeypatch, capsys, tmp_path):
+    import verl_megatron.distributed.parallel as parallel
+
+    class Stop(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Stop
+
+    monkeypatch.setattr(parallel, "init_runtime", stop)
+    for key in ("WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(Stop):
+        cli.main(
+            [
+                "train",
+                "parallel.tp=1",
+                f"trainer.default_local_dir={tmp_path}",
+                "trainer.total_training_steps=7",
+            ]
+        )
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "verl-megatron train: checking configs/quickstart.yaml (default) with 3 override(s)"
+    assert lines[1] == (
+        "verl-megatron train: model quickstart tiny llama (2 layers, hidden 64) | float32 | "
+        "tp=1 pp=1 cp=1 dp=1 (1 process) | synthetic 'reverse' task, batch 64 prompts x 8 samples | "
+        f"7 steps | output {tmp_path}"
+    )
+
+
+def test_startup_line_with_data_counts_epochs():
+    from verl_megatron.distributed.parallel import ParallelLayout
+    from verl_megatron.trainer.config import load_config
+    from verl_megatron.trainer.progress import DataSizes, startup_line
+
+    config = load_config(
+        QUICKSTART, ["model.path=/m", "trainer.total_training_steps=null", "trainer.total_epochs=3"]
+    )
+    layout = ParallelLayout(tp=2, pp=2, vpp=2, dp=2)
+    line = startup_line(config, layout, 8, DataSizes(train_rows=200, val_rows=20))
+    assert "model /m | float32 | tp=2 pp=2 vpp=2 cp=1 dp=2 (8 processes)" in line
+    assert "200 train / 20 val rows, batch 64 prompts x 8 samples | up to 9 steps (3 epochs of 3)" in line
+
+
+def test_step_clock_eta():
+    from verl_megatron.trainer.progress import StepClock, format_duration
+
+    now = [100.0]
+    clock = StepClock(total_steps=10, start_step=4, clock=lambda: now[0])
+    assert clock.prefix(4) == "step 4/10"  # nothing timed yet
+    now[0] += 30.0  # steps 5 and 6 took 15 s each: 4 steps left
+    assert clock.eta(6) == pytest.approx(60.0)
+    assert clock.prefix(6) == "step 6/10 (eta 1m00s)"
+    assert clock.prefix(10) == "step 10/10"
+    assert StepClock(None).prefix(3) == "step 3"
+    assert [format_duration(s) for s in (0, 59.4, 61, 3600 * 2 + 7 * 60)] == ["0s", "59s", "1m01s", "2h07m"]
+
+
+def test_console_lines_without_a_terminal_are_plain_with_step_count(tmp_path, capsys):
+    from verl_megatron.trainer.tracking import Tracking
+
+    tracker = Tracking("p", "e", ["console"], str(tmp_path), total_steps=3)
+    for step in (1, 2, 3):
+        tracker.log({"critic/score/mean": 0.5}, step=step)
+    tracker.finish(plot=False)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0].split(" (eta")[0] for line in lines] == ["step 1/3", "step 2/3", "step 3/3"]
+    assert "(eta " in lines[0] and "(eta " not in lines[2]
+    assert all("\x1b" not in line for line in lines)  # no terminal codes in a log file
+
+
+def test_rollout_log_prob_micro_batch_is_read_by_the_actor():
+    from verl_megatron.trainer.components import resolve_worker_configs
+    from verl_megatron.trainer.config import ConfigError, load_config, validate_config
+
+    config = load_config(QUICKSTART, ["rollout.log_prob_micro_batch_size_per_gpu=16"])
+    assert config.actor.ppo_infer_micro_batch_size_per_gpu is None
+    resolved = resolve_worker_configs(config, total_steps=5)
+    assert resolved.actor.ppo_infer_micro_batch_size_per_gpu == 16
+    assert resolved.actor.infer_micro_batch_size == 16
+
+    def error(overrides):
+        with pytest.raises(ConfigError) as err:
+            validate_config(load_config(QUICKSTART, overrides), 1)
+        return str(err.value)
+
+    assert "keep one" in error(
+        ["rollout.log_prob_micro_batch_size_per_gpu=16", "actor.ppo_infer_micro_batch_size_per_gpu=8"]
+    )
+    assert "set that to true instead" in error(["rollout.log_prob_use_dynamic_bsz=true"])
+    assert "actor.ppo_infer_max_token_len_per_gpu" in error(["rollout.log_prob_max_token_len_per_gpu=100"])
+    assert "set rollout.log_prob_micro_batch_size_per_gpu" in error(["rollout.log_prob_micro_batch_size=64"])
