@@ -1,4 +1,5 @@
-"""The one base class of errors a user can fix, and how the command line reports them.
+"""The project's error types: the one base class of errors a user can fix (and how the
+command line reports them), and the verl-compatible API's input error.
 
 Bad config values, data files, checkpoints chosen for another model and missing optional
 packages are the user's to fix: the command line prints their message as one
@@ -12,13 +13,23 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["EXIT_USER_ERROR", "UserInputError", "is_user_error", "report_user_error"]
+__all__ = ["EXIT_USER_ERROR", "UserInputError", "VerlCompatError", "is_user_error", "report_user_error"]
 
 EXIT_USER_ERROR = 2
 
 
 class UserInputError(ValueError):
     """Input that cannot work (config, data, checkpoint, environment); the message names what and where."""
+
+
+class VerlCompatError(ValueError, AssertionError):
+    """Bad input to a verl-compatible function (``core_algos``, ``DataProto``, reward managers).
+
+    verl signals these cases with ``assert`` (so callers ported from verl catch
+    ``AssertionError``) while this project raises ``ValueError`` with a message that
+    names the problem. Deriving from both keeps either ``except`` clause working. Not a
+    UserInputError: raised inside a run it is a bug of the caller and keeps its traceback.
+    """
 
 
 def is_user_error(err: BaseException) -> bool:

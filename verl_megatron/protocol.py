@@ -29,10 +29,10 @@ from tensordict import TensorDict
 from torch.utils.data import DataLoader
 
 from verl_megatron import protocol_ops
+from verl_megatron.errors import VerlCompatError
 from verl_megatron.protocol_future import DataProtoFuture
 from verl_megatron.protocol_ops import fold_batch_dim, unfold_batch_dim
 from verl_megatron.utils.deep_equal import values_equal
-from verl_megatron.utils.errors import VerlCompatError
 from verl_megatron.utils.tensor_serde import (
     deserialize_single_tensor,
     deserialize_tensordict,

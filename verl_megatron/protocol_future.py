@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from verl_megatron.utils.errors import VerlCompatError
+from verl_megatron.errors import VerlCompatError
 
 if TYPE_CHECKING:
     from verl_megatron.protocol import DataProto

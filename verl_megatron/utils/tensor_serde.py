@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from verl_megatron.utils.errors import VerlCompatError
+from verl_megatron.errors import VerlCompatError
 
 __all__ = [
     "deserialize_single_tensor",

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
-from verl_megatron.utils.errors import VerlCompatError
+from verl_megatron.errors import VerlCompatError
 
 __all__ = ["get_tensordict", "non_tensor_stack"]
 

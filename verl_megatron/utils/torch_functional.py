@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from verl_megatron.utils.errors import VerlCompatError
+from verl_megatron.errors import VerlCompatError
 
 __all__ = [
     "calculate_sum_pi_squared_from_logits",

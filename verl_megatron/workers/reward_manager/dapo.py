@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from verl_megatron.utils.errors import VerlCompatError
+from verl_megatron.errors import VerlCompatError
 from verl_megatron.workers.reward_manager.base import RewardManagerBase, Sample
 from verl_megatron.workers.reward_manager.registry import register
 from verl_megatron.workers.reward_manager.scoring import DEFAULT_TIMEOUT_S, ScoreOutcome

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from verl_megatron.errors import VerlCompatError
 from verl_megatron.trainer.ppo.algos.advantages import (
     AdvantageEstimator,
     _config_get,
@@ -21,7 +22,6 @@ from verl_megatron.trainer.ppo.algos.advantages import (
     compute_grpo_outcome_advantage,
     register_adv_est,
 )
-from verl_megatron.utils.errors import VerlCompatError
 from verl_megatron.utils.torch_functional import masked_whiten
 
 __all__ = [
