@@ -33,13 +33,8 @@ class VerlCompatError(ValueError, AssertionError):
 
 
 def is_user_error(err: BaseException) -> bool:
-    """Whether ``err`` is the user's to fix: a UserInputError, or a checkpoint that cannot be
-    loaded (checkpoint errors name the path and the problem; see verl_megatron.checkpoint)."""
-    if isinstance(err, UserInputError):
-        return True
-    storage = sys.modules.get("verl_megatron.checkpoint.storage")
-    # Not imported means no checkpoint was touched, so err cannot be one.
-    return storage is not None and isinstance(err, storage.CheckpointError)
+    """Whether ``err`` is the user's to fix (config, data, checkpoint, environment)."""
+    return isinstance(err, UserInputError)
 
 
 def report_user_error(err: BaseException, *, show: bool = True) -> int:

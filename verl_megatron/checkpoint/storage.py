@@ -38,6 +38,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from verl_megatron.errors import UserInputError
+
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
@@ -50,7 +52,7 @@ _REPLACED_RE = re.compile(r"^\.global_step_(\d+)\.replaced-[0-9a-f]+$")
 _TRASH_TAG = ".deleting-"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserInputError, RuntimeError):
     """Base class: a checkpoint cannot be saved or loaded as asked."""
 
 
