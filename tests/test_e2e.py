@@ -92,15 +92,15 @@ def _check_run(result: dict, world: int, critic: bool, lowest_score: float = 0.0
     steps = _by_step(result["rows"])
     assert sorted(steps) == [0, 1, 2, 3]
     val_failures = {f"val/reward/{kind}_count" for kind in ("timeout", "error", "invalid")}
-    # the project's name and verl's (one greedy sample per prompt: mean@1)
-    assert set(steps[0]) == {
-        "step",
-        "val/test_score/synthetic/reverse",
-        "val-core/synthetic/reverse/reward/mean@1",
-        *val_failures,
-    }
+    # The project's name and verl's (one greedy sample per prompt: mean@1). As in verl, the
+    # core metric is "acc" when the reward manager reports one (DAPO does), else "reward".
+    core_var = "acc" if "val-core/synthetic/reverse/acc/mean@1" in steps[0] else "reward"
+    verl_names = {f"val-core/synthetic/reverse/{core_var}/mean@1"}
+    if core_var == "acc":
+        verl_names.add("val-aux/synthetic/reverse/reward/mean@1")
+    assert set(steps[0]) == {"step", "val/test_score/synthetic/reverse", *val_failures, *verl_names}
     assert all(steps[0][key] == 0 for key in val_failures)
-    assert steps[0]["val-core/synthetic/reverse/reward/mean@1"] == pytest.approx(
+    assert steps[0][f"val-core/synthetic/reverse/{core_var}/mean@1"] == pytest.approx(
         steps[0]["val/test_score/synthetic/reverse"]
     )
     stages = {"gen", "reward", "old_log_prob", "adv", "update_actor", "step"} | (

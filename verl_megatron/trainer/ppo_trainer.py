@@ -249,6 +249,8 @@ class PPOTrainer:
         local.meta_info["prompt_offset"] = shard.replica * len(local)
         with self._rollout_phase():
             output = self.rollout.generate_sequences(local).to("cpu")
+        # Per replica, so the parts would disagree in the concat (it refuses conflicting keys).
+        output.meta_info.pop("prompt_offset", None)
         output = DataProto.concat(gather_replicas(output, shard, self.runtime.world_size))
         samples_per_prompt = len(output) // len(padded)
         output = unpad_dataproto(output, pad * samples_per_prompt)
