@@ -73,15 +73,43 @@ def test_agg_loss_shape_mismatch() -> None:
         agg_loss(L, M[:, :2], "token-mean")
 
 
+# verl 0.9.1 on an all-masked batch: token-sum has no denominator (0); every other mode is 0/0.
+_VERL_ALL_MASKED = {
+    "token-mean": math.nan,
+    "token-sum": 0.0,
+    "seq-mean-token-sum": math.nan,
+    "seq-mean-token-mean": math.nan,
+    "seq-mean-token-sum-norm": math.nan,
+}
+
+
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
-def test_agg_loss_all_masked_is_zero_with_zero_grad(mode: str) -> None:
+def test_agg_loss_all_masked_default_is_verls_nan(mode: str) -> None:
+    loss_mat = torch.full((2, 3), 5.0)
+    for counts in ({}, {"batch_num_tokens": 0, "global_batch_size": 0}):
+        got = agg_loss(loss_mat, torch.zeros(2, 3), mode, **counts).item()
+        want = _VERL_ALL_MASKED[mode]
+        assert (math.isnan(got) and math.isnan(want)) or got == want, (mode, counts, got, want)
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_agg_loss_all_masked_empty_as_zero_is_zero_with_zero_grad(mode: str) -> None:
     loss_mat = torch.full((2, 3), 5.0, requires_grad=True)
-    loss = agg_loss(loss_mat, torch.zeros(2, 3), mode)
+    loss = agg_loss(loss_mat, torch.zeros(2, 3), mode, empty_as_zero=True)
     loss.backward()
     assert loss.item() == 0.0
     assert torch.equal(loss_mat.grad, torch.zeros(2, 3))
     # Global counts of 0 (a whole global batch without tokens) are also finite.
-    assert agg_loss(loss_mat, torch.zeros(2, 3), mode, batch_num_tokens=0, global_batch_size=0).item() == 0.0
+    zero_counts = {"batch_num_tokens": 0, "global_batch_size": 0}
+    assert agg_loss(loss_mat, torch.zeros(2, 3), mode, **zero_counts, empty_as_zero=True).item() == 0.0
+
+
+def test_agg_loss_empty_as_zero_keeps_nonzero_counts() -> None:
+    """Only a count of exactly 0 is replaced: fractional (weighted-mask) counts stay as verl uses them."""
+    mask = torch.tensor([[0.25, 0.0]])
+    loss_mat = torch.tensor([[2.0, 7.0]])
+    for flag in (False, True):
+        assert agg_loss(loss_mat, mask, "token-mean", empty_as_zero=flag).item() == 2.0  # 0.5 / 0.25
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
@@ -202,7 +230,12 @@ def test_megatron_gradient_equals_global_batch_gradient(mode: str) -> None:
     assert expected.abs().max() > 1e-3  # the check is not vacuous
 
 
+class _PolicyLossCfg:
+    geo_mean_valid_rows = True  # the trainer's setting: layout-invariant geo_mean
+
+
 class _ActorCfg:
+    policy_loss = _PolicyLossCfg()
     clip_ratio = 0.2
     clip_ratio_low = 0.2
     clip_ratio_high = 0.28
@@ -271,8 +304,8 @@ def test_padding_columns_do_not_change_agg_loss(rows: int, cols: int, pad: int, 
     padded_mask = torch.cat([loss_mask, torch.zeros(rows, pad, dtype=torch.float64)], dim=1)
     for mode in LOSS_AGG_MODES:
         # sum-norm divides by T by default, so pin the scale to compare different paddings.
-        a = agg_loss(loss_mat, loss_mask, mode, loss_scale_factor=7)
-        b = agg_loss(padded_mat, padded_mask, mode, loss_scale_factor=7)
+        a = agg_loss(loss_mat, loss_mask, mode, loss_scale_factor=7, empty_as_zero=True)
+        b = agg_loss(padded_mat, padded_mask, mode, loss_scale_factor=7, empty_as_zero=True)
         assert math.isfinite(b.item())
         assert b.item() == pytest.approx(a.item(), rel=1e-9, abs=1e-9), mode
 
@@ -284,8 +317,8 @@ def test_row_order_does_not_change_agg_loss(perm_seed: int, data) -> None:
     mask = _t(data.draw(st.lists(st.sampled_from([0.0, 1.0]), min_size=12, max_size=12))).view(4, 3)
     perm = torch.randperm(4, generator=torch.Generator().manual_seed(perm_seed))
     for mode in LOSS_AGG_MODES:
-        assert agg_loss(values[perm], mask[perm], mode).item() == pytest.approx(
-            agg_loss(values, mask, mode).item(), rel=1e-9, abs=1e-9
+        assert agg_loss(values[perm], mask[perm], mode, empty_as_zero=True).item() == pytest.approx(
+            agg_loss(values, mask, mode, empty_as_zero=True).item(), rel=1e-9, abs=1e-9
         )
 
 

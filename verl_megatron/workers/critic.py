@@ -136,6 +136,7 @@ class MegatronCritic:
             self.config.cliprange_value,
             self.config.loss_agg_mode,
             **counts,
+            empty_as_zero=True,  # an all-masked mini-batch gives loss 0, not verl's NaN
         )
         share = mask.sum() / max(counts["batch_num_tokens"], 1)  # stays on the device: no sync
         metrics = {

@@ -29,12 +29,13 @@ Count = int | float | torch.Tensor
 
 
 def _denominator(
-    given: Count | None, local: torch.Tensor, dp_size: int, name: str, mode: str
+    given: Count | None, local: torch.Tensor, dp_size: int, name: str, mode: str, empty_as_zero: bool
 ) -> torch.Tensor:
     """The normaliser: the global count if given, else the local one (only valid without dp).
 
-    Clamped to at least 1: the numerator is 0 whenever the count is 0 (every element
-    masked), so the loss becomes a finite 0 with a zero gradient instead of 0/0.
+    With `empty_as_zero` a count of 0 becomes 1: the numerator is 0 whenever the count
+    is 0 (every element masked), so the loss is a finite 0 with a zero gradient instead
+    of verl's 0/0 = NaN. Any other count, fractional ones included, is used as is.
     """
     if given is None:
         if dp_size > 1:
@@ -45,7 +46,8 @@ def _denominator(
         count = local
     else:
         count = torch.as_tensor(given, dtype=local.dtype, device=local.device)
-    return count.to(local.dtype).clamp(min=1)
+    count = count.to(local.dtype)
+    return torch.where(count == 0, torch.ones_like(count), count) if empty_as_zero else count
 
 
 def agg_loss(
@@ -56,6 +58,8 @@ def agg_loss(
     batch_num_tokens: Count | None = None,
     global_batch_size: Count | None = None,
     loss_scale_factor: Count | None = None,
+    *,
+    empty_as_zero: bool = False,
 ) -> torch.Tensor:
     """Aggregate a per-token loss [B, T] under `loss_mask` [B, T] into a scalar.
 
@@ -70,8 +74,10 @@ def agg_loss(
                                  varies between micro-batches, or the scale changes with padding)
 
     With dp_size > 1 the global counts (N for token-mean, G for the seq modes) are
-    required. An all-masked batch gives a finite 0 with a zero gradient (verl: NaN).
-    Values of `loss_mat` at masked positions never reach the result, even inf/NaN.
+    required. A count of 0 (an all-masked batch, or global counts of 0) gives verl's
+    0/0 = NaN by default; `empty_as_zero=True` (what the project's actor and critic pass)
+    makes it a finite 0 with a zero gradient, so an empty mini-batch cannot poison the
+    weights. Values of `loss_mat` at masked positions never reach the result, even inf/NaN.
     Low-precision inputs are reduced (and returned) in float32.
     """
     if loss_mat.shape != loss_mask.shape:
@@ -86,7 +92,9 @@ def agg_loss(
     mask = loss_mask.to(acc_dtype)
 
     if loss_agg_mode == "token-mean":
-        n = _denominator(batch_num_tokens, mask.sum(), dp_size, "batch_num_tokens", loss_agg_mode)
+        n = _denominator(
+            batch_num_tokens, mask.sum(), dp_size, "batch_num_tokens", loss_agg_mode, empty_as_zero
+        )
         return masked_sum(loss_mat, mask) / n * dp_size
     if loss_agg_mode == "token-sum":
         return masked_sum(loss_mat, mask) * dp_size
@@ -100,7 +108,9 @@ def agg_loss(
     if loss_agg_mode == "seq-mean-token-mean":
         seq_losses = seq_losses / (tokens_per_seq + _SEQ_TOKEN_MEAN_EPS)
     valid_seqs = (tokens_per_seq > 0).to(loss_mat.dtype)
-    g = _denominator(global_batch_size, valid_seqs.sum(), dp_size, "global_batch_size", loss_agg_mode)
+    g = _denominator(
+        global_batch_size, valid_seqs.sum(), dp_size, "global_batch_size", loss_agg_mode, empty_as_zero
+    )
     loss = masked_sum(seq_losses, valid_seqs) / g * dp_size
     if loss_agg_mode == "seq-mean-token-sum-norm":
         scale = loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
