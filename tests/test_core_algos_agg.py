@@ -330,3 +330,30 @@ def test_agg_loss_counts_exactly_in_bfloat16() -> None:
     assert loss.dtype == torch.float32
     assert loss.item() == 1001.0
     assert agg_loss(loss_mat * 3, torch.ones(1, 1001), "seq-mean-token-mean").item() == 3.0
+
+
+def test_verls_geo_mean_default_depends_on_the_layout() -> None:
+    """Why the trainer sets geo_mean_valid_rows: verl's plain per-micro-batch row mean ignores
+    the global counts, so splitting the same batch differently changes the gradient."""
+
+    class _VerlCfg(_ActorCfg):
+        policy_loss = None  # geo_mean_valid_rows unset: verl 0.9.1's numbers
+
+    batch = _global_batch(seed=1)
+    w0 = torch.tensor([0.5, 0.1, -0.6], dtype=torch.float64)
+    old = (_log_probs(w0, batch["x"]) + batch["noise"]).detach()
+    fn = get_policy_loss_fn("geo_mean")
+    w = w0.clone().requires_grad_(True)
+    reference, _ = fn(old, _log_probs(w, batch["x"]), batch["adv"], batch["mask"], "token-mean", _VerlCfg())
+    (expected,) = torch.autograd.grad(reference, w)
+
+    def loss_of(w_live, rows, cols, info):
+        log_prob = _live_on(lambda v: _log_probs(v, batch["x"][rows]), w_live, cols)
+        args = (old[rows], log_prob, batch["adv"][rows], batch["mask"][rows], "token-mean", _VerlCfg())
+        return fn(*args, global_batch_info=info)[0]
+
+    worst = max(
+        (_megatron_grad(batch, w0, dp, cp, micro, seed=10 + i, loss_of=loss_of) - expected).abs().max().item()
+        for i, (dp, cp, micro) in enumerate(LAYOUTS)
+    )
+    assert worst > 1e-3, f"verl's geo_mean unexpectedly layout-invariant (max grad diff {worst:.2e})"
