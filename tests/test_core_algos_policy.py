@@ -278,7 +278,7 @@ def test_every_policy_loss_is_finite_with_zero_grad_on_empty_mask(name: str) -> 
         torch.zeros(3, 4),
         "token-mean",
         ActorCfg(),
-        global_batch_info={"empty_as_zero": True},  # what the trainer's actor passes
+        global_batch_info={"robust": True},  # what the trainer's actor passes
     )
     loss.backward()
     assert loss.item() == 0.0

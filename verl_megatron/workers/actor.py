@@ -292,7 +292,7 @@ class MegatronActor(_PolicyForward):
         agg = {
             k: counts[k] for k in ("dp_size", "batch_num_tokens", "global_batch_size", "loss_scale_factor")
         }
-        agg["empty_as_zero"] = True  # an all-masked mini-batch gives loss 0, not verl's NaN
+        agg["robust"] = True  # empty mini-batch -> 0 (verl: NaN); padding never leaks; float32 sums
         pg_loss, pg_metrics = self.policy_loss_fn(
             t["old_log_probs"],
             log_probs,

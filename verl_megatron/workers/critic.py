@@ -136,7 +136,7 @@ class MegatronCritic:
             self.config.cliprange_value,
             self.config.loss_agg_mode,
             **counts,
-            empty_as_zero=True,  # an all-masked mini-batch gives loss 0, not verl's NaN
+            robust=True,  # empty mini-batch -> 0 (verl: NaN); padding never leaks; float32 sums
         )
         share = mask.sum() / max(counts["batch_num_tokens"], 1)  # stays on the device: no sync
         metrics = {

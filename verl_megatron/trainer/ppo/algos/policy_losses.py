@@ -12,7 +12,7 @@ sub-config (clip_cov_ratio, clip_cov_lb, clip_cov_ub, kl_cov_ratio, ppo_kl_coef)
 
 Global counts for data/pipeline parallelism (see `agg_loss`) come from the mapping
 `global_batch_info` with keys dp_size, batch_num_tokens, global_batch_size,
-loss_scale_factor (and agg_loss's `empty_as_zero`): the keyword argument if given, else
+loss_scale_factor (and agg_loss's `robust`): the keyword argument if given, else
 `config.global_batch_info` as in verl 0.9, else none (single-rank normalisation).
 """
 
@@ -55,7 +55,7 @@ _GLOBAL_BATCH_KEYS = (
     "batch_num_tokens",
     "global_batch_size",
     "loss_scale_factor",
-    "empty_as_zero",
+    "robust",
 )
 
 
