@@ -52,14 +52,22 @@ def test_gae_returns_and_whitened_advantages() -> None:
     rewards = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]], dtype=torch.float64)
     values = torch.tensor([[0.5, 0.2, 9.0], [0.1, 0.7, 0.2]], dtype=torch.float64)
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 1.0]], dtype=torch.float64)  # row 1 has a hole
-    advantages, returns = compute_gae_advantage_return(rewards, values, mask, gamma=1.0, lam=1.0)
     # row 0: A = [0.5, 0.8]; row 1: A_2 = 1 - 0.2 = 0.8, the hole passes V=0.2 and A=0.8 to t=0: 0.2 - 0.1 + 0.8
     raw = [0.5, 0.8, 0.9, 0.8]
-    torch.testing.assert_close(returns[mask.bool()], torch.tensor([1.0, 1.0, 1.0, 1.0], dtype=torch.float64))
     mean, std = statistics.mean(raw), statistics.stdev(raw)
-    expected = torch.tensor([[raw[0], raw[1], 0], [raw[2], 0, raw[3]]], dtype=torch.float64)
-    expected = (expected - mean) / math.sqrt(std**2 + 1e-8) * mask
-    torch.testing.assert_close(advantages, expected)
+    # before whitening the masked cells hold what the recursion carried: 0 at row 0's end, 0.8 in the hole
+    carried = torch.tensor([[raw[0], raw[1], 0.0], [raw[2], raw[3], raw[3]]], dtype=torch.float64)
+    verl_expected = (carried - mean) / math.sqrt(std**2 + 1e-8)  # verl 0.9.1 whitens every cell
+    for zero_masked, expected in ((False, verl_expected), (True, verl_expected * mask)):
+        advantages, returns = compute_gae_advantage_return(
+            rewards, values, mask, gamma=1.0, lam=1.0, zero_masked=zero_masked
+        )
+        torch.testing.assert_close(returns[mask.bool()], torch.ones(4, dtype=torch.float64))
+        torch.testing.assert_close(advantages, expected)
+    # the default is verl's: masked cells are not 0
+    default, _ = compute_gae_advantage_return(rewards, values, mask, gamma=1.0, lam=1.0)
+    torch.testing.assert_close(default, verl_expected)
+    assert default[0, 2].item() == pytest.approx(-(mean) / math.sqrt(std**2 + 1e-8))
 
 
 def test_gae_discounting() -> None:

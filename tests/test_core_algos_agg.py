@@ -73,23 +73,56 @@ def test_agg_loss_shape_mismatch() -> None:
         agg_loss(L, M[:, :2], "token-mean")
 
 
+# verl 0.9.1 on an all-masked batch: token-sum has no denominator (0); every other mode is 0/0.
+_VERL_ALL_MASKED = {
+    "token-mean": math.nan,
+    "token-sum": 0.0,
+    "seq-mean-token-sum": math.nan,
+    "seq-mean-token-mean": math.nan,
+    "seq-mean-token-sum-norm": math.nan,
+}
+
+
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
-def test_agg_loss_all_masked_is_zero_with_zero_grad(mode: str) -> None:
+def test_agg_loss_all_masked_default_is_verls_nan(mode: str) -> None:
+    loss_mat = torch.full((2, 3), 5.0)
+    for counts in ({}, {"batch_num_tokens": 0, "global_batch_size": 0}):
+        got = agg_loss(loss_mat, torch.zeros(2, 3), mode, **counts).item()
+        want = _VERL_ALL_MASKED[mode]
+        assert (math.isnan(got) and math.isnan(want)) or got == want, (mode, counts, got, want)
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_agg_loss_all_masked_robust_is_zero_with_zero_grad(mode: str) -> None:
     loss_mat = torch.full((2, 3), 5.0, requires_grad=True)
-    loss = agg_loss(loss_mat, torch.zeros(2, 3), mode)
+    loss = agg_loss(loss_mat, torch.zeros(2, 3), mode, robust=True)
     loss.backward()
     assert loss.item() == 0.0
     assert torch.equal(loss_mat.grad, torch.zeros(2, 3))
     # Global counts of 0 (a whole global batch without tokens) are also finite.
-    assert agg_loss(loss_mat, torch.zeros(2, 3), mode, batch_num_tokens=0, global_batch_size=0).item() == 0.0
+    zero_counts = {"batch_num_tokens": 0, "global_batch_size": 0}
+    assert agg_loss(loss_mat, torch.zeros(2, 3), mode, **zero_counts, robust=True).item() == 0.0
+
+
+def test_agg_loss_robust_keeps_nonzero_counts() -> None:
+    """Only a count of exactly 0 is replaced: fractional (weighted-mask) counts stay as verl uses them."""
+    mask = torch.tensor([[0.25, 0.0]])
+    loss_mat = torch.tensor([[2.0, 7.0]])
+    for flag in (False, True):
+        assert agg_loss(loss_mat, mask, "token-mean", robust=flag).item() == 2.0  # 0.5 / 0.25
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
-def test_agg_loss_ignores_nan_and_inf_under_the_mask(mode: str) -> None:
+def test_agg_loss_robust_ignores_nan_and_inf_under_the_mask(mode: str) -> None:
     poisoned = L.clone()
     poisoned[2] = float("nan")
     poisoned[0, 2] = float("inf")
-    assert agg_loss(poisoned, M, mode).item() == pytest.approx(agg_loss(L, M, mode).item())
+    want = agg_loss(L, M, mode).item()
+    assert agg_loss(poisoned, M, mode, robust=True).item() == pytest.approx(want)
+    # verl 0.9.1: token modes shield the padding; seq modes sum L*m per row, so the inf in
+    # row 0's padding gives inf*0 = NaN (the all-NaN row 2 has no token and is dropped).
+    got = agg_loss(poisoned, M, mode).item()
+    assert math.isnan(got) if mode.startswith("seq-") else got == pytest.approx(want), (mode, got)
 
 
 def test_megatron_microbatch_loss_scales_by_num_microbatches() -> None:
@@ -202,7 +235,12 @@ def test_megatron_gradient_equals_global_batch_gradient(mode: str) -> None:
     assert expected.abs().max() > 1e-3  # the check is not vacuous
 
 
+class _PolicyLossCfg:
+    geo_mean_valid_rows = True  # the trainer's setting: layout-invariant geo_mean
+
+
 class _ActorCfg:
+    policy_loss = _PolicyLossCfg()
     clip_ratio = 0.2
     clip_ratio_low = 0.2
     clip_ratio_high = 0.28
@@ -271,8 +309,8 @@ def test_padding_columns_do_not_change_agg_loss(rows: int, cols: int, pad: int, 
     padded_mask = torch.cat([loss_mask, torch.zeros(rows, pad, dtype=torch.float64)], dim=1)
     for mode in LOSS_AGG_MODES:
         # sum-norm divides by T by default, so pin the scale to compare different paddings.
-        a = agg_loss(loss_mat, loss_mask, mode, loss_scale_factor=7)
-        b = agg_loss(padded_mat, padded_mask, mode, loss_scale_factor=7)
+        a = agg_loss(loss_mat, loss_mask, mode, loss_scale_factor=7, robust=True)
+        b = agg_loss(padded_mat, padded_mask, mode, loss_scale_factor=7, robust=True)
         assert math.isfinite(b.item())
         assert b.item() == pytest.approx(a.item(), rel=1e-9, abs=1e-9), mode
 
@@ -284,16 +322,47 @@ def test_row_order_does_not_change_agg_loss(perm_seed: int, data) -> None:
     mask = _t(data.draw(st.lists(st.sampled_from([0.0, 1.0]), min_size=12, max_size=12))).view(4, 3)
     perm = torch.randperm(4, generator=torch.Generator().manual_seed(perm_seed))
     for mode in LOSS_AGG_MODES:
-        assert agg_loss(values[perm], mask[perm], mode).item() == pytest.approx(
-            agg_loss(values, mask, mode).item(), rel=1e-9, abs=1e-9
+        assert agg_loss(values[perm], mask[perm], mode, robust=True).item() == pytest.approx(
+            agg_loss(values, mask, mode, robust=True).item(), rel=1e-9, abs=1e-9
         )
 
 
-def test_agg_loss_counts_exactly_in_bfloat16() -> None:
+def test_agg_loss_counts_exactly_in_bfloat16_when_robust() -> None:
     # 1001 is not a bfloat16 number (it rounds to 1000): the reduction must run in float32.
     loss_mat = torch.ones(1, 1001, dtype=torch.bfloat16)
     assert torch.ones(1001, dtype=torch.bfloat16).sum().item() == 1000.0
-    loss = agg_loss(loss_mat, torch.ones(1, 1001, dtype=torch.bool), "token-sum")
+    loss = agg_loss(loss_mat, torch.ones(1, 1001, dtype=torch.bool), "token-sum", robust=True)
     assert loss.dtype == torch.float32
     assert loss.item() == 1001.0
-    assert agg_loss(loss_mat * 3, torch.ones(1, 1001), "seq-mean-token-mean").item() == 3.0
+    assert agg_loss(loss_mat * 3, torch.ones(1, 1001), "seq-mean-token-mean", robust=True).item() == 3.0
+    # verl 0.9.1 sums in the inputs' dtype: a bf16 1000
+    verl = agg_loss(loss_mat, torch.ones(1, 1001, dtype=torch.bool), "token-sum")
+    assert verl.dtype == torch.bfloat16
+    assert verl.item() == 1000.0
+
+
+def test_verls_geo_mean_default_depends_on_the_layout() -> None:
+    """Why the trainer sets geo_mean_valid_rows: verl's plain per-micro-batch row mean ignores
+    the global counts, so splitting the same batch differently changes the gradient."""
+
+    class _VerlCfg(_ActorCfg):
+        policy_loss = None  # geo_mean_valid_rows unset: verl 0.9.1's numbers
+
+    batch = _global_batch(seed=1)
+    w0 = torch.tensor([0.5, 0.1, -0.6], dtype=torch.float64)
+    old = (_log_probs(w0, batch["x"]) + batch["noise"]).detach()
+    fn = get_policy_loss_fn("geo_mean")
+    w = w0.clone().requires_grad_(True)
+    reference, _ = fn(old, _log_probs(w, batch["x"]), batch["adv"], batch["mask"], "token-mean", _VerlCfg())
+    (expected,) = torch.autograd.grad(reference, w)
+
+    def loss_of(w_live, rows, cols, info):
+        log_prob = _live_on(lambda v: _log_probs(v, batch["x"][rows]), w_live, cols)
+        args = (old[rows], log_prob, batch["adv"][rows], batch["mask"][rows], "token-mean", _VerlCfg())
+        return fn(*args, global_batch_info=info)[0]
+
+    worst = max(
+        (_megatron_grad(batch, w0, dp, cp, micro, seed=10 + i, loss_of=loss_of) - expected).abs().max().item()
+        for i, (dp, cp, micro) in enumerate(LAYOUTS)
+    )
+    assert worst > 1e-3, f"verl's geo_mean unexpectedly layout-invariant (max grad diff {worst:.2e})"

@@ -29,6 +29,7 @@ class PolicyLossCfg:
     kl_cov_ratio: float = 0.0002
     ppo_kl_coef: float = 1.0
     dro_beta: float = 0.1
+    geo_mean_valid_rows: bool | None = None
 
 
 @dataclass
@@ -210,11 +211,21 @@ def test_geo_mean_sequence_ratio() -> None:
     log_prob = torch.tensor([[0.1, 0.3], [-0.4, 7.0], [1.0, 1.0]], dtype=torch.float64)
     adv = torch.tensor([[1.0, 1.0], [-1.0, -1.0], [5.0, 5.0]], dtype=torch.float64)
     mask = torch.tensor([[1, 1], [1, 0], [0, 0]])  # row 2 is padding
-    loss, metrics = get_policy_loss_fn("geo_mean")(old, log_prob, adv, mask, "token-mean", ActorCfg())
     # row 0: log-ratios clipped to (0.1, 0.2) -> exp(0.15); row 1: -0.4 clipped to -0.2 (pessimistic for A < 0)
-    assert loss.item() == pytest.approx((-math.exp(0.15) + math.exp(-0.2)) / 2)
+    row_sum = -math.exp(0.15) + math.exp(-0.2)
+    fn = get_policy_loss_fn("geo_mean")
+    # default = verl 0.9.1: the empty row counts in the mean (as a 0), global counts are ignored
+    for info in ({}, {"dp_size": 2, "global_batch_size": 8}):
+        loss, metrics = fn(old, log_prob, adv, mask, "token-mean", ActorCfg(), global_batch_info=info)
+        assert loss.item() == pytest.approx(row_sum / 3), info
     assert metrics["actor/pg_clipfrac"] == pytest.approx(1 / 3)
     assert metrics["actor/pg_clipfrac_lower"] == pytest.approx(1 / 3)
+    # geo_mean_valid_rows (the trainer's default): only the 2 rows with tokens, or the global counts
+    cfg = ActorCfg(policy_loss=PolicyLossCfg(geo_mean_valid_rows=True))
+    assert fn(old, log_prob, adv, mask, "token-mean", cfg)[0].item() == pytest.approx(row_sum / 2)
+    info = {"dp_size": 2, "global_batch_size": 8}
+    loss = fn(old, log_prob, adv, mask, "token-mean", cfg, global_batch_info=info)[0]
+    assert loss.item() == pytest.approx(row_sum / 8 * 2)
 
 
 # cov_t = (A - mean A)(lp - mean lp) = [3, 0.5, 0, 0]: only token 0 lies in (1, 5)
@@ -261,12 +272,28 @@ def test_every_policy_loss_is_finite_with_zero_grad_on_empty_mask(name: str) -> 
     old = torch.randn(3, 4, dtype=torch.float64)
     log_prob = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
     loss, metrics = get_policy_loss_fn(name)(
-        old, log_prob, torch.randn(3, 4), torch.zeros(3, 4), "token-mean", ActorCfg()
+        old,
+        log_prob,
+        torch.randn(3, 4),
+        torch.zeros(3, 4),
+        "token-mean",
+        ActorCfg(),
+        global_batch_info={"robust": True},  # what the trainer's actor passes
     )
     loss.backward()
     assert loss.item() == 0.0
     assert torch.equal(log_prob.grad, torch.zeros(3, 4, dtype=torch.float64))
     assert all(math.isfinite(v) for v in metrics.values())
+
+
+@pytest.mark.parametrize("name", ["vanilla", "gspo", "cispo", "geo_mean"])
+def test_policy_loss_on_empty_mask_defaults_to_verls_number(name: str) -> None:
+    """verl 0.9.1: token-mean of an all-masked batch is 0/0 = NaN; geo_mean is a mean of 0-losses = 0."""
+    old = torch.randn(3, 4, dtype=torch.float64)
+    loss, _ = get_policy_loss_fn(name)(
+        old, old + 0.1, torch.randn(3, 4), torch.zeros(3, 4), "token-mean", ActorCfg()
+    )
+    assert loss.item() == 0.0 if name == "geo_mean" else math.isnan(loss.item())
 
 
 def test_registry_lookup_and_custom_registration() -> None:

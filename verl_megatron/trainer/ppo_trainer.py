@@ -391,6 +391,7 @@ class PPOTrainer:
             "index": batch.non_tensor_batch["uid"],
             "gamma": algo.gamma,
             "lam": algo.lam,
+            "zero_masked": True,  # gae: advantages 0 on masked cells (verl leaves leftovers)
             "norm_adv_by_std_in_grpo": algo.norm_adv_by_std_in_grpo,
             "config": algo,
             "non_tensor_batch": batch.non_tensor_batch,  # gdpo's reward components

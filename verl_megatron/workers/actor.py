@@ -14,6 +14,8 @@ of softmax(logits / temperature), the distribution the rollout sampled from.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 
 import torch
@@ -175,6 +177,19 @@ class MegatronRef(_PolicyForward):
         )
 
 
+def _trainer_loss_config(config: ActorConfig) -> ActorConfig:
+    """The config handed to the policy loss: the trainer's defaults where verl's differ.
+
+    geo_mean_valid_rows unset means the layout-invariant geo_mean mean here (see
+    PolicyLossConfig); the user's config object is left as it is.
+    """
+    if config.policy_loss.geo_mean_valid_rows is not None:
+        return config
+    loss_config = copy.copy(config)
+    loss_config.policy_loss = dataclasses.replace(config.policy_loss, geo_mean_valid_rows=True)
+    return loss_config
+
+
 class MegatronActor(_PolicyForward):
     """PPO policy: log-probs for the batch and PPO updates with megatron's optimizer.
 
@@ -197,6 +212,7 @@ class MegatronActor(_PolicyForward):
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.policy_loss_fn = core_algos.get_policy_loss_fn(config.policy_loss.loss_mode)
+        self.loss_config = _trainer_loss_config(config)
         self.update_calls = 0
         attach_schedule_hooks(chunks)
 
@@ -276,13 +292,14 @@ class MegatronActor(_PolicyForward):
         agg = {
             k: counts[k] for k in ("dp_size", "batch_num_tokens", "global_batch_size", "loss_scale_factor")
         }
+        agg["robust"] = True  # empty mini-batch -> 0 (verl: NaN); padding never leaks; float32 sums
         pg_loss, pg_metrics = self.policy_loss_fn(
             t["old_log_probs"],
             log_probs,
             t["advantages"],
             mask,
             cfg.loss_agg_mode,
-            cfg,
+            self.loss_config,
             t.get("rollout_is_weights"),
             global_batch_info=agg,
         )

@@ -106,6 +106,12 @@ class PolicyLossConfig:
     """dro: weight of the quadratic log-ratio penalty (> 0; required by loss_mode dro)."""
     rollout_correction: dict[str, Any] | None = None
     """bypass_mode: the rollout-correction settings (loss_type, rollout_is, rollout_rs, ...)."""
+    geo_mean_valid_rows: bool | None = None
+    """geo_mean: average the sequence losses over rows that have response tokens only, normalised
+    by the global batch counts, so the gradient does not depend on the dp / micro-batch layout
+    (true), or verl 0.9.1's plain mean over every row of each micro-batch, global counts ignored
+    (false). Unset (null): the trainer's actor uses true (a deliberate difference from verl);
+    ``core_algos.compute_policy_loss_geo_mean`` called directly uses verl's false."""
 
     def __post_init__(self) -> None:
         if self.loss_mode not in POLICY_LOSS_REGISTRY:

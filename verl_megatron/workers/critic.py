@@ -136,6 +136,7 @@ class MegatronCritic:
             self.config.cliprange_value,
             self.config.loss_agg_mode,
             **counts,
+            robust=True,  # empty mini-batch -> 0 (verl: NaN); padding never leaks; float32 sums
         )
         share = mask.sum() / max(counts["batch_num_tokens"], 1)  # stays on the device: no sync
         metrics = {

@@ -16,6 +16,12 @@ registration and lookup to it.
 - KL: `kl_penalty`, `FixedKLController`, `AdaptiveKLController`, `get_kl_controller`,
   `compute_rewards`, `apply_kl_penalty_to_rewards`
 - value and entropy: `compute_value_loss`, `compute_entropy_loss`, `entropy_from_logits`
+
+Every function defaults to verl 0.9.1's numbers, edge cases included. The project's
+trainer asks for its deliberate differences explicitly: `robust=True` for `agg_loss`,
+`compute_value_loss`, `compute_entropy_loss` and (as ``global_batch_info["robust"]``) the
+policy losses; `compute_gae_advantage_return(..., zero_masked=True)`; and
+``policy_loss.geo_mean_valid_rows`` for geo_mean.
 """
 
 from verl_megatron.trainer.ppo.algos.advantages import (

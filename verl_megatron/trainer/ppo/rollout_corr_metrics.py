@@ -139,7 +139,8 @@ def compute_is_metrics(
     clamped = rollout_is_weights.clamp(min=0.0, max=upper)
     normalised = clamped / (masked_mean(clamped, response_mask) + 1e-8)
     second_moment = masked_mean(normalised.square(), response_mask).item()
-    # Every weight zeroed (IcePop rejected all): no effective sample (verl divides by zero).
+    # Every weight zeroed (IcePop rejected all): no effective sample. verl 0.9.1 raises
+    # ZeroDivisionError here, so no caller can depend on its number: 0 is kept, with no option.
     m["rollout_is_eff_sample_size"] = 1.0 / second_moment if second_moment > 0 else 0.0
     if rollout_is_weights.dim() > 1:
         m.update(_seq_summary("rollout_is", masked_mean(rollout_is_weights, response_mask, -1), 1.0))

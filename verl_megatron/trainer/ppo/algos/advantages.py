@@ -2,7 +2,8 @@
 
 Each estimator takes [B, T] `token_level_rewards` and `response_mask` (plus what it
 needs: values, group `index` of length B, reward baselines, config) and returns
-(advantages, returns), both [B, T]; advantages are zero at masked positions. Outcome estimators
+(advantages, returns), both [B, T]; advantages are zero at masked positions (GAE:
+only with `zero_masked=True`, verl leaves whitened values there). Outcome estimators
 use the per-sequence score s_i = sum_t token_level_rewards[i, t]. Group statistics
 are per distinct value of `index` (verl's `uid`); a singleton group has baseline 0
 (and std 1), so nothing divides by zero.
@@ -154,13 +155,17 @@ def compute_gae_advantage_return(
     response_mask: torch.Tensor,
     gamma: float,
     lam: float,
+    *,
+    zero_masked: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE(gamma, lam) over the response; masked positions are skipped, not terminal.
 
     delta_t = r_t + gamma V_{t+1} - V_t and A_t = delta_t + gamma lam A_{t+1}, where
     "t+1" is the next unmasked position. returns = A + V (before whitening); the
-    advantages are then whitened over all unmasked tokens of the batch and zeroed
-    at masked positions (verl leaves whitened garbage there).
+    advantages are then whitened over all unmasked tokens of the batch. At masked
+    positions they keep verl 0.9.1's whitened leftovers (the carried advantage, shifted
+    and scaled) unless `zero_masked` (the project's trainer passes it), which makes them
+    0 like every other estimator's, so sums and dumps over the whole tensor are clean.
     """
     _check_rewards("compute_gae_advantage_return", token_level_rewards, response_mask)
     if values.shape != response_mask.shape:
@@ -180,8 +185,8 @@ def compute_gae_advantage_return(
         reversed_adv.append(last_gae)
     advantages = torch.stack(reversed_adv[::-1], dim=1)
     returns = advantages + values
-    advantages = masked_whiten(advantages, mask) * mask
-    return advantages, returns
+    advantages = masked_whiten(advantages, mask)
+    return (advantages * mask if zero_masked else advantages), returns
 
 
 @register_adv_est(AdvantageEstimator.GRPO)

@@ -29,12 +29,14 @@ Count = int | float | torch.Tensor
 
 
 def _denominator(
-    given: Count | None, local: torch.Tensor, dp_size: int, name: str, mode: str
-) -> torch.Tensor:
+    given: Count | None, local: torch.Tensor, dp_size: int, name: str, mode: str, robust: bool
+) -> Count:
     """The normaliser: the global count if given, else the local one (only valid without dp).
 
-    Clamped to at least 1: the numerator is 0 whenever the count is 0 (every element
-    masked), so the loss becomes a finite 0 with a zero gradient instead of 0/0.
+    `robust`: the count as a tensor of the reduction dtype, with 0 replaced by 1. The
+    numerator is 0 whenever the count is 0 (every element masked), so the loss is then a
+    finite 0 with a zero gradient instead of verl's 0/0 = NaN; any other count, fractional
+    ones included, is used as is.
     """
     if given is None:
         if dp_size > 1:
@@ -42,10 +44,24 @@ def _denominator(
                 f"agg_loss(loss_agg_mode={mode!r}, dp_size={dp_size}): {name} (the count over the global "
                 "mini-batch) is required when dp_size > 1, otherwise each rank normalises by its own shard"
             )
-        count = local
-    else:
-        count = torch.as_tensor(given, dtype=local.dtype, device=local.device)
-    return count.to(local.dtype).clamp(min=1)
+        given = local
+    if not robust:
+        return given
+    count = torch.as_tensor(given, device=local.device).to(local.dtype)
+    return torch.where(count == 0, torch.ones_like(count), count)
+
+
+def _check(loss_mat: torch.Tensor, loss_mask: torch.Tensor, mode: str, dp_size: int, scale: Count) -> None:
+    if loss_mat.shape != loss_mask.shape:
+        raise ValueError(
+            f"agg_loss: loss_mat {tuple(loss_mat.shape)} and loss_mask {tuple(loss_mask.shape)} differ in shape"
+        )
+    if dp_size < 1:
+        raise ValueError(f"agg_loss: dp_size must be >= 1, got {dp_size}")
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"agg_loss: invalid loss_agg_mode {mode!r}; valid modes are {LOSS_AGG_MODES}")
+    if mode == "seq-mean-token-sum-norm" and float(scale) <= 0:
+        raise ValueError(f"agg_loss: loss_scale_factor must be > 0, got {scale}")
 
 
 def agg_loss(
@@ -56,6 +72,8 @@ def agg_loss(
     batch_num_tokens: Count | None = None,
     global_batch_size: Count | None = None,
     loss_scale_factor: Count | None = None,
+    *,
+    robust: bool = False,
 ) -> torch.Tensor:
     """Aggregate a per-token loss [B, T] under `loss_mask` [B, T] into a scalar.
 
@@ -69,43 +87,37 @@ def agg_loss(
                                  (default T = loss_mask.shape[-1]; pass a constant when T
                                  varies between micro-batches, or the scale changes with padding)
 
-    With dp_size > 1 the global counts (N for token-mean, G for the seq modes) are
-    required. An all-masked batch gives a finite 0 with a zero gradient (verl: NaN).
-    Values of `loss_mat` at masked positions never reach the result, even inf/NaN.
-    Low-precision inputs are reduced (and returned) in float32.
+    With dp_size > 1 the global counts (N for token-mean, G for the seq modes) are required.
+    The default gives verl 0.9.1's numbers, edge cases included: a count of 0 (an all-masked
+    batch, or global counts of 0) is 0/0 = NaN except in token-sum; inf/NaN in the padding
+    of a row that has tokens reaches the seq modes' result; the reduction runs in the
+    inputs' dtype. `robust=True` (what the project's actor and critic pass) makes a count
+    of 0 give a finite 0 with a zero gradient, keeps every masked value out of every mode,
+    and reduces (and returns) low-precision inputs in float32, so bf16 counts stay exact.
     """
-    if loss_mat.shape != loss_mask.shape:
-        raise ValueError(
-            f"agg_loss: loss_mat {tuple(loss_mat.shape)} and loss_mask {tuple(loss_mask.shape)} differ in shape"
-        )
-    if dp_size < 1:
-        raise ValueError(f"agg_loss: dp_size must be >= 1, got {dp_size}")
-    # Reduce in at least float32: a bf16 sum of a mask is not an exact token count past 256.
-    acc_dtype = torch.promote_types(loss_mat.dtype, torch.float32)
-    loss_mat = loss_mat.to(acc_dtype)
-    mask = loss_mask.to(acc_dtype)
+    scale = loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
+    _check(loss_mat, loss_mask, loss_agg_mode, dp_size, scale)
+    mask = loss_mask
+    if robust:
+        # Reduce in at least float32: a bf16 sum of a mask is not an exact token count past 256.
+        acc_dtype = torch.promote_types(loss_mat.dtype, torch.float32)
+        loss_mat, mask = loss_mat.to(acc_dtype), loss_mask.to(acc_dtype)
 
     if loss_agg_mode == "token-mean":
-        n = _denominator(batch_num_tokens, mask.sum(), dp_size, "batch_num_tokens", loss_agg_mode)
+        n = _denominator(batch_num_tokens, mask.sum(), dp_size, "batch_num_tokens", loss_agg_mode, robust)
         return masked_sum(loss_mat, mask) / n * dp_size
     if loss_agg_mode == "token-sum":
         return masked_sum(loss_mat, mask) * dp_size
-    if loss_agg_mode not in LOSS_AGG_MODES:
-        raise ValueError(
-            f"agg_loss: invalid loss_agg_mode {loss_agg_mode!r}; valid modes are {LOSS_AGG_MODES}"
-        )
 
     tokens_per_seq = mask.sum(dim=-1)
-    seq_losses = masked_sum(loss_mat, mask, axis=-1)
+    # verl sums a plain product here, so a NaN in the padding of a row with tokens survives.
+    seq_losses = masked_sum(loss_mat, mask, axis=-1) if robust else (loss_mat * mask).sum(dim=-1)
     if loss_agg_mode == "seq-mean-token-mean":
         seq_losses = seq_losses / (tokens_per_seq + _SEQ_TOKEN_MEAN_EPS)
-    valid_seqs = (tokens_per_seq > 0).to(loss_mat.dtype)
-    g = _denominator(global_batch_size, valid_seqs.sum(), dp_size, "global_batch_size", loss_agg_mode)
+    valid_seqs = (tokens_per_seq > 0).to(torch.promote_types(loss_mat.dtype, torch.float32))
+    g = _denominator(global_batch_size, valid_seqs.sum(), dp_size, "global_batch_size", loss_agg_mode, robust)
     loss = masked_sum(seq_losses, valid_seqs) / g * dp_size
     if loss_agg_mode == "seq-mean-token-sum-norm":
-        scale = loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
-        if float(scale) <= 0:
-            raise ValueError(f"agg_loss: loss_scale_factor must be > 0, got {scale}")
         loss = loss / scale
     return loss
 

@@ -21,12 +21,14 @@ def compute_value_loss(
     batch_num_tokens: Count | None = None,
     global_batch_size: Count | None = None,
     loss_scale_factor: Count | None = None,
+    *,
+    robust: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped PPO value loss; all inputs [B, T].
 
     v_clip = clamp(vpreds, values - c, values + c);
     vf_loss = 0.5 * agg(max((vpreds - R)^2, (v_clip - R)^2)) with agg_loss's mode and
-    global counts; vf_clipfrac = masked mean of [(v_clip - R)^2 > (vpreds - R)^2].
+    global counts (`robust` as in agg_loss); vf_clipfrac = masked mean of [(v_clip - R)^2 > (vpreds - R)^2].
     """
     for name, tensor in (("returns", returns), ("values", values), ("response_mask", response_mask)):
         if tensor.shape != vpreds.shape:
@@ -44,13 +46,18 @@ def compute_value_loss(
         batch_num_tokens=batch_num_tokens,
         global_batch_size=global_batch_size,
         loss_scale_factor=loss_scale_factor,
+        robust=robust,
     )
     vf_clipfrac = masked_mean(torch.gt(clipped, unclipped).to(vpreds.dtype), response_mask)
     return vf_loss, vf_clipfrac
 
 
 def compute_entropy_loss(
-    logits: torch.Tensor, response_mask: torch.Tensor, loss_agg_mode: str = "token-mean"
+    logits: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    *,
+    robust: bool = False,
 ) -> torch.Tensor:
     """agg_loss of the per-token entropy of softmax(logits [B, T, V]) under response_mask [B, T]."""
     if logits.shape[:-1] != response_mask.shape:
@@ -58,4 +65,4 @@ def compute_entropy_loss(
             f"compute_entropy_loss: logits {tuple(logits.shape)} do not match response_mask "
             f"{tuple(response_mask.shape)} as [B, T, V] vs [B, T]"
         )
-    return agg_loss(entropy_from_logits(logits), response_mask, loss_agg_mode)
+    return agg_loss(entropy_from_logits(logits), response_mask, loss_agg_mode, robust=robust)

@@ -12,8 +12,8 @@ sub-config (clip_cov_ratio, clip_cov_lb, clip_cov_ub, kl_cov_ratio, ppo_kl_coef)
 
 Global counts for data/pipeline parallelism (see `agg_loss`) come from the mapping
 `global_batch_info` with keys dp_size, batch_num_tokens, global_batch_size,
-loss_scale_factor: the keyword argument if given, else `config.global_batch_info` as
-in verl 0.9, else none (single-rank normalisation).
+loss_scale_factor (and agg_loss's `robust`): the keyword argument if given, else
+`config.global_batch_info` as in verl 0.9, else none (single-rank normalisation).
 """
 
 from __future__ import annotations
@@ -50,7 +50,13 @@ POLICY_LOSS_REGISTRY: dict[str, PolicyLossFn] = {}
 _MAX_LOG_RATIO = 20.0
 # GSPO clamps the (sequence) log-ratio from above only, at verl's value.
 _GSPO_MAX_LOG_RATIO = 10.0
-_GLOBAL_BATCH_KEYS = ("dp_size", "batch_num_tokens", "global_batch_size", "loss_scale_factor")
+_GLOBAL_BATCH_KEYS = (
+    "dp_size",
+    "batch_num_tokens",
+    "global_batch_size",
+    "loss_scale_factor",
+    "robust",
+)
 
 
 def core_registry(name: str, default: dict) -> dict:
@@ -375,9 +381,12 @@ def compute_policy_loss_geo_mean(
     Each token log-ratio is clipped to [-low, high] on the side that matters for the
     sign of A; the sequence ratio is exp(mean_t clipped log-ratio) and the sequence
     advantage mean_t A. The loss -A_i * ratio_i is averaged over sequences
-    (`loss_agg_mode` is ignored, as in verl). Difference from verl: rows without any
-    unmasked token are padding and are left out of that mean (verl counts them), which
-    is what makes the global-count normalisation (global_batch_size) layout-invariant.
+    (`loss_agg_mode` is ignored, as in verl). By default that is verl 0.9.1's plain mean
+    over every row of the micro-batch (empty rows count as 0, global counts and dp_size
+    are ignored, so the gradient depends on the micro-batch layout). With
+    `config.policy_loss.geo_mean_valid_rows` true (the project's trainer default) rows
+    without any unmasked token are left out and the mean uses global_batch_size and
+    dp_size from the global counts, which makes it layout-invariant.
     Token-level rollout_is_weights enter as their per-sequence geometric mean.
     """
     check_inputs("geo_mean", old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
@@ -399,10 +408,13 @@ def compute_policy_loss_geo_mean(
         seq_losses = seq_losses * torch.exp((log_w * mask).sum(dim=-1) / (tokens + 1e-8))
 
     kwargs = global_batch_kwargs(config, global_batch_info)
-    kwargs.pop("batch_num_tokens", None)
-    kwargs.pop("loss_scale_factor", None)
-    valid = (tokens > 0).unsqueeze(-1)
-    pg_loss = agg_loss(seq_losses.unsqueeze(-1), valid, "seq-mean-token-sum", **kwargs)
+    if cfg_value(cfg_value(config, "policy_loss", None), "geo_mean_valid_rows", False):
+        kwargs.pop("batch_num_tokens", None)
+        kwargs.pop("loss_scale_factor", None)
+        valid = (tokens > 0).unsqueeze(-1)
+        pg_loss = agg_loss(seq_losses.unsqueeze(-1), valid, "seq-mean-token-sum", **kwargs)
+    else:
+        pg_loss = seq_losses.mean()
 
     was_clipped = torch.ne(log_ratio, clamped)
     pg_clipfrac = masked_mean((was_clipped & (advantages > 0)).to(log_prob.dtype), response_mask)
