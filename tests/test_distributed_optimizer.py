@@ -195,19 +195,14 @@ def test_settings_must_agree_between_wrapping_and_optimizer():
         build_optimizer([Wrapped()], OptimSettings(use_distributed_optimizer=True))
 
 
-def test_distributed_optimizer_with_checkpoints_is_refused_at_start_up():
-    """Saving it fails inside megatron 0.16 (flattened_range / param-group keys): refused up front."""
+def test_distributed_optimizer_with_checkpoints_is_accepted():
+    """Its checkpoints round-trip (tests/test_distopt_checkpoint.py): no start-up refusal."""
     from tests.test_config import QUICKSTART
-    from verl_megatron.trainer.config import ConfigError, load_config, validate_config
+    from verl_megatron.trainer.config import load_config, validate_config
 
-    config = load_config(QUICKSTART, ["actor.optim.use_distributed_optimizer=true", "trainer.save_freq=5"])
-    with pytest.raises(
-        ConfigError, match=r"actor.optim.use_distributed_optimizer=true cannot be checkpointed"
-    ):
-        validate_config(config, 1)
     overrides = [
         "actor.optim.use_distributed_optimizer=true",
-        "trainer.save_freq=0",
-        "trainer.resume_mode=disable",
+        "trainer.save_freq=5",
+        "trainer.resume_mode=auto",
     ]
     validate_config(load_config(QUICKSTART, overrides), 1)
