@@ -39,7 +39,7 @@ def _global_batch(seed: int = 0) -> dict[str, torch.Tensor]:
     return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": mask}
 
 
-def _make_gpt(pre: bool, post: bool, vp_stage):
+def _make_gpt(pre: bool, post: bool, vp_stage, dtype: torch.dtype = torch.float64):
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -56,8 +56,8 @@ def _make_gpt(pre: bool, post: bool, vp_stage):
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
         virtual_pipeline_model_parallel_size=vpp,
         use_cpu_initialization=True,
-        params_dtype=torch.float64,
-        pipeline_dtype=torch.float64,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         normalization="RMSNorm",
@@ -114,10 +114,11 @@ def _train_steps(tp: int, pp: int, vpp: int | None) -> dict:
     runtime.layout.check_model(num_layers=LAYERS, num_attention_heads=HEADS, num_query_groups=GROUPS)
     chunks = build_chunks(runtime, _make_gpt)
     load_full_state(chunks, lambda name, shape: seeded_tensor(name, shape, seed=3))
-    chunks = wrap_ddp(chunks, grad_reduce_in_fp32=False)  # keep the float64 gradients
+    # clip_grad is small enough that clipping really scales the gradients; keep the float64 gradients.
+    optim = OptimSettings(lr=LR, weight_decay=0.0, clip_grad=0.05, grad_reduce_in_fp32=False)
+    chunks = wrap_ddp(chunks, optim)
     attach_schedule_hooks(chunks)
-    # clip_grad is small enough that clipping really scales the gradients.
-    optimizer = build_optimizer(chunks, OptimSettings(lr=LR, weight_decay=0.0, clip_grad=0.05))
+    optimizer = build_optimizer(chunks, optim)
 
     dp, dp_rank = runtime.layout.dp, ps.get_data_parallel_rank()
     batch = _global_batch()
