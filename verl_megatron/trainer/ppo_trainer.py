@@ -237,6 +237,8 @@ class PPOTrainer:
         local.meta_info["prompt_offset"] = shard.replica * len(local)
         with self._rollout_phase():
             output = self.rollout.generate_sequences(local).to("cpu")
+        # Differs per replica: dropped before the shares' meta_info are merged (concat refuses conflicts).
+        output.meta_info.pop("prompt_offset", None)
         output = DataProto.concat(gather_replicas(output, shard, self.runtime.world_size))
         samples_per_prompt = len(output) // len(padded)
         output = unpad_dataproto(output, pad * samples_per_prompt)
