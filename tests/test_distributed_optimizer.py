@@ -6,8 +6,9 @@ distributed optimizer each dp rank holds a reduced shard of the gradient buffer 
 backward pass; the shards are all-gathered before comparing gradients. Tolerances: those of
 test_layout_equality (its plain dp=2 run meets them).
 
-Virtual pipeline stages with dp=2 need 4 ranks; on 2 ranks (pp=2, vpp=2, dp=1) the count of
-gradient reductions per bucket and step pins the double reduction down (item 4).
+Virtual pipeline stages with dp=2 run on 4 ranks (pp=2 x vpp=2 x dp=2, with and without the
+distributed optimizer); on 2 ranks (pp=2, vpp=2, dp=1) the count of gradient reductions per bucket
+and step pins the double reduction down too (item 4).
 """
 
 from __future__ import annotations
@@ -211,6 +212,41 @@ def test_vpp_reduces_each_bucket_once_per_step(pool2, reference, overlap):
     for r in results:
         assert all(c == [1] for c in r["reductions_per_bucket"]), r["reductions_per_bucket"]
     _assert_same(_merge(results), reference)
+
+
+@pytest.fixture(scope="module")
+def pool4():
+    """pp=2 x vpp=2 x dp=2 needs 4 ranks (about 30 s of CPU for both jobs below, start-up included)."""
+    from verl_megatron.utils.dist_pool import DistPool
+
+    pool = DistPool(4)
+    yield pool
+    pool.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
+def test_vpp_with_dp2_matches_one_process(pool4, reference, overlap):
+    """pp=2 x vpp=2 x dp=2 (float64): one process's numbers, one reduction per bucket group and step."""
+    results = pool4.run(
+        f"{__name__}:distopt_job", tp=1, pp=2, vpp=2, settings={"overlap_grad_reduce": overlap}
+    )
+    for r in results:
+        assert all(c == [1] for c in r["reductions_per_bucket"]), r["reductions_per_bucket"]
+    _assert_same(_merge(results), reference)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [DISTOPT, {**DISTOPT, "overlap_grad_reduce": True, "overlap_param_gather": True}],
+    ids=["distopt", "distopt-overlap"],
+)
+def test_distributed_optimizer_with_vpp_and_dp2_matches_one_process(pool4, reference32, settings):
+    """The reduce-scatter case item 4 was about: a second reduction would corrupt the shards."""
+    results = pool4.run(f"{__name__}:distopt_job", tp=1, pp=2, vpp=2, settings=settings, dtype="float32")
+    assert results[0]["optimizers"] == ["DistributedOptimizer"]
+    _assert_same_fp32(_merge(results), reference32)
+    for r in results:
+        assert all(c == [1] for c in r["reductions_per_bucket"]), r["reductions_per_bucket"]
 
 
 def test_settings_must_agree_between_wrapping_and_optimizer():
