@@ -399,9 +399,13 @@ def _init_distributed_optimizer_state(optimizer) -> None:
     Its ``sharded_state_dict(is_loading=True)`` first calls ``state_dict()``, which with torch's
     Adam reads every parameter's ``step`` and fails on an optimizer that never stepped (megatron
     assumes TE's or Apex's Adam there). Nothing is computed: no dummy step touches the weights.
+    With TE or Apex installed megatron takes its own path and this does nothing.
     """
+    from megatron.core.optimizer import distrib_optimizer
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return
     for sub in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
         if not isinstance(sub, DistributedOptimizer) or len(sub.optimizer.state) > 0:
             continue
