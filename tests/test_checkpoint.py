@@ -68,8 +68,11 @@ def _runtime(tp: int, pp: int, vpp: int | None):
     return init_runtime(ParallelLayout(tp=tp, pp=pp, vpp=vpp), seed=11)
 
 
-def _build(runtime, init_seed: int, hidden: int = HIDDEN):
-    """Model chunks (weights from ``init_seed``), megatron optimizer and LR/WD scheduler."""
+def _build(runtime, init_seed: int, hidden: int = HIDDEN, optim: dict | None = None):
+    """Model chunks (weights from ``init_seed``), megatron optimizer and LR/WD scheduler.
+
+    ``optim``: extra ``OptimSettings`` fields (e.g. the distributed optimizer).
+    """
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from verl_megatron.models.megatron_model import (
@@ -83,9 +86,10 @@ def _build(runtime, init_seed: int, hidden: int = HIDDEN):
 
     chunks = build_chunks(runtime, lambda pre, post, vp: _make_gpt(pre, post, vp, hidden))
     load_full_state(chunks, lambda name, shape: seeded_tensor(name, shape, seed=init_seed))
-    chunks = wrap_ddp(chunks)
+    settings = OptimSettings(lr=1e-2, weight_decay=0.05, clip_grad=1.0, **(optim or {}))
+    chunks = wrap_ddp(chunks, settings)
     attach_schedule_hooks(chunks)
-    optimizer = build_optimizer(chunks, OptimSettings(lr=1e-2, weight_decay=0.05, clip_grad=1.0))
+    optimizer = build_optimizer(chunks, settings)
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
@@ -102,9 +106,11 @@ def _build(runtime, init_seed: int, hidden: int = HIDDEN):
     return chunks, optimizer, scheduler
 
 
-def _setup(tp: int, pp: int, vpp: int | None, init_seed: int, hidden: int = HIDDEN):
+def _setup(
+    tp: int, pp: int, vpp: int | None, init_seed: int, hidden: int = HIDDEN, optim: dict | None = None
+):
     runtime = _runtime(tp, pp, vpp)
-    return (runtime, *_build(runtime, init_seed, hidden))
+    return (runtime, *_build(runtime, init_seed, hidden, optim))
 
 
 def _train_step(runtime, chunks, optimizer, scheduler, step: int) -> float:

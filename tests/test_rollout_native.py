@@ -300,3 +300,31 @@ def test_same_seed_same_tokens_and_validation_is_greedy(pool1, single, model_dir
     assert not torch.equal(out["a1"], out["a2"])  # the next call draws new samples
     # validate=True uses val_kwargs (greedy, n=1) whatever the training n.
     assert torch.equal(out["val"]["responses"], single["greedy"]["responses"])
+
+
+def dp_generate_job(model_dir: str, config: dict) -> dict:
+    """Each dp rank samples its share of a 4-prompt batch (as the trainer splits it); gathered back."""
+
+    runtime, chunks, hf_config = _setup(model_dir)
+    engine = _engine(runtime, chunks, hf_config, **config)
+    prompts = prompt_batch(PROMPT_LENGTHS[:4])
+    dp, rank = runtime.layout.dp, runtime.dp_rank
+    local = prompts.chunk(dp)[rank]
+    local.meta_info["prompt_offset"] = rank * len(local)
+    out = engine.generate_sequences(local)
+    shares = [_result(out)] * dp
+    if dp > 1:
+        torch.distributed.all_gather_object(shares, shares[0])
+    return {k: torch.cat([s[k] for s in shares]) for k in ("responses", "rollout_log_probs")}
+
+
+def test_dp2_sampling_matches_one_process(pool1, pool2, model_dir):
+    """Each prompt draws from its own seed (its row in the global batch), not from the dp rank's."""
+    one = pool1.run(f"{__name__}:dp_generate_job", model_dir=model_dir, config=SAMPLING)[0]
+    runs = pool2.run(f"{__name__}:dp_generate_job", model_dir=model_dir, config=SAMPLING)
+    for run in runs:
+        differ = (run["responses"] != one["responses"]).nonzero().tolist()
+        assert not differ, f"dp=2 sampled other tokens than one process at (row, t) {differ[:5]}"
+        assert_close_report(
+            run["rollout_log_probs"], one["rollout_log_probs"], rtol=0, atol=1e-5, what="log-probs"
+        )

@@ -21,6 +21,7 @@ that every rank calls.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -50,7 +51,11 @@ logger = logging.getLogger(__name__)
 # A ChainedOptimizer otherwise prefixes its state keys with the index of the
 # sub-optimizer holding each parameter; that index depends on how parameters
 # are grouped, and the keys of the non-distributed optimizer are unique anyway.
-_OPTIM_METADATA = {"chained_optim_avoid_prefix": True}
+# The distributed optimizer saves in "fully_reshardable" form: its dp shards are gathered and
+# written per model tensor under the same keys as the plain optimizer's state ("optimizer.state.
+# exp_avg.<model key>"), so the checkpoint loads under any layout, with or without it. Megatron's
+# default ("fully_sharded_model_space") needs flattened tensors, which dist-checkpointing no longer takes.
+_OPTIM_METADATA = {"chained_optim_avoid_prefix": True, "distrib_optim_sharding_type": "fully_reshardable"}
 # torch.distributed.checkpoint reports failures as CheckpointException, a
 # BaseException: caught explicitly, so KeyboardInterrupt still goes through.
 _READ_WRITE_ERRORS = (Exception, CheckpointException)
@@ -150,6 +155,13 @@ def _torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
     return [s.optimizer for s in subs if getattr(s, "optimizer", None) is not None]
 
 
+def _is_distributed(optimizer) -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    subs = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return optimizer is not None and any(isinstance(s, DistributedOptimizer) for s in subs)
+
+
 def _has_state(optimizer) -> bool:
     return any(len(s) > 0 for opt in _torch_optimizers(optimizer) for s in opt.state.values())
 
@@ -228,6 +240,11 @@ def save_checkpoint(
     _on_rank0(lambda: storage.start_part(root, step, name), f"preparing {tmp}")
     extra_state = _from_rank0(extra_state)
 
+    from verl_megatron.models.megatron_model import gather_updated_params
+
+    # With overlap_param_gather the last step's updates would reach the other dp ranks' copies
+    # only in the next forward: gathered now, or the saved weights are partly a step old.
+    gather_updated_params(chunks)
     model_sd = _model_sharded_state_dict(chunks)
     state: dict[str, Any] = {
         "model": model_sd,
@@ -256,6 +273,7 @@ def save_checkpoint(
         "layout": _layout_record(runtime),
         "world_size": runtime.world_size,
         "optimizer": optimizer_kind,
+        "distributed_optimizer": _is_distributed(optimizer),
         "scheduler": scheduler is not None,
     }
     _on_rank0(lambda: storage.publish_part(root, step, name, meta), f"finishing {tmp}")
@@ -343,6 +361,7 @@ def load_checkpoint(
     if optimizer is not None and meta["optimizer"] == "state":
         # is_loading creates empty moments for a fresh optimizer so there are
         # tensors to describe; _restore undoes that if the read fails.
+        _init_distributed_optimizer_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=_OPTIM_METADATA)
     same_layout = meta["layout"] == _layout_record(runtime) and meta["world_size"] == runtime.world_size
     if load_rng and same_layout:
@@ -372,6 +391,69 @@ def load_checkpoint(
         logger.info("checkpoint %s was saved under %s; RNG states not restored", part, meta["layout"])
     logger.info("loaded %s in %.2fs", part, time.perf_counter() - start)
     return _unpack(loaded["extra_state"])
+
+
+def _init_distributed_optimizer_state(optimizer) -> None:
+    """Give a fresh distributed optimizer zero moments and a step count to be overwritten by the load.
+
+    Its ``sharded_state_dict(is_loading=True)`` first calls ``state_dict()``, which with torch's
+    Adam reads every parameter's ``step`` and fails on an optimizer that never stepped (megatron
+    assumes TE's or Apex's Adam there). Nothing is computed: no dummy step touches the weights.
+    With TE or Apex installed megatron takes its own path and this does nothing.
+    """
+    from megatron.core.optimizer import distrib_optimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return
+    for sub in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        if not isinstance(sub, DistributedOptimizer) or len(sub.optimizer.state) > 0:
+            continue
+        sub.init_state_fn(sub.optimizer, sub.config)
+        for group in sub.optimizer.param_groups:
+            for param in group["params"]:
+                sub.optimizer.state[param].setdefault("step", torch.tensor(0.0))
+
+
+@contextlib.contextmanager
+def _step_set_apart(optimizer):
+    """Load into a distributed optimizer over torch's Adam (no TE/Apex, as on CPU) correctly.
+
+    Two gaps in megatron 0.16 with torch's Adam: (1) it copies every entry of a parameter's
+    state from the checkpoint, ``step`` included, but the fully-reshardable format keeps
+    ``step`` in the param groups: a KeyError; the copy here sees the state without ``step``,
+    put back unchanged. (2) it gives all parameters ONE shared ``step`` tensor, which Adam then
+    increments once per parameter, so the next update's bias correction is wrong: each
+    parameter gets its own copy afterwards.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    patched = []
+    for sub in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        if not isinstance(sub, DistributedOptimizer):
+            continue
+
+        def copy_without_step(model_param, tensors, sub=sub, copy=sub._set_main_param_and_optimizer_states):
+            group, order = sub.model_param_group_index_map[model_param]
+            state = sub.optimizer.state[sub.optimizer.param_groups[group]["params"][order]]
+            step = state.pop("step", None)
+            try:
+                copy(model_param, tensors)
+            finally:
+                if step is not None:
+                    state["step"] = step
+
+        sub._set_main_param_and_optimizer_states = copy_without_step
+        patched.append(sub)
+    try:
+        yield
+    finally:
+        for sub in patched:
+            del sub._set_main_param_and_optimizer_states
+    for sub in patched:
+        for state in sub.optimizer.state.values():
+            if "step" in state:
+                state["step"] = state["step"].clone()
 
 
 def _stage_on_cpu(state: dict[str, Any]) -> None:
@@ -443,7 +525,8 @@ def _apply(loaded, meta, chunks, optimizer, scheduler, backup) -> None:
         if scheduler is not None:
             _load_scheduler(scheduler, _unpack(loaded["scheduler"]))
         if optimizer is not None and meta["optimizer"] == "state":
-            optimizer.load_state_dict(loaded["optimizer"])
+            with _step_set_apart(optimizer):
+                optimizer.load_state_dict(loaded["optimizer"])
             # The checkpoint brings the optimizer's state (moments, step counts); its
             # hyper-parameters (max_lr, betas, eps, ...) stay those of the optimizer being
             # loaded into, i.e. of the current config: a resume with a new learning rate uses it.
@@ -530,6 +613,17 @@ def _check_fits(
     if missing:
         problems.append(
             f"{len(missing)} model tensor(s) are not in the checkpoint ({', '.join(missing[:4])})"
+        )
+    saved_distributed = meta.get("distributed_optimizer", False)
+    if (
+        optimizer is not None
+        and meta["optimizer"] == "state"
+        and saved_distributed != _is_distributed(optimizer)
+    ):
+        # The common part (param groups, step) is laid out differently by the two optimizers.
+        problems.append(
+            f"its optimizer state was saved with use_distributed_optimizer={saved_distributed}; "
+            f"load it with optim.use_distributed_optimizer={saved_distributed}"
         )
     if optimizer is not None and meta["optimizer"] == "state":
         # Keys look like "optimizer.state.exp_avg.<model key>".

@@ -54,7 +54,7 @@ class RolloutEngineUnavailable(ImportError):
 class RolloutEngine(abc.ABC):
     """Generates responses for prompts; colocated with the actor whose weights it uses."""
 
-    # Sampling seeds derive from (seed, dp rank, call number): a resumed run continues the count.
+    # Sampling seeds derive from (seed, call number, prompt row): a resumed run continues the count.
     _calls: int = 0
 
     def state_dict(self) -> dict[str, int]:

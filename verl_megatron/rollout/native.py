@@ -10,8 +10,9 @@ layout, so ``sync_weights`` / ``sleep`` / ``wake_up`` have nothing to do. One ca
    log-probs are broadcast to every rank of the model-parallel group, so all ranks agree.
    Once a quarter of the rows still decoded have stopped, they are dropped from the cache.
 
-Sampling is seeded by (seed, data-parallel rank, call number) (``sampling.call_seed``): the same
-seed and the same sequence of calls give the same tokens, whatever the tp/pp layout.
+Each prompt samples from its own seed (``sampling.prompt_seed``: seed, call number, and the
+prompt's row in the global batch, ``meta_info['prompt_offset']`` + its local row): the same seed
+and the same sequence of calls give the same tokens whatever the tp/pp/dp layout.
 """
 
 from __future__ import annotations
@@ -33,7 +34,13 @@ from verl_megatron.rollout.base import (
 )
 from verl_megatron.rollout.config import RolloutConfig
 from verl_megatron.rollout.decode import ChunkDecoder, inference_mode_for
-from verl_megatron.rollout.sampling import SamplingParams, call_seed, resolve_sampling, sample_next
+from verl_megatron.rollout.sampling import (
+    SamplingParams,
+    prompt_seed,
+    prompt_uniforms,
+    resolve_sampling,
+    sample_next,
+)
 
 __all__ = ["NativeRollout"]
 
@@ -87,8 +94,10 @@ class NativeRollout(RolloutEngine):
             raise ValueError(f"generate_sequences: response_length must be >= 1, got {response_length}")
         stops = stop_token_ids(self.config, meta, self.tokenizer, self.hf_config)
         pad = pad_token_id(meta, self.tokenizer)
-        generator = self._generator()
         device = self.runtime.device
+        uniforms = self._uniforms(
+            input_ids.shape[0], int(meta.get("prompt_offset", 0)), params, response_length
+        )
         start = time.perf_counter()
         with inference_mode_for(self.chunks) as bare:
             responses, response_mask, log_probs = self._decode(
@@ -100,16 +109,21 @@ class NativeRollout(RolloutEngine):
                 stops,
                 pad,
                 response_length,
-                generator,
+                uniforms,
             )
         self.stats["seconds"] = time.perf_counter() - start
         self.stats["response_tokens"] = float(response_mask.sum())
         return assemble_output(prompts, responses, response_mask, log_probs, params.n)
 
-    def _generator(self) -> torch.Generator:
-        seed = call_seed(self.seed, self.runtime.dp_rank, self._calls)
-        self._calls += 1
-        return torch.Generator(device=self.runtime.device).manual_seed(seed)
+    def _uniforms(
+        self, prompts: int, offset: int, params: SamplingParams, response_length: int
+    ) -> torch.Tensor | None:
+        """[prompts * n, response_length] uniforms of this call's rows (None when greedy)."""
+        call, self._calls = self._calls, self._calls + 1
+        if params.greedy:
+            return None
+        seeds = [prompt_seed(self.seed, call, offset + i) for i in range(prompts)]
+        return prompt_uniforms(seeds, params.n, response_length, self.runtime.device)
 
     def _decode(
         self,
@@ -121,7 +135,7 @@ class NativeRollout(RolloutEngine):
         stops: list[int],
         pad: int,
         response_length: int,
-        generator: torch.Generator,
+        uniforms: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(responses, response_mask, log_probs), each [B*n, Tr]; see the module docstring."""
         batch, prompt_len = input_ids.shape
@@ -146,7 +160,8 @@ class NativeRollout(RolloutEngine):
         finished = torch.zeros(rows, dtype=torch.bool, device=device)
         active = torch.arange(rows, device=device)  # output row of each cache row
         for t in range(response_length):
-            tokens, token_log_probs = self._next_tokens(logits, params, generator, active.numel())
+            uniform = None if uniforms is None else uniforms[active, t]
+            tokens, token_log_probs = self._next_tokens(logits, params, uniform, active.numel())
             live = ~finished[active]
             responses[active, t] = torch.where(live, tokens, pad)
             log_probs[active, t] = torch.where(live, token_log_probs, 0.0)
@@ -171,11 +186,11 @@ class NativeRollout(RolloutEngine):
         return responses, response_mask, log_probs
 
     def _next_tokens(
-        self, logits: torch.Tensor | None, params: SamplingParams, generator: torch.Generator, rows: int
+        self, logits: torch.Tensor | None, params: SamplingParams, uniform: torch.Tensor | None, rows: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample on the last pipeline stage; broadcast (tokens [rows], log_probs [rows]) to all ranks.
 
-        tp ranks of the last stage hold identical gathered logits and generators; tp rank 0's
+        tp ranks of the last stage hold identical gathered logits and uniforms; tp rank 0's
         draw is broadcast anyway so that no rounding difference between ranks can split them.
         """
         from megatron.core import parallel_state as ps
@@ -184,7 +199,7 @@ class NativeRollout(RolloutEngine):
         # float64 holds token ids exactly and float32 log-probs without rounding: one message.
         packed = torch.empty(2, rows, dtype=torch.float64, device=device)
         if logits is not None:
-            tokens, token_log_probs = sample_next(logits, params, generator)
+            tokens, token_log_probs = sample_next(logits, params, uniform=uniform)
             packed[0], packed[1] = tokens, token_log_probs
             if self.runtime.layout.tp > 1:
                 dist.broadcast(packed, ps.get_tensor_model_parallel_src_rank(), group=self.runtime.tp_group())

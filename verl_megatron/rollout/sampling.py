@@ -3,8 +3,8 @@
 ``sample_next`` draws one token per row by inverting the cumulative distribution with one
 uniform number per row. ``torch.multinomial`` draws an exponential variate for every vocabulary
 entry instead (a [B, V] random tensor per step), which on a CPU costs more than the rest of a
-small model's decoding step. The same generator state and the same logits give the same tokens
-on every rank.
+small model's decoding step. The same generator state (or the same given uniforms) and the same
+logits give the same tokens on every rank.
 
 ``rollout_log_probs`` are the log-softmax of the temperature-scaled logits at the chosen token,
 over the whole vocabulary (top-k / top-p only restrict which tokens can be drawn), as the actor
@@ -20,7 +20,7 @@ import torch
 
 from verl_megatron.rollout.config import RolloutConfig, RolloutConfigError
 
-__all__ = ["SamplingParams", "call_seed", "prompt_seed", "resolve_sampling", "sample_next"]
+__all__ = ["SamplingParams", "call_seed", "prompt_seed", "prompt_uniforms", "resolve_sampling", "sample_next"]
 
 # Candidates examined before falling back to a full sort for top-p: if the K most likely tokens
 # already hold top_p of the probability, the nucleus lies within them (exact, not a heuristic).
@@ -96,19 +96,43 @@ def prompt_seed(seed: int, call: int, prompt_index: int) -> int:
     return ((seed * 1_000_003 + call) * 1_000_033 + prompt_index) % (2**63)
 
 
-def _inverse_cdf(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def prompt_uniforms(seeds: list[int], n: int, steps: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The uniform numbers [len(seeds) * n, steps] a call's rows draw with, one per row and step.
+
+    Prompt ``i``'s ``n`` samples (adjacent rows) take rows of a table drawn from ``seeds[i]`` alone,
+    so a prompt's tokens depend on its seed, not on which rows share its batch.
+    """
+    table = torch.empty(len(seeds) * n, steps, dtype=torch.float32)
+    for i, seed in enumerate(seeds):
+        generator = torch.Generator().manual_seed(seed)
+        table[i * n : (i + 1) * n] = torch.rand(n, steps, generator=generator)
+    return table.to(device)
+
+
+def _uniform(rows: int, like: torch.Tensor, generator, uniform: torch.Tensor | None) -> torch.Tensor:
+    """[rows, 1] uniforms in ``like``'s dtype: the given ones, else drawn from ``generator``."""
+    if uniform is not None:
+        return uniform.to(like.dtype).reshape(rows, 1)
+    return torch.rand(rows, 1, generator=generator, device=like.device, dtype=like.dtype)
+
+
+def _inverse_cdf(
+    weights: torch.Tensor, generator: torch.Generator | None, uniform: torch.Tensor | None = None
+) -> torch.Tensor:
     """One index per row of ``weights`` [B, K] (non-negative, unnormalised) -> [B].
 
     searchsorted(right) returns the first index whose cumulative weight exceeds u * total:
     zero-weight entries never increase the cumulative sum, so they are never chosen.
     """
     cdf = weights.cumsum(dim=-1)
-    u = torch.rand(weights.shape[0], 1, generator=generator, device=weights.device, dtype=cdf.dtype)
+    u = _uniform(weights.shape[0], cdf, generator, uniform)
     index = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
     return index.clamp_(max=weights.shape[-1] - 1).squeeze(-1)
 
 
-def _inverse_cdf_blocked(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def _inverse_cdf_blocked(
+    weights: torch.Tensor, generator: torch.Generator | None, uniform: torch.Tensor | None = None
+) -> torch.Tensor:
     """Like :func:`_inverse_cdf` over a large vocabulary [B, V], in two levels.
 
     A running sum over V is sequential along each row; summing blocks of ``_BLOCK`` entries is
@@ -121,7 +145,7 @@ def _inverse_cdf_blocked(weights: torch.Tensor, generator: torch.Generator | Non
     if full < vocab:
         sums = torch.cat([sums, weights[:, full:].sum(dim=-1, keepdim=True)], dim=-1)
     cdf = sums.cumsum(dim=-1)
-    u = torch.rand(batch, 1, generator=generator, device=weights.device, dtype=cdf.dtype) * cdf[:, -1:]
+    u = _uniform(batch, cdf, generator, uniform) * cdf[:, -1:]
     block = torch.searchsorted(cdf, u, right=True).clamp_(max=sums.shape[-1] - 1)
     # The uniform's offset into its block, and that block's entries (past-the-end columns weigh 0).
     offset = u - (cdf.gather(-1, block) - sums.gather(-1, block))
@@ -161,7 +185,10 @@ def _candidates(
 
 
 def sample_next(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    uniform: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose one token per row.
 
@@ -169,6 +196,8 @@ def sample_next(
         logits: [B, V] next-token logits over the real vocabulary (any float dtype).
         params: the batch's sampling settings.
         generator: seeded torch generator on ``logits.device`` (None: the global one).
+        uniform: [B] the rows' uniform numbers in [0, 1) (see :func:`prompt_uniforms`);
+            when given, ``generator`` is not used.
 
     Returns:
         (tokens [B] int64, log_probs [B] float32), log-probs of the full-vocabulary
@@ -185,10 +214,10 @@ def sample_next(
         tokens = scaled.argmax(dim=-1)
     elif params.top_k <= 0 and params.top_p >= 1.0:
         draw = _inverse_cdf_blocked if weights.shape[-1] > 4 * _BLOCK else _inverse_cdf
-        tokens = draw(weights, generator)
+        tokens = draw(weights, generator, uniform)
     else:
         values, index = _candidates(scaled, log_total, params)
         probs = _nucleus(values, params.top_p)
-        tokens = index.gather(-1, _inverse_cdf(probs, generator).unsqueeze(-1)).squeeze(-1)
+        tokens = index.gather(-1, _inverse_cdf(probs, generator, uniform).unsqueeze(-1)).squeeze(-1)
     log_probs = (scaled.gather(-1, tokens.unsqueeze(-1)) - log_total).squeeze(-1)
     return tokens, log_probs

@@ -725,16 +725,6 @@ def validate_config(config: PPOConfig, world_size: int) -> ParallelLayout:
             section.validate()
         except WorkerConfigError as err:
             raise ConfigError(str(err)) from None
-    for role, optim in (("actor", config.actor.optim), ("critic", config.critic.optim)):
-        # megatron 0.16's distributed-optimizer checkpoints do not round-trip through
-        # verl_megatron.checkpoint yet: fail now rather than at the first save.
-        if optim.use_distributed_optimizer and (
-            config.trainer.save_freq > 0 or config.trainer.resume_mode != "disable"
-        ):
-            raise ConfigError(
-                f"{role}.optim.use_distributed_optimizer=true cannot be checkpointed yet: set trainer.save_freq=0 "
-                "and trainer.resume_mode=disable, or use_distributed_optimizer=false"
-            )
     if config.actor.megatron.param_offload and config.rollout.name == "native":
         raise ConfigError(
             "actor.megatron.param_offload=true cannot apply with rollout.name='native', which generates "

@@ -25,6 +25,7 @@ from verl_megatron.models.logprobs import vocab_parallel_log_probs
 from verl_megatron.models.megatron_model import attach_schedule_hooks
 from verl_megatron.protocol import DataProto
 from verl_megatron.trainer.ppo import core_algos
+from verl_megatron.trainer.ppo.algos.policy_losses import metrics_on_device
 from verl_megatron.workers.batching import MicroBatch
 from verl_megatron.workers.config import ActorConfig, RefConfig
 from verl_megatron.workers.engine import ModelRunner, StepResult, dp_share
@@ -293,16 +294,18 @@ class MegatronActor(_PolicyForward):
             k: counts[k] for k in ("dp_size", "batch_num_tokens", "global_batch_size", "loss_scale_factor")
         }
         agg["robust"] = True  # empty mini-batch -> 0 (verl: NaN); padding never leaks; float32 sums
-        pg_loss, pg_metrics = self.policy_loss_fn(
-            t["old_log_probs"],
-            log_probs,
-            t["advantages"],
-            mask,
-            cfg.loss_agg_mode,
-            self.loss_config,
-            t.get("rollout_is_weights"),
-            global_batch_info=agg,
-        )
+        # Metrics as device tensors: summed over micro-batches, moved to the host once per mini-batch.
+        with metrics_on_device():
+            pg_loss, pg_metrics = self.policy_loss_fn(
+                t["old_log_probs"],
+                log_probs,
+                t["advantages"],
+                mask,
+                cfg.loss_agg_mode,
+                self.loss_config,
+                t.get("rollout_is_weights"),
+                global_batch_info=agg,
+            )
         entropy_agg = core_algos.agg_loss(entropy, mask, cfg.loss_agg_mode, **agg)
         loss = pg_loss - cfg.entropy_coeff * entropy_agg if cfg.entropy_coeff else pg_loss
         dp = counts["dp_size"]

@@ -12,6 +12,7 @@ import torch
 
 from verl_megatron.trainer.ppo.algos.aggregation import agg_loss
 from verl_megatron.trainer.ppo.algos.policy_losses import (
+    _metrics,
     _weighted,
     cfg_value,
     check_inputs,
@@ -47,7 +48,7 @@ def compute_policy_loss_reinforce(
         pg_losses, response_mask, loss_agg_mode, **global_batch_kwargs(config, global_batch_info)
     )
     ppo_kl = masked_mean(rollout_log_prob - log_prob, response_mask)
-    return pg_loss, {"actor/ppo_kl": float(ppo_kl.detach().item())}
+    return pg_loss, _metrics(ppo_kl=ppo_kl)
 
 
 def _setting(section: Any, name: str, default: Any) -> Any:

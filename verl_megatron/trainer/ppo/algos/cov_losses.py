@@ -15,6 +15,7 @@ import torch
 
 from verl_megatron.trainer.ppo.algos.aggregation import agg_loss
 from verl_megatron.trainer.ppo.algos.policy_losses import (
+    _metrics,
     cfg_value,
     check_inputs,
     clip_ratios,
@@ -85,10 +86,7 @@ def compute_policy_loss_clip_cov(
     pg_loss = agg_loss(
         pg_losses, response_mask, loss_agg_mode, **global_batch_kwargs(config, global_batch_info)
     )
-    return pg_loss, {
-        "actor/pg_clipfrac": float(pg_clipfrac.item()),
-        "actor/ppo_kl": float(ppo_kl.detach().item()),
-    }
+    return pg_loss, _metrics(pg_clipfrac=pg_clipfrac, ppo_kl=ppo_kl)
 
 
 @register_policy_loss("kl_cov")
@@ -138,4 +136,4 @@ def compute_policy_loss_kl_cov(
     pg_loss = agg_loss(
         pg_losses, response_mask, loss_agg_mode, **global_batch_kwargs(config, global_batch_info)
     )
-    return pg_loss, {"actor/ppo_kl": float(masked_mean(abs_kl, response_mask).detach().item())}
+    return pg_loss, _metrics(ppo_kl=masked_mean(abs_kl, response_mask))

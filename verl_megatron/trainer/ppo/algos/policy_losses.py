@@ -18,6 +18,8 @@ loss_scale_factor (and agg_loss's `robust`): the keyword argument if given, else
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -39,6 +41,7 @@ __all__ = [
     "compute_policy_loss_vanilla",
     "get_policy_loss_fn",
     "global_batch_kwargs",
+    "metrics_on_device",
     "register_policy_loss",
 ]
 
@@ -174,7 +177,28 @@ def _weighted(pg_losses: torch.Tensor, rollout_is_weights: torch.Tensor | None) 
     return pg_losses if rollout_is_weights is None else pg_losses * rollout_is_weights
 
 
+# Set by `metrics_on_device`: metrics stay detached device tensors (no host sync per call).
+_METRICS_ON_DEVICE: contextvars.ContextVar[bool] = contextvars.ContextVar("metrics_on_device", default=False)
+
+
+@contextlib.contextmanager
+def metrics_on_device():
+    """Within it, the registered losses return their metrics as detached 0-d tensors, not floats.
+
+    verl's API returns floats, one ``.item()`` (a device sync) per metric and call; the Megatron
+    actor calls a loss per micro-batch, so it sums these tensors and moves them to the host once
+    per mini-batch instead.
+    """
+    token = _METRICS_ON_DEVICE.set(True)
+    try:
+        yield
+    finally:
+        _METRICS_ON_DEVICE.reset(token)
+
+
 def _metrics(**values: torch.Tensor) -> dict[str, float]:
+    if _METRICS_ON_DEVICE.get():
+        return {f"actor/{name}": value.detach() for name, value in values.items()}
     return {f"actor/{name}": float(value.detach().item()) for name, value in values.items()}
 
 
