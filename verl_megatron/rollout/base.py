@@ -84,19 +84,23 @@ class RolloutEngine(abc.ABC):
         is allocated (the trainer parks the actor's parameters in between)."""
 
 
-# engine name -> (module, class, pip package, extra to install)
+# engine name -> (module, class); the package each needs is rollout.config's table.
 _ENGINES = {
-    "native": ("verl_megatron.rollout.native", "NativeRollout", None, None),
-    "vllm": ("verl_megatron.rollout.vllm_engine", "VLLMRollout", "vllm", "gpu"),
-    "sglang": ("verl_megatron.rollout.sglang_engine", "SGLangRollout", "sglang", "sglang"),
+    "native": ("verl_megatron.rollout.native", "NativeRollout"),
+    "vllm": ("verl_megatron.rollout.vllm_engine", "VLLMRollout"),
+    "sglang": ("verl_megatron.rollout.sglang_engine", "SGLangRollout"),
 }
 
 
 def require_package(engine: str) -> None:
-    """Raise RolloutEngineUnavailable naming the package and extra when ``engine``'s package is missing."""
-    _, _, package, extra = _ENGINES[engine]
-    if package is None:
+    """Raise RolloutEngineUnavailable naming the package and extra when ``engine``'s package
+    cannot be imported (config.check_engine_installed only looks it up; this also catches a
+    broken install)."""
+    from verl_megatron.rollout.config import ENGINE_PACKAGES
+
+    if engine not in ENGINE_PACKAGES:
         return
+    package, extra = ENGINE_PACKAGES[engine]
     try:
         importlib.import_module(package)
     except ImportError as err:
@@ -117,7 +121,7 @@ def build_rollout(
     """The engine named by ``config.name``, built on the actor's chunks (vllm/sglang imported only then)."""
     if config.name not in _ENGINES:
         raise ValueError(f"rollout.name must be one of {list(_ENGINES)}, got {config.name!r}")
-    module_name, class_name, _, _ = _ENGINES[config.name]
+    module_name, class_name = _ENGINES[config.name]
     require_package(config.name)
     generation_eos_ids(_model_dir(hf_config))  # a broken generation_config.json fails here, not mid-run
     engine_cls = getattr(importlib.import_module(module_name), class_name)

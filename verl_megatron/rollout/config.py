@@ -16,6 +16,7 @@ from verl_megatron.errors import UserInputError
 
 __all__ = [
     "ENGINE_NAMES",
+    "ENGINE_PACKAGES",
     "MultiTurnConfig",
     "RolloutConfig",
     "RolloutConfigError",
@@ -25,8 +26,8 @@ __all__ = [
 ]
 
 ENGINE_NAMES = ("native", "vllm", "sglang")
-# engine -> (pip package, verl-megatron extra that installs it)
-_ENGINE_PACKAGES = {"vllm": ("vllm", "gpu"), "sglang": ("sglang", "sglang")}
+# engine -> (pip package, verl-megatron extra that installs it); the native engine needs none
+ENGINE_PACKAGES = {"vllm": ("vllm", "gpu"), "sglang": ("sglang", "sglang")}
 
 
 class RolloutConfigError(UserInputError):
@@ -210,9 +211,9 @@ def check_engine_installed(name: str) -> None:
     Looks the package up without importing it (importing vllm takes seconds), so the
     launching process can check before any worker starts.
     """
-    if name not in _ENGINE_PACKAGES:
+    if name not in ENGINE_PACKAGES:
         return
-    package, extra = _ENGINE_PACKAGES[name]
+    package, extra = ENGINE_PACKAGES[name]
     if importlib.util.find_spec(package) is None:
         raise RolloutConfigError(
             f"rollout.name={name!r} needs the '{package}' package, which is not installed; "
