@@ -145,6 +145,12 @@ class RolloutConfig:
     """vllm/sglang: weights stream into the engine in buckets of at most this many MB."""
     layer_name_map: dict[str, str] = field(default_factory=dict)
     """vllm/sglang: rename weights before loading, {HF name prefix: engine name prefix}."""
+    bitwise_parity: bool = False
+    """native only: make every sampled token's rollout log-prob equal the actor's old_log_probs bit for
+    bit (float32), at any tp/pp layout, packing and dynamic batch size. The decoder and the actor's
+    forward and backward then use batch-invariant kernels (``models/batch_invariant.py``: tiled
+    GEMMs, attention over a fixed key length of prompt_length + response_length), which costs speed;
+    needs megatron's local layer spec (model.use_te=false). Off: the two differ by float rounding."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Tokens that end a response like EOS (kept in the response with mask 1)."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
@@ -183,6 +189,11 @@ class RolloutConfig:
             raise RolloutConfigError(
                 f"rollout.log_prob_micro_batch_size_per_gpu must be >= 1 or null, "
                 f"got {self.log_prob_micro_batch_size_per_gpu}"
+            )
+        if self.bitwise_parity and self.name != "native":
+            raise RolloutConfigError(
+                f"rollout.bitwise_parity=true needs rollout.name=native (the {self.name} engine computes "
+                "log-probs with its own kernels); use algorithm.rollout_correction for it instead"
             )
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise RolloutConfigError(
