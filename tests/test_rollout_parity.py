@@ -124,3 +124,57 @@ def parity_report(result: dict) -> tuple[float, str]:
         f"{int((diff > 0).sum())} of {int(mask.sum())} response tokens differ"
     )
     return worst, where
+
+
+# ------------------------------------------------------------------ the trainer: metrics and bypass
+
+QUICKSTART_PARITY = [
+    "quickstart.num_digits=2",
+    "data.train_batch_size=4",
+    "data.max_response_length=3",
+    "rollout.n=4",
+    "rollout.bitwise_parity=true",
+    "actor.ppo_mini_batch_size=2",  # two optimizer steps per training step
+    "actor.ppo_micro_batch_size_per_gpu=4",
+    "actor.use_remove_padding=true",
+    "actor.use_dynamic_bsz=true",
+    "actor.ppo_max_token_len_per_gpu=24",
+    "actor.ppo_infer_max_token_len_per_gpu=24",
+    "trainer.total_training_steps=2",
+    "trainer.val_before_train=false",
+    "trainer.test_freq=-1",
+    "trainer.save_freq=-1",
+    "trainer.export_hf=false",
+    "trainer.resume_mode=disable",
+    "trainer.logger=[console]",
+]
+
+
+def trainer_job(out_dir: str, overrides: list[str]) -> dict:
+    """A short quickstart run (on every rank of a pool); its metrics and how often the actor
+    recomputed log-probs (rank 0)."""
+    import os
+
+    import torch.distributed as dist
+
+    from tests.test_e2e import QUICKSTART
+    from verl_megatron.train import run
+    from verl_megatron.trainer.tracking import read_jsonl_metrics
+    from verl_megatron.workers.actor import MegatronActor
+
+    calls = []
+    original = MegatronActor.compute_log_prob
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    MegatronActor.compute_log_prob = counted
+    try:
+        run(QUICKSTART, [f"trainer.default_local_dir={out_dir}", *QUICKSTART_PARITY, *overrides])
+    finally:
+        MegatronActor.compute_log_prob = original
+    if dist.get_rank() != 0:
+        return {}
+    rows = read_jsonl_metrics(os.path.join(out_dir, "metrics.jsonl"))
+    return {"rows": [r for r in rows if r.get("step", 0) > 0], "log_prob_calls": len(calls)}
