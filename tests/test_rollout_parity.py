@@ -178,3 +178,167 @@ def trainer_job(out_dir: str, overrides: list[str]) -> dict:
         return {}
     rows = read_jsonl_metrics(os.path.join(out_dir, "metrics.jsonl"))
     return {"rows": [r for r in rows if r.get("step", 0) > 0], "log_prob_calls": len(calls)}
+
+
+# ------------------------------------------------------------------ the kernels
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_tiled_matmul_and_attention_rows_do_not_depend_on_the_batch(threads):
+    from verl_megatron.models import batch_invariant as bi
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(threads)
+        x, weight = torch.randn(300, 64, generator=g), torch.randn(96, 64, generator=g)
+        whole = bi.linear(x, weight)
+        # Plain GEMM: the same row differs with the number of rows (the reason for all this).
+        assert (
+            max(float((x[s : s + 1] @ weight.t() - (x @ weight.t())[s]).abs().max()) for s in range(40)) > 0
+        )
+        for rows in (1, 2, 3, 7, 16, 17, 100):
+            for start in (0, 1, 13, 150):
+                part = bi.linear(x[start : start + rows], weight)
+                assert torch.equal(part, whole[start : start + rows]), (threads, rows, start)
+        # Attention: one query against a row's keys gives the same bits as the same query among many.
+        q, k, v = (torch.randn(5, 4, 12, 16, generator=g) for _ in range(3))
+        keys, values = k[:, :2], v[:, :2]  # 2 key/value groups for 4 heads
+        allowed = (
+            (torch.arange(12)[None, :] <= torch.arange(12)[:, None]).view(1, 1, 12, 12).expand(5, 1, 12, 12)
+        )
+        full = bi.attention(q, keys, values, allowed, 0.25)
+        for row, step in ((0, 0), (3, 5), (4, 11)):
+            one = bi.attention(q[row : row + 1, :, step : step + 1], keys[row : row + 1], values[row : row + 1],
+                               allowed[row : row + 1, :, step : step + 1], 0.25)  # fmt: skip
+            assert torch.equal(one[0, :, 0], full[row, :, step]), (threads, row, step)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_packed_segments_attend_like_padded_rows():
+    """Training's self-attention: a packed row (block-causal mask) gives each token exactly the
+    output of the same sequence in its own padded row."""
+    from verl_megatron.models import batch_invariant as bi
+
+    g = torch.Generator().manual_seed(0)
+    lengths = [5, 3, 6]
+    q, k, v = (torch.randn(14, 1, 4, 8, generator=g) for _ in range(3))
+    k, v = k[:, :, :2], v[:, :, :2]
+    segment = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))
+    hidden = ~((segment[:, None] == segment[None, :]) & torch.ones(14, 14, dtype=torch.bool).tril())
+    packed = bi.self_attention(q, k, v, hidden.view(1, 1, 14, 14), key_length=16, scale=0.3)
+    start = 0
+    for n in lengths:
+        alone = bi.self_attention(
+            q[start : start + n], k[start : start + n], v[start : start + n], None, 16, 0.3
+        )
+        assert torch.equal(packed[start : start + n], alone)
+        start += n
+    with pytest.raises(ValueError, match="exceeds the fixed key length"):
+        bi.self_attention(q, k, v, None, key_length=8, scale=0.3)
+
+
+# ------------------------------------------------------------------ rollout vs compute_log_prob
+
+
+def _assert_exact(results: dict, what: str) -> None:
+    for layout, result in results.items():
+        worst, where = parity_report(result)
+        assert result["mask"].sum() > 0 and (result["mask"] == 0).any()  # EOS stopped some rows early
+        assert worst == 0.0, f"{what}, {layout}: {where}"
+
+
+@pytest.fixture(scope="module")
+def tp1_results(pool1, model_dir) -> dict:
+    job = f"{__name__}:parity_job"
+    return {
+        parity: pool1.run(job, model_dir=model_dir, tp=1, pp=1, layouts=list(LAYOUTS), parity=parity)[0]
+        for parity in (False, True)
+    }
+
+
+def test_parity_mode_tp1_rollout_log_probs_equal_old_log_probs(tp1_results):
+    _assert_exact(tp1_results[True], "tp=1")
+
+
+def test_without_parity_mode_log_probs_differ_by_rounding(tp1_results):
+    for layout, result in tp1_results[False].items():
+        worst, where = parity_report(result)
+        assert 0.0 < worst < 1e-4, f"{layout}: {where}"
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_parity_mode_tp2_pp2_rollout_log_probs_equal_old_log_probs(pool2, model_dir, tp1_results, tp, pp):
+    results = pool2.run(f"{__name__}:parity_job", model_dir=model_dir, tp=tp, pp=pp, layouts=list(LAYOUTS),
+                        parity=True)  # fmt: skip
+    for rank_result in results:
+        _assert_exact(rank_result, f"tp={tp} pp={pp}")
+    if pp == 2:
+        # Pipeline stages split the layers, not the arithmetic: one process's numbers exactly.
+        for layout in LAYOUTS:
+            assert torch.equal(results[0][layout]["old"], tp1_results[True][layout]["old"]), layout
+
+
+# ------------------------------------------------------------------ metrics, bypass, config
+
+
+def test_logprob_diff_metric_names_and_values():
+    from verl_megatron.trainer.metrics import rollout_probs_diff_metrics
+
+    rollout = torch.tensor([[-1.0, -2.0, -3.0, 0.0]])
+    old = torch.tensor([[-1.0, -2.5, -3.0, -9.0]])
+    metrics = rollout_probs_diff_metrics(rollout, old, torch.tensor([[1, 1, 1, 0]]))
+    assert metrics["rollout/logprob_diff/max"] == 0.5
+    assert metrics["rollout/logprob_diff/mean"] == pytest.approx(0.5 / 3)
+    assert metrics["rollout/logprob_diff/frac_diff"] == pytest.approx(1 / 3)
+    assert metrics["training/rollout_probs_diff_max"] == pytest.approx(np.exp(-2.0) - np.exp(-2.5))
+    assert {"training/rollout_probs_diff_mean", "training/rollout_probs_diff_std"} <= set(metrics)
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(pool1, tmp_path_factory) -> dict:
+    return {
+        bypass: pool1.run(
+            f"{__name__}:trainer_job",
+            out_dir=str(tmp_path_factory.mktemp("bypass") / "run"),
+            overrides=[f"algorithm.rollout_correction.bypass_mode={str(bypass).lower()}"],
+        )[0]
+        for bypass in (False, True)
+    }
+
+
+def test_trainer_logs_zero_logprob_diff_with_parity_every_step(trainer_runs):
+    rows = trainer_runs[False]["rows"]
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["rollout/logprob_diff/max"] == 0.0, row
+        assert row["rollout/logprob_diff/mean"] == 0.0 and row["rollout/logprob_diff/frac_diff"] == 0.0
+        assert row["training/rollout_probs_diff_max"] == 0.0
+
+
+def test_bypass_skips_the_old_log_prob_pass_and_trains_identically(trainer_runs):
+    plain, bypass = trainer_runs[False], trainer_runs[True]
+    assert plain["log_prob_calls"] == 2 and bypass["log_prob_calls"] == 0
+    assert all("timing_s/old_log_prob" in r for r in plain["rows"])
+    assert not any("timing_s/old_log_prob" in r or "rollout/logprob_diff/max" in r for r in bypass["rows"])
+    # The second step trains on nonzero advantages: a real update, bit for bit the same.
+    assert plain["rows"][1]["actor/grad_norm"] > 0
+    for row_plain, row_bypass in zip(plain["rows"], bypass["rows"]):
+        for key, value in row_plain.items():
+            if key.startswith(("actor/", "critic/", "response_length/")):
+                assert row_bypass[key] == value, (row_plain["step"], key, value, row_bypass[key])
+
+
+def test_bypass_and_parity_refused_where_parity_cannot_hold(tmp_path):
+    from tests.test_e2e import QUICKSTART
+    from verl_megatron.errors import UserInputError
+    from verl_megatron.trainer.config import load_config, validate_config
+
+    bypass = "algorithm.rollout_correction.bypass_mode=true"
+    with pytest.raises(UserInputError, match=r"bypass_mode=true .* rollout\.bitwise_parity=true"):
+        validate_config(load_config(QUICKSTART, [bypass]), 1)
+    validate_config(load_config(QUICKSTART, [bypass, "rollout.bitwise_parity=true"]), 1)
+    with pytest.raises(UserInputError, match=r"bitwise_parity=true needs rollout\.name=native"):
+        load_config(QUICKSTART, ["rollout.name=vllm", "rollout.bitwise_parity=true"])
