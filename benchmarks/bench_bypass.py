@@ -6,10 +6,11 @@
   old-log-prob forward pass and trains on the rollout's log-probs.
 
 Same checkpoint, prompts, seed and sizes for the three (configs/grpo.yaml with
-bench_grpo_step's settings). Reported per variant: wall and CPU seconds per step and the stage
-times; ratios: step parity+bypass / parity (the saving), and parity / off for generation and
-for the update (the cost of the batch-invariant kernels). CPU seconds are this process's, so
-they count every torch thread and are steadier than wall time on a shared machine.
+bench_grpo_step's settings). Reported per variant: wall and CPU seconds per step and the CPU
+seconds of its stages (generation, old-log-prob pass, actor update); ratios: step parity+bypass
+/ parity (the saving), and parity / off per stage (the cost of the batch-invariant kernels).
+CPU seconds are this process's, so they count every torch thread and are steadier than wall
+time on a shared machine.
 
 Run alone: ``python benchmarks/bench_bypass.py [--quick]``.
 """
@@ -77,20 +78,39 @@ def run_variant(model_dir: str, cfg: GRPOBenchConfig, out_dir: Path, parity: boo
     try:
         config, components = build_components(config, runtime)
         trainer = PPOTrainer(config, runtime, components)
+        stage_cpu: dict[str, float] = {}
+        _time_cpu(trainer.rollout, "generate_sequences", "gen", stage_cpu)
+        _time_cpu(trainer.actor, "compute_log_prob", "old_log_prob", stage_cpu)
+        _time_cpu(trainer.actor, "update_policy", "update_actor", stage_cpu)
         for step in range(1, 1 + cfg.total_steps):
+            stage_cpu.clear()
             wall, cpu = time.perf_counter(), time.process_time()
             metrics = trainer.train_step(step)
             steps.append(
                 {
                     "wall": time.perf_counter() - wall,
                     "cpu": time.process_time() - cpu,
-                    **{s: metrics.get(f"timing_s/{s}") for s in STAGES},
+                    **{stage: stage_cpu.get(stage, 0.0) for stage in STAGES},
                     "logprob_diff_max": metrics.get("rollout/logprob_diff/max"),
                 }
             )
     finally:
         shutdown(runtime)
     return {"steps": steps[cfg.warmup :]}
+
+
+def _time_cpu(owner: Any, method: str, stage: str, totals: dict[str, float]) -> None:
+    """Wrap ``owner.method`` (on the instance) to add its CPU seconds to ``totals[stage]``."""
+    inner = getattr(owner, method)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.process_time()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            totals[stage] = totals.get(stage, 0.0) + time.process_time() - start
+
+    setattr(owner, method, timed)
 
 
 def _median(values: list[float]) -> float:
@@ -103,7 +123,13 @@ def run(cfg: GRPOBenchConfig, workdir: Path) -> Section:
     section = Section(
         name="bypass",
         title="Bitwise parity and bypass: GRPO step, one process",
-        columns=["variant", "step_s (median)", "step_cpu_s (median)", *STAGES, "logprob diff max"],
+        columns=[
+            "variant",
+            "step_s (median)",
+            "step_cpu_s (median)",
+            *(f"{stage}_cpu_s" for stage in STAGES),
+            "logprob diff max",
+        ],
         config={
             **{k: v for k, v in asdict(cfg).items() if k != "shape"},
             "model": shape_text(cfg.shape),
@@ -123,7 +149,7 @@ def run(cfg: GRPOBenchConfig, workdir: Path) -> Section:
             "step_s (median)": _median([s["wall"] for s in steps]),
             "step_cpu_s (median)": _median([s["cpu"] for s in steps]),
         }
-        row.update({stage: _median([s[stage] or 0.0 for s in steps]) for stage in STAGES})
+        row.update({f"{stage}_cpu_s": _median([s[stage] for s in steps]) for stage in STAGES})
         row["logprob diff max"] = steps[-1]["logprob_diff_max"]
         section.rows.append(row)
     rows = {r["variant"]: r for r in section.rows}
@@ -138,12 +164,14 @@ def run(cfg: GRPOBenchConfig, workdir: Path) -> Section:
         "step cpu, parity / off": ratio(
             of("parity", "step_cpu_s (median)"), of("off", "step_cpu_s (median)")
         ),
-        "gen, parity / off": ratio(of("parity", "gen"), of("off", "gen")),
-        "update_actor, parity / off": ratio(of("parity", "update_actor"), of("off", "update_actor")),
-        "old_log_prob, parity / off": ratio(of("parity", "old_log_prob"), of("off", "old_log_prob")),
+        **{
+            f"{stage} cpu, parity / off": ratio(of("parity", f"{stage}_cpu_s"), of("off", f"{stage}_cpu_s"))
+            for stage in STAGES
+        },
     }
     section.notes.append(
-        "bypass runs no old_log_prob stage (its column is 0); 'logprob diff max' is "
+        "stage columns are CPU seconds (median over timed steps); bypass runs no old_log_prob "
+        "stage (0); 'logprob diff max' is "
         "max |rollout_log_probs - old_log_probs| of the last step (none under bypass: nothing to compare)"
     )
     section.extra["raw"] = raw

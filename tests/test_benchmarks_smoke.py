@@ -172,7 +172,9 @@ def test_bypass_section(quick_run):
     rows = _rows(results, "bypass")
     assert set(rows) == {"off", "parity", "parity+bypass"}, results["sections"]["bypass"]["errors"]
     assert rows["parity"]["logprob diff max"] == 0.0
-    assert rows["parity+bypass"]["old_log_prob"] == 0.0 and _positive(rows["parity"]["old_log_prob"])
+    assert rows["parity+bypass"]["old_log_prob_cpu_s"] == 0.0 and _positive(
+        rows["parity"]["old_log_prob_cpu_s"]
+    )
 
 
 def test_scaling_section(quick_run):

@@ -269,14 +269,15 @@ def test_without_parity_mode_log_probs_differ_by_rounding(tp1_results):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
-def test_parity_mode_tp2_pp2_rollout_log_probs_equal_old_log_probs(pool2, model_dir, tp1_results, tp, pp):
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (1, 1)], ids=["tp2", "pp2", "dp2"])
+def test_parity_mode_tp2_pp2_dp2_rollout_log_probs_equal_old_log_probs(pool2, model_dir, tp1_results, tp, pp):
     results = pool2.run(f"{__name__}:parity_job", model_dir=model_dir, tp=tp, pp=pp, layouts=list(LAYOUTS),
                         parity=True)  # fmt: skip
     for rank_result in results:
         _assert_exact(rank_result, f"tp={tp} pp={pp}")
-    if pp == 2:
-        # Pipeline stages split the layers, not the arithmetic: one process's numbers exactly.
+    if tp == 1:
+        # Pipeline stages split the layers and dp ranks the rows, not the arithmetic: one
+        # process's numbers exactly.
         for layout in LAYOUTS:
             assert torch.equal(results[0][layout]["old"], tp1_results[True][layout]["old"]), layout
 
@@ -342,3 +343,6 @@ def test_bypass_and_parity_refused_where_parity_cannot_hold(tmp_path):
     validate_config(load_config(QUICKSTART, [bypass, "rollout.bitwise_parity=true"]), 1)
     with pytest.raises(UserInputError, match=r"bitwise_parity=true needs rollout\.name=native"):
         load_config(QUICKSTART, ["rollout.name=vllm", "rollout.bitwise_parity=true"])
+    with pytest.raises(UserInputError, match=r"bitwise_parity=true does not support rollout\.multi_turn"):
+        load_config(QUICKSTART, ["rollout.bitwise_parity=true", "rollout.multi_turn.enable=true",
+                                 "rollout.multi_turn.environment=pkg.mod:env"])  # fmt: skip

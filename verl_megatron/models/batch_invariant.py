@@ -300,6 +300,9 @@ def _check(chunk: torch.nn.Module) -> None:
         )
     if config.context_parallel_size > 1:
         raise ValueError(f"{where} does not support context parallelism (parallel.cp > 1)")
+    if getattr(config, "num_moe_experts", None):
+        # The router's gating matmul is not one of the kernels switched here.
+        raise ValueError(f"{where} does not support mixture-of-experts models yet")
 
 
 def round_key_length(length: int) -> int:

@@ -150,7 +150,8 @@ class RolloutConfig:
     bit (float32), at any tp/pp layout, packing and dynamic batch size. The decoder and the actor's
     forward and backward then use batch-invariant kernels (``models/batch_invariant.py``: tiled
     GEMMs, attention over a fixed key length of prompt_length + response_length), which costs speed;
-    needs megatron's local layer spec (model.use_te=false). Off: the two differ by float rounding."""
+    needs megatron's local layer spec (model.use_te=false); not with multi_turn. Off: the two differ
+    by float rounding."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Tokens that end a response like EOS (kept in the response with mask 1)."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
@@ -193,8 +194,12 @@ class RolloutConfig:
         if self.bitwise_parity and self.name != "native":
             raise RolloutConfigError(
                 f"rollout.bitwise_parity=true needs rollout.name=native (the {self.name} engine computes "
-                "log-probs with its own kernels); use algorithm.rollout_correction for it instead"
+                "log-probs with its own kernels); correct for the gap with rollout correction instead"
             )
+        if self.bitwise_parity and self.multi_turn.enable:
+            # A turn's calls decode rows past prompt_length + response_length (then drop those
+            # tokens); the fixed key length of the batch-invariant attention cannot hold them.
+            raise RolloutConfigError("rollout.bitwise_parity=true does not support rollout.multi_turn yet")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise RolloutConfigError(
                 f"rollout.stop_token_ids must be token ids >= 0, got {self.stop_token_ids}"

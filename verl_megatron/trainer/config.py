@@ -516,6 +516,11 @@ def _check_algorithm(config: PPOConfig) -> None:
             "which is exact only with rollout.name=native and rollout.bitwise_parity=true "
             f"(got rollout.name={config.rollout.name}, bitwise_parity={config.rollout.bitwise_parity})"
         )
+    if config.rollout.bitwise_parity and config.model.resolve_use_te():
+        raise ConfigError(
+            "rollout.bitwise_parity=true needs megatron's local layer spec (model.use_te=false): "
+            "Transformer Engine's kernels cannot be switched to the batch-invariant ones"
+        )
     if algo.adv_estimator == "gdpo" and not algo.gdpo_reward_keys:
         raise ConfigError(
             "algorithm.adv_estimator=gdpo needs algorithm.gdpo_reward_keys (reward_extra_info keys)"
