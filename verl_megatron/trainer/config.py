@@ -37,6 +37,7 @@ from verl_megatron.errors import UserInputError
 from verl_megatron.models.config import ModelConfig
 from verl_megatron.rollout.config import RolloutConfig
 from verl_megatron.trainer.guard import DivergenceGuardConfig
+from verl_megatron.trainer.ppo.rollout_correction_config import RolloutCorrectionConfig
 from verl_megatron.workers.config import ActorConfig, CriticConfig, RefConfig
 
 __all__ = [
@@ -129,6 +130,8 @@ class AlgorithmConfig:
     """gdpo: reward_extra_info keys (from compute_score's dict) normalised one by one."""
     gdpo_reward_weights: list[float] | None = None
     """gdpo: weight of each of those keys (null: 1 each)."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """verl's rollout correction (IS weights / rejection of off-policy rollout tokens)."""
 
 
 # verl's name for the algorithm section's class.
@@ -488,6 +491,7 @@ def _check_mini_batches(
 
 def _check_algorithm(config: PPOConfig) -> None:
     from verl_megatron.trainer.ppo import core_algos
+    from verl_megatron.trainer.ppo.rollout_correction import check_rollout_correction
 
     algo = config.algorithm
     if algo.adv_estimator not in core_algos.ADV_ESTIMATOR_REGISTRY:
@@ -505,6 +509,7 @@ def _check_algorithm(config: PPOConfig) -> None:
             "actor.policy_loss.loss_mode=bypass_mode trains on the rollout's log-probs, which this trainer "
             "does not use as old_log_probs; call rollout_corr_helper.apply_bypass_mode in your own loop"
         )
+    check_rollout_correction(config)
     if algo.adv_estimator == "gdpo" and not algo.gdpo_reward_keys:
         raise ConfigError(
             "algorithm.adv_estimator=gdpo needs algorithm.gdpo_reward_keys (reward_extra_info keys)"

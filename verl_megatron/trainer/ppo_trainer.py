@@ -37,6 +37,7 @@ from verl_megatron.trainer.config import PPOConfig, to_dict
 from verl_megatron.trainer.guard import DivergenceGuard
 from verl_megatron.trainer.ppo import core_algos
 from verl_megatron.trainer.ppo.reward import compute_reward
+from verl_megatron.trainer.ppo.rollout_correction import apply_rollout_correction
 from verl_megatron.trainer.tracking import Tracking
 
 __all__ = ["PPOTrainer"]
@@ -146,6 +147,7 @@ class PPOTrainer:
                         batch.batch["response_mask"],
                     )
                 )
+            metrics.update(apply_rollout_correction(batch, self.config.algorithm.rollout_correction))
             if self.ref is not None:
                 with M.timed("ref", timing):
                     batch.batch["ref_log_prob"], _ = self.ref.compute_log_prob(batch)
