@@ -36,6 +36,7 @@ from verl_megatron.distributed.parallel import ParallelLayout
 from verl_megatron.errors import UserInputError
 from verl_megatron.models.config import ModelConfig
 from verl_megatron.rollout.config import RolloutConfig
+from verl_megatron.trainer.async_config import AsyncTrainingConfig
 from verl_megatron.trainer.guard import DivergenceGuardConfig
 from verl_megatron.trainer.ppo.rollout_correction_config import RolloutCorrectionConfig
 from verl_megatron.workers.config import ActorConfig, CriticConfig, RefConfig
@@ -294,6 +295,7 @@ class PPOConfig:
     custom_reward_function: CustomRewardFunctionConfig = MISSING
     trainer: TrainerConfig = MISSING
     quickstart: QuickstartConfig = MISSING
+    async_training: AsyncTrainingConfig = MISSING
 
 
 def default_config_path() -> str:
@@ -681,7 +683,9 @@ def validate_config(config: PPOConfig, world_size: int) -> ParallelLayout:
         check_engine_installed,
         old_log_prob_micro_batch_size,
     )
+    from verl_megatron.rollout.placement import check_placement
 
+    world_size = check_placement(config, world_size)  # the trainer's ranks only
     try:
         layout = config.parallel.resolve(world_size)
     except ParallelConfigError as err:

@@ -163,6 +163,7 @@ class PPOTrainer:
                 with M.timed("update_actor", timing):
                     metrics.update(self._report_skips("actor", self.actor.update_policy(batch), step))
                 self._weights_version += 1
+            self._after_update(step, timing)
             if (
                 self.val_loader is not None
                 and trainer.test_freq > 0
@@ -182,6 +183,9 @@ class PPOTrainer:
         metrics["training/global_step"] = float(step)
         metrics["training/epoch"] = float(self.train_loader.epoch)
         return metrics
+
+    def _after_update(self, step: int, timing: dict[str, float]) -> None:
+        """Hook after the step's updates (the async trainer sends the weights to the rollout ranks)."""
 
     # ------------------------------------------------------------------ rollout and reward
 
