@@ -54,10 +54,9 @@ class AsyncPPOTrainer(PPOTrainer):
         )
 
     def fit(self) -> dict[str, float]:
-        try:
-            return super().fit()
-        finally:
-            self.sender.wait()
+        summary = super().fit()
+        self.sender.wait()  # on an error the transfer group is shut down instead (train_async)
+        return summary
 
     # ------------------------------------------------------------------ start and weights
 
