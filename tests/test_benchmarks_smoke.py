@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = ("generation", "reward", "update", "grpo_step", "scaling", "memory")
+SECTIONS = ("generation", "reward", "update", "grpo_step", "scaling", "memory", "async")
 
 
 def _load_common():

@@ -68,8 +68,9 @@ class AsyncPPOTrainer(PPOTrainer):
                 "total_steps": self.total_steps,
                 "loader": self.train_loader.state_dict(),
             }
-            for work, _ in isend_object(self.placement.transfer, start_message, self.placement.rollout_main):
-                work.wait()
+            for rank in self.placement.rollout_ranks:
+                for work, _ in isend_object(self.placement.transfer, start_message, rank):
+                    work.wait()
             self._truncate_samples(start)
         self._send_weights(start)
         return start
