@@ -79,13 +79,17 @@ def train(mode: str, overrides: list[str], out_dir: Path, timeout_s: int) -> lis
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
         "-m", "verl_megatron.train", "--config", str(QUICKSTART), *MODES[mode],
-        f"trainer.default_local_dir={out_dir}", "trainer.export_hf=false", "trainer.logger=[jsonl]", *overrides,
+        f"trainer.default_local_dir={out_dir}", "trainer.export_hf=false", "trainer.logger=[jsonl]",
+        # a micro-batch that divides a rank's share of the mini-batch at dp=2 (sync) and dp=1 (async)
+        "actor.ppo_micro_batch_size_per_gpu=128", *overrides,
     ]  # fmt: skip
     proc = subprocess.run(
         cmd, capture_output=True, text=True, timeout=timeout_s, cwd=REPO_ROOT, env=child_env()
     )
     if proc.returncode != 0:
-        raise RuntimeError(f"{mode} run exited with {proc.returncode}: {proc.stderr.strip()[-600:]}")
+        output = (proc.stdout + proc.stderr).strip()
+        errors = [line for line in output.splitlines() if line.startswith("error:")]
+        raise RuntimeError(f"{mode} run exited with {proc.returncode}: {(errors or [output[-600:]])[0]}")
     with open(out_dir / "metrics.jsonl") as f:
         return [json.loads(line) for line in f if line.strip()]
 

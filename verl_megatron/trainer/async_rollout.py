@@ -148,12 +148,17 @@ class RolloutWorker:
         self.loader.load_state_dict(start["loader"])
         self._receive()  # the weights of step start
         staleness = self.config.async_training.max_staleness
-        sends: list[tuple[Any, torch.Tensor]] = []
+        sends: list[tuple[int, list[tuple[Any, torch.Tensor]]]] = []  # (step, its batch's messages)
         for step in range(start["step"] + 1, start["total_steps"] + 1):
             began = time.perf_counter()
             while self.version < max(start["step"], step - 1 - staleness):
                 self._receive()
             waited = time.perf_counter() - began
+            # Weights of step s-1-k came after the trainer took batch s-1-k: those buffers can go.
+            for _, works in [item for item in sends if item[0] <= step - 1 - staleness]:
+                for work, _ in works:
+                    work.wait()
+            sends = [item for item in sends if item[0] > step - 1 - staleness]
             prompts = self.loader.next_batch()
             prompts.non_tensor_batch["uid"] = np.array(
                 [f"{step}-1-{i}" for i in range(len(prompts))], dtype=object
@@ -164,12 +169,13 @@ class RolloutWorker:
                 "step": step, "rollout_wait_weights_s": waited, "rollout_gen_s": time.perf_counter() - began,
             }  # fmt: skip
             if placement.rank == placement.rollout_main:
-                sends += isend_object(placement.transfer, output, 0)
+                sends.append((step, isend_object(placement.transfer, output, 0)))
         # The trainer sends every version but its last step's: take them so its sends complete.
         while self.version < start["total_steps"] - 1:
             self._receive()
-        for work, _ in sends:
-            work.wait()
+        for _, works in sends:
+            for work, _ in works:
+                work.wait()
 
 
 def run_rollout_worker(config: Any, placement: Placement) -> dict[str, float]:
