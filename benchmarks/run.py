@@ -7,7 +7,8 @@
 
 Sections (each compares ours with the tool a user would pick instead; see benchmarks/README.md):
 generation, reward, update, grpo_step, scaling, memory, bypass (ours against ours: what bitwise
-parity costs and what skipping the old-log-prob pass saves). Each is printed as a markdown table and
+parity costs and what skipping the old-log-prob pass saves), async (sync vs asynchronous training).
+Each is printed as a markdown table and
 saved as ``<section>.json`` and ``<section>.md`` under the results folder; ``summary.md`` and
 ``results.json`` hold all of them with the machine description. A section that fails records
 its error text instead of stopping the run.
@@ -45,7 +46,7 @@ from common import (
     write_section,
 )
 
-SECTIONS = ("generation", "reward", "update", "grpo_step", "scaling", "memory", "bypass")
+SECTIONS = ("generation", "reward", "update", "grpo_step", "scaling", "memory", "bypass", "async")
 
 
 def run_generation(quick: bool, workdir: Path) -> Section:
@@ -116,6 +117,7 @@ RUNNERS: dict[str, Callable[[bool, Path], Section]] = {
     "scaling": _module_section("scaling"),
     "memory": _module_section("memory"),
     "bypass": _module_section("bypass"),  # bitwise parity's cost and bypass's saving
+    "async": lambda quick, workdir: __import__("bench_async").run_section(quick, workdir),
 }
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = ("generation", "reward", "update", "grpo_step", "scaling", "memory", "bypass")
+SECTIONS = ("generation", "reward", "update", "grpo_step", "scaling", "memory", "bypass", "async")
 
 
 def _load_common():

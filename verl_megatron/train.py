@@ -80,6 +80,8 @@ def run(config_path: str | None, overrides: Sequence[str]) -> dict[str, float]:
         print(startup_line(config, layout, world_size, data_sizes), flush=True)
 
     from verl_megatron.distributed.parallel import init_runtime, shutdown
+    from verl_megatron.rollout.placement import init_placement
+    from verl_megatron.trainer.async_trainer import run_rollout_ranks, train_async
     from verl_megatron.trainer.components import build_components
     from verl_megatron.trainer.config import check_model_fits
     from verl_megatron.trainer.ppo_trainer import PPOTrainer
@@ -88,13 +90,20 @@ def run(config_path: str | None, overrides: Sequence[str]) -> dict[str, float]:
 
     _quiet_libraries()
     _set_threads()
+    placement = init_placement(config)  # None unless rollout.placement=separate
+    if placement is not None and not placement.is_trainer:
+        return run_rollout_ranks(config, placement)
     runtime = init_runtime(config.parallel, seed=config.trainer.seed)
     try:
         # Held until the run ends: one run per output dir, and no silent overwrite of an earlier one.
         with claim_output_dir(config, runtime.rank):
             config = prepare_quickstart_assets(config, runtime.rank)
             check_model_fits(runtime.layout, config.model.path)
+            if placement is not None:
+                placement.barrier()  # the rollout ranks may read the quickstart's assets now
             config, components = build_components(config, runtime)
+            if placement is not None:
+                return train_async(config, runtime, components, placement)
             return PPOTrainer(config, runtime, components).fit()
     finally:
         # A caller that started torch.distributed itself (a test's worker pool) keeps it.

@@ -156,6 +156,12 @@ class RolloutConfig:
     """Tokens that end a response like EOS (kept in the response with mask 1)."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Multi-turn generation settings."""
+    placement: str = "colocated"
+    """``colocated``: every rank trains and generates in turn. ``separate``: the last
+    ``world_size`` ranks only generate (their own copy of the model), the others only train and
+    send the weights after each update (see ``rollout/placement.py``, ``async_training``)."""
+    world_size: int = 0
+    """Ranks that generate with ``placement=separate`` (>= 1, fewer than the job's); 0 otherwise."""
 
     def __post_init__(self) -> None:
         if self.name not in ENGINE_NAMES:
@@ -170,6 +176,10 @@ class RolloutConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise RolloutConfigError(
                 f"rollout.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.placement not in ("colocated", "separate"):
+            raise RolloutConfigError(
+                f"rollout.placement must be 'colocated' or 'separate', got {self.placement!r}"
             )
         if self.multi_turn.tool_response_truncate_side not in ("left", "right", "middle"):
             raise RolloutConfigError(

@@ -7,16 +7,36 @@ takes: names mapped to the engine's (``rename``), tensors cast to the engine's d
 grouped into buckets of at most ``max_bytes`` so that the extra memory held at any moment is
 one bucket, not a second copy of the model. A tensor larger than a bucket travels alone (a
 loader cannot take part of a tensor), so the peak is max(bucket, largest tensor).
+
+With ``rollout.placement=separate`` the same buckets cross to the rollout ranks over a process
+group (``WeightSender`` / ``receive_weights``): each bucket is one flat byte buffer plus a
+header naming its tensors, sent without blocking the trainer (the buffers of one version stay
+alive until the next version is sent, the rollout having taken them by then).
 """
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-__all__ = ["SyncStats", "iter_buckets", "map_weights", "megabytes", "rename", "stream_weights"]
+__all__ = [
+    "SyncStats",
+    "WeightSender",
+    "isend_object",
+    "iter_buckets",
+    "map_weights",
+    "megabytes",
+    "pack_bucket",
+    "receive_weights",
+    "recv_object",
+    "rename",
+    "stream_weights",
+    "unpack_bucket",
+]
 
 NamedTensor = tuple[str, torch.Tensor]
 
@@ -112,3 +132,104 @@ def stream_weights(
         # Drop this bucket before the generator gathers the next one: peak = one bucket.
         del bucket
     return stats
+
+
+# ---------------------------------------------------------------- over a process group
+
+WEIGHTS_TAG, OBJECT_TAG = 11, 12
+
+
+def _as_bytes(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def pack_bucket(bucket: list[NamedTensor]) -> tuple[bytes, torch.Tensor]:
+    """(header, payload): the tensors' bytes back to back on the CPU, and their (name, dtype, shape)."""
+    header = pickle.dumps([(name, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in bucket])
+    flat = [t.detach().contiguous().cpu().reshape(-1).view(torch.uint8) for _, t in bucket]
+    return header, torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
+
+
+def unpack_bucket(header: bytes, payload: torch.Tensor) -> list[NamedTensor]:
+    """The (name, tensor) list ``pack_bucket`` packed; the tensors are views of ``payload``."""
+    out, offset = [], 0
+    for name, dtype_name, shape in pickle.loads(header):
+        dtype = getattr(torch, dtype_name)
+        nbytes = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size()
+        out.append((name, payload[offset : offset + nbytes].view(dtype).reshape(shape)))
+        offset += nbytes
+    if offset != payload.numel():
+        raise ValueError(
+            f"unpack_bucket: the header covers {offset} of the payload's {payload.numel()} bytes"
+        )
+    return out
+
+
+class WeightSender:
+    """Sends weight versions from one rank to ``dst_ranks`` of ``group``, bucketed, without blocking.
+
+    Per bucket and destination: a [4] int64 message (version, header bytes, payload bytes, last
+    bucket of the version), the header, the payload. A version's buffers stay referenced until
+    the next ``send`` (or ``wait``) has seen them delivered.
+    """
+
+    def __init__(self, group: Any, dst_ranks: list[int], bucket_megabytes: int | float) -> None:
+        self.group, self.dst_ranks = group, list(dst_ranks)
+        self.max_bytes = megabytes(bucket_megabytes)
+        self._pending: list[tuple[Any, torch.Tensor]] = []
+
+    def wait(self) -> None:
+        """Block until every message sent so far has been received."""
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+
+    def send(self, weights: Iterable[NamedTensor], version: int) -> SyncStats:
+        self.wait()
+        stats = SyncStats()
+        buckets = iter_buckets(weights, self.max_bytes)
+        bucket = next(buckets, None)
+        while bucket is not None:
+            following = next(buckets, None)
+            header, payload = pack_bucket(bucket)
+            meta = torch.tensor([version, len(header), payload.numel(), following is None], dtype=torch.int64)
+            for tensor in (meta, _as_bytes(header), payload):
+                for dst in self.dst_ranks:
+                    self._pending.append((self.group.send([tensor], dst, WEIGHTS_TAG), tensor))
+            stats.tensors += len(bucket)
+            stats.bytes += payload.numel()
+            stats.buckets += 1
+            stats.largest_bucket_bytes = max(stats.largest_bucket_bytes, payload.numel())
+            bucket = following
+        return stats
+
+
+def _recv(group: Any, tensor: torch.Tensor, src: int, tag: int) -> torch.Tensor:
+    group.recv([tensor], src, tag).wait()
+    return tensor
+
+
+def receive_weights(group: Any, src: int, load: Callable[[list[NamedTensor]], None]) -> int:
+    """Receive one version from ``src`` (see WeightSender), calling ``load`` per bucket; its number."""
+    while True:
+        version, header_len, payload_len, last = _recv(
+            group, torch.empty(4, dtype=torch.int64), src, WEIGHTS_TAG
+        )
+        header = _recv(group, torch.empty(int(header_len), dtype=torch.uint8), src, WEIGHTS_TAG)
+        payload = _recv(group, torch.empty(int(payload_len), dtype=torch.uint8), src, WEIGHTS_TAG)
+        load(unpack_bucket(header.numpy().tobytes(), payload))
+        if last:
+            return int(version)
+
+
+def isend_object(group: Any, obj: Any, dst: int) -> list[tuple[Any, torch.Tensor]]:
+    """Send a picklable object without blocking; keep the returned (work, buffer) pairs until done."""
+    data = _as_bytes(pickle.dumps(obj))
+    size = torch.tensor([data.numel()], dtype=torch.int64)
+    return [(group.send([t], dst, OBJECT_TAG), t) for t in (size, data)]
+
+
+def recv_object(group: Any, src: int) -> Any:
+    size = _recv(group, torch.empty(1, dtype=torch.int64), src, OBJECT_TAG)
+    data = _recv(group, torch.empty(int(size), dtype=torch.uint8), src, OBJECT_TAG)
+    return pickle.loads(data.numpy().tobytes())

@@ -36,6 +36,7 @@ from verl_megatron.distributed.parallel import ParallelLayout
 from verl_megatron.errors import UserInputError
 from verl_megatron.models.config import ModelConfig
 from verl_megatron.rollout.config import RolloutConfig
+from verl_megatron.trainer.async_config import AsyncTrainingConfig
 from verl_megatron.trainer.guard import DivergenceGuardConfig
 from verl_megatron.trainer.ppo.rollout_correction_config import RolloutCorrectionConfig
 from verl_megatron.workers.config import ActorConfig, CriticConfig, RefConfig
@@ -132,6 +133,7 @@ class AlgorithmConfig:
     gdpo_reward_weights: list[float] | None = None
     """gdpo: weight of each of those keys (null: 1 each)."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """verl's rollout correction (IS weights / rejection of off-policy rollout tokens)."""
 
 
 # verl's name for the algorithm section's class.
@@ -294,6 +296,7 @@ class PPOConfig:
     custom_reward_function: CustomRewardFunctionConfig = MISSING
     trainer: TrainerConfig = MISSING
     quickstart: QuickstartConfig = MISSING
+    async_training: AsyncTrainingConfig = MISSING
 
 
 def default_config_path() -> str:
@@ -491,6 +494,7 @@ def _check_mini_batches(
 
 def _check_algorithm(config: PPOConfig) -> None:
     from verl_megatron.trainer.ppo import core_algos
+    from verl_megatron.trainer.ppo.rollout_correction import check_rollout_correction
 
     algo = config.algorithm
     if algo.adv_estimator not in core_algos.ADV_ESTIMATOR_REGISTRY:
@@ -521,6 +525,7 @@ def _check_algorithm(config: PPOConfig) -> None:
             "rollout.bitwise_parity=true needs megatron's local layer spec (model.use_te=false): "
             "Transformer Engine's kernels cannot be switched to the batch-invariant ones"
         )
+    check_rollout_correction(config)
     if algo.adv_estimator == "gdpo" and not algo.gdpo_reward_keys:
         raise ConfigError(
             "algorithm.adv_estimator=gdpo needs algorithm.gdpo_reward_keys (reward_extra_info keys)"
@@ -692,7 +697,9 @@ def validate_config(config: PPOConfig, world_size: int) -> ParallelLayout:
         check_engine_installed,
         old_log_prob_micro_batch_size,
     )
+    from verl_megatron.rollout.placement import check_placement
 
+    world_size = check_placement(config, world_size)  # the trainer's ranks only
     try:
         layout = config.parallel.resolve(world_size)
     except ParallelConfigError as err:

@@ -37,6 +37,7 @@ from verl_megatron.trainer.config import PPOConfig, to_dict
 from verl_megatron.trainer.guard import DivergenceGuard
 from verl_megatron.trainer.ppo import core_algos
 from verl_megatron.trainer.ppo.reward import compute_reward
+from verl_megatron.trainer.ppo.rollout_correction import apply_rollout_correction
 from verl_megatron.trainer.tracking import Tracking
 
 __all__ = ["PPOTrainer"]
@@ -151,6 +152,7 @@ class PPOTrainer:
                         batch.batch["response_mask"],
                     )
                 )
+            metrics.update(apply_rollout_correction(batch, self.config.algorithm.rollout_correction))
             if self.ref is not None:
                 with M.timed("ref", timing):
                     batch.batch["ref_log_prob"], _ = self.ref.compute_log_prob(batch)
@@ -166,6 +168,7 @@ class PPOTrainer:
                 with M.timed("update_actor", timing):
                     metrics.update(self._report_skips("actor", self.actor.update_policy(batch), step))
                 self._weights_version += 1
+            self._after_update(step, timing)
             if (
                 self.val_loader is not None
                 and trainer.test_freq > 0
@@ -185,6 +188,9 @@ class PPOTrainer:
         metrics["training/global_step"] = float(step)
         metrics["training/epoch"] = float(self.train_loader.epoch)
         return metrics
+
+    def _after_update(self, step: int, timing: dict[str, float]) -> None:
+        """Hook after the step's updates (the async trainer sends the weights to the rollout ranks)."""
 
     # ------------------------------------------------------------------ rollout and reward
 

@@ -1,0 +1,207 @@
+"""Synchronous (colocated) vs asynchronous (separate, one-step off-policy) training on 2 processes.
+
+Both modes run the quickstart task (configs/quickstart.yaml: GRPO, tiny llama, digit reversal)
+under ``torchrun --nproc_per_node=2``, one after the other in the same run:
+
+- ``sync``: today's default, both ranks generate their half of the batch, then both train (dp=2).
+- ``async``: ``rollout.placement=separate rollout.world_size=1 async_training.max_staleness=1``
+  with token-level TIS (``algorithm.rollout_correction.rollout_is=token``): rank 1 generates the
+  batch of step s+1 while rank 0 trains step s (dp=1), weights sent after every update.
+
+Two parts:
+
+1. throughput: ``steps`` training steps without validation; steps per minute from the trainer's
+   step times (the first step, which pays start-up costs, is left out), and what each rank spent
+   waiting per step: in sync mode a rank never waits for the other role, it does both in turn
+   (generation and training time are given); in async mode the trainer waits for the rollout's
+   batch (``timing_s/wait_rollout``) and the rollout for weights (``async/rollout_wait_weights_s``).
+2. learning: the quickstart as shipped (150 steps, validation every 10); the first step at which
+   the mean validation reward reaches ``target`` (0.8, the quickstart's promise) in each mode.
+   Minutes on 2 CPU cores; ``--quick`` and ``benchmarks/run.py --quick`` skip it.
+
+    python benchmarks/bench_async.py                  # both parts
+    python benchmarks/bench_async.py --quick          # throughput only, 4 steps (smoke)
+    python benchmarks/bench_async.py --out FILE.json  # default benchmarks/results/async.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from common import REPO_ROOT, Section, child_env, machine_info, ratio
+
+QUICKSTART = REPO_ROOT / "configs" / "quickstart.yaml"
+MODES = {
+    "sync": [],
+    "async": [
+        "rollout.placement=separate",
+        "rollout.world_size=1",
+        "async_training.max_staleness=1",
+        "algorithm.rollout_correction.rollout_is=token",
+    ],
+}
+VAL_KEY = "val/test_score/synthetic/reverse"
+
+
+@dataclass(frozen=True)
+class AsyncBenchConfig:
+    """Sizes of the benchmarked runs."""
+
+    steps: int = 12
+    learning: bool = True
+    learning_steps: int = 150
+    test_freq: int = 10
+    target: float = 0.8
+    timeout_s: int = 3600
+
+
+FULL = AsyncBenchConfig()
+QUICK = AsyncBenchConfig(steps=4, learning=False, timeout_s=600)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train(mode: str, overrides: list[str], out_dir: Path, timeout_s: int) -> list[dict[str, Any]]:
+    """One 2-process quickstart run in ``mode``; its metrics rows."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+        "-m", "verl_megatron.train", "--config", str(QUICKSTART), *MODES[mode],
+        f"trainer.default_local_dir={out_dir}", "trainer.export_hf=false", "trainer.logger=[jsonl]",
+        # a micro-batch that divides a rank's share of the mini-batch at dp=2 (sync) and dp=1 (async)
+        "actor.ppo_micro_batch_size_per_gpu=128", *overrides,
+    ]  # fmt: skip
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout_s, cwd=REPO_ROOT, env=child_env()
+    )
+    if proc.returncode != 0:
+        output = (proc.stdout + proc.stderr).strip()
+        errors = [line for line in output.splitlines() if line.startswith("error:")]
+        raise RuntimeError(f"{mode} run exited with {proc.returncode}: {(errors or [output[-600:]])[0]}")
+    with open(out_dir / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _mean(rows: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in rows if key in r]
+    return statistics.fmean(values) if values else None
+
+
+def throughput_row(mode: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Steps per minute and per-step times of one run's steps 2..N."""
+    steps = [r for r in rows if r.get("step", 0) >= 2 and "timing_s/step" in r]
+    step_s = _mean(steps, "timing_s/step")
+    row: dict[str, Any] = {
+        "mode": mode,
+        "steps/min": 60.0 / step_s if step_s else None,
+        "step_s": step_s,
+        "trainer: gen_s": _mean(steps, "timing_s/gen"),
+        "trainer: update_actor_s": _mean(steps, "timing_s/update_actor"),
+        "trainer: waits for batch_s": _mean(steps, "timing_s/wait_rollout") if mode == "async" else 0.0,
+        "rollout rank: gen_s": _mean(steps, "async/rollout_gen_s"),
+        "rollout rank: waits for weights_s": _mean(steps, "async/rollout_wait_weights_s"),
+        "staleness (mean)": _mean(steps, "async/staleness_mean") if mode == "async" else 0.0,
+    }
+    return row
+
+
+def steps_to_target(rows: list[dict[str, Any]], target: float) -> tuple[int | None, float | None]:
+    """(first step whose validation reward is >= target, the last validation reward)."""
+    val = [(r["step"], r[VAL_KEY]) for r in rows if VAL_KEY in r]
+    reached = next((step for step, score in val if score >= target), None)
+    return reached, (val[-1][1] if val else None)
+
+
+def run(config: AsyncBenchConfig, workdir: Path) -> Section:
+    workdir.mkdir(parents=True, exist_ok=True)
+    columns = list(throughput_row("sync", []).keys())
+    section = Section(
+        name="async",
+        title="Sync (colocated) vs async (separate, one-step off-policy) training, 2 processes",
+        columns=columns,
+        config=asdict(config),
+    )
+    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+        plain = [
+            f"trainer.total_training_steps={config.steps}",
+            "trainer.test_freq=-1",
+            "trainer.val_before_train=false",
+        ]
+        for mode in MODES:
+            section.rows.append(
+                throughput_row(mode, train(mode, plain, Path(tmp) / f"tp_{mode}", config.timeout_s))
+            )
+        by_mode = {r["mode"]: r for r in section.rows}
+        section.ratios["steps/min async / sync"] = ratio(
+            by_mode["async"]["steps/min"], by_mode["sync"]["steps/min"]
+        )
+        if config.learning:
+            learn = [
+                f"trainer.total_training_steps={config.learning_steps}",
+                f"trainer.test_freq={config.test_freq}",
+            ]
+            reached = {}
+            for mode in MODES:
+                rows = train(mode, learn, Path(tmp) / f"learn_{mode}", config.timeout_s)
+                reached[mode], last = steps_to_target(rows, config.target)
+                section.extra[f"learning_{mode}"] = {
+                    "steps_to_target": reached[mode],
+                    "last_val_reward": last,
+                }
+                section.notes.append(
+                    f"learning, {mode}: validation reward >= {config.target} first at step {reached[mode]} "
+                    f"(checked every {config.test_freq}), {last:.3f} at step {config.learning_steps}"
+                )
+            section.ratios["steps to target async / sync"] = ratio(reached["async"], reached["sync"])
+        else:
+            section.notes.append(
+                "learning comparison skipped (--quick); run `python benchmarks/bench_async.py`"
+            )
+    section.notes.append(
+        "sync: both ranks generate then both train (dp=2), nobody waits for another role; async: rank 0 "
+        "trains (dp=1) while rank 1 generates the next batch"
+    )
+    return section
+
+
+def run_section(quick: bool, workdir: Path) -> Section:
+    """benchmarks/run.py's entry: skipped in --quick (two torchrun jobs cost more than a quick run)."""
+    if quick:
+        return Section(
+            name="async",
+            title="Sync vs async training (skipped in --quick)",
+            columns=[],
+            notes=[
+                "skipped in --quick mode; run `python benchmarks/bench_async.py --quick` for its smoke test"
+            ],
+        )
+    return run(FULL, workdir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="throughput only, a few steps")
+    parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "async.json"))
+    args = parser.parse_args(argv)
+    section = run(QUICK if args.quick else FULL, Path(args.out).parent / "async_work")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(section.to_json(machine_info()), indent=2, default=str) + "\n")
+    print(section.to_markdown())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,256 @@
+"""Asynchronous, off-policy training with the rollout on its own ranks (rollout.placement=separate):
+start-up errors, the weight wire, partial rollout's per-token versions, and one 2-process
+torchrun job (tests/async_job.py) whose runs several tests read: staleness bound and metrics,
+rollout correction of stale samples, weights arriving intact, and a resume that loses and
+repeats no sample."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from verl_megatron.protocol import DataProto
+from verl_megatron.rollout.base import RolloutEngine, assemble_output
+from verl_megatron.trainer.config import load_config, validate_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICKSTART = os.path.join(ROOT, "configs", "quickstart.yaml")
+SEPARATE = ["rollout.placement=separate", "rollout.world_size=1"]
+
+
+# ------------------------------------------------------------------ start-up errors
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world_size", "message"),
+    [
+        (["async_training.max_staleness=-1"], 2, "async_training.max_staleness must be >= 0"),
+        (
+            ["rollout.placement=separate", "rollout.world_size=2"],
+            2,
+            "leaves 0 trainer ranks of the 2 processes",
+        ),
+        (["rollout.placement=separate", "rollout.world_size=0"], 2, "rollout.world_size must be in [1, 1]"),
+        ([*SEPARATE, "rollout.name=vllm"], 2, "rollout.name='vllm' cannot receive"),
+        ([*SEPARATE, "async_training.max_staleness=1"], 2, "set algorithm.rollout_correction.rollout_is"),
+        (["async_training.max_staleness=1"], 2, "needs rollout.placement=separate"),
+        (["rollout.placement=apart"], 2, "rollout.placement must be 'colocated' or 'separate'"),
+        ([*SEPARATE, "algorithm.adv_estimator=remax"], 2, "does not support algorithm.adv_estimator=remax"),
+    ],
+)
+def test_bad_async_settings_are_named_at_start_up(overrides, world_size, message) -> None:
+    from verl_megatron.errors import UserInputError
+
+    with pytest.raises(UserInputError) as err:
+        validate_config(load_config(QUICKSTART, overrides), world_size)
+    text = str(err.value)
+    assert message in text and "\n" not in text, text
+
+
+def test_separate_placement_resolves_the_layout_on_the_trainer_ranks() -> None:
+    fits = ["actor.ppo_micro_batch_size_per_gpu=64"]
+    rc = "algorithm.rollout_correction.rollout_is=token"
+    config = load_config(QUICKSTART, [*SEPARATE, *fits, "async_training.max_staleness=1", rc])
+    assert validate_config(config, 3).dp == 2  # 3 processes, 1 generates
+    assert validate_config(load_config(QUICKSTART, fits), 2).dp == 2  # colocated: every rank trains
+
+
+# ------------------------------------------------------------------ the weight wire
+
+
+def wire_job() -> dict:
+    """Rank 0 sends two versions of mixed-dtype weights in 64-byte buckets to rank 1."""
+    import torch.distributed as dist
+
+    from verl_megatron.rollout.weight_sync import WeightSender, isend_object, receive_weights, recv_object
+
+    group = dist.new_group([0, 1])
+    weights = [
+        ("a", torch.arange(12, dtype=torch.float32).reshape(3, 4)),
+        ("b", torch.tensor([1.5, -2.25], dtype=torch.bfloat16)),
+        ("c", torch.arange(40, dtype=torch.float64)),  # 320 bytes: a bucket of its own
+        ("d", torch.tensor([7], dtype=torch.int64)),
+    ]
+    out: dict = {}
+    try:
+        if dist.get_rank() == 0:
+            sender = WeightSender(group, [1], 64 / 2**20)
+            out["stats"] = [sender.send(iter(weights), v).buckets for v in (3, 4)]
+            for work, _ in isend_object(group, {"step": 2, "x": [1, 2]}, 1):
+                work.wait()
+            sender.wait()
+        else:
+            for _ in range(2):
+                received: list = []
+                out.setdefault("versions", []).append(receive_weights(group, 0, received.append))
+            out["buckets"] = [[(n, t.clone()) for n, t in bucket] for bucket in received]
+            out["object"] = recv_object(group, 0)
+    finally:
+        dist.destroy_process_group(group)
+    return out
+
+
+def test_weights_cross_bucketed_and_exact(pool2) -> None:
+    sender, receiver = pool2.run(f"{__name__}:wire_job")
+    assert sender["stats"] == [3, 3]  # a+b (56 bytes), c alone, d
+    assert receiver["versions"] == [3, 4] and receiver["object"] == {"step": 2, "x": [1, 2]}
+    names = [[n for n, _ in bucket] for bucket in receiver["buckets"]]
+    assert names == [["a", "b"], ["c"], ["d"]]
+    got = dict(item for bucket in receiver["buckets"] for item in bucket)
+    assert got["b"].dtype == torch.bfloat16 and got["b"].tolist() == [1.5, -2.25]
+    assert torch.equal(got["a"], torch.arange(12, dtype=torch.float32).reshape(3, 4))
+    assert torch.equal(got["c"], torch.arange(40, dtype=torch.float64)) and got["d"].item() == 7
+
+
+# ------------------------------------------------------------------ partial rollout
+
+EOS, PAD = 1, 0
+
+
+class CountingEngine(RolloutEngine):
+    """Each row's next token is 10 + (its tokens so far) + 100 * weight version; row 0 stops (EOS)
+    after 3 tokens. Log-prob of a token: -version - 0.5."""
+
+    def __init__(self, weights: dict) -> None:
+        self.weights = weights
+        self.calls: list[tuple[int, int]] = []
+
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
+        n, width = int(prompts.meta_info.get("n", 1)), int(prompts.meta_info["response_length"])
+        self.calls.append((ids.shape[0], width))
+        rows = ids.repeat_interleave(n, 0)
+        lengths = mask.repeat_interleave(n, 0).sum(-1)
+        tokens = torch.full((rows.shape[0], width), PAD)
+        resp_mask = torch.zeros(rows.shape[0], width, dtype=torch.long)
+        for r in range(rows.shape[0]):
+            first = bool((rows[r] == 5).any())  # rows of the prompt holding a 5
+            for t in range(width):
+                done = lengths[r] + t - 2  # tokens generated before this one (prompts are 2 long)
+                token = EOS if first and done == 3 else 10 + int(done) + 100 * self.weights["version"]
+                tokens[r, t], resp_mask[r, t] = token, 1
+                if token == EOS:
+                    break
+        log_probs = torch.full(tokens.shape, -0.5 - self.weights["version"]) * resp_mask
+        return assemble_output(prompts, tokens, resp_mask, log_probs, n)
+
+
+def test_partial_rollout_continues_with_new_weights_and_records_versions() -> None:
+    from verl_megatron.rollout.partial import generate_with_versions
+
+    weights = {"version": 4}
+    engine = CountingEngine(weights)
+    prompts = DataProto.from_dict(
+        {"input_ids": torch.tensor([[3, 5], [3, 6]]), "attention_mask": torch.ones(2, 2, dtype=torch.long)},
+        meta_info={"n": 2},
+    )
+
+    def refresh() -> None:  # a new version arrives before the 2nd segment, none later
+        weights["version"] = 5
+
+    out = generate_with_versions(
+        engine, prompts, response_length=6, segment=2, stops=[EOS], pad=PAD,
+        version=lambda: weights["version"], refresh=refresh,
+    )  # fmt: skip
+    # rows 0-1 (prompt ..5) stop with EOS as their 4th token; rows 2-3 run to the length
+    expected_row0 = [10 + 400, 11 + 400, 12 + 500, EOS, PAD, PAD]
+    expected_row2 = [410, 411, 512, 513, 514, 515]
+    assert out.batch["responses"][0].tolist() == expected_row0
+    assert out.batch["responses"][2].tolist() == expected_row2
+    assert out.batch["rollout_versions"][0].tolist() == [4, 4, 5, 5, -1, -1]
+    assert out.batch["rollout_versions"][3].tolist() == [4, 4, 5, 5, 5, 5]
+    assert out.batch["weight_version"].tolist() == [4, 4, 4, 4]
+    torch.testing.assert_close(
+        out.batch["rollout_log_probs"][2], torch.tensor([-4.5, -4.5, -5.5, -5.5, -5.5, -5.5])
+    )
+    assert out.batch["response_mask"][0].tolist() == [1, 1, 1, 1, 0, 0]
+    # one call for the 2 prompts x 2 samples, then only the rows still running (4, 4, then 2)
+    assert engine.calls == [(2, 2), (4, 2), (2, 2)]
+    # the stitched sequence is the prompt followed by the response
+    assert out.batch["input_ids"][2].tolist() == [3, 6, *expected_row2]
+
+
+# ------------------------------------------------------------------ the torchrun job
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rows(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp("async"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={_free_port()}",
+    ]
+    result = subprocess.run(
+        [*torchrun, os.path.join(ROOT, "tests", "async_job.py"), out],
+        capture_output=True, text=True, timeout=600, env=env, cwd=out,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return out
+
+
+def test_off_policy_batches_are_one_version_stale_and_corrected(job) -> None:
+    rows = {r["step"]: r for r in _rows(os.path.join(job, "straight", "metrics.jsonl"))}
+    assert sorted(rows) == [1, 2, 3, 4]
+    # step 1 trains on the start weights; from step 2 on, each batch was generated (at least
+    # its first tokens) one update behind: exactly max_staleness, never more
+    assert [rows[s]["async/staleness_max"] for s in (1, 2, 3, 4)] == [0.0, 1.0, 1.0, 1.0]
+    for step in (2, 3, 4):
+        # the trained policy has moved since those tokens were sampled: IS weights differ from 1
+        assert abs(rows[step]["rollout_corr/kl"]) > 1e-4, rows[step]["rollout_corr/kl"]
+        assert rows[step]["rollout_corr/rollout_is_mean"] != 1.0
+        for key in (
+            "timing_s/wait_rollout",
+            "timing_s/step",
+            "async/rollout_wait_weights_s",
+            "async/rollout_gen_s",
+        ):
+            assert rows[step][key] >= 0.0
+    assert (
+        "timing_s/send_weights" in rows[3] and "timing_s/send_weights" not in rows[4]
+    )  # none after the last
+    samples = _rows(os.path.join(job, "straight", "samples.jsonl"))
+    assert [r["weight_version"][0] for r in samples] == [0, 0, 1, 2]
+
+
+def test_rollout_weights_equal_the_trainers_after_a_transfer(job) -> None:
+    # step 1 (start weights, sent at start-up) and step 3 of the resumed run (the checkpoint's
+    # weights, sent at resume): the rollout's copy generated with exactly the trainer's weights
+    for name, step in (("straight", 1), ("resumed", 3)):
+        row = next(r for r in _rows(os.path.join(job, name, "metrics.jsonl")) if r["step"] == step)
+        assert row["async/staleness_max"] == 0.0
+        assert abs(row["rollout_corr/kl"]) < 1e-6 and row["rollout_corr/rollout_is_mean"] == pytest.approx(
+            1.0, abs=1e-5
+        )
+
+
+def test_resume_during_async_training_loses_and_repeats_no_sample(job) -> None:
+    straight = _rows(os.path.join(job, "straight", "samples.jsonl"))
+    resumed = _rows(os.path.join(job, "resumed", "samples.jsonl"))
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert [r["samples"] for r in resumed] == [r["samples"] for r in straight]
+    every = [sample for r in resumed for sample in r["samples"]]
+    assert len(every) == len(set(every)) == 4 * 4 * 4  # 4 steps x 4 prompts x 4 samples
+    # the interrupted run's checkpoint (step 2) was taken; its step 3 never trained
+    logged = sorted(r["step"] for r in _rows(os.path.join(job, "resumed", "metrics.jsonl")))
+    assert logged == [1, 2, 3, 4]

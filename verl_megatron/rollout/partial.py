@@ -1,0 +1,85 @@
+"""Generation in segments, so that a weight update can land in the middle of a batch (partial rollout).
+
+A batch's responses are decoded ``segment`` tokens at a time: after each segment ``refresh()``
+may load newer weights, and the rows still running continue from prompt + response so far
+(re-prefilled with the weights now loaded). Each token records the weight version that
+generated it (``rollout_versions`` [B*n, Tr], -1 on padding); ``weight_version`` [B*n] is the
+version a row started with. With one segment covering the whole response this is exactly one
+``generate_sequences`` call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from verl_megatron.protocol import DataProto
+from verl_megatron.rollout.base import RolloutEngine, assemble_output, prompt_tensors
+
+__all__ = ["generate_with_versions"]
+
+
+def _continuation(
+    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor, rows: torch.Tensor, pad: int
+) -> DataProto:
+    """Left-padded prompts made of each row's prompt tokens followed by its response so far."""
+    sequences = [torch.cat([prompt_ids[r][prompt_mask[r].bool()], responses[r]]) for r in rows.tolist()]
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(sequences), width, dtype=torch.long)
+    for i, s in enumerate(sequences):
+        ids[i, width - len(s) :], mask[i, width - len(s) :] = s, 1
+    return DataProto.from_dict({"input_ids": ids, "attention_mask": mask})
+
+
+def generate_with_versions(
+    engine: RolloutEngine,
+    prompts: DataProto,
+    *,
+    response_length: int,
+    segment: int,
+    stops: list[int],
+    pad: int,
+    version: Callable[[], int],
+    refresh: Callable[[], None],
+) -> DataProto:
+    """``engine.generate_sequences(prompts)`` decoded ``segment`` tokens at a time (see the module
+    docstring); ``version()`` is the weight version loaded now, ``refresh()`` loads newer weights
+    when there are any. The output carries ``rollout_versions`` and ``weight_version``."""
+    n = int(prompts.meta_info.get("n", getattr(getattr(engine, "config", None), "n", 1)))
+    input_ids, mask, _ = prompt_tensors(prompts)
+    rows = input_ids.shape[0] * n
+    row_ids, row_mask = input_ids.repeat_interleave(n, 0).cpu(), mask.repeat_interleave(n, 0).cpu()
+    responses = torch.full((rows, response_length), pad, dtype=torch.long)
+    response_mask = torch.zeros(rows, response_length, dtype=torch.long)
+    log_probs = torch.zeros(rows, response_length, dtype=torch.float32)
+    versions = torch.full((rows, response_length), -1, dtype=torch.long)
+    stop_ids = torch.tensor(stops, dtype=torch.long)
+    live = torch.arange(rows)
+    start_version = version()
+    position = 0
+    while position < response_length and live.numel() > 0:
+        if position > 0:
+            refresh()
+        width = min(segment, response_length - position)
+        if position == 0:
+            batch = DataProto.from_dict(dict(prompts.batch.items()), meta_info=dict(prompts.meta_info))
+        else:
+            batch = _continuation(row_ids, row_mask, responses[:, :position], live, pad)
+            batch.meta_info = {**prompts.meta_info, "n": 1, "prompt_offset": 0}
+        batch.meta_info["response_length"] = width
+        out = engine.generate_sequences(batch).to("cpu")
+        seg_tokens, seg_mask = out.batch["responses"], out.batch["response_mask"].long()
+        span = slice(position, position + width)
+        responses[live, span], response_mask[live, span] = seg_tokens, seg_mask
+        if "rollout_log_probs" in out.batch.keys():  # noqa: SIM118 (TensorDict has no __contains__)
+            log_probs[live, span] = out.batch["rollout_log_probs"].float()
+        versions[live, span] = torch.where(seg_mask.bool(), version(), -1)
+        ended = (seg_mask == 0).any(-1) | (torch.isin(seg_tokens, stop_ids) & seg_mask.bool()).any(-1)
+        live = live[~ended]
+        position += width
+    output = assemble_output(prompts, responses, response_mask, log_probs, n)
+    output.batch["rollout_versions"] = versions
+    output.batch["weight_version"] = torch.full((rows,), start_version, dtype=torch.long)
+    return output

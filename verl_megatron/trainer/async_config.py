@@ -1,0 +1,44 @@
+"""``async_training``: off-policy training with the rollout on its own ranks (``rollout.placement=separate``).
+
+The rollout generates the batch of step s+1 while the trainer trains step s; every sample
+records the weight version it was generated with, and ``max_staleness`` bounds how far behind
+the trained policy those weights may be (see ``trainer/async_trainer.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from verl_megatron.errors import UserInputError
+
+__all__ = ["AsyncTrainingConfig", "AsyncTrainingConfigError"]
+
+
+class AsyncTrainingConfigError(UserInputError):
+    """An async-training setting that cannot work; the message names the key."""
+
+
+@dataclass
+class AsyncTrainingConfig:
+    """How far generation may run ahead of training (with ``rollout.placement=separate``)."""
+
+    max_staleness: int = 0
+    """Most weight versions a training batch may lag behind the policy it trains: the batch of
+    step s is generated with weights of step >= s-1-max_staleness. 0: generation of step s waits
+    for the update of step s-1 (disaggregated but on-policy); 1: one-step off-policy, the
+    generation of step s+1 overlaps the training of step s."""
+    partial_rollout: bool = False
+    """A weight update that arrives while a batch is generated is loaded between decode segments
+    and the rest of the responses continue with the new weights; each token records its version."""
+    partial_rollout_segment: int = 8
+    """Tokens decoded between two checks for new weights when ``partial_rollout`` is on."""
+
+    def __post_init__(self) -> None:
+        if self.max_staleness < 0:
+            raise AsyncTrainingConfigError(
+                f"async_training.max_staleness must be >= 0 (weight versions a batch may lag), got {self.max_staleness}"
+            )
+        if self.partial_rollout_segment < 1:
+            raise AsyncTrainingConfigError(
+                f"async_training.partial_rollout_segment must be >= 1, got {self.partial_rollout_segment}"
+            )

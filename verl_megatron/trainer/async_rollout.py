@@ -1,0 +1,191 @@
+"""The rollout ranks of a ``rollout.placement=separate`` job: generate the trainer's batches ahead.
+
+Each rollout rank holds its own whole copy of the model (tp=pp=1, megatron initialised over the
+rollout ranks only, see ``rollout/placement.py``) and the native engine on it. The loop, for the
+steps the trainer will run (it sends where to start: step, data-loader position, weights):
+
+    for step s: receive weight versions until the loaded one is >= s-1-max_staleness
+                draw the prompts of step s (same loader, same order as the trainer's)
+                generate (in segments with partial_rollout, picking up newer weights between them)
+                send the batch to the trainer, with each token's weight version
+
+The sampling call number of step s is fixed (``s * CALLS_PER_STEP`` + segment), so a resumed
+run draws the same tokens as an uninterrupted one given the same weights.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from verl_megatron.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
+from verl_megatron.rollout.placement import Placement
+from verl_megatron.rollout.weight_sync import isend_object, receive_weights, recv_object
+
+__all__ = ["CALLS_PER_STEP", "ChunkWeights", "RolloutWorker", "run_rollout_worker", "weights_key"]
+
+CALLS_PER_STEP = 1024
+
+
+def weights_key(version: int) -> str:
+    """Store key the trainer sets once weight version ``version`` is on its way."""
+    return f"weights/{version}"
+
+
+class ChunkWeights:
+    """Loads Hugging Face-named weights (as ``iter_hf_weights`` yields them) into tp=1 chunks."""
+
+    def __init__(self, chunks: list[torch.nn.Module]) -> None:
+        from verl_megatron.models.builder import model_info
+        from verl_megatron.models.convert import hf_mapping
+        from verl_megatron.models.sharding import named_global_parameters
+
+        self.info = model_info(chunks)
+        self.params = {n: p for n, p in named_global_parameters(chunks) if p.numel() > 0}
+        self.mappings = {n: hf_mapping(n, self.info) for n in self.params}
+        self.users: dict[str, list[str]] = {}  # HF name -> megatron parameters built from it
+        for name, mapping in self.mappings.items():
+            for hf_name in mapping.hf_names:
+                self.users.setdefault(hf_name, []).append(name)
+        self._pending: dict[str, torch.Tensor] = {}
+        self.loaded: set[str] = set()
+
+    @torch.no_grad()
+    def load(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        from verl_megatron.models.convert import to_megatron
+
+        for hf_name, tensor in bucket:
+            if hf_name not in self.users:
+                raise RuntimeError(f"received weight {hf_name!r}, which no rollout parameter uses")
+            self._pending[hf_name] = tensor
+            for name in self.users[hf_name]:
+                mapping = self.mappings[name]
+                if all(h in self._pending for h in mapping.hf_names):
+                    whole = to_megatron(mapping, [self._pending[h] for h in mapping.hf_names], self.info, 1)
+                    param = self.params[name]
+                    param.copy_(whole.to(param.device, param.dtype))
+                    self.loaded.add(name)
+
+    def finish_version(self) -> None:
+        """Check that the version just received covered every parameter; reset for the next."""
+        missing = sorted(set(self.params) - self.loaded)
+        if missing:
+            raise RuntimeError(f"weight update left rollout parameters unset: {missing[:4]}")
+        self._pending.clear()
+        self.loaded.clear()
+
+
+class RolloutWorker:
+    """One rollout rank (see the module docstring)."""
+
+    def __init__(self, config: Any, runtime: Any, placement: Placement) -> None:
+        from verl_megatron.models.config import load_hf_config
+        from verl_megatron.rollout.base import stop_token_ids
+        from verl_megatron.rollout.native import NativeRollout
+        from verl_megatron.trainer.components import _loaders, _policy_chunks
+        from verl_megatron.utils.tokenizer import hf_tokenizer
+
+        self.config, self.runtime, self.placement = config, runtime, placement
+        self.tokenizer = hf_tokenizer(config.model.tokenizer_path or config.model.path)
+        hf_config = load_hf_config(config.model.path)
+        self.loader, _ = _loaders(config, self.tokenizer)
+        chunks = _policy_chunks(config, runtime, hf_config)
+        for chunk in chunks:
+            chunk.requires_grad_(False)
+        self.weights = ChunkWeights(chunks)
+        self.engine = NativeRollout(config.rollout, runtime, chunks, self.tokenizer, hf_config)
+        meta = {"eos_token_id": self.tokenizer.eos_token_id, "pad_token_id": self.tokenizer.pad_token_id}
+        self.stops = stop_token_ids(config.rollout, meta, self.tokenizer, hf_config)
+        self.version = -1
+        self.wait_s = 0.0  # blocked waiting for weights
+
+    def _receive(self) -> None:
+        version = receive_weights(self.placement.transfer, 0, self.weights.load)
+        self.weights.finish_version()
+        if version != self.version + 1 and self.version >= 0:
+            raise RuntimeError(f"rollout: weight version {version} arrived after {self.version}")
+        self.version = version
+
+    def _refresh(self) -> None:
+        """Load every weight version the trainer has already sent (partial rollout)."""
+        while self.placement.store.check([weights_key(self.version + 1)]):
+            self._receive()
+
+    def _generate(self, prompts: DataProto, step: int) -> DataProto:
+        from verl_megatron.rollout.partial import generate_with_versions
+
+        cfg, asyn = self.config.rollout, self.config.async_training
+        ranks, rank = dist.get_world_size(), dist.get_rank()
+        padded, pad = pad_dataproto_to_divisor(prompts, ranks)
+        local = padded.chunk(ranks)[rank]
+        local.meta_info.update(
+            eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
+            validate=False, prompt_offset=rank * len(local),
+        )  # fmt: skip
+        self.engine.load_state_dict({"calls": step * CALLS_PER_STEP})
+        output = generate_with_versions(
+            self.engine, local, response_length=cfg.response_length,
+            segment=asyn.partial_rollout_segment if asyn.partial_rollout else cfg.response_length,
+            stops=self.stops, pad=self.tokenizer.pad_token_id,
+            version=lambda: self.version, refresh=self._refresh,
+        )  # fmt: skip
+        output.meta_info = {}
+        if ranks > 1:
+            parts: list[Any] = [None] * ranks
+            dist.all_gather_object(parts, output)
+            output = DataProto.concat(parts)
+        output = unpad_dataproto(output, pad * cfg.n)
+        output.meta_info["temperature"] = cfg.temperature if cfg.temperature > 0 else 1.0
+        return output
+
+    def run(self) -> None:
+        placement = self.placement
+        start = recv_object(placement.transfer, 0)
+        self.loader.load_state_dict(start["loader"])
+        self._receive()  # the weights of step start
+        staleness = self.config.async_training.max_staleness
+        sends: list[tuple[int, list[tuple[Any, torch.Tensor]]]] = []  # (step, its batch's messages)
+        for step in range(start["step"] + 1, start["total_steps"] + 1):
+            began = time.perf_counter()
+            while self.version < max(start["step"], step - 1 - staleness):
+                self._receive()
+            waited = time.perf_counter() - began
+            # Weights of step s-1-k came after the trainer took batch s-1-k: those buffers can go.
+            for _, works in [item for item in sends if item[0] <= step - 1 - staleness]:
+                for work, _ in works:
+                    work.wait()
+            sends = [item for item in sends if item[0] > step - 1 - staleness]
+            prompts = self.loader.next_batch()
+            prompts.non_tensor_batch["uid"] = np.array(
+                [f"{step}-1-{i}" for i in range(len(prompts))], dtype=object
+            )
+            began = time.perf_counter()
+            output = self._generate(prompts, step)
+            output.meta_info["async"] = {
+                "step": step, "rollout_wait_weights_s": waited, "rollout_gen_s": time.perf_counter() - began,
+            }  # fmt: skip
+            if placement.rank == placement.rollout_main:
+                sends.append((step, isend_object(placement.transfer, output, 0)))
+        # The trainer sends every version but its last step's: take them so its sends complete.
+        while self.version < start["total_steps"] - 1:
+            self._receive()
+        for _, works in sends:
+            for work, _ in works:
+                work.wait()
+
+
+def run_rollout_worker(config: Any, placement: Placement) -> dict[str, float]:
+    """Main of a rollout rank: wait for the trainer's assets, build the model copy, generate."""
+    from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
+    from verl_megatron.trainer.quickstart import prepare_quickstart_assets
+
+    placement.barrier()  # the trainer ranks have written the quickstart's model and data
+    runtime = init_runtime(ParallelLayout(), seed=config.trainer.seed)
+    config = prepare_quickstart_assets(config, rank=-1)  # built by the trainer: only read here
+    RolloutWorker(config, runtime, placement).run()
+    placement.barrier()  # the trainer has every batch and its weight sends are complete
+    return {}
