@@ -319,6 +319,15 @@ def test_trainer_logs_zero_logprob_diff_with_parity_every_step(trainer_runs):
         assert row["training/rollout_probs_diff_max"] == 0.0
 
 
+def test_trainer_parity_holds_in_bfloat16_too(pool1, tmp_path):
+    """The recipes' dtype: bf16 weights and activations, where the two paths otherwise differ by ~1e-3."""
+    run = pool1.run(
+        f"{__name__}:trainer_job", out_dir=str(tmp_path / "run"), overrides=["model.dtype=bfloat16"]
+    )[0]
+    for row in run["rows"]:
+        assert row["rollout/logprob_diff/max"] == 0.0, row
+
+
 def test_bypass_skips_the_old_log_prob_pass_and_trains_identically(trainer_runs):
     plain, bypass = trainer_runs[False], trainer_runs[True]
     assert plain["log_prob_calls"] == 2 and bypass["log_prob_calls"] == 0
