@@ -201,6 +201,14 @@ def test_tiled_matmul_and_attention_rows_do_not_depend_on_the_batch(threads):
             for start in (0, 1, 13, 150):
                 part = bi.linear(x[start : start + rows], weight)
                 assert torch.equal(part, whole[start : start + rows]), (threads, rows, start)
+        # The per-row operations left as they are: RMSNorm, the activation, log-softmax.
+        norm = torch.nn.RMSNorm(64, eps=1e-5)
+        torch.nn.init.normal_(norm.weight, generator=g)
+        for op in (norm, torch.nn.functional.silu, lambda t: torch.log_softmax(t, dim=-1)):
+            with torch.no_grad():
+                rows_all = op(x)
+                for rows in (1, 3, 17):
+                    assert torch.equal(op(x[5 : 5 + rows]), rows_all[5 : 5 + rows]), (threads, op, rows)
         # Attention: one query against a row's keys gives the same bits as the same query among many.
         q, k, v = (torch.randn(5, 4, 12, 16, generator=g) for _ in range(3))
         keys, values = k[:, :2], v[:, :2]  # 2 key/value groups for 4 heads
