@@ -27,6 +27,8 @@ differ. Bitwise parity needs every reduction to happen in the same order in both
 :func:`enable` switches a model's chunks to these kernels (the trainer does it for the actor
 when ``rollout.bitwise_parity`` is set); :func:`key_length` tells the decoder the fixed L.
 Needs megatron's local layer spec (Transformer Engine kernels cannot be swapped this way).
+Verified in float32 and bfloat16 on CPU (MKL); that a batched GEMM item's result does not depend on the
+number of items is an empirical property of the BLAS, not yet checked on a GPU (cuBLAS).
 """
 
 from __future__ import annotations

@@ -146,12 +146,13 @@ class RolloutConfig:
     layer_name_map: dict[str, str] = field(default_factory=dict)
     """vllm/sglang: rename weights before loading, {HF name prefix: engine name prefix}."""
     bitwise_parity: bool = False
-    """native only: make every sampled token's rollout log-prob equal the actor's old_log_probs bit for
-    bit (float32), at any tp/pp layout, packing and dynamic batch size. The decoder and the actor's
-    forward and backward then use batch-invariant kernels (``models/batch_invariant.py``: tiled
-    GEMMs, attention over a fixed key length of prompt_length + response_length), which costs speed;
-    needs megatron's local layer spec (model.use_te=false); not with multi_turn. Off: the two differ
-    by float rounding."""
+    """native only: make every sampled token's rollout log-prob equal the actor's old_log_probs bit
+    for bit (float32 and bfloat16), at any tp/pp/dp layout, packing and dynamic batch size. The
+    decoder and the actor's forward and backward then use batch-invariant kernels
+    (``models/batch_invariant.py``: tiled GEMMs, attention over a fixed key length of
+    prompt_length + response_length), about 2x the CPU time of generation and of the update;
+    needs megatron's local layer spec (model.use_te=false); not with multi_turn or MoE models.
+    Off: the two differ by float rounding (~1e-6 in float32, ~1e-3 in bfloat16)."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Tokens that end a response like EOS (kept in the response with mask 1)."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
