@@ -165,9 +165,11 @@ def run(config: AsyncBenchConfig, workdir: Path) -> Section:
             for mode in MODES:
                 rows = train(mode, learn, Path(tmp) / f"learn_{mode}", config.timeout_s)
                 reached[mode], last = steps_to_target(rows, config.target)
+                curve = [(r["step"], round(r[VAL_KEY], 4)) for r in rows if VAL_KEY in r]
                 section.extra[f"learning_{mode}"] = {
                     "steps_to_target": reached[mode],
                     "last_val_reward": last,
+                    "val_curve": curve,
                 }
                 section.notes.append(
                     f"learning, {mode}: validation reward >= {config.target} first at step {reached[mode]} "
