@@ -10,7 +10,9 @@ under ``torchrun --nproc_per_node=2``, one after the other in the same run:
 
 Two parts:
 
-1. throughput: ``steps`` training steps without validation; steps per minute from the trainer's
+1. throughput, on two workloads: the quickstart as shipped (4-token responses: training
+   dominates a step) and ``long`` (48-token responses, EOS ignored: generation dominates).
+   ``steps`` training steps without validation; steps per minute from the trainer's
    step times (the first step, which pays start-up costs, is left out), and what each rank spent
    waiting per step: in sync mode a rank never waits for the other role, it does both in turn
    (generation and training time are given); in async mode the trainer waits for the rollout's
@@ -21,12 +23,14 @@ Two parts:
 
     python benchmarks/bench_async.py                  # both parts
     python benchmarks/bench_async.py --quick          # throughput only, 4 steps (smoke)
+    python benchmarks/bench_async.py --no-learning    # throughput only
     python benchmarks/bench_async.py --out FILE.json  # default benchmarks/results/async.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import socket
 import statistics
@@ -50,6 +54,10 @@ MODES = {
     ],
 }
 VAL_KEY = "val/test_score/synthetic/reverse"
+WORKLOADS = {
+    "quickstart": [],
+    "long": ["data.max_response_length=48", "rollout.ignore_eos=true"],
+}
 
 
 @dataclass(frozen=True)
@@ -99,12 +107,12 @@ def _mean(rows: list[dict[str, Any]], key: str) -> float | None:
     return statistics.fmean(values) if values else None
 
 
-def throughput_row(mode: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
+def throughput_row(workload: str, mode: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Steps per minute and per-step times of one run's steps 2..N."""
     steps = [r for r in rows if r.get("step", 0) >= 2 and "timing_s/step" in r]
     step_s = _mean(steps, "timing_s/step")
     row: dict[str, Any] = {
-        "mode": mode,
+        "run": f"{workload} {mode}",
         "steps/min": 60.0 / step_s if step_s else None,
         "step_s": step_s,
         "trainer: gen_s": _mean(steps, "timing_s/gen"),
@@ -126,7 +134,7 @@ def steps_to_target(rows: list[dict[str, Any]], target: float) -> tuple[int | No
 
 def run(config: AsyncBenchConfig, workdir: Path) -> Section:
     workdir.mkdir(parents=True, exist_ok=True)
-    columns = list(throughput_row("sync", []).keys())
+    columns = list(throughput_row("", "sync", []).keys())
     section = Section(
         name="async",
         title="Sync (colocated) vs async (separate, one-step off-policy) training, 2 processes",
@@ -139,14 +147,15 @@ def run(config: AsyncBenchConfig, workdir: Path) -> Section:
             "trainer.test_freq=-1",
             "trainer.val_before_train=false",
         ]
-        for mode in MODES:
-            section.rows.append(
-                throughput_row(mode, train(mode, plain, Path(tmp) / f"tp_{mode}", config.timeout_s))
+        for workload, sizes in WORKLOADS.items():
+            by_mode = {}
+            for mode in MODES:
+                rows = train(mode, [*plain, *sizes], Path(tmp) / f"{workload}_{mode}", config.timeout_s)
+                by_mode[mode] = throughput_row(workload, mode, rows)
+                section.rows.append(by_mode[mode])
+            section.ratios[f"steps/min async / sync ({workload})"] = ratio(
+                by_mode["async"]["steps/min"], by_mode["sync"]["steps/min"]
             )
-        by_mode = {r["mode"]: r for r in section.rows}
-        section.ratios["steps/min async / sync"] = ratio(
-            by_mode["async"]["steps/min"], by_mode["sync"]["steps/min"]
-        )
         if config.learning:
             learn = [
                 f"trainer.total_training_steps={config.learning_steps}",
@@ -156,9 +165,11 @@ def run(config: AsyncBenchConfig, workdir: Path) -> Section:
             for mode in MODES:
                 rows = train(mode, learn, Path(tmp) / f"learn_{mode}", config.timeout_s)
                 reached[mode], last = steps_to_target(rows, config.target)
+                curve = [(r["step"], round(r[VAL_KEY], 4)) for r in rows if VAL_KEY in r]
                 section.extra[f"learning_{mode}"] = {
                     "steps_to_target": reached[mode],
                     "last_val_reward": last,
+                    "val_curve": curve,
                 }
                 section.notes.append(
                     f"learning, {mode}: validation reward >= {config.target} first at step {reached[mode]} "
@@ -193,9 +204,13 @@ def run_section(quick: bool, workdir: Path) -> Section:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="throughput only, a few steps")
+    parser.add_argument("--no-learning", action="store_true", help="throughput part only")
     parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "async.json"))
     args = parser.parse_args(argv)
-    section = run(QUICK if args.quick else FULL, Path(args.out).parent / "async_work")
+    config = QUICK if args.quick else FULL
+    if args.no_learning:
+        config = dataclasses.replace(config, learning=False)
+    section = run(config, Path(args.out).parent / "async_work")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(section.to_json(machine_info()), indent=2, default=str) + "\n")

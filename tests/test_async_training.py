@@ -34,9 +34,9 @@ SEPARATE = ["rollout.placement=separate", "rollout.world_size=1"]
         (
             ["rollout.placement=separate", "rollout.world_size=2"],
             2,
-            "leaves 0 trainer ranks of the 2 processes",
+            "rollout.world_size=2 leaves no trainer rank among the 2 processes",
         ),
-        (["rollout.placement=separate", "rollout.world_size=0"], 2, "rollout.world_size must be in [1, 1]"),
+        (["rollout.placement=separate", "rollout.world_size=0"], 2, "needs rollout.world_size >= 1"),
         ([*SEPARATE, "rollout.name=vllm"], 2, "rollout.name='vllm' cannot receive"),
         ([*SEPARATE, "async_training.max_staleness=1"], 2, "set algorithm.rollout_correction.rollout_is"),
         (["async_training.max_staleness=1"], 2, "needs rollout.placement=separate"),

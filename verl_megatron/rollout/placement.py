@@ -56,11 +56,14 @@ def check_placement(config: Any, world_size: int) -> int:
             f"rollout.placement=separate sends the weights to the rollout ranks over the process group, "
             f"which rollout.name={rollout.name!r} cannot receive; use rollout.name=native"
         )
-    if rollout.world_size < 1 or rollout.world_size >= world_size:
+    if rollout.world_size < 1:
         raise PlacementError(
-            f"rollout.placement=separate with rollout.world_size={rollout.world_size} leaves "
-            f"{world_size - rollout.world_size} trainer ranks of the {world_size} processes; "
-            f"rollout.world_size must be in [1, {world_size - 1}]"
+            f"rollout.placement=separate needs rollout.world_size >= 1 (ranks that generate), got {rollout.world_size}"
+        )
+    if rollout.world_size >= world_size:
+        raise PlacementError(
+            f"rollout.placement=separate with rollout.world_size={rollout.world_size} leaves no trainer rank "
+            f"among the {world_size} processes: start more (torchrun --nproc_per_node) or lower rollout.world_size"
         )
     algo = config.algorithm
     if asyn.max_staleness > 0 and not algo.rollout_correction.enabled:
