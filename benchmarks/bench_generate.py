@@ -20,6 +20,7 @@ fastest repeat, the median is reported beside it.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import tempfile
 from dataclasses import asdict, dataclass
@@ -33,6 +34,7 @@ from common import (
     ModelShape,
     Section,
     build_assets,
+    error_text,
     machine_info,
     ratio,
     shape_text,
@@ -40,6 +42,8 @@ from common import (
 )
 
 NATIVE, HF = "verl-megatron native engine", "HF generate"
+HF_STATIC = "HF generate, static cache"
+HF_COMPILED = "HF generate, static cache + torch.compile"
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,8 @@ class GenerateBenchConfig:
     check_rows: int = 4
     check_tokens: int = 16
     seed: int = 0
+    static_cache: bool = True
+    """also time HF with a static KV cache, eager and under torch.compile (inductor on CPU)"""
 
 
 FULL = GenerateBenchConfig(
@@ -71,6 +77,7 @@ QUICK = GenerateBenchConfig(
     repeats=1,
     check_rows=2,
     check_tokens=4,
+    static_cache=False,  # compiling takes minutes: the full run only
 )
 
 
@@ -115,14 +122,38 @@ def _native_call(engine, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int,
     return out.batch["responses"]
 
 
-def _hf_call(hf, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, pad_id: int, greedy: bool = False):
+def _hf_call(
+    hf,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    new_tokens: int,
+    pad_id: int,
+    greedy: bool = False,
+    cache: str | None = None,
+):
+    """HF generate; ``cache``: None (dynamic cache), "static" or "compiled" (static cache and
+    torch.compile of the forward, which transformers only does on CPU when asked to)."""
     # transformers' default top_k is 50: off, as on our side.
     sampling = (
         {"do_sample": False} if greedy else {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
     )
+    extra: dict[str, Any] = {}
+    if cache is not None:
+        from transformers import CompileConfig
+
+        extra["cache_implementation"] = "static"
+        if cache == "compiled":
+            extra["compile_config"] = CompileConfig(_compile_all_devices=True)
+        else:
+            extra["disable_compile"] = True
     with torch.no_grad():
         out = hf.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, pad_token_id=pad_id, **sampling
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            pad_token_id=pad_id,
+            **sampling,
+            **extra,
         )
     return out[:, ids.shape[1] :]
 
@@ -149,6 +180,16 @@ def run(cfg: GenerateBenchConfig, workdir: Path) -> Section:
         NATIVE: lambda: _native_call(engine, ids, mask, cfg.new_tokens),
         HF: lambda: _hf_call(hf, ids, mask, cfg.new_tokens, pad),
     }
+    errors: dict[str, str] = {}
+    if cfg.static_cache:
+        for name, cache in ((HF_STATIC, "static"), (HF_COMPILED, "compiled")):
+            fn = functools.partial(_hf_call, hf, ids, mask, cfg.new_tokens, pad, cache=cache)
+            try:
+                fn()  # the full shape once: the static cache's size, and compilation, are per shape
+            except Exception as exc:  # inductor needs a C++ compiler; record why instead of failing
+                errors[name] = error_text(exc)
+                continue
+            fns[name] = fn
     timings = time_interleaved(fns, repeats=cfg.repeats, warmup=0)
     tokens = cfg.batch * cfg.new_tokens
     section = Section(
@@ -177,13 +218,24 @@ def run(cfg: GenerateBenchConfig, workdir: Path) -> Section:
                 "seconds (median)": timing.median,
             }
         )
-    native, peer = section.rows
+    by_name = {row["impl"]: row for row in section.rows}
+    native, peer = by_name[NATIVE], by_name[HF]
     section.ratios["tokens/s native / HF generate (best)"] = ratio(
         native["tokens/s (best)"], peer["tokens/s (best)"]
     )
     section.ratios["tokens/s native / HF generate (median)"] = ratio(
         native["tokens/s (median)"], peer["tokens/s (median)"]
     )
+    for name in (HF_STATIC, HF_COMPILED):
+        if name in by_name:
+            section.ratios[f"tokens/s native / {name} (best)"] = ratio(
+                native["tokens/s (best)"], by_name[name]["tokens/s (best)"]
+            )
+    section.errors.update(errors)
+    if not cfg.static_cache:
+        section.notes.append(
+            "HF with a static cache / torch.compile: full run only (compiling takes minutes)"
+        )
     section.notes.append(
         f"greedy check ({cfg.check_rows} prompts x {cfg.check_tokens} tokens): "
         + ("identical tokens on both sides" if agree else "TOKENS DIFFER between the two sides")

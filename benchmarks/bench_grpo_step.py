@@ -267,8 +267,11 @@ def _ours_config(model_dir: str, cfg: GRPOBenchConfig, out_dir: Path):
     return load_config(str(path), [f"{k}={v}" for k, v in overrides.items()])
 
 
-def run_ours(model_dir: str, tokenizer, cfg: GRPOBenchConfig, out_dir: str) -> dict[str, Any]:
-    """Our trainer (``PPOTrainer.train_step``) for ``cfg.total_steps`` GRPO steps, one process.
+def run_ours(
+    model_dir: str, tokenizer, cfg: GRPOBenchConfig, out_dir: str, world_size: int = 1
+) -> dict[str, Any]:
+    """Our trainer (``PPOTrainer.train_step``) for ``cfg.total_steps`` GRPO steps, one process
+    (``world_size`` > 1: one of the processes of a torchrun job, data parallel).
 
     Returns the seconds of each step (the first is warm-up) and its stage times (verl's
     ``timing_s/*``: gen, reward, old_log_prob, adv, update_actor).
@@ -279,7 +282,7 @@ def run_ours(model_dir: str, tokenizer, cfg: GRPOBenchConfig, out_dir: str) -> d
     from verl_megatron.trainer.ppo_trainer import PPOTrainer
 
     config = _ours_config(model_dir, cfg, Path(out_dir))
-    validate_config(config, 1)
+    validate_config(config, world_size)
     threads = torch.get_num_threads()
     runtime = init_runtime(config.parallel, seed=config.trainer.seed)
     torch.set_num_threads(threads)
