@@ -14,7 +14,7 @@ fastest repeat, the median is reported beside it.
 
     python benchmarks/bench_generate.py                  # full size
     python benchmarks/bench_generate.py --quick          # smoke sizes (numbers mean nothing)
-    python benchmarks/bench_generate.py --out FILE.json  # default benchmarks/results/generate.json
+    python benchmarks/bench_generate.py --out FILE.json  # also write the result (default: print only)
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from typing import Any
 import torch
 from common import (
     HEADLINE_THREADS,
-    REPO_ROOT,
     ModelShape,
     Section,
     build_assets,
@@ -143,7 +142,9 @@ def _hf_call(
 
         extra["cache_implementation"] = "static"
         if cache == "compiled":
-            extra["compile_config"] = CompileConfig(_compile_all_devices=True)
+            compile_config = CompileConfig()
+            compile_config._compile_all_devices = True  # transformers compiles on GPUs only unless told
+            extra["compile_config"] = compile_config
         else:
             extra["disable_compile"] = True
     with torch.no_grad():
@@ -252,9 +253,7 @@ def run_section(quick: bool, workdir: Path) -> Section:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat: checks the script runs")
-    parser.add_argument(
-        "--out", default=str(REPO_ROOT / "benchmarks" / "results" / "generate.json"), help="JSON result file"
-    )
+    parser.add_argument("--out", default=None, help="JSON result file (default: print only)")
     parser.add_argument("--threads", type=int, default=HEADLINE_THREADS, help="torch threads (headline: 2)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -262,12 +261,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_generate_") as tmp:
         section = run_section(args.quick, Path(tmp))
     machine = {**machine, "load_average_1m_end": machine_info()["load_average_1m"]}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(section.to_json(machine), indent=2, default=str) + "\n")
-    out.with_suffix(".md").write_text(section.to_markdown())
     print(section.to_markdown())
-    print(f"wrote {out} and {out.with_suffix('.md')}")
+    if args.out:  # benchmarks/results/ holds run.py's full run only
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(section.to_json(machine), indent=2, default=str) + "\n")
+        out.with_suffix(".md").write_text(section.to_markdown())
+        print(f"wrote {out} and {out.with_suffix('.md')}")
     return 0
 
 

