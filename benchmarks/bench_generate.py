@@ -14,12 +14,13 @@ fastest repeat, the median is reported beside it.
 
     python benchmarks/bench_generate.py                  # full size
     python benchmarks/bench_generate.py --quick          # smoke sizes (numbers mean nothing)
-    python benchmarks/bench_generate.py --out FILE.json  # default benchmarks/results/generate.json
+    python benchmarks/bench_generate.py --out FILE.json  # also write the result (default: print only)
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import tempfile
 from dataclasses import asdict, dataclass
@@ -29,10 +30,10 @@ from typing import Any
 import torch
 from common import (
     HEADLINE_THREADS,
-    REPO_ROOT,
     ModelShape,
     Section,
     build_assets,
+    error_text,
     machine_info,
     ratio,
     shape_text,
@@ -40,6 +41,8 @@ from common import (
 )
 
 NATIVE, HF = "verl-megatron native engine", "HF generate"
+HF_STATIC = "HF generate, static cache"
+HF_COMPILED = "HF generate, static cache + torch.compile"
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,8 @@ class GenerateBenchConfig:
     check_rows: int = 4
     check_tokens: int = 16
     seed: int = 0
+    static_cache: bool = True
+    """also time HF with a static KV cache, eager and under torch.compile (inductor on CPU)"""
 
 
 FULL = GenerateBenchConfig(
@@ -71,6 +76,7 @@ QUICK = GenerateBenchConfig(
     repeats=1,
     check_rows=2,
     check_tokens=4,
+    static_cache=False,  # compiling takes minutes: the full run only
 )
 
 
@@ -115,14 +121,40 @@ def _native_call(engine, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int,
     return out.batch["responses"]
 
 
-def _hf_call(hf, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, pad_id: int, greedy: bool = False):
+def _hf_call(
+    hf,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    new_tokens: int,
+    pad_id: int,
+    greedy: bool = False,
+    cache: str | None = None,
+):
+    """HF generate; ``cache``: None (dynamic cache), "static" or "compiled" (static cache and
+    torch.compile of the forward, which transformers only does on CPU when asked to)."""
     # transformers' default top_k is 50: off, as on our side.
     sampling = (
         {"do_sample": False} if greedy else {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
     )
+    extra: dict[str, Any] = {}
+    if cache is not None:
+        from transformers import CompileConfig
+
+        extra["cache_implementation"] = "static"
+        if cache == "compiled":
+            compile_config = CompileConfig()
+            compile_config._compile_all_devices = True  # transformers compiles on GPUs only unless told
+            extra["compile_config"] = compile_config
+        else:
+            extra["disable_compile"] = True
     with torch.no_grad():
         out = hf.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, pad_token_id=pad_id, **sampling
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            pad_token_id=pad_id,
+            **sampling,
+            **extra,
         )
     return out[:, ids.shape[1] :]
 
@@ -149,6 +181,16 @@ def run(cfg: GenerateBenchConfig, workdir: Path) -> Section:
         NATIVE: lambda: _native_call(engine, ids, mask, cfg.new_tokens),
         HF: lambda: _hf_call(hf, ids, mask, cfg.new_tokens, pad),
     }
+    errors: dict[str, str] = {}
+    if cfg.static_cache:
+        for name, cache in ((HF_STATIC, "static"), (HF_COMPILED, "compiled")):
+            fn = functools.partial(_hf_call, hf, ids, mask, cfg.new_tokens, pad, cache=cache)
+            try:
+                fn()  # the full shape once: the static cache's size, and compilation, are per shape
+            except Exception as exc:  # inductor needs a C++ compiler; record why instead of failing
+                errors[name] = error_text(exc)
+                continue
+            fns[name] = fn
     timings = time_interleaved(fns, repeats=cfg.repeats, warmup=0)
     tokens = cfg.batch * cfg.new_tokens
     section = Section(
@@ -177,13 +219,24 @@ def run(cfg: GenerateBenchConfig, workdir: Path) -> Section:
                 "seconds (median)": timing.median,
             }
         )
-    native, peer = section.rows
+    by_name = {row["impl"]: row for row in section.rows}
+    native, peer = by_name[NATIVE], by_name[HF]
     section.ratios["tokens/s native / HF generate (best)"] = ratio(
         native["tokens/s (best)"], peer["tokens/s (best)"]
     )
     section.ratios["tokens/s native / HF generate (median)"] = ratio(
         native["tokens/s (median)"], peer["tokens/s (median)"]
     )
+    for name in (HF_STATIC, HF_COMPILED):
+        if name in by_name:
+            section.ratios[f"tokens/s native / {name} (best)"] = ratio(
+                native["tokens/s (best)"], by_name[name]["tokens/s (best)"]
+            )
+    section.errors.update(errors)
+    if not cfg.static_cache:
+        section.notes.append(
+            "HF with a static cache / torch.compile: full run only (compiling takes minutes)"
+        )
     section.notes.append(
         f"greedy check ({cfg.check_rows} prompts x {cfg.check_tokens} tokens): "
         + ("identical tokens on both sides" if agree else "TOKENS DIFFER between the two sides")
@@ -200,9 +253,7 @@ def run_section(quick: bool, workdir: Path) -> Section:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat: checks the script runs")
-    parser.add_argument(
-        "--out", default=str(REPO_ROOT / "benchmarks" / "results" / "generate.json"), help="JSON result file"
-    )
+    parser.add_argument("--out", default=None, help="JSON result file (default: print only)")
     parser.add_argument("--threads", type=int, default=HEADLINE_THREADS, help="torch threads (headline: 2)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -210,12 +261,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_generate_") as tmp:
         section = run_section(args.quick, Path(tmp))
     machine = {**machine, "load_average_1m_end": machine_info()["load_average_1m"]}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(section.to_json(machine), indent=2, default=str) + "\n")
-    out.with_suffix(".md").write_text(section.to_markdown())
     print(section.to_markdown())
-    print(f"wrote {out} and {out.with_suffix('.md')}")
+    if args.out:  # benchmarks/results/ holds run.py's full run only
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(section.to_json(machine), indent=2, default=str) + "\n")
+        out.with_suffix(".md").write_text(section.to_markdown())
+        print(f"wrote {out} and {out.with_suffix('.md')}")
     return 0
 
 

@@ -33,6 +33,7 @@ from common import (
     machine_info,
     ratio,
     shape_text,
+    single_process_env,
 )
 
 
@@ -132,6 +133,7 @@ def run_trl(model_dir: str, tokenizer, cfg: GRPOBenchConfig, out_dir: str) -> di
     separate old-log-prob forward pass (it reuses the detached current log-probs), a pass ours runs.
     """
     from datasets import Dataset
+    from torch.nn.parallel import DistributedDataParallel as DDP
     from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
@@ -183,6 +185,7 @@ def run_trl(model_dir: str, tokenizer, cfg: GRPOBenchConfig, out_dir: str) -> di
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     clock = _StepClock()
+    threads = torch.get_num_threads()
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=reward,
@@ -191,14 +194,19 @@ def run_trl(model_dir: str, tokenizer, cfg: GRPOBenchConfig, out_dir: str) -> di
         processing_class=tokenizer,
         callbacks=[clock],
     )
-    threads = torch.get_num_threads()
     with contextlib.redirect_stdout(io.StringIO()):  # TRL prints a log dict per step
         trainer.train()
+    ddp = isinstance(getattr(trainer, "model_wrapped", None), DDP)
     torch.set_num_threads(threads)  # accelerate may touch the thread count
     lengths = [
         h.get("completions/mean_length") for h in trainer.state.log_history if "completions/mean_length" in h
     ]
-    return {"step_seconds": clock.seconds, "mean_completion_length": lengths}
+    return {
+        "step_seconds": clock.seconds,
+        "mean_completion_length": lengths,
+        "distributed_type": str(trainer.accelerator.distributed_type),
+        "ddp_wrapped": ddp,
+    }
 
 
 # ----------------------------------------------------------------------------- ours
@@ -259,8 +267,11 @@ def _ours_config(model_dir: str, cfg: GRPOBenchConfig, out_dir: Path):
     return load_config(str(path), [f"{k}={v}" for k, v in overrides.items()])
 
 
-def run_ours(model_dir: str, tokenizer, cfg: GRPOBenchConfig, out_dir: str) -> dict[str, Any]:
-    """Our trainer (``PPOTrainer.train_step``) for ``cfg.total_steps`` GRPO steps, one process.
+def run_ours(
+    model_dir: str, tokenizer, cfg: GRPOBenchConfig, out_dir: str, world_size: int = 1
+) -> dict[str, Any]:
+    """Our trainer (``PPOTrainer.train_step``) for ``cfg.total_steps`` GRPO steps, one process
+    (``world_size`` > 1: one of the processes of a torchrun job, data parallel).
 
     Returns the seconds of each step (the first is warm-up) and its stage times (verl's
     ``timing_s/*``: gen, reward, old_log_prob, adv, update_actor).
@@ -271,7 +282,7 @@ def run_ours(model_dir: str, tokenizer, cfg: GRPOBenchConfig, out_dir: str) -> d
     from verl_megatron.trainer.ppo_trainer import PPOTrainer
 
     config = _ours_config(model_dir, cfg, Path(out_dir))
-    validate_config(config, 1)
+    validate_config(config, world_size)
     threads = torch.get_num_threads()
     runtime = init_runtime(config.parallel, seed=config.trainer.seed)
     torch.set_num_threads(threads)
@@ -342,8 +353,13 @@ def run(cfg: GRPOBenchConfig, workdir: Path) -> Section:
     )
     results: dict[str, dict[str, Any]] = {}
     for impl, fn in (("verl-megatron", run_ours), ("TRL GRPOTrainer", run_trl)):
+        # Our runtime leaves RANK / WORLD_SIZE / LOCAL_RANK in the environment; from them
+        # accelerate took TRL for a distributed run and wrapped its model in torch DDP with
+        # find_unused_parameters=True (an extra autograd traversal per step). The peer runs as the
+        # single process it is.
+        env = single_process_env() if fn is run_trl else contextlib.nullcontext()
         try:
-            with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+            with tempfile.TemporaryDirectory(dir=workdir) as tmp, env:
                 results[impl] = fn(model_dir, tokenizer, cfg, tmp)
         except Exception as exc:  # report the peer's (or our) failure instead of dying
             section.errors[impl] = error_text(exc)
@@ -358,6 +374,12 @@ def run(cfg: GRPOBenchConfig, workdir: Path) -> Section:
         "TRL runs with beta=0 and one iteration per generation, so it skips the old-log-prob forward "
         "pass (reusing detached current log-probs); ours recomputes old log-probs as verl does."
     )
+    trl = results.get("TRL GRPOTrainer", {})
+    if trl:
+        section.notes.append(
+            f"TRL ran as one process (accelerate: {trl.get('distributed_type')}, model wrapped in torch DDP: "
+            f"{trl.get('ddp_wrapped')})"
+        )
     section.notes.append(
         f"the first {cfg.warmup} step(s) of each side are warm-up and excluded; stage columns are ours (verl's timing_s/*), "
         "TRL does not time its stages"

@@ -260,6 +260,10 @@ def run(cfg: MemoryBenchConfig, workdir: Path) -> Section:
         )
         if not results[impl]["high_water_mark_reset"]:
             section.notes.append(f"{label}: /proc/self/clear_refs not writable; peak from ru_maxrss")
+    if "ours" in results:
+        section.ratios["stage peak ours / full [B,T,V] float32 logits"] = (
+            results["ours"]["stage_peak_mib"] / full_mib
+        )
     for peer in ("hf", "hf_whole_batch"):
         if "ours" in results and peer in results:
             section.ratios[f"stage peak ours / {IMPLS[peer]}"] = results["ours"]["stage_peak_mib"] / max(

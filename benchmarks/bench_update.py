@@ -19,6 +19,7 @@ Run alone: ``python benchmarks/bench_update.py [--quick]``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -122,6 +123,11 @@ class HFPPOUpdate:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01
         )
+        # bench_profile.py sets a StageClock here to time the stages; None: no timing.
+        self.clock = None
+
+    def _stage(self, name: str):
+        return contextlib.nullcontext() if self.clock is None else self.clock.stage(name)
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         cfg = self.cfg
@@ -130,31 +136,35 @@ class HFPPOUpdate:
         loss_sum = 0.0
         for start in range(0, cfg.batch, cfg.micro_batch):
             mb = {k: t[start : start + cfg.micro_batch] for k, t in batch.items()}
-            logits = self.model(
-                input_ids=mb["input_ids"],
-                attention_mask=mb["attention_mask"],
-                position_ids=mb["position_ids"],
-            ).logits
-            # The logit at position t predicts token t + 1: responses are predicted from Tp-1 .. T-2.
-            logits = logits[:, cfg.prompt_len - 1 : -1]
-            log_probs = (
-                torch.log_softmax(logits.float(), dim=-1)
-                .gather(-1, mb["responses"].unsqueeze(-1))
-                .squeeze(-1)
-            )
-            pg_loss, _, _, _ = compute_policy_loss(
-                mb["old_log_probs"],
-                log_probs,
-                mb["advantages"],
-                mb["response_mask"],
-                cliprange=cfg.clip_ratio,
-            )
-            # token-mean over the whole mini-batch = sum over micro-batches of mean * share of tokens
-            loss = pg_loss * (mb["response_mask"].sum() / total_tokens)
-            loss.backward()
+            with self._stage("forward (model)"):
+                logits = self.model(
+                    input_ids=mb["input_ids"],
+                    attention_mask=mb["attention_mask"],
+                    position_ids=mb["position_ids"],
+                ).logits
+            with self._stage("log-probs + loss"):
+                # The logit at position t predicts token t + 1: responses are predicted from Tp-1 .. T-2.
+                logits = logits[:, cfg.prompt_len - 1 : -1]
+                log_probs = (
+                    torch.log_softmax(logits.float(), dim=-1)
+                    .gather(-1, mb["responses"].unsqueeze(-1))
+                    .squeeze(-1)
+                )
+                pg_loss, _, _, _ = compute_policy_loss(
+                    mb["old_log_probs"],
+                    log_probs,
+                    mb["advantages"],
+                    mb["response_mask"],
+                    cliprange=cfg.clip_ratio,
+                )
+                # token-mean over the whole mini-batch = sum over micro-batches of mean * share of tokens
+                loss = pg_loss * (mb["response_mask"].sum() / total_tokens)
+            with self._stage("backward"):
+                loss.backward()
             loss_sum += loss.detach().item()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.optimizer.step()
+        with self._stage("optimizer (clip, step, zero)"):
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.optimizer.step()
         return {"actor/pg_loss": loss_sum, "actor/grad_norm": float(grad_norm)}
 
 
@@ -286,6 +296,8 @@ def run(cfg: UpdateBenchConfig, workdir: Path) -> Section:
         rows.get("verl-megatron", {}).get("tokens/s (best)"),
         rows.get("HF + torch.optim.AdamW", {}).get("tokens/s (best)"),
     )
+    ours_mfu = rows.get("verl-megatron", {}).get("CPU MFU %")
+    section.ratios["CPU MFU ours (fraction of matmul peak)"] = None if ours_mfu is None else ours_mfu / 100
     section.extra = {
         "matmul_peak": peak,
         "flops_per_token": flops_per_token,

@@ -11,6 +11,7 @@ the headline is the fastest repeat (least disturbed), the median is reported bes
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -18,7 +19,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -110,6 +111,17 @@ def child_env() -> dict[str, str]:
     env["OMP_NUM_THREADS"] = str(torch.get_num_threads())
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return env
+
+
+@contextlib.contextmanager
+def single_process_env() -> Iterator[None]:
+    """Hide the torch.distributed variables an in-process runtime left behind, for a peer that
+    must run as one plain process (accelerate reads LOCAL_RANK / WORLD_SIZE to pick DDP)."""
+    saved = {k: os.environ.pop(k) for k in _DIST_VARS if k in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
 
 
 _DIST_VARS = (

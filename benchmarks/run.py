@@ -5,13 +5,13 @@
     python benchmarks/run.py --out DIR            # results folder (default benchmarks/results)
     python benchmarks/run.py --only update,memory # a subset of sections
 
-Sections (each compares ours with the tool a user would pick instead; see benchmarks/README.md):
-generation, reward, update, grpo_step, scaling, memory, bypass (ours against ours: what bitwise
-parity costs and what skipping the old-log-prob pass saves), async (sync vs asynchronous training).
-Each is printed as a markdown table and
-saved as ``<section>.json`` and ``<section>.md`` under the results folder; ``summary.md`` and
+Sections: the ``RUNNERS`` registry below (each compares ours with the tool a user would pick
+instead; see benchmarks/README.md). Each is printed as a markdown table and saved as
+``<section>.json`` and ``<section>.md`` under the results folder; ``summary.md`` and
 ``results.json`` hold all of them with the machine description. A section that fails records
-its error text instead of stopping the run.
+its error text instead of stopping the run. A full run then regenerates the results block of
+benchmarks/README.md (``report.py``). ``--quick`` writes to a fresh temporary folder unless
+``--out`` names one, and never into benchmarks/results/ (the committed full run).
 
 Headline numbers use 2 torch threads (``--threads``), whatever the machine has.
 """
@@ -46,7 +46,7 @@ from common import (
     write_section,
 )
 
-SECTIONS = ("generation", "reward", "update", "grpo_step", "scaling", "memory", "bypass", "async")
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 
 
 def run_generation(quick: bool, workdir: Path) -> Section:
@@ -109,16 +109,21 @@ def _module_section(name: str) -> Callable[[bool, Path], Section]:
     return run_section
 
 
+# The sections, in run order. A new one is a module benchmarks/bench_<name>.py with
+# ``run(cfg, workdir) -> Section`` and ``FULL`` / ``QUICK`` configs, added here in one line.
 RUNNERS: dict[str, Callable[[bool, Path], Section]] = {
     "generation": run_generation,
     "reward": run_reward,
     "update": _module_section("update"),
+    "profile": _module_section("profile"),
     "grpo_step": _module_section("grpo_step"),
+    "dp_scaling": _module_section("dp_scaling"),
     "scaling": _module_section("scaling"),
     "memory": _module_section("memory"),
     "bypass": _module_section("bypass"),  # bitwise parity's cost and bypass's saving
     "async": lambda quick, workdir: __import__("bench_async").run_section(quick, workdir),
 }
+SECTIONS = tuple(RUNNERS)
 
 
 def run_one(name: str, quick: bool, workdir: Path, out_dir: Path, threads: int) -> Section:
@@ -135,7 +140,7 @@ def run_one(name: str, quick: bool, workdir: Path, out_dir: Path, threads: int) 
     section.seconds = time.perf_counter() - start
     # Other processes' load during the section: read its numbers with this in mind.
     section.extra["load_average_1m"] = {"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2)}
-    if name == "scaling" and "plot_png" in section.extra:
+    if "plot_png" in section.extra:
         section.extra["plot_png"] = _move_plot(Path(section.extra["plot_png"]), out_dir)
     return section
 
@@ -195,7 +200,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--quick", action="store_true", help="tiny sizes, one repeat: checks the harness runs"
     )
-    parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results"), help="results folder")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="results folder (default: benchmarks/results for a full run, a new temporary folder with --quick)",
+    )
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
     parser.add_argument("--threads", type=int, default=HEADLINE_THREADS, help="torch threads (headline: 2)")
     args = parser.parse_args(argv)
@@ -203,6 +212,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [s for s in args.sections if s not in SECTIONS]
     if unknown:
         parser.error(f"--only: unknown sections {unknown}; choose from {list(SECTIONS)}")
+    if args.quick and args.out is not None and Path(args.out).resolve() == RESULTS_DIR.resolve():
+        parser.error(
+            "--quick never writes into benchmarks/results/ (the committed full run); pick another --out"
+        )
+    if args.out is None:
+        args.out = tempfile.mkdtemp(prefix="verl_megatron_bench_quick_") if args.quick else str(RESULTS_DIR)
     return args
 
 
@@ -227,6 +242,11 @@ def main(argv: list[str] | None = None) -> int:
     summary = write_summary(out_dir, sections, machine, args, time.perf_counter() - start)
     print("## Ratios (ours / peer)\n\n" + headline_table(sections))
     print(f"\nwrote {summary} and {out_dir / 'results.json'}")
+    if not args.quick and out_dir.resolve() == RESULTS_DIR.resolve() and set(args.sections) == set(SECTIONS):
+        import report
+
+        for readme in report.update_readmes(out_dir / "results.json"):
+            print(f"regenerated the results block of {readme}")
     return 0
 
 

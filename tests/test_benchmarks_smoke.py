@@ -18,7 +18,18 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = ("generation", "reward", "update", "grpo_step", "scaling", "memory", "bypass", "async")
+SECTIONS = (
+    "generation",
+    "reward",
+    "update",
+    "profile",
+    "grpo_step",
+    "dp_scaling",
+    "scaling",
+    "memory",
+    "bypass",
+    "async",
+)
 
 
 def _load_common():
@@ -96,7 +107,7 @@ def quick_run(tmp_path_factory):
         [sys.executable, str(REPO / "benchmarks" / "run.py"), "--quick", "--threads", "1", "--out", str(out)],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
         cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -219,3 +230,46 @@ def test_reward_and_generation_sections(quick_run):
     assert len(generation) >= 2  # native engine and HF generate
     for row in generation.values():
         assert any(_positive(v) for k, v in row.items() if "tokens/s" in k), row
+
+
+def test_profile_section(quick_run):
+    _, results, _ = quick_run
+    rows = _rows(results, "profile")
+    stages = [s for s in rows if s != "total"]
+    assert stages == [
+        "forward (model)", "log-probs + loss", "backward", "communication",
+        "optimizer (clip, step, zero)", "host syncs", "other",
+    ]  # fmt: skip
+    for side in ("ours", "peer"):
+        assert _positive(rows["forward (model)"][f"{side} s"]) and _positive(rows["backward"][f"{side} s"])
+        # Exclusive stages: they add up to the update's time, shares to 100 %.
+        total = rows["total"][f"{side} s"]
+        assert sum(rows[s][f"{side} s"] for s in stages) == pytest.approx(total, rel=1e-9)
+        assert sum(rows[s][f"{side} %"] for s in stages) == pytest.approx(100.0, rel=1e-9)
+    assert results["sections"]["profile"]["extra"]["host_syncs"]["ours"] > 0
+
+
+def test_dp_scaling_section(quick_run):
+    _, results, _ = quick_run
+    section = results["sections"]["dp_scaling"]
+    rows = _rows(results, "dp_scaling")
+    assert sorted(rows) == [1, 2], section["errors"]
+    assert rows[1]["threads / process"] == 1 and rows[2]["threads / process"] == 1  # --threads 1, split
+    tokens = 2 * 2 * (8 + 8)  # prompts x group x (prompt_len + response_len) of the quick config
+    for world, row in rows.items():
+        assert row["tokens/s"] == pytest.approx(tokens / row["step_s (best)"], rel=1e-12)
+        assert row["tokens/s per process"] == pytest.approx(row["tokens/s"] / world, rel=1e-12)
+    assert section["ratios"]["tokens/s per process dp=2 / dp=1"] == pytest.approx(
+        rows[2]["tokens/s per process"] / rows[1]["tokens/s per process"], rel=1e-12
+    )
+
+
+def test_trl_peer_runs_as_one_process(quick_run):
+    """Our runtime's RANK/WORLD_SIZE must not turn TRL into a DDP run (find_unused_parameters)."""
+    _, results, _ = quick_run
+    raw = results["sections"]["grpo_step"]["extra"]["raw"]
+    if importlib.util.find_spec("trl") is None:
+        assert "TRL GRPOTrainer" not in raw
+        return
+    assert raw["TRL GRPOTrainer"]["ddp_wrapped"] is False
+    assert raw["TRL GRPOTrainer"]["distributed_type"] == "DistributedType.NO"

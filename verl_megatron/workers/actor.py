@@ -79,7 +79,9 @@ class _PolicyForward:
     def __init__(self, runtime: Runtime, chunks: list[torch.nn.Module], use_remove_padding: bool) -> None:
         self.runtime = runtime
         self.chunks = chunks
-        self.runner = ModelRunner(runtime, chunks, use_remove_padding=use_remove_padding, merges_cp=True)
+        self.runner = ModelRunner(
+            runtime, chunks, use_remove_padding=use_remove_padding, merges_cp=True, select_output_rows=True
+        )
 
     def _log_probs(
         self,

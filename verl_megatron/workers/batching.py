@@ -87,9 +87,14 @@ class ModelInputs:
     labels: torch.Tensor
     held_index: torch.Tensor | None = None
     cp_group: object | None = None
+    output_rows_selected: bool = False
+    """The model's output holds only the gather_index positions, in order ([1, K, ...]):
+    ``workers.output_rows`` ran the LM head on those rows alone."""
 
     def gather(self, output: torch.Tensor) -> torch.Tensor:
         """Model output [b, S, ...] (or [1, N, ...]) at the response positions: [r, Tr, ...] ([K, ...] under cp)."""
+        if self.output_rows_selected:
+            return output.reshape(*self.gather_index.shape, *output.shape[2:])
         flat = output.reshape(-1, *output.shape[2:])
         picked = flat.index_select(0, self.gather_index.reshape(-1).to(output.device))
         return picked.view(*self.gather_index.shape, *output.shape[2:])

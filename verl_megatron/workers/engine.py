@@ -26,6 +26,7 @@ metrics and outputs. Callers declare that with ``ModelRunner(..., merges_cp=True
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -44,6 +45,7 @@ from verl_megatron.workers.batching import (
     fixed_size_partition,
     mini_batch_rows,
 )
+from verl_megatron.workers.output_rows import OutputRowSelector
 
 __all__ = ["ModelRunner", "StepResult", "dp_share"]
 
@@ -159,6 +161,7 @@ class ModelRunner:
         *,
         use_remove_padding: bool,
         merges_cp: bool = False,
+        select_output_rows: bool = False,
     ) -> None:
         self.cp = runtime.layout.cp
         if self.cp > 1:
@@ -179,6 +182,10 @@ class ModelRunner:
             raise ValueError("TransformerConfig.calculate_per_token_loss must be False for the PPO losses")
         self.align = runtime.layout.tp if getattr(config, "sequence_parallel", False) else 1
         self.vocab_size = model_vocab_size(chunks)
+        # Step functions that read the output only through mb.inputs.gather: the LM head then
+        # runs at those positions alone (workers/output_rows.py).
+        selector = OutputRowSelector(chunks) if select_output_rows else None
+        self.row_selector = selector if selector is not None and selector.active else None
 
     # ------------------------------------------------------------------ micro-batches
     def split(
@@ -281,6 +288,8 @@ class ModelRunner:
         def forward_step(data_iterator, model):
             mb, real = next(data_iterator)
             inputs = mb.inputs
+            if self.row_selector is not None:
+                mb = dataclasses.replace(mb, inputs=self.row_selector.prepare(inputs))
             output = model(
                 inputs.input_ids.to(device),
                 inputs.position_ids.to(device),
@@ -304,7 +313,8 @@ class ModelRunner:
         shape = micro_batches[0].inputs.input_ids.shape
         for chunk in self.chunks:
             chunk.train(not forward_only)
-        with torch.set_grad_enabled(not forward_only), _schedule_settings(self.chunks, **settings):
+        selecting = self.row_selector.installed() if self.row_selector else contextlib.nullcontext()
+        with torch.set_grad_enabled(not forward_only), _schedule_settings(self.chunks, **settings), selecting:
             get_forward_backward_func()(
                 forward_step_func=forward_step,
                 data_iterator=iterators if len(self.chunks) > 1 else iterators[0],

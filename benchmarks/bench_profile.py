@@ -1,0 +1,231 @@
+"""Where the actor update's time goes: a per-stage profile, ours next to the plain PyTorch peer.
+
+The update of ``bench_update`` (same model, batch and micro-batches) runs ``repeats`` times on
+each side, interleaved, with a stage clock attached; the table reports the seconds of each
+stage in the fastest repeat and its share of that update. Stages are exclusive (time inside a
+nested stage is counted there only):
+
+- forward (model): the model's forward (megatron chunk / HF model);
+- log-probs + loss: log-probs of the response tokens and the policy loss (ours: the actor's
+  step function, which also reports the entropy and metrics);
+- backward: autograd's backward (ours: megatron's ``backward_step``);
+- communication: the gradient finalisation (megatron's ``finalize_model_grads``: the
+  data-parallel all-reduce and tied-embedding sync) and any ``torch.distributed`` collective;
+- optimizer: zeroing grads, gradient norm, clipping and the Adam step;
+- host syncs: ``Tensor.item`` / ``tolist`` / ``float()`` / ``int()`` / ``bool()`` calls
+  (free on a CPU, each a device wait on a GPU); the count is reported too;
+- other: the rest of the update (micro-batch building, the schedule, Python).
+
+Run alone: ``python benchmarks/bench_profile.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import tempfile
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from bench_update import FULL, QUICK, HFPPOUpdate, UpdateBenchConfig, build_actor, make_update_batch
+from common import HEADLINE_THREADS, Section, build_assets, machine_info, shape_text
+
+STAGES = (
+    "forward (model)",
+    "log-probs + loss",
+    "backward",
+    "communication",
+    "optimizer (clip, step, zero)",
+    "host syncs",
+    "other",
+)
+_SYNCS = ("item", "tolist", "__float__", "__int__", "__bool__")
+_COLLECTIVES = ("all_reduce", "all_gather", "broadcast", "reduce_scatter_tensor", "all_gather_into_tensor")
+
+
+class StageClock:
+    """Exclusive wall time per named stage: entering a stage pauses the enclosing one."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: Counter = Counter()
+        self._stack: list[list[Any]] = []
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        now = time.perf_counter()
+        if self._stack:
+            self.seconds[self._stack[-1][0]] += now - self._stack[-1][1]
+        self._stack.append([name, now])
+        try:
+            yield
+        finally:
+            now = time.perf_counter()
+            top, start = self._stack.pop()
+            self.seconds[top] += now - start
+            self.calls[top] += 1
+            if self._stack:
+                self._stack[-1][1] = now
+
+    def wrap(self, fn: Callable, name: str) -> Callable:
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            with self.stage(name):
+                return fn(*args, **kwargs)
+
+        return timed
+
+
+@contextlib.contextmanager
+def _patched(owner: Any, name: str, clock: StageClock, stage: str) -> Iterator[None]:
+    own = name in getattr(owner, "__dict__", {})
+    original = getattr(owner, name)
+    setattr(owner, name, clock.wrap(original, stage))
+    try:
+        yield
+    finally:
+        if own:
+            setattr(owner, name, original)
+        else:  # a method found on the class: drop the instance attribute again
+            delattr(owner, name)
+
+
+@contextlib.contextmanager
+def _common_patches(clock: StageClock) -> Iterator[None]:
+    """Host syncs and collectives, on both sides."""
+    import torch.distributed as dist
+
+    with contextlib.ExitStack() as stack:
+        for name in _SYNCS:
+            stack.enter_context(_patched(torch.Tensor, name, clock, "host syncs"))
+        for name in _COLLECTIVES:
+            if hasattr(dist, name):
+                stack.enter_context(_patched(dist, name, clock, "communication"))
+        yield
+
+
+@contextlib.contextmanager
+def _ours_patches(actor, clock: StageClock) -> Iterator[None]:
+    from megatron.core.pipeline_parallel import schedules
+
+    from verl_megatron.workers import engine
+
+    config = engine._unwrap(actor.chunks[0]).config
+    with contextlib.ExitStack() as stack:
+        for chunk in actor.chunks:
+            stack.enter_context(_patched(chunk, "forward", clock, "forward (model)"))
+        stack.enter_context(_patched(actor, "_policy_step", clock, "log-probs + loss"))
+        stack.enter_context(_patched(schedules, "backward_step", clock, "backward"))
+        stack.enter_context(_patched(config, "finalize_model_grads_func", clock, "communication"))
+        for name in ("prepare_grads", "get_grad_norm", "step_with_ready_grads"):
+            stack.enter_context(_patched(actor.optimizer, name, clock, "optimizer (clip, step, zero)"))
+        for name in ("clip_by_norm", "zero_grads"):
+            stack.enter_context(_patched(engine, name, clock, "optimizer (clip, step, zero)"))
+        stack.enter_context(_common_patches(clock))
+        yield
+
+
+def _profile_rows(clock: StageClock, total: float) -> dict[str, float]:
+    stages = {name: clock.seconds.get(name, 0.0) for name in STAGES if name != "other"}
+    stages["other"] = max(total - sum(stages.values()), 0.0)
+    return stages
+
+
+def run(cfg: UpdateBenchConfig, workdir: Path) -> Section:
+    """Profile both updates; a row per stage with seconds and share of the update."""
+    from verl_megatron.protocol import DataProto
+
+    model_dir, _ = build_assets(workdir / "profile_model", cfg.shape, cfg.seed)
+    batch = make_update_batch(cfg)
+    actor = build_actor(
+        model_dir,
+        mini_batch=cfg.batch,
+        micro_batch=cfg.micro_batch,
+        lr=cfg.lr,
+        clip_ratio=cfg.clip_ratio,
+        seed=cfg.seed,
+    )
+    peer = HFPPOUpdate(model_dir, cfg)
+    clocks = {"ours": StageClock(), "peer": StageClock()}
+    peer.clock = clocks["peer"]
+
+    def ours_update() -> None:
+        actor.update_policy(DataProto.from_dict(tensors=batch, meta_info={"temperature": 1.0}))
+
+    def peer_update() -> None:
+        with _common_patches(clocks["peer"]):
+            peer(batch)
+
+    sides: dict[str, Callable[[], None]] = {"ours": ours_update, "peer": peer_update}
+    best: dict[str, tuple[float, dict[str, float], int]] = {}
+    for side in sides:
+        sides[side]()  # warm-up
+    with _ours_patches(actor, clocks["ours"]):
+        for _ in range(cfg.repeats):
+            for side, fn in sides.items():
+                clock = clocks[side]
+                clock.reset()
+                start = time.perf_counter()
+                fn()
+                total = time.perf_counter() - start
+                if side not in best or total < best[side][0]:
+                    best[side] = (total, _profile_rows(clock, total), clock.calls.get("host syncs", 0))
+    section = Section(
+        name="profile",
+        title="Update profile: seconds per stage (fastest repeat), verl-megatron vs plain PyTorch",
+        columns=["stage", "ours s", "ours %", "peer s", "peer %"],
+        config={
+            "model": shape_text(cfg.shape),
+            "batch": cfg.batch,
+            "seq_len": f"{cfg.prompt_len}+{cfg.response_len}",
+            "micro_batch": cfg.micro_batch,
+            "threads": torch.get_num_threads(),
+            "repeats": cfg.repeats,
+        },
+    )
+    (ours_total, ours, ours_syncs), (peer_total, theirs, peer_syncs) = best["ours"], best["peer"]
+    for stage in STAGES:
+        section.rows.append(
+            {
+                "stage": stage,
+                "ours s": ours[stage],
+                "ours %": 100 * ours[stage] / ours_total,
+                "peer s": theirs[stage],
+                "peer %": 100 * theirs[stage] / peer_total,
+            }
+        )
+    section.rows.append(
+        {"stage": "total", "ours s": ours_total, "ours %": 100.0, "peer s": peer_total, "peer %": 100.0}
+    )
+    section.notes.append(
+        f"host syncs per update: ours {ours_syncs}, peer {peer_syncs} (counted outside nested calls)"
+    )
+    section.notes.append(
+        "stages are exclusive wall time of the fastest repeat; 'other' = the update minus the named stages"
+    )
+    section.extra = {"host_syncs": {"ours": ours_syncs, "peer": peer_syncs}}
+    return section
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(HEADLINE_THREADS)
+    with tempfile.TemporaryDirectory() as tmp:
+        section = run(QUICK if args.quick else FULL, Path(tmp))
+    print(machine_info())
+    print(section.to_markdown())
+
+
+if __name__ == "__main__":
+    main()

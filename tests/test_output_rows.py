@@ -1,0 +1,83 @@
+"""The actor's LM head runs at the response positions only (workers/output_rows.py, issue 19).
+
+The same log-probs, entropies and first update as with the LM head over every position, in
+padded and packed micro-batches; and the model really returned only the selected rows.
+Tolerance: float32 GEMM blocking may differ with the number of rows (M) of the head's matmul
+and its weight gradient sums over fewer (zero) rows; the bounds are float32 summation noise
+(closeness.py's Adam bounds for the weights after one step).
+"""
+
+from __future__ import annotations
+
+from tests.closeness import assert_adam_weights_close, assert_close_report
+from tests.test_actor_update import TEMPERATURE, build_hf_model, build_model, make_batch
+
+
+def rows_job(path: str) -> dict:
+    from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
+    from verl_megatron.models.megatron_model import build_optimizer
+    from verl_megatron.protocol import DataProto
+    from verl_megatron.workers.actor import MegatronActor
+    from verl_megatron.workers.config import ActorConfig, OptimConfig
+    from verl_megatron.workers.lr_schedule import build_lr_scheduler, optim_settings
+
+    runtime = init_runtime(ParallelLayout(), seed=3)
+    out = {}
+    for packed in (False, True):
+        for select in (True, False):
+            cfg = ActorConfig(
+                ppo_mini_batch_size=8,
+                ppo_micro_batch_size_per_gpu=4,
+                use_remove_padding=packed,
+                entropy_coeff=0.01,
+                optim=OptimConfig(lr=1e-2, weight_decay=0.0, clip_grad=1.0),
+            )
+            chunks = build_model(runtime, path)
+            optimizer = build_optimizer(chunks, optim_settings(cfg.optim))
+            actor = MegatronActor(runtime, cfg, chunks, optimizer, build_lr_scheduler(optimizer, cfg.optim))
+            shapes = []
+            if select:
+                assert actor.runner.row_selector is not None
+                chunks[0].module.output_layer.register_forward_hook(
+                    lambda m, a, o, s=shapes: s.append(o[0].shape)
+                )
+            else:
+                actor.runner.row_selector = None  # the LM head over every position
+            data = DataProto.from_dict(make_batch(), meta_info={"temperature": TEMPERATURE})
+            log_probs, entropy = actor.compute_log_prob(data, calculate_entropy=True)
+            data.batch["old_log_probs"] = log_probs + 0.05 * data.batch["response_mask"]
+            metrics = actor.update_policy(data)
+            weights = {n: p.detach().clone() for n, p in chunks[0].module.named_parameters()}
+            out[(packed, select)] = {
+                "log_probs": log_probs,
+                "entropy": entropy,
+                "pg_loss": metrics["actor/pg_loss"][0],
+                "grad_norm": metrics["actor/grad_norm"][0],
+                "entropy_metric": metrics["actor/entropy"][0],
+                "weights": weights,
+                "head_rows": [tuple(s) for s in shapes],
+            }
+    return out
+
+
+def test_selected_rows_match_the_full_head(pool1, tmp_path):
+    build_hf_model(str(tmp_path))
+    runs = pool1.run(f"{__name__}:rows_job", path=str(tmp_path))[0]
+    valid_tokens = int(make_batch()["attention_mask"][:, 6:].sum())
+    for packed in (False, True):
+        selected, full = runs[(packed, True)], runs[(packed, False)]
+        # Forward (log-probs) and forward + backward (update): 2 micro-batches each, every call
+        # returned [K, 1, V] logits with K = the micro-batch's response positions (padding included).
+        assert selected["head_rows"] and all(s[1] == 1 for s in selected["head_rows"]), selected["head_rows"]
+        assert sum(s[0] for s in selected["head_rows"][:2]) >= valid_tokens
+        assert not full["head_rows"]
+        what = f"{'packed' if packed else 'padded'}: LM head at response rows vs at every position"
+        scalars = ("pg_loss", "grad_norm", "entropy_metric")
+        assert_close_report(
+            {k: selected[k] for k in ("log_probs", "entropy", *scalars)},
+            {k: full[k] for k in ("log_probs", "entropy", *scalars)},
+            rtol=2e-6,
+            atol=2e-6,
+            what=what,
+        )
+        assert_adam_weights_close(selected["weights"], full["weights"], lr=1e-2, steps=1, what=what)

@@ -1,0 +1,95 @@
+"""Run the LM head only at the positions a policy step reads (issue 19).
+
+The actor and the reference read the logits at the response positions only (about
+Tr / T of a micro-batch's positions). megatron's GPTModel computes the [S, b, V] logits
+of every position and then copies them to [b, S, V]; at a large vocabulary that head
+matmul, the copy and their gradients are a large part of an update and the largest
+tensor of the log-prob stage. With this selector the output layer receives the hidden
+states of the response positions only, [K, 1, h] in ``gather_index`` order, so the
+model returns [1, K, V] (already contiguous: no copy) and ``ModelInputs.gather`` turns
+it into [r, Tr, V] as a view.
+
+Each selected row is the same row-wise product as before (each logit row depends only
+on its own hidden row); the head's weight gradient sums over the selected rows instead
+of all rows, whose other rows contributed exact zeros.
+
+It applies where the output layer sees whole sequences: not with sequence parallelism
+(the layer gathers the sequence itself) and not with multi-token prediction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from verl_megatron.workers.batching import ModelInputs
+
+__all__ = ["OutputRowSelector"]
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def _output_layers(chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Module] | None:
+    """The output layers of this rank's last-stage chunks ([] on other stages); None where
+    selecting rows before them would be wrong."""
+    layers = []
+    for chunk in chunks:
+        model = _unwrap(chunk)
+        if not getattr(model, "post_process", False):
+            continue
+        layer = getattr(model, "output_layer", None)
+        config = getattr(model, "config", None)
+        if (
+            layer is None
+            or getattr(layer, "sequence_parallel", False)
+            or getattr(config, "mtp_num_layers", None)
+        ):
+            return None
+        layers.append(layer)
+    return layers
+
+
+class OutputRowSelector:
+    """Forward pre-hooks on the output layers that keep only the current micro-batch's rows."""
+
+    def __init__(self, chunks: Sequence[torch.nn.Module]) -> None:
+        self.layers = _output_layers(chunks)
+        self._flat: torch.Tensor | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.layers is not None
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        handles = [
+            layer.register_forward_pre_hook(self._hook, with_kwargs=True) for layer in self.layers or []
+        ]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            self._flat = None
+
+    def prepare(self, inputs: ModelInputs) -> ModelInputs:
+        """Call before a micro-batch's forward; returns the inputs its step function must use."""
+        self._flat = inputs.gather_index.reshape(-1)
+        return dataclasses.replace(inputs, output_rows_selected=True)
+
+    def _hook(self, module, args, kwargs):
+        hidden = args[0]  # [S, b, h]: position (row i, column j) of gather_index's flat i * S + j
+        if self._flat is None:
+            raise RuntimeError("OutputRowSelector: output layer ran without prepare() for its micro-batch")
+        s, b = hidden.shape[0], hidden.shape[1]
+        flat = self._flat.to(hidden.device)
+        rows = (flat % s) * b + torch.div(flat, s, rounding_mode="floor")
+        picked = hidden.reshape(s * b, *hidden.shape[2:]).index_select(0, rows).unsqueeze(1)
+        return (picked, *args[1:]), kwargs
