@@ -29,6 +29,7 @@ def _load(name: str):
         sys.path.insert(0, str(BENCH))  # run.py imports its sibling modules by name
     spec = importlib.util.spec_from_file_location(f"bench_{name}_module", BENCH / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while being built
     spec.loader.exec_module(module)
     return module
 
