@@ -8,7 +8,7 @@ trainer. :func:`run_sandboxed` runs one program (an argv) with:
 what                how (``namespaces`` mode; ``basic`` mode where the kernel has no
                     unprivileged user namespaces, e.g. some hardened distributions)
 ==================  ==========================================================================
-CPU time            RLIMIT_CPU (SIGXCPU, then SIGKILL one second later)
+CPU time            RLIMIT_CPU (SIGKILL; basic: SIGXCPU, then SIGKILL one second later)
 wall time           the parent kills the sandbox's pid 1 (hence every process in it)
 memory              RLIMIT_AS (address space): allocations fail, Python raises MemoryError
 file size           RLIMIT_FSIZE per file; the working directory is a tmpfs of bounded size
@@ -23,8 +23,9 @@ network             a new network namespace with no interface up, and a seccomp 
 filesystem          every mount read-only; the program writes only to its private tmpfs.
                     basic: cwd in a temporary directory, files writable by the user stay so
 other processes     a new pid namespace and its own /proc: nothing outside is visible or
-                    signalable. basic: the program runs in its own session (so kill(0, ...)
-                    reaches only itself) but can signal other processes of the same user
+                    signalable; ptrace and process_vm_* fail (seccomp, both modes). basic:
+                    every signal-sending call fails (seccomp), but /proc/PID of the user's
+                    processes stays readable
 environment         empty but for PATH, LANG, HOME and thread counts (both modes); the
                     interpreter runs with ``-I`` (no PYTHONPATH, no user site)
 privileges          every capability dropped, no_new_privs (both modes)
@@ -59,9 +60,9 @@ logger = logging.getLogger(__name__)
 NAMESPACES, BASIC = "namespaces", "basic"
 ISOLATION_MODES = ("auto", NAMESPACES, BASIC)
 BASIC_MODE_GAPS = (
-    "files writable by this user stay writable",
-    "processes of this user can be signalled and their /proc read",
-    "process count is shared with this user's processes (not enforced for root)",
+    "files writable by this user stay writable (its processes' /proc/PID/mem included)",
+    "/proc/PID of this user's processes (their environment) stays readable",
+    "above max_processes=1 the process count is shared with this user's processes",
 )
 # Causes of a run's end (SandboxResult.cause).
 EXITED, TIMEOUT, CPU_LIMIT, KILLED, OUTPUT_LIMIT, SANDBOX_ERROR = (
@@ -84,7 +85,7 @@ class SandboxLimits:
     """Limits of one sandboxed run.
 
     Attributes:
-        cpu_s: CPU seconds for the whole run (SIGXCPU at this, SIGKILL one second later).
+        cpu_s: CPU seconds for the whole run, rounded up to whole seconds.
         wall_s: wall-clock seconds, start-up included; then every process in it is killed.
         memory_mb: address space of each process (RLIMIT_AS), in MiB.
         file_size_mb: the largest file a process may write, in MiB; the private working
@@ -159,7 +160,8 @@ def _rlimits(limits: SandboxLimits, mode: str) -> dict[str, list[int]]:
     extra = limits.max_processes + THREAD_SLACK
     procs = extra + 1 if mode == NAMESPACES else _same_user_processes() + extra
     return {
-        "RLIMIT_CPU": [cpu, cpu + 1],
+        # pid 1 of a namespace ignores SIGXCPU: there the hard limit (SIGKILL) is the limit.
+        "RLIMIT_CPU": [cpu, cpu if mode == NAMESPACES else cpu + 1],
         "RLIMIT_AS": [memory, memory],
         "RLIMIT_FSIZE": [file_size, file_size],
         "RLIMIT_NPROC": [procs, procs],
@@ -332,7 +334,9 @@ def _result(
     wait_status = int(exit_line[1])
     if os.WIFSIGNALED(wait_status):
         sig = os.WTERMSIG(wait_status)
-        over_cpu = sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu >= math.ceil(limits.cpu_s))
+        # The kernel's CPU-limit clock and rusage's differ by a few ticks: a SIGKILL (not
+        # ours: that set ``cause``) near the limit is the limit's.
+        over_cpu = sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu >= 0.9 * math.ceil(limits.cpu_s))
         return SandboxResult(CPU_LIMIT if over_cpu else KILLED, -sig, out, err, cpu, wall, mode)
     code = os.WEXITSTATUS(wait_status)
     if code == sandbox_boot.SETUP_FAILED_EXIT and _SETUP_MARKER in err:

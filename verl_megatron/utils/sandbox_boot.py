@@ -12,9 +12,10 @@ mount read-only, puts a size-limited tmpfs on the working directory, then forks:
 child is pid 1 of the new pid namespace (it cannot see or signal any process outside,
 and every process it starts dies with it), mounts a /proc of its own (hiding the
 trainer's /proc/PID/environ), sets the resource limits, drops every capability and
-execs the program. In every mode the child gets ``no_new_privs`` and a seccomp filter
-(x86_64 and aarch64) that makes ``socket``/``socketpair``/``io_uring_setup`` fail with EPERM
-and, with ``no_fork``, every new process (fork, vfork, clone without CLONE_THREAD) fail with
+execs the program. In every mode the child drops every capability and gets ``no_new_privs`` and a seccomp
+filter (x86_64 and aarch64) that makes ``socket``/``socketpair``/``io_uring_setup``,
+``ptrace``/``process_vm_*`` (and without a pid namespace every signal-sending call) fail
+with EPERM and, with ``no_fork``, every new process (fork, vfork, clone without CLONE_THREAD) fail with
 EAGAIN while threads stay allowed: RLIMIT_NPROC alone does not bind a process whose real
 user is root, even inside a user namespace. The status pipe carries ``pid N`` (the child's pid as
 the parent sees it, so the parent can kill the whole namespace) and ``exit STATUS``.
@@ -55,8 +56,24 @@ EPERM, EAGAIN, ENOSYS = 1, 11, 38
 CLONE_THREAD = 0x00010000
 # arch -> AUDIT_ARCH value and syscall numbers (fork/vfork: none on aarch64)
 _SECCOMP_ARCHES = {
-    "x86_64": {"arch": 0xC000003E, "socket": (41, 53, 425), "fork": (57, 58), "clone": 56, "clone3": 435},
-    "aarch64": {"arch": 0xC00000B7, "socket": (198, 199, 425), "fork": (), "clone": 220, "clone3": 435},
+    "x86_64": {
+        "arch": 0xC000003E,
+        "socket": (41, 53, 425),  # socket, socketpair, io_uring_setup
+        "trace": (101, 310, 311),  # ptrace, process_vm_readv, process_vm_writev
+        "kill": (62, 200, 234, 129, 297, 424),  # kill, tkill, tgkill, rt_(tg)sigqueueinfo, pidfd_send_signal
+        "fork": (57, 58),
+        "clone": 56,
+        "clone3": 435,
+    },
+    "aarch64": {
+        "arch": 0xC00000B7,
+        "socket": (198, 199, 425),
+        "trace": (117, 270, 271),
+        "kill": (129, 130, 131, 138, 240, 424),
+        "fork": (),
+        "clone": 220,
+        "clone3": 435,
+    },
 }
 _X32_SYSCALL_BIT = 0x40000000
 SETUP_FAILED_EXIT = 97  # the boot's own failure, told apart from the program's exit codes
@@ -132,7 +149,7 @@ def drop_capabilities() -> None:
     """No capability left, nor any that an exec could bring back (bounding set emptied)."""
     for cap in range(64):
         if _libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
-            break  # past the last capability the kernel knows
+            break  # past the last capability the kernel knows (or, unprivileged, none to drop)
     header = struct.pack("II", 0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this thread
     data = ctypes.create_string_buffer(24)  # two zeroed __user_cap_data_struct
     _check(_libc.capset(ctypes.c_char_p(header), data), "capset")
@@ -159,7 +176,7 @@ def _assemble(code: list[tuple]) -> bytes:
     return b"".join(out)
 
 
-def install_seccomp(no_fork: bool) -> bool:
+def install_seccomp(no_fork: bool, no_kill: bool) -> bool:
     """Seccomp filter (see the module docstring); False if this architecture has none here."""
     arch = _SECCOMP_ARCHES.get(os.uname().machine)
     if arch is None:
@@ -169,7 +186,8 @@ def install_seccomp(no_fork: bool) -> bool:
     code += [(BPF_LD_W_ABS, 0, 0, 0)]  # seccomp_data.nr
     if os.uname().machine == "x86_64":
         code += [(BPF_JGE_K, "eperm", 0, _X32_SYSCALL_BIT)]  # x32 ABI: refuse
-    code += [(BPF_JEQ_K, "eperm", 0, nr) for nr in arch["socket"]]
+    refused = arch["socket"] + arch["trace"] + (arch["kill"] if no_kill else ())
+    code += [(BPF_JEQ_K, "eperm", 0, nr) for nr in refused]
     if no_fork:
         code += [(BPF_JEQ_K, "eagain", 0, nr) for nr in arch["fork"]]
         code += [(BPF_JEQ_K, "enosys", 0, arch["clone3"])]  # flags behind a pointer: libc falls back to clone
@@ -201,9 +219,9 @@ def _child(config: dict, argv: list[str], status_fd: int) -> None:
         _libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)  # no pid namespace to end it: die with the boot
     os.setsid()  # own session: kill(0, ...) reaches nothing outside
     set_limits(config["rlimits"])
-    if config["namespaces"]:
-        drop_capabilities()
-    if not install_seccomp(config["no_fork"]):
+    drop_capabilities()
+    # Without a pid namespace other processes are visible: no signals at all.
+    if not install_seccomp(config["no_fork"], no_kill=not config["namespaces"]):
         os.write(2, b"sandbox: no seccomp filter for this architecture\n")
     os.chdir(config["workdir"])
     os.execve(argv[0], argv, config["env"])

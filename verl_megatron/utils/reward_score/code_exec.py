@@ -50,8 +50,6 @@ from verl_megatron.utils.reward_score import code_harness
 CODE_SOURCES = ("codecontests", "apps", "codeforces", "taco")
 # Float comparison of stdout tokens: numpy.allclose's defaults, as verl's prime_code uses.
 _RTOL, _ATOL = 1e-5, 1e-8
-# Start-up of the sandbox and of the interpreter, on top of the cases' own time.
-_STARTUP_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -69,6 +67,8 @@ class CodeSandboxConfig:
         site_packages: whether the program may import the trainer's third-party packages
             (numpy, ...): their directories go on its sys.path, read-only.
         max_workers: programs run at once by the batch scorer (None: the CPU count).
+        startup_s: seconds of CPU and wall time for starting the sandbox and interpreter,
+            on top of ``case_timeout_s`` per case: the run's hard limits.
     """
 
     case_timeout_s: float = 10.0
@@ -80,9 +80,10 @@ class CodeSandboxConfig:
     isolation: str = "auto"
     site_packages: bool = True
     max_workers: int | None = None
+    startup_s: float = 3.0
 
     def limits(self, num_cases: int) -> sandbox.SandboxLimits:
-        budget = self.case_timeout_s * max(1, num_cases) + _STARTUP_S
+        budget = self.case_timeout_s * max(1, num_cases) + self.startup_s
         return sandbox.SandboxLimits(
             cpu_s=budget,
             wall_s=budget + 1.0,
