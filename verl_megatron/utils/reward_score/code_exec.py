@@ -57,7 +57,10 @@ class CodeSandboxConfig:
     """How programs are run and scored.
 
     Attributes:
-        case_timeout_s: seconds per test case (verl's prime_code: 10).
+        case_timeout_s: CPU seconds per test case (verl's prime_code: 10, of wall time; CPU
+            time does not shrink when rollouts share the machine).
+        case_wall_factor: a case is also stopped after ``case_wall_factor * case_timeout_s``
+            seconds of wall time (a program that sleeps or blocks).
         max_cases: cases run and scored, from the first (verl's continuous score: 10).
         memory_mb: address space of the program, in MiB (verl's sandbox_fusion default: 1024).
         file_size_mb: largest file the program may write, in MiB (a case's input included).
@@ -72,6 +75,7 @@ class CodeSandboxConfig:
     """
 
     case_timeout_s: float = 10.0
+    case_wall_factor: float = 2.0
     max_cases: int = 10
     memory_mb: int = 1024
     file_size_mb: int = 32
@@ -83,10 +87,10 @@ class CodeSandboxConfig:
     startup_s: float = 3.0
 
     def limits(self, num_cases: int) -> sandbox.SandboxLimits:
-        budget = self.case_timeout_s * max(1, num_cases) + self.startup_s
+        cases = max(1, num_cases)
         return sandbox.SandboxLimits(
-            cpu_s=budget,
-            wall_s=budget + 1.0,
+            cpu_s=self.case_timeout_s * cases + self.startup_s,
+            wall_s=self.case_timeout_s * self.case_wall_factor * cases + self.startup_s + 1.0,
             memory_mb=self.memory_mb,
             file_size_mb=self.file_size_mb,
             max_processes=self.max_processes,
@@ -242,6 +246,7 @@ def compute_score(
         "code": code,
         "fn_name": fn_name,
         "case_timeout_s": config.case_timeout_s,
+        "case_wall_s": config.case_timeout_s * config.case_wall_factor,
         "max_output_bytes": config.max_output_bytes,
         "site_dirs": _site_dirs() if config.site_packages else [],
         "cases": [{"input": _text(tests["inputs"][i]), "append": asserts[i] or ""} for i in range(count)],

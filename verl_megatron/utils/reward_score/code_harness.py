@@ -3,7 +3,8 @@
 Started as ``python -I -B -X utf8 code_harness.py`` by :mod:`.code_exec` through
 :mod:`verl_megatron.utils.sandbox`. Reads one JSON spec on stdin::
 
-    {"code": str, "fn_name": str | None, "case_timeout_s": float, "max_output_bytes": int,
+    {"code": str, "fn_name": str | None, "case_timeout_s": float, "case_wall_s": float,
+     "max_output_bytes": int,
      "site_dirs": [str], "cases": [{"input": str, "append": str}]}
 
 and writes one JSON line per case on the stdout it was started with::
@@ -16,8 +17,9 @@ The expected outputs never enter the sandbox: the parent compares, so a program 
 read the answers from this process. Each case runs against a fresh copy of the program
 (as verl's per-case runs do), with its input on fd 0 and its output captured from fd 1
 (``print``, ``sys.stdout.write``, ``open(0).read()`` and ``os.read(0, ...)`` behave as in a
-plain script). A case past ``case_timeout_s`` is interrupted by a timer; the sandbox's own
-CPU/wall limits stop a program that ignores it.
+plain script). A case is interrupted after ``case_timeout_s`` of CPU time (a measure that a
+busy machine does not shrink) or ``case_wall_s`` of wall time (a program that sleeps or
+waits); the sandbox's own CPU/wall limits stop a program that ignores the timers.
 """
 
 from __future__ import annotations
@@ -182,7 +184,8 @@ def run_case(compiled, code: str, fn_name: str | None, case: dict, spec: dict, r
     output = None
     status, error = "ok", ""
     recorder.event = None
-    signal.setitimer(signal.ITIMER_REAL, spec["case_timeout_s"])
+    signal.setitimer(signal.ITIMER_PROF, spec["case_timeout_s"])
+    signal.setitimer(signal.ITIMER_REAL, spec["case_wall_s"])
     recorder.active = True
     try:
         try:
@@ -199,6 +202,7 @@ def run_case(compiled, code: str, fn_name: str | None, case: dict, spec: dict, r
         if os.getpid() != _HARNESS_PID:
             os._exit(0)  # a fork the program made (where the limits allow one) reports nothing
         recorder.active = False
+        signal.setitimer(signal.ITIMER_PROF, 0)
         signal.setitimer(signal.ITIMER_REAL, 0)
     try:
         sys.stdout.flush()
@@ -219,6 +223,7 @@ def main() -> None:
     recorder = _Recorder(os.getcwd())
     sys.addaudithook(recorder)
     signal.signal(signal.SIGALRM, _on_timer)
+    signal.signal(signal.SIGPROF, _on_timer)
     code, fn_name = spec["code"], spec.get("fn_name")
     try:
         compiled = compile(PREAMBLE + code, "<solution>", "exec")
