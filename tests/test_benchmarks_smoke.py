@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = ("generation", "reward", "update", "grpo_step", "scaling", "memory")
+SECTIONS = ("generation", "reward", "update", "grpo_step", "scaling", "memory", "sandbox")
 
 
 def _load_common():
@@ -209,3 +209,16 @@ def test_reward_and_generation_sections(quick_run):
     assert len(generation) >= 2  # native engine and HF generate
     for row in generation.values():
         assert any(_positive(v) for k, v in row.items() if "tokens/s" in k), row
+
+
+def test_sandbox_section(quick_run):
+    _, results, _ = quick_run
+    section = results["sections"]["sandbox"]
+    assert not section["errors"], section["errors"]
+    rows = {(r["workload"], r["runner"]): r for r in section["rows"]}
+    for workload in ("correct programs", "10% hostile"):
+        ours, peer = rows[(workload, "sandboxed (ours)")], rows[(workload, "plain subprocess")]
+        assert ours["samples"] == peer["samples"] == 10 and ours["mean_score"] == peer["mean_score"]
+        assert section["ratios"][f"samples/s {workload}: sandboxed / plain"] == pytest.approx(
+            ours["samples_per_s"] / peer["samples_per_s"], rel=1e-12
+        )
