@@ -266,3 +266,27 @@ def test_counts_reach_the_trainers_reward_metrics(tmp_path, monkeypatch):
     assert counts["reward/sandbox/process_count"] == 1.0
     assert counts["reward/error_count"] == counts["reward/timeout_count"] == 0.0
     assert [b["score"] for b in batched] == [1.0, 0.0]
+
+
+# ---------------------------------------------------------------- configuration
+
+
+def test_reward_model_sandbox_keys_reach_the_scorer(tmp_path):
+    from verl_megatron.trainer.config import ConfigError, load_config
+    from verl_megatron.trainer.ppo.reward import load_reward_manager
+
+    config = load_config(
+        overrides=["reward_model.sandbox.case_timeout_s=0.5", "reward_model.sandbox.memory_mb=300"]
+    )
+    assert config.reward_model.sandbox == ce.CodeSandboxConfig(case_timeout_s=0.5, memory_mb=300)
+    manager = load_reward_manager(config, build_char_tokenizer(tmp_path / "tok"))
+    assert manager.compute_score.keywords["code_sandbox"]["memory_mb"] == 300
+    assert not manager.isolated  # still the built-in scorer, run in-process
+    assert ce.as_config(manager.compute_score.keywords["code_sandbox"], memory_limit_mb=64).memory_mb == 64
+    for bad, key in (
+        ("memory_mb=0", "memory_mb"),
+        ("isolation=none", "isolation"),
+        ("max_casess=3", "max_cases"),
+    ):
+        with pytest.raises(ConfigError, match=f"reward_model.sandbox.{key}"):
+            load_config(overrides=[f"reward_model.sandbox.{bad}"])

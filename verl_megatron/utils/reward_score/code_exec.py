@@ -35,6 +35,7 @@ a test set with no case scores 0 (``bad_tests``), not 1.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import os
 import site
@@ -52,9 +53,9 @@ CODE_SOURCES = ("codecontests", "apps", "codeforces", "taco")
 _RTOL, _ATOL = 1e-5, 1e-8
 
 
-@dataclass(frozen=True)
+@dataclass
 class CodeSandboxConfig:
-    """How programs are run and scored.
+    """How programs are run and scored (the trainer's ``reward_model.sandbox`` section).
 
     Attributes:
         case_timeout_s: CPU seconds per test case (verl's prime_code: 10, of wall time; CPU
@@ -86,6 +87,24 @@ class CodeSandboxConfig:
     max_workers: int | None = None
     startup_s: float = 3.0
 
+    def __post_init__(self) -> None:
+        where = "reward_model.sandbox"
+        for name in ("case_timeout_s", "case_wall_factor", "max_cases", "memory_mb", "file_size_mb"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"{where}.{name} must be a positive number, got {value!r}")
+        for name in ("max_processes", "max_output_bytes"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
+                raise ValueError(f"{where}.{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.max_workers is not None and not (isinstance(self.max_workers, int) and self.max_workers >= 1):
+            raise ValueError(f"{where}.max_workers must be null or an integer >= 1, got {self.max_workers!r}")
+        if not (isinstance(self.startup_s, (int, float)) and self.startup_s >= 0):
+            raise ValueError(f"{where}.startup_s must be >= 0, got {self.startup_s!r}")
+        if self.isolation not in sandbox.ISOLATION_MODES:
+            raise ValueError(
+                f"{where}.isolation must be one of {sandbox.ISOLATION_MODES}, got {self.isolation!r}"
+            )
+
     def limits(self, num_cases: int) -> sandbox.SandboxLimits:
         cases = max(1, num_cases)
         return sandbox.SandboxLimits(
@@ -99,6 +118,24 @@ class CodeSandboxConfig:
 
 
 DEFAULT_CONFIG = CodeSandboxConfig()
+
+
+def as_config(value: Any = None, memory_limit_mb: int | None = None) -> CodeSandboxConfig:
+    """A :class:`CodeSandboxConfig` from one, a mapping of its fields, or None (the default);
+    ``memory_limit_mb`` (verl's keyword for its sandbox) overrides the memory limit."""
+    if value is None:
+        config = DEFAULT_CONFIG
+    elif isinstance(value, CodeSandboxConfig):
+        config = value
+    elif hasattr(value, "items"):
+        config = CodeSandboxConfig(**dict(value.items()))
+    else:
+        raise TypeError(
+            f"code sandbox config must be a CodeSandboxConfig or a mapping, got {type(value).__name__}"
+        )
+    if memory_limit_mb is not None:
+        config = dataclasses.replace(config, memory_mb=int(memory_limit_mb))
+    return config
 
 
 def extract_code(response: str) -> str:
@@ -303,6 +340,7 @@ __all__ = [
     "CODE_SOURCES",
     "DEFAULT_CONFIG",
     "CodeSandboxConfig",
+    "as_config",
     "call_match",
     "compute_score",
     "compute_score_batch",
