@@ -290,3 +290,22 @@ def test_reward_model_sandbox_keys_reach_the_scorer(tmp_path):
     ):
         with pytest.raises(ConfigError, match=f"reward_model.sandbox.{key}"):
             load_config(overrides=[f"reward_model.sandbox.{bad}"])
+
+
+def test_code_samples_are_scored_side_by_side_and_math_on_the_main_thread():
+    import functools
+    import threading
+
+    seen = []
+
+    def call(fn, kwargs):
+        seen.append((kwargs["data_source"], threading.current_thread() is threading.main_thread()))
+        return kwargs["data_source"]
+
+    sources = ["apps", "openai/gsm8k", "taco", "codeforces", "lighteval/MATH"]
+    fn = functools.partial(default_compute_score, code_sandbox={"max_workers": 2})
+    assert ce.map_side_by_side(fn, [{"data_source": s} for s in sources], call) == sources  # in order
+    assert sorted(seen) == sorted((s, s not in ce.CODE_SOURCES) for s in sources)
+    seen.clear()  # a scorer that is not the default one: everything here, in order
+    assert ce.map_side_by_side(len, [{"data_source": s} for s in sources], call) == sources
+    assert seen == [(s, True) for s in sources]

@@ -36,11 +36,12 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import json
 import os
 import site
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -336,6 +337,39 @@ def compute_score_batch(
         )
 
 
+def map_side_by_side(
+    fn: Callable[..., Any],
+    kwargs_list: Sequence[dict[str, Any]],
+    call: Callable[[Callable[..., Any], dict], Any],
+) -> list[Any]:
+    """``[call(fn, kwargs) for kwargs in kwargs_list]``, where the default scorer's calls on
+    code data sources run side by side in threads (each only waits on its sandbox), up to
+    the bound ``code_sandbox``'s ``max_workers``; every other call runs here, in order
+    (the math scorers' own time limits need the main thread)."""
+    from verl_megatron.utils.reward_score import default_compute_score  # it imports this module
+
+    base, bound = fn, {}
+    while isinstance(base, functools.partial):
+        base, bound = base.func, {**base.keywords, **bound}
+    code = [
+        i
+        for i, kwargs in enumerate(kwargs_list)
+        if base is default_compute_score and kwargs.get("data_source") in CODE_SOURCES
+    ]
+    workers = as_config(bound.get("code_sandbox")).max_workers or os.cpu_count() or 1
+    if len(code) < 2 or workers == 1:
+        return [call(fn, kwargs) for kwargs in kwargs_list]
+    results: list[Any] = [None] * len(kwargs_list)
+    with ThreadPoolExecutor(max_workers=min(workers, len(code))) as pool:
+        futures = {i: pool.submit(call, fn, kwargs_list[i]) for i in code}
+        for i, kwargs in enumerate(kwargs_list):
+            if i not in futures:
+                results[i] = call(fn, kwargs)
+        for i, future in futures.items():
+            results[i] = future.result()
+    return results
+
+
 __all__ = [
     "CODE_SOURCES",
     "DEFAULT_CONFIG",
@@ -345,6 +379,7 @@ __all__ = [
     "compute_score",
     "compute_score_batch",
     "extract_code",
+    "map_side_by_side",
     "parse_tests",
     "stdio_match",
 ]
