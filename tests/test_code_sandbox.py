@@ -212,6 +212,17 @@ def test_program_sees_no_trainer_environment_and_no_other_process(monkeypatch):
         assert out.rstrip().endswith("1 ['1']"), out
 
 
+def test_credential_files_are_covered(tmp_path):
+    (tmp_path / ".netrc").write_text(SECRET)
+    (tmp_path / ".ssh").mkdir()
+    (tmp_path / ".ssh" / "id_rsa").write_text(SECRET)
+    code = f"import os\nprint(repr(open({str(tmp_path / '.netrc')!r}).read()), os.listdir({str(tmp_path / '.ssh')!r}))"
+    hide = [str(tmp_path / ".netrc"), str(tmp_path / ".ssh")]
+    run = sandbox.run_sandboxed([sys.executable, "-I", "-S", "-c", code], isolation="namespaces", hide=hide)
+    assert run.stdout.decode().strip() == "'' []", run
+    assert (tmp_path / ".netrc").read_text() == SECRET  # covered in the sandbox only
+
+
 def test_cpu_limit_ends_a_spinning_program_that_ignores_signals():
     code = "import signal\nfor s in (signal.SIGALRM, signal.SIGXCPU, signal.SIGTERM):\n    signal.signal(s, signal.SIG_IGN)\nwhile True:\n    pass"
     run = sandbox.run_sandboxed(

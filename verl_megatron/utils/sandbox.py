@@ -28,6 +28,8 @@ other processes     a new pid namespace and its own /proc: nothing outside is vi
                     processes stays readable
 environment         empty but for PATH, LANG, HOME and thread counts (both modes); the
                     interpreter runs with ``-I`` (no PYTHONPATH, no user site)
+credential files    ``~/.ssh``, ``~/.aws``, ``~/.netrc``, ``~/.cache/huggingface`` ... (see
+                    ``CREDENTIAL_PATHS``) covered by empty ones. basic: readable
 privileges          every capability dropped, no_new_privs (both modes)
 ==================  ==========================================================================
 
@@ -63,6 +65,22 @@ BASIC_MODE_GAPS = (
     "files writable by this user stay writable (its processes' /proc/PID/mem included)",
     "/proc/PID of this user's processes (their environment) stays readable",
     "above max_processes=1 the process count is shared with this user's processes",
+)
+# Where credentials usually live, relative to the home directory: hidden (namespaces mode).
+CREDENTIAL_PATHS = (
+    ".ssh",
+    ".aws",
+    ".azure",
+    ".config/gcloud",
+    ".config/gh",
+    ".kube",
+    ".docker",
+    ".gnupg",
+    ".netrc",
+    ".git-credentials",
+    ".pypirc",
+    ".cache/huggingface",
+    ".huggingface",
 )
 # Causes of a run's end (SandboxResult.cause).
 EXITED, TIMEOUT, CPU_LIMIT, KILLED, OUTPUT_LIMIT, SANDBOX_ERROR = (
@@ -173,9 +191,8 @@ def _rlimits(limits: SandboxLimits, mode: str) -> dict[str, list[int]]:
 @functools.cache
 def detect_isolation() -> str:
     """``namespaces`` if a trial sandbox can set them up here, else ``basic`` (logged once)."""
-    probe = _run(
-        [sys.executable, "-I", "-S", "-c", "pass"], b"", SandboxLimits(cpu_s=5, wall_s=30), NAMESPACES
-    )
+    argv = [sys.executable, "-I", "-S", "-c", "pass"]
+    probe = _run(argv, b"", SandboxLimits(cpu_s=5, wall_s=30), NAMESPACES, credential_paths())
     if probe.cause == EXITED and probe.returncode == 0:
         return NAMESPACES
     reason = probe.stderr.decode(errors="replace").strip().splitlines()[-1:] or [probe.cause]
@@ -189,21 +206,35 @@ def detect_isolation() -> str:
     return BASIC
 
 
+def credential_paths() -> list[str]:
+    """The existing ``CREDENTIAL_PATHS`` of this user's home directory."""
+    home = os.path.expanduser("~")
+    return [path for path in (os.path.join(home, p) for p in CREDENTIAL_PATHS) if os.path.lexists(path)]
+
+
 def run_sandboxed(
-    argv: Sequence[str], stdin: bytes = b"", limits: SandboxLimits | None = None, isolation: str = "auto"
+    argv: Sequence[str],
+    stdin: bytes = b"",
+    limits: SandboxLimits | None = None,
+    isolation: str = "auto",
+    hide: Sequence[str] | None = None,
 ) -> SandboxResult:
     """Run ``argv`` (an absolute executable path first) confined, feeding it ``stdin``.
 
     ``isolation``: "auto" (namespaces where available, else basic, logged), "namespaces"
-    (a failure to set them up ends as ``sandbox_error``) or "basic".
+    (a failure to set them up ends as ``sandbox_error``) or "basic". ``hide``: paths
+    covered by empty ones in namespaces mode (default: :func:`credential_paths`).
     """
     if isolation not in ISOLATION_MODES:
         raise ValueError(f"run_sandboxed: isolation must be one of {ISOLATION_MODES}, got {isolation!r}")
     mode = detect_isolation() if isolation == "auto" else isolation
-    return _run(list(argv), stdin, limits or SandboxLimits(), mode)
+    hidden = credential_paths() if hide is None else list(hide)
+    return _run(list(argv), stdin, limits or SandboxLimits(), mode, hidden)
 
 
-def _run(argv: list[str], stdin: bytes, limits: SandboxLimits, mode: str) -> SandboxResult:
+def _run(
+    argv: list[str], stdin: bytes, limits: SandboxLimits, mode: str, hidden: Sequence[str] = ()
+) -> SandboxResult:
     workdir = tempfile.mkdtemp(prefix="verl-sandbox-")
     status_read, status_write = os.pipe()
     config = [
@@ -214,6 +245,7 @@ def _run(argv: list[str], stdin: bytes, limits: SandboxLimits, mode: str) -> San
         f"status_fd={status_write}",
         *(f"rlimit:{name}={soft},{hard}" for name, (soft, hard) in _rlimits(limits, mode).items()),
         *(f"env:{name}={value}" for name, value in _program_env(workdir).items()),
+        *(f"hide={os.path.realpath(path)}" for path in hidden),
     ]
     start = time.monotonic()
     try:

@@ -2,13 +2,14 @@
 
 Run by :mod:`verl_megatron.utils.sandbox` as ``python -I -S -B sandbox_boot.py KEY=VALUE...
 -- PROGRAM_ARGV...`` (keys: ``namespaces``, ``workdir``, ``tmpfs_bytes``, ``status_fd``,
-``no_fork``, ``env:NAME``, ``rlimit:RLIMIT_X`` = ``soft,hard``) with an empty environment, in
+``no_fork``, ``hide`` (repeated), ``env:NAME``, ``rlimit:RLIMIT_X`` = ``soft,hard``) with an empty environment, in
 a fresh temporary directory, with a status pipe on ``status_fd``. Standard library only and
 few imports (it runs for every sample): it must not import project code.
 
 With ``namespaces`` (the default where the kernel allows unprivileged user namespaces) it
 enters new user, mount, network, pid, ipc and uts namespaces, remounts every inherited
-mount read-only, puts a size-limited tmpfs on the working directory, then forks: the
+mount read-only, puts a size-limited tmpfs on the working directory and empty ones over
+the user's credential files, then forks: the
 child is pid 1 of the new pid namespace (it cannot see or signal any process outside,
 and every process it starts dies with it), mounts a /proc of its own (hiding the
 trainer's /proc/PID/environ), sets the resource limits, drops every capability and
@@ -109,8 +110,9 @@ def _mounts() -> list[tuple[str, int]]:
     return found
 
 
-def enter_namespaces(workdir: str, tmpfs_bytes: int) -> None:
-    """New namespaces; every mount read-only but a private tmpfs at ``workdir``."""
+def enter_namespaces(workdir: str, tmpfs_bytes: int, hidden: list[str]) -> None:
+    """New namespaces; every mount read-only but a private tmpfs at ``workdir``; each
+    ``hidden`` path (the user's credential files) covered by an empty one."""
     uid, gid = os.getuid(), os.getgid()
     flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
     _check(_libc.unshare(flags), "unshare")
@@ -129,6 +131,11 @@ def enter_namespaces(workdir: str, tmpfs_bytes: int) -> None:
             if os.path.ismount(point) and _is_writable_mount(point):
                 raise
     _mount("tmpfs", workdir, "tmpfs", MS_NOSUID | MS_NODEV, f"size={tmpfs_bytes},mode=0700")
+    for path in hidden:
+        if os.path.isdir(path):  # an empty read-only directory over it
+            _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, "size=4k,mode=0500")
+        elif os.path.exists(path):  # an empty file over it
+            _mount("/dev/null", path, None, MS_BIND)
 
 
 def _is_writable_mount(point: str) -> bool:
@@ -230,7 +237,7 @@ def _child(config: dict, argv: list[str], status_fd: int) -> None:
 def parse_args(args: list[str]) -> tuple[dict, list[str]]:
     """``KEY=VALUE... -- PROGRAM_ARGV`` -> (config, argv)."""
     split = args.index("--")
-    config: dict = {"env": {}, "rlimits": {}}
+    config: dict = {"env": {}, "rlimits": {}, "hide": []}
     for item in args[:split]:
         key, _, value = item.partition("=")
         if key.startswith("env:"):
@@ -238,6 +245,8 @@ def parse_args(args: list[str]) -> tuple[dict, list[str]]:
         elif key.startswith("rlimit:"):
             soft, hard = value.split(",")
             config["rlimits"][key[7:]] = (int(soft), int(hard))
+        elif key == "hide":
+            config["hide"].append(value)
         elif key in ("namespaces", "no_fork"):
             config[key] = value == "1"
         elif key in ("tmpfs_bytes", "status_fd"):
@@ -252,7 +261,7 @@ def main() -> None:
     status_fd = config["status_fd"]
     try:
         if config["namespaces"]:
-            enter_namespaces(config["workdir"], config["tmpfs_bytes"])
+            enter_namespaces(config["workdir"], config["tmpfs_bytes"], config["hide"])
         else:
             _libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)
         pid = os.fork()
