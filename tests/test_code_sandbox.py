@@ -101,7 +101,9 @@ def test_code_sources_are_in_the_default_dispatch():
 # ---------------------------------------------------------------- correct programs
 
 TWELVE = json.dumps({"inputs": [f"{i}\n" for i in range(12)], "outputs": [f"{2 * i}\n" for i in range(12)]})
+BIG = json.dumps({"inputs": ["x" * (1 << 20) + "\n", "ab\n"], "outputs": [str(1 << 20), "2"]})
 CORRECT = [  # (response, ground truth, verl prime_code's score)
+    (py("import os\nos.chdir('/')\nprint(len(input()))"), BIG, 1.0),  # 1 MiB through the pipe; cwd moved
     (py("a, b = map(int, input().split())\nprint(a + b)"), ADD, 1.0),
     (py("import sys\na, b = map(int, sys.stdin.read().split())\nprint(a + b)"), ADD, 1.0),
     (py("a, b = map(int, open(0).read().split())\nprint(a + b)"), ADD, 1.0),

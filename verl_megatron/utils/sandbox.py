@@ -320,7 +320,9 @@ def _supervise(
             if key.fileobj is proc.stdin:
                 try:
                     written = os.write(proc.stdin.fileno(), pending[:_READ_CHUNK])
-                except (BrokenPipeError, OSError):
+                except BlockingIOError:
+                    written = 0  # the pipe is full for now
+                except OSError:  # the program closed its stdin: the rest is not wanted
                     written = len(pending)
                 pending = pending[written:]
                 if not pending:

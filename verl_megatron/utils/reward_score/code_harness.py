@@ -85,6 +85,11 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
 
 _HARNESS_PID = os.getpid()
+_WORKDIR = os.getcwd()
+
+
+def _path(name: str) -> str:
+    return os.path.join(_WORKDIR, name)
 
 
 class _CaseTimeout(BaseException):
@@ -144,14 +149,15 @@ def _read_capped(path: str, limit: int) -> str:
 
 
 def _redirect(case_input: str) -> None:
-    """fd 0 <- the case's input, fd 1 -> a fresh output file, in the working directory."""
-    with open("stdin.txt", "w", encoding="utf-8") as f:
+    """fd 0 <- the case's input, fd 1 -> a fresh output file, in the working directory
+    (by absolute path: the previous case may have changed directory)."""
+    with open(_path("stdin.txt"), "w", encoding="utf-8") as f:
         f.write(case_input)
     for fd, name, flags in (
         (0, "stdin.txt", os.O_RDONLY),
         (1, "stdout.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
     ):
-        new = os.open(name, flags, 0o600)
+        new = os.open(_path(name), flags, 0o600)
         if new != fd:  # the program may have closed fd 0 or 1, which os.open then reuses
             os.dup2(new, fd)
             os.close(new)
@@ -210,7 +216,7 @@ def run_case(compiled, code: str, fn_name: str | None, case: dict, spec: dict, r
         if status == "ok":
             status, error = "error", f"{type(err).__name__}: {err}"[:500]
     if fn_name is None:
-        output = _read_capped("stdout.txt", spec["max_output_bytes"])
+        output = _read_capped(_path("stdout.txt"), spec["max_output_bytes"])
     elif output is not None and len(output) > spec["max_output_bytes"]:
         output = ""
     return {"status": status, "output": output, "event": recorder.event, "error": error}
@@ -220,7 +226,7 @@ def main() -> None:
     channel = os.fdopen(os.dup(1), "w", encoding="utf-8")
     spec = json.loads(sys.stdin.buffer.read())
     sys.path.extend(spec.get("site_dirs", []))  # third-party packages, without running .pth files
-    recorder = _Recorder(os.getcwd())
+    recorder = _Recorder(_WORKDIR)
     sys.addaudithook(recorder)
     signal.signal(signal.SIGALRM, _on_timer)
     signal.signal(signal.SIGPROF, _on_timer)
