@@ -65,6 +65,7 @@ BASIC_MODE_GAPS = (
     "files writable by this user stay writable (its processes' /proc/PID/mem included)",
     "/proc/PID of this user's processes (their environment) stays readable",
     "above max_processes=1 the process count is shared with this user's processes",
+    "credential files in the home directory stay readable",
 )
 # Where credentials usually live, relative to the home directory: hidden (namespaces mode).
 CREDENTIAL_PATHS = (
@@ -191,6 +192,12 @@ def _rlimits(limits: SandboxLimits, mode: str) -> dict[str, list[int]]:
 @functools.cache
 def detect_isolation() -> str:
     """``namespaces`` if a trial sandbox can set them up here, else ``basic`` (logged once)."""
+    if os.uname().machine not in sandbox_boot.SECCOMP_ARCHES:
+        _warn(
+            f"code sandbox: no seccomp filter for {os.uname().machine}: sockets, ptrace and new "
+            "processes are not refused by seccomp (namespaces mode still has no network and no "
+            "other process in sight)"
+        )
     argv = [sys.executable, "-I", "-S", "-c", "pass"]
     probe = _run(argv, b"", SandboxLimits(cpu_s=5, wall_s=30), NAMESPACES, credential_paths())
     if probe.cause == EXITED and probe.returncode == 0:
@@ -201,9 +208,13 @@ def detect_isolation() -> str:
         f"(rlimits, seccomp socket block, empty environment, temporary cwd); not enforced: "
         f"{'; '.join(BASIC_MODE_GAPS)}"
     )
-    logger.warning(message)
-    warnings.warn(message, RuntimeWarning, stacklevel=2)
+    _warn(message)
     return BASIC
+
+
+def _warn(message: str) -> None:
+    logger.warning(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def credential_paths() -> list[str]:

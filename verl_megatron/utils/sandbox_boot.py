@@ -56,7 +56,7 @@ BPF_LD_W_ABS, BPF_JEQ_K, BPF_JGE_K, BPF_JSET_K, BPF_RET_K = 0x20, 0x15, 0x35, 0x
 EPERM, EAGAIN, ENOSYS = 1, 11, 38
 CLONE_THREAD = 0x00010000
 # arch -> AUDIT_ARCH value and syscall numbers (fork/vfork: none on aarch64)
-_SECCOMP_ARCHES = {
+SECCOMP_ARCHES = {
     "x86_64": {
         "arch": 0xC000003E,
         "socket": (41, 53, 425),  # socket, socketpair, io_uring_setup
@@ -185,7 +185,7 @@ def _assemble(code: list[tuple]) -> bytes:
 
 def install_seccomp(no_fork: bool, no_kill: bool) -> bool:
     """Seccomp filter (see the module docstring); False if this architecture has none here."""
-    arch = _SECCOMP_ARCHES.get(os.uname().machine)
+    arch = SECCOMP_ARCHES.get(os.uname().machine)
     if arch is None:
         return False
     code: list[tuple] = [(BPF_LD_W_ABS, 0, 0, 4), (BPF_JEQ_K, 1, 0, arch["arch"])]  # seccomp_data.arch
