@@ -122,6 +122,7 @@ RUNNERS: dict[str, Callable[[bool, Path], Section]] = {
     "memory": _module_section("memory"),
     "bypass": _module_section("bypass"),  # bitwise parity's cost and bypass's saving
     "async": lambda quick, workdir: __import__("bench_async").run_section(quick, workdir),
+    "sandbox": _module_section("sandbox"),  # code-execution rewards, sandboxed vs plain subprocess
 }
 SECTIONS = tuple(RUNNERS)
 

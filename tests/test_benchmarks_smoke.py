@@ -29,6 +29,7 @@ SECTIONS = (
     "memory",
     "bypass",
     "async",
+    "sandbox",
 )
 
 
@@ -273,3 +274,14 @@ def test_trl_peer_runs_as_one_process(quick_run):
         return
     assert raw["TRL GRPOTrainer"]["ddp_wrapped"] is False
     assert raw["TRL GRPOTrainer"]["distributed_type"] == "DistributedType.NO"
+def test_sandbox_section(quick_run):
+    _, results, _ = quick_run
+    section = results["sections"]["sandbox"]
+    assert not section["errors"], section["errors"]
+    rows = {(r["workload"], r["runner"]): r for r in section["rows"]}
+    for workload in ("correct programs", "10% hostile"):
+        ours, peer = rows[(workload, "sandboxed (ours)")], rows[(workload, "plain subprocess")]
+        assert ours["samples"] == peer["samples"] == 10 and ours["mean_score"] == peer["mean_score"]
+        assert section["ratios"][f"samples/s {workload}: sandboxed / plain"] == pytest.approx(
+            ours["samples_per_s"] / peer["samples_per_s"], rel=1e-12
+        )

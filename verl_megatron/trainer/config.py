@@ -39,6 +39,7 @@ from verl_megatron.rollout.config import RolloutConfig
 from verl_megatron.trainer.async_config import AsyncTrainingConfig
 from verl_megatron.trainer.guard import DivergenceGuardConfig
 from verl_megatron.trainer.ppo.rollout_correction_config import RolloutCorrectionConfig
+from verl_megatron.utils.reward_score.code_exec import CodeSandboxConfig
 from verl_megatron.workers.config import ActorConfig, CriticConfig, RefConfig
 
 __all__ = [
@@ -169,12 +170,15 @@ class RewardModelConfig:
             "process"; "none"). Unknown names are rejected at start-up.
         overlong_buffer: DAPO's overlong penalty (used by the "dapo" manager).
         num_examine: decoded samples per data source printed per step (rank 0).
+        sandbox: limits of the sandbox that runs programs for code data sources
+            (codecontests, apps, codeforces, taco); see ``utils/reward_score/code_exec.py``.
     """
 
     reward_manager: str = "naive"
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     num_examine: int = 0
+    sandbox: CodeSandboxConfig = field(default_factory=CodeSandboxConfig)
 
 
 @dataclass

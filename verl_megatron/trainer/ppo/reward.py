@@ -15,6 +15,7 @@ Config keys read (verl's names; a DictConfig, a dict or a plain object):
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import inspect
 import json
@@ -193,6 +194,11 @@ def load_reward_manager(config: Any, tokenizer: Any, num_examine: int = 0, **rew
     if compute_score is None:
         batched = issubclass(manager_cls, BatchRewardManager)
         compute_score = batch_default_compute_score if batched else default_compute_score
+        sandbox = _get(reward_model, "sandbox")
+        if sandbox is not None:  # limits for code data sources (reward_model.sandbox)
+            compute_score = functools.partial(
+                compute_score, code_sandbox=_as_dict(sandbox, "reward_model.sandbox")
+            )
     manager_kwargs = _as_dict(_get(reward_model, "reward_kwargs"), "reward_model.reward_kwargs")
     manager_kwargs.update(reward_kwargs)
     return manager_cls(

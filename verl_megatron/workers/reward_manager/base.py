@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from verl_megatron.utils.reward_score import default_compute_score, is_builtin_scorer
+from verl_megatron.utils.reward_score.code_exec import map_side_by_side
 from verl_megatron.workers.reward_manager.scoring import (
     DEFAULT_TIMEOUT_S,
     ERROR,
@@ -135,8 +136,8 @@ class RewardManagerBase:
     def _score(self, samples: list[Sample]) -> list[ScoreOutcome]:
         """One outcome per sample: one worker process (more only past hung calls) or this process."""
         tasks = [self._task(sample) for sample in samples]
-        if not self.isolated:
-            return [call_contained(self.compute_score, task.kwargs) for task in tasks]
+        if not self.isolated:  # code data sources: their sandboxes side by side
+            return map_side_by_side(self.compute_score, [task.kwargs for task in tasks], call_contained)
         return self._get_pool(num_workers=1).map(tasks)
 
     def _task(self, sample: Sample) -> ScoreTask:

@@ -1,0 +1,284 @@
+"""The first process of a sandbox: confines itself, then runs the program.
+
+Run by :mod:`verl_megatron.utils.sandbox` as ``python -I -S -B sandbox_boot.py KEY=VALUE...
+-- PROGRAM_ARGV...`` (keys: ``namespaces``, ``workdir``, ``tmpfs_bytes``, ``status_fd``,
+``no_fork``, ``hide`` (repeated), ``env:NAME``, ``rlimit:RLIMIT_X`` = ``soft,hard``) with an empty environment, in
+a fresh temporary directory, with a status pipe on ``status_fd``. Standard library only and
+few imports (it runs for every sample): it must not import project code.
+
+With ``namespaces`` (the default where the kernel allows unprivileged user namespaces) it
+enters new user, mount, network, pid, ipc and uts namespaces, remounts every inherited
+mount read-only, puts a size-limited tmpfs on the working directory and empty ones over
+the user's credential files, then forks: the
+child is pid 1 of the new pid namespace (it cannot see or signal any process outside,
+and every process it starts dies with it), mounts a /proc of its own (hiding the
+trainer's /proc/PID/environ), sets the resource limits, drops every capability and
+execs the program. In every mode the child drops every capability and gets ``no_new_privs`` and a seccomp
+filter (x86_64 and aarch64) that makes ``socket``/``socketpair``/``io_uring_setup``,
+``ptrace``/``process_vm_*`` (and without a pid namespace every signal-sending call) fail
+with EPERM and, with ``no_fork``, every new process (fork, vfork, clone without CLONE_THREAD) fail with
+EAGAIN while threads stay allowed: RLIMIT_NPROC alone does not bind a process whose real
+user is root, even inside a user namespace. The status pipe carries ``pid N`` (the child's pid as
+the parent sees it, so the parent can kill the whole namespace) and ``exit STATUS``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import resource
+import struct
+import sys
+
+# <linux/sched.h>
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
+CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+# <linux/mount.h>
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
+MS_REMOUNT, MS_NOATIME, MS_NODIRATIME, MS_BIND = 0x20, 0x400, 0x800, 0x1000
+MS_REC, MS_PRIVATE, MS_RELATIME, MS_STRICTATIME = 0x4000, 0x40000, 0x200000, 0x1000000
+# Per-mount options a remount must keep: the kernel locks them on mounts inherited from a
+# more privileged namespace and refuses a remount that would clear one.
+_KEEP_FLAGS = {
+    "nosuid": MS_NOSUID,
+    "nodev": MS_NODEV,
+    "noexec": MS_NOEXEC,
+    "noatime": MS_NOATIME,
+    "nodiratime": MS_NODIRATIME,
+    "relatime": MS_RELATIME,
+    "strictatime": MS_STRICTATIME,
+}
+# <linux/prctl.h>, <linux/seccomp.h>, <linux/filter.h>
+PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP = 1, 24, 38, 22
+SECCOMP_MODE_FILTER = 2
+SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
+BPF_LD_W_ABS, BPF_JEQ_K, BPF_JGE_K, BPF_JSET_K, BPF_RET_K = 0x20, 0x15, 0x35, 0x45, 0x06
+EPERM, EAGAIN, ENOSYS = 1, 11, 38
+CLONE_THREAD = 0x00010000
+# arch -> AUDIT_ARCH value and syscall numbers (fork/vfork: none on aarch64)
+SECCOMP_ARCHES = {
+    "x86_64": {
+        "arch": 0xC000003E,
+        "socket": (41, 53, 425),  # socket, socketpair, io_uring_setup
+        "trace": (101, 310, 311),  # ptrace, process_vm_readv, process_vm_writev
+        "kill": (62, 200, 234, 129, 297, 424),  # kill, tkill, tgkill, rt_(tg)sigqueueinfo, pidfd_send_signal
+        "fork": (57, 58),
+        "clone": 56,
+        "clone3": 435,
+    },
+    "aarch64": {
+        "arch": 0xC00000B7,
+        "socket": (198, 199, 425),
+        "trace": (117, 270, 271),
+        "kill": (129, 130, 131, 138, 240, 424),
+        "fork": (),
+        "clone": 220,
+        "clone3": 435,
+    },
+}
+_X32_SYSCALL_BIT = 0x40000000
+SETUP_FAILED_EXIT = 97  # the boot's own failure, told apart from the program's exit codes
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    enc = [None if s is None else s.encode() for s in (source, target, fstype, data)]
+    _check(_libc.mount(enc[0], enc[1], enc[2], ctypes.c_ulong(flags), enc[3]), f"mount {target}")
+
+
+def _mounts() -> list[tuple[str, int]]:
+    """(mount point, flags to keep) of every mount, parents before children."""
+    found = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            point = fields[4].encode().decode("unicode_escape")  # octal escapes such as \040
+            keep = sum(_KEEP_FLAGS.get(opt, 0) for opt in fields[5].split(","))
+            found.append((point, keep))
+    return found
+
+
+def enter_namespaces(workdir: str, tmpfs_bytes: int, hidden: list[str]) -> None:
+    """New namespaces; every mount read-only but a private tmpfs at ``workdir``; each
+    ``hidden`` path (the user's credential files) covered by an empty one."""
+    uid, gid = os.getuid(), os.getgid()
+    flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
+    _check(_libc.unshare(flags), "unshare")
+    _write("/proc/self/setgroups", "deny")
+    _write("/proc/self/uid_map", f"0 {uid} 1")
+    _write("/proc/self/gid_map", f"0 {gid} 1")
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)
+    for point, keep in _mounts():
+        if point == "/proc" or point.startswith("/proc/"):
+            continue  # replaced by the child's own /proc
+        try:
+            _mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | keep)
+        except OSError:
+            # A mount hidden under another one cannot be reached by path (and so cannot be
+            # written either); any other mount left writable is a failure.
+            if os.path.ismount(point) and _is_writable_mount(point):
+                raise
+    _mount("tmpfs", workdir, "tmpfs", MS_NOSUID | MS_NODEV, f"size={tmpfs_bytes},mode=0700")
+    for path in hidden:
+        if os.path.isdir(path):  # an empty read-only directory over it
+            _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, "size=4k,mode=0500")
+        elif os.path.exists(path):  # an empty file over it
+            _mount("/dev/null", path, None, MS_BIND)
+
+
+def _is_writable_mount(point: str) -> bool:
+    statvfs = os.statvfs(point)
+    return not statvfs.f_flag & os.ST_RDONLY
+
+
+def mount_own_proc() -> None:
+    """A /proc for the new pid namespace; where the kernel refuses one, an empty read-only
+    tmpfs over /proc, so no process outside is visible either way."""
+    try:
+        _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    except OSError:
+        _mount("tmpfs", "/proc", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, "size=4k")
+
+
+def drop_capabilities() -> None:
+    """No capability left, nor any that an exec could bring back (bounding set emptied)."""
+    for cap in range(64):
+        if _libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+            break  # past the last capability the kernel knows (or, unprivileged, none to drop)
+    header = struct.pack("II", 0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this thread
+    data = ctypes.create_string_buffer(24)  # two zeroed __user_cap_data_struct
+    _check(_libc.capset(ctypes.c_char_p(header), data), "capset")
+
+
+def _assemble(code: list[tuple]) -> bytes:
+    """Classic BPF with symbolic jump targets: ("label", name) marks a place, a jump's
+    jt/jf may name one."""
+    labels, place = {}, 0
+    for ins in code:
+        if ins[0] == "label":
+            labels[ins[1]] = place
+        else:
+            place += 1
+    out, place = [], 0
+    for ins in code:
+        if ins[0] == "label":
+            continue
+        op, jt, jf, k = ins
+        jt = labels[jt] - place - 1 if isinstance(jt, str) else jt
+        jf = labels[jf] - place - 1 if isinstance(jf, str) else jf
+        out.append(struct.pack("HBBI", op, jt, jf, k))
+        place += 1
+    return b"".join(out)
+
+
+def install_seccomp(no_fork: bool, no_kill: bool) -> bool:
+    """Seccomp filter (see the module docstring); False if this architecture has none here."""
+    arch = SECCOMP_ARCHES.get(os.uname().machine)
+    if arch is None:
+        return False
+    code: list[tuple] = [(BPF_LD_W_ABS, 0, 0, 4), (BPF_JEQ_K, 1, 0, arch["arch"])]  # seccomp_data.arch
+    code += [(BPF_RET_K, 0, 0, SECCOMP_RET_ERRNO | EPERM)]  # another ABI (i386 socketcall...): refuse
+    code += [(BPF_LD_W_ABS, 0, 0, 0)]  # seccomp_data.nr
+    if os.uname().machine == "x86_64":
+        code += [(BPF_JGE_K, "eperm", 0, _X32_SYSCALL_BIT)]  # x32 ABI: refuse
+    refused = arch["socket"] + arch["trace"] + (arch["kill"] if no_kill else ())
+    code += [(BPF_JEQ_K, "eperm", 0, nr) for nr in refused]
+    if no_fork:
+        code += [(BPF_JEQ_K, "eagain", 0, nr) for nr in arch["fork"]]
+        code += [(BPF_JEQ_K, "enosys", 0, arch["clone3"])]  # flags behind a pointer: libc falls back to clone
+        code += [(BPF_JEQ_K, 0, "allow", arch["clone"]), (BPF_LD_W_ABS, 0, 0, 16)]  # args[0], low half
+        code += [(BPF_JSET_K, "allow", "eagain", CLONE_THREAD)]
+    code += [("label", "allow"), (BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW)]
+    code += [("label", "eperm"), (BPF_RET_K, 0, 0, SECCOMP_RET_ERRNO | EPERM)]
+    code += [("label", "eagain"), (BPF_RET_K, 0, 0, SECCOMP_RET_ERRNO | EAGAIN)]
+    code += [("label", "enosys"), (BPF_RET_K, 0, 0, SECCOMP_RET_ERRNO | ENOSYS)]
+    raw = _assemble(code)
+    buffer = ctypes.create_string_buffer(raw, len(raw))
+    fprog = struct.pack("HxxxxxxP", len(raw) // 8, ctypes.addressof(buffer))
+    _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
+    _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.c_char_p(fprog), 0, 0), "seccomp")
+    return True
+
+
+def set_limits(limits: dict[str, int]) -> None:
+    """Soft and hard limits (a hard limit cannot be raised again without privileges)."""
+    for name, (soft, hard) in limits.items():
+        resource.setrlimit(getattr(resource, name), (soft, hard))
+
+
+def _child(config: dict, argv: list[str], status_fd: int) -> None:
+    os.close(status_fd)
+    if config["namespaces"]:
+        mount_own_proc()
+    else:
+        _libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)  # no pid namespace to end it: die with the boot
+    os.setsid()  # own session: kill(0, ...) reaches nothing outside
+    set_limits(config["rlimits"])
+    drop_capabilities()
+    # Without a pid namespace other processes are visible: no signals at all.
+    if not install_seccomp(config["no_fork"], no_kill=not config["namespaces"]):
+        os.write(2, b"sandbox: no seccomp filter for this architecture\n")
+    os.chdir(config["workdir"])
+    os.execve(argv[0], argv, config["env"])
+
+
+def parse_args(args: list[str]) -> tuple[dict, list[str]]:
+    """``KEY=VALUE... -- PROGRAM_ARGV`` -> (config, argv)."""
+    split = args.index("--")
+    config: dict = {"env": {}, "rlimits": {}, "hide": []}
+    for item in args[:split]:
+        key, _, value = item.partition("=")
+        if key.startswith("env:"):
+            config["env"][key[4:]] = value
+        elif key.startswith("rlimit:"):
+            soft, hard = value.split(",")
+            config["rlimits"][key[7:]] = (int(soft), int(hard))
+        elif key == "hide":
+            config["hide"].append(value)
+        elif key in ("namespaces", "no_fork"):
+            config[key] = value == "1"
+        elif key in ("tmpfs_bytes", "status_fd"):
+            config[key] = int(value)
+        else:
+            config[key] = value
+    return config, args[split + 1 :]
+
+
+def main() -> None:
+    config, argv = parse_args(sys.argv[1:])
+    status_fd = config["status_fd"]
+    try:
+        if config["namespaces"]:
+            enter_namespaces(config["workdir"], config["tmpfs_bytes"], config["hide"])
+        else:
+            _libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)
+        pid = os.fork()
+    except Exception as err:
+        os.write(status_fd, f"setup {type(err).__name__}: {err}\n".encode())
+        os._exit(SETUP_FAILED_EXIT)
+    if pid == 0:
+        try:
+            _child(config, argv, status_fd)
+        except BaseException as err:
+            os.write(2, f"sandbox setup failed: {type(err).__name__}: {err}\n".encode())
+        os._exit(SETUP_FAILED_EXIT)
+    os.write(status_fd, f"pid {pid}\n".encode())
+    _, status = os.waitpid(pid, 0)
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    os.write(status_fd, f"exit {status} {usage.ru_utime + usage.ru_stime:.4f}\n".encode())
+
+
+if __name__ == "__main__":
+    main()
