@@ -1,0 +1,220 @@
+"""LoRA on megatron's tensor-parallel linears: tp=2 and pp=2 updates equal one process.
+
+Float64 jobs (as tests/test_layout_equality.py) train the adapters of a tiny GQA GPTModel for
+two steps from the same weights and adapters (set by global name), with grouped-query fused
+qkv (two key/value groups per tp rank, so the per-group interleaving is exercised), fused
+gate/up, clipping and weight decay. Only the adapters may change: every base weight must come
+back bit-identical, and megatron's optimizer must hold state for the adapters alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.closeness import assert_close_report
+
+VOCAB, SEQ, HIDDEN, LAYERS, HEADS, GROUPS, FFN = 64, 12, 32, 2, 8, 4, 48
+GLOBAL_BATCH, MICRO_BATCH, NUM_STEPS, LR = 4, 1, 2, 1e-2
+RANK, ALPHA = 4, 8.0
+
+
+def _batch(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
+    lengths = torch.randint(SEQ // 2, SEQ + 1, (GLOBAL_BATCH,), generator=g)
+    mask = (torch.arange(SEQ)[None, :] < lengths[:, None]).double()
+    return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": mask}
+
+
+def _make_gpt(pre: bool, post: bool, vp_stage):
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=LAYERS,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        num_query_groups=GROUPS,
+        ffn_hidden_size=FFN,
+        gated_linear_unit=True,
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        use_cpu_initialization=True,
+        params_dtype=torch.float64,
+        pipeline_dtype=torch.float64,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        normalization="RMSNorm",
+        add_bias_linear=False,
+    )
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        pre_process=pre,
+        post_process=post,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        vp_stage=vp_stage,
+    )
+
+
+def lora_train_job(tp: int, pp: int, targets: tuple[str, ...]) -> dict:
+    """Runs on every rank: NUM_STEPS float64 adapter updates; losses, norms, adapters, base weights."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        return _lora_steps(tp, pp, targets)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _lora_steps(tp: int, pp: int, targets: tuple[str, ...]) -> dict:
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from tests.test_layout_equality import _token_losses
+    from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
+    from verl_megatron.models.lora import LoraSettings, apply_lora
+    from verl_megatron.models.megatron_model import (
+        OptimSettings,
+        attach_schedule_hooks,
+        build_chunks,
+        build_optimizer,
+        wrap_ddp,
+        zero_grads,
+    )
+    from verl_megatron.models.sharding import gather_full_state, load_full_state
+
+    runtime = init_runtime(ParallelLayout(tp=tp, pp=pp), seed=7)
+    chunks = build_chunks(runtime, _make_gpt)
+    apply_lora(chunks, LoraSettings(RANK, ALPHA, targets))
+    # Base and adapters from their global names; B non-zero so A gets a gradient at step 1.
+    load_full_state(chunks, lambda name, shape: _initial(name, shape, tp))
+    base_before = {k: v for k, v in gather_full_state(chunks).items() if not k.startswith("lora_adapters.")}
+    settings = OptimSettings(lr=LR, weight_decay=0.1, clip_grad=0.05, grad_reduce_in_fp32=False)
+    chunks = wrap_ddp(chunks, settings)
+    attach_schedule_hooks(chunks)
+    optimizer = build_optimizer(chunks, settings)
+    optimized = [p for group in optimizer.param_groups for p in group["params"]]
+
+    batch = _batch()
+    total_tokens = batch["loss_mask"].sum()
+    num_micro = GLOBAL_BATCH // MICRO_BATCH
+
+    def micro_batches():
+        for i in range(num_micro):
+            yield {k: v[i * MICRO_BATCH : (i + 1) * MICRO_BATCH] for k, v in batch.items()}
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        positions = torch.arange(SEQ).unsqueeze(0).expand(MICRO_BATCH, -1)
+
+        def loss_func(logits):
+            token_sum = (_token_losses(logits, mb["labels"]) * mb["loss_mask"]).sum()
+            return token_sum / total_tokens * num_micro, {"token_sum": token_sum.detach()}
+
+        return model(mb["input_ids"], positions, None), loss_func
+
+    losses, grad_norms = [], []
+    for _ in range(NUM_STEPS):
+        zero_grads(chunks, optimizer)
+        out = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=micro_batches(),
+            model=chunks[0],
+            num_microbatches=num_micro,
+            seq_length=SEQ,
+            micro_batch_size=MICRO_BATCH,
+            forward_only=False,
+        )
+        ok, grad_norm, _ = optimizer.step()
+        assert ok
+        local = torch.tensor(sum(float(o["token_sum"]) for o in out) if out else 0.0, dtype=torch.float64)
+        if ps.get_tensor_model_parallel_rank() != 0:
+            local.zero_()
+        torch.distributed.all_reduce(local)
+        losses.append(float(local / total_tokens))
+        grad_norms.append(float(grad_norm))
+    after = gather_full_state(chunks)
+    adapters = {k: v for k, v in after.items() if k.startswith("lora_adapters.")}
+    base_after = {k: v for k, v in after.items() if not k.startswith("lora_adapters.")}
+    trainable = {id(p) for _, p in chunks[0].module.named_parameters() if p.requires_grad}
+    return {
+        "losses": losses,
+        "grad_norms": grad_norms,
+        "adapters": adapters,
+        "base_unchanged": all(torch.equal(base_after[k], v) for k, v in base_before.items())
+        and base_after.keys() == base_before.keys(),
+        "optimizer_holds_adapters_only": {id(p) for p in optimized} == trainable
+        and all(p.requires_grad for p in optimized),
+        "adapter_count": len(trainable),
+        "state_bytes": sum(
+            t.numel() * t.element_size()
+            for state in optimizer.optimizer.state.values()
+            for t in state.values()
+            if torch.is_tensor(t)
+        ),
+    }
+
+
+def _initial(name: str, shape: tuple[int, ...], tp: int) -> torch.Tensor:
+    """The same function under every tp: fused gate/up is [gate_0; up_0; gate_1; up_1; ...] per tp."""
+    from verl_megatron.models.sharding import seeded_tensor
+
+    if not name.endswith("linear_fc1.weight"):
+        return seeded_tensor(name, shape, seed=3)
+    half = (shape[0] // 2, shape[1])
+    gate, up = seeded_tensor(name + ".gate", half, seed=3), seeded_tensor(name + ".up", half, seed=3)
+    return torch.cat([torch.cat(pair) for pair in zip(gate.chunk(tp), up.chunk(tp))])
+
+
+def _merge(results: list[dict]) -> dict:
+    adapters: dict[str, torch.Tensor] = {}
+    for r in results:
+        adapters.update(r["adapters"])
+    return {"losses": results[0]["losses"], "grad_norms": results[0]["grad_norms"], "adapters": adapters}
+
+
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def reference(pool1):
+    (result,) = pool1.run(f"{__name__}:lora_train_job", tp=1, pp=1, targets=ALL)
+    return result
+
+
+def test_single_process_lora_step_trains_adapters_only(reference):
+    assert reference["base_unchanged"]
+    assert reference["optimizer_holds_adapters_only"]
+    # 2 layers x 7 projections x (A, B).
+    assert reference["adapter_count"] == LAYERS * 7 * 2
+    assert reference["losses"][1] < reference["losses"][0]
+    assert reference["grad_norms"][0] > 0.05  # clipping active
+    name = "lora_adapters.layers.1.self_attention__linear_qkv.pairs.k_proj.lora_A"
+    start = _seeded(name, reference["adapters"][name].shape)
+    assert (reference["adapters"][name] - start).abs().max() > 1e-3
+
+
+def _seeded(name, shape):
+    from verl_megatron.models.sharding import seeded_tensor
+
+    return seeded_tensor(name, tuple(shape), seed=3).double()
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_lora_layout_matches_single_process(pool2, reference, tp, pp):
+    results = pool2.run(f"{__name__}:lora_train_job", tp=tp, pp=pp, targets=ALL)
+    assert all(r["base_unchanged"] and r["optimizer_holds_adapters_only"] for r in results)
+    run = _merge(results)
+    assert_close_report(run["losses"], reference["losses"], rtol=1e-12, atol=0, what="losses")
+    # get_grad_norm_fp32 rounds to float32 (see test_layout_equality); Adam's step then moves by
+    # at most lr * 2^-23 per step through the clip coefficient.
+    assert_close_report(run["grad_norms"], reference["grad_norms"], rtol=1e-6, atol=0, what="grad norms")
+    atol = NUM_STEPS * LR * 2.0**-23
+    assert_close_report(run["adapters"], reference["adapters"], rtol=0, atol=atol, what="adapters")
