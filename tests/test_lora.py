@@ -63,17 +63,28 @@ def _make_gpt(pre: bool, post: bool, vp_stage):
     )
 
 
-def lora_train_job(tp: int, pp: int, targets: tuple[str, ...]) -> dict:
-    """Runs on every rank: NUM_STEPS float64 adapter updates; losses, norms, adapters, base weights."""
+def lora_train_job(
+    tp: int,
+    pp: int,
+    targets: tuple[str, ...] | None,
+    steps: int = NUM_STEPS,
+    save_dir: str | None = None,
+    load_dir: str | None = None,
+) -> dict:
+    """Runs on every rank: ``steps`` float64 adapter updates; losses, norms, adapters, base weights.
+
+    ``targets=None`` trains every weight (no LoRA). ``load_dir``: resume from that checkpoint
+    first (an error is returned as ``load_error``); ``save_dir``: checkpoint after the steps.
+    """
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        return _lora_steps(tp, pp, targets)
+        return _lora_steps(tp, pp, targets, steps, save_dir, load_dir)
     finally:
         torch.set_default_dtype(previous)
 
 
-def _lora_steps(tp: int, pp: int, targets: tuple[str, ...]) -> dict:
+def _lora_steps(tp, pp, targets, steps, save_dir, load_dir) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -92,7 +103,8 @@ def _lora_steps(tp: int, pp: int, targets: tuple[str, ...]) -> dict:
 
     runtime = init_runtime(ParallelLayout(tp=tp, pp=pp), seed=7)
     chunks = build_chunks(runtime, _make_gpt)
-    apply_lora(chunks, LoraSettings(RANK, ALPHA, targets))
+    if targets is not None:
+        apply_lora(chunks, LoraSettings(RANK, ALPHA, targets))
     # Base and adapters from their global names; B non-zero so A gets a gradient at step 1.
     load_full_state(chunks, lambda name, shape: _initial(name, shape, tp))
     base_before = {k: v for k, v in gather_full_state(chunks).items() if not k.startswith("lora_adapters.")}
@@ -101,6 +113,14 @@ def _lora_steps(tp: int, pp: int, targets: tuple[str, ...]) -> dict:
     attach_schedule_hooks(chunks)
     optimizer = build_optimizer(chunks, settings)
     optimized = [p for group in optimizer.param_groups for p in group["params"]]
+    if load_dir is not None:
+        from verl_megatron.checkpoint.manager import load_checkpoint
+        from verl_megatron.checkpoint.storage import CheckpointMismatchError
+
+        try:
+            load_checkpoint(load_dir, chunks=chunks, optimizer=optimizer, runtime=runtime)
+        except CheckpointMismatchError as err:
+            return {"load_error": str(err)}
 
     batch = _batch()
     total_tokens = batch["loss_mask"].sum()
@@ -121,7 +141,7 @@ def _lora_steps(tp: int, pp: int, targets: tuple[str, ...]) -> dict:
         return model(mb["input_ids"], positions, None), loss_func
 
     losses, grad_norms = [], []
-    for _ in range(NUM_STEPS):
+    for _ in range(steps):
         zero_grads(chunks, optimizer)
         out = get_forward_backward_func()(
             forward_step_func=forward_step,
@@ -140,6 +160,10 @@ def _lora_steps(tp: int, pp: int, targets: tuple[str, ...]) -> dict:
         torch.distributed.all_reduce(local)
         losses.append(float(local / total_tokens))
         grad_norms.append(float(grad_norm))
+    if save_dir is not None:
+        from verl_megatron.checkpoint.manager import save_checkpoint
+
+        save_checkpoint(save_dir, steps, chunks=chunks, optimizer=optimizer, runtime=runtime)
     after = gather_full_state(chunks)
     adapters = {k: v for k, v in after.items() if k.startswith("lora_adapters.")}
     base_after = {k: v for k, v in after.items() if not k.startswith("lora_adapters.")}
@@ -218,3 +242,47 @@ def test_lora_layout_matches_single_process(pool2, reference, tp, pp):
     assert_close_report(run["grad_norms"], reference["grad_norms"], rtol=1e-6, atol=0, what="grad norms")
     atol = NUM_STEPS * LR * 2.0**-23
     assert_close_report(run["adapters"], reference["adapters"], rtol=0, atol=atol, what="adapters")
+
+
+def _tensor_keys(root) -> list[str]:
+    from megatron.core import dist_checkpointing
+
+    from verl_megatron.checkpoint import storage
+
+    return sorted(dist_checkpointing.load_tensors_metadata(str(storage.resolve_part(root, "model"))))
+
+
+def test_lora_checkpoint_holds_adapters_and_resumes_under_another_layout(pool1, pool2, reference, tmp_path):
+    lora_dir, full_dir = str(tmp_path / "lora"), str(tmp_path / "full")
+    # One step at tp=2, saved; one more step at tp=1 from that checkpoint = two steps at tp=1.
+    pool2.run(f"{__name__}:lora_train_job", tp=2, pp=1, targets=ALL, steps=1, save_dir=lora_dir)
+    keys = _tensor_keys(lora_dir)
+    assert keys and all(k.startswith(("layers.", "optimizer.state.")) for k in keys), keys[:5]
+    assert all(k.split(".", 3)[3].startswith("layers.") for k in keys if k.startswith("optimizer.state."))
+    assert not [k for k in keys if "decoder" in k or "embedding" in k or "output_layer" in k]
+    (resumed,) = pool1.run(f"{__name__}:lora_train_job", tp=1, pp=1, targets=ALL, steps=1, load_dir=lora_dir)
+    assert resumed["base_unchanged"]
+    assert_close_report(resumed["losses"], reference["losses"][1:], rtol=1e-12, atol=0, what="resumed loss")
+    atol = NUM_STEPS * LR * 2.0**-23
+    assert_close_report(
+        resumed["adapters"], reference["adapters"], rtol=0, atol=atol, what="resumed adapters"
+    )
+
+    # Full weights and adapters-only checkpoints do not resume each other: one named line.
+    (full_run,) = pool1.run(
+        f"{__name__}:lora_train_job", tp=1, pp=1, targets=None, steps=1, save_dir=full_dir
+    )
+    (err,) = pool1.run(f"{__name__}:lora_train_job", tp=1, pp=1, targets=ALL, steps=1, load_dir=full_dir)
+    assert (
+        "holds full model weights, but this run trains LoRA adapters (model.lora_rank=4)" in err["load_error"]
+    )
+    (err,) = pool1.run(f"{__name__}:lora_train_job", tp=1, pp=1, targets=None, steps=1, load_dir=lora_dir)
+    assert "holds only LoRA adapters (rank 4, alpha 8, on q_proj" in err["load_error"]
+    assert "model.lora_rank=4 model.lora_alpha=8 model.target_modules=[q_proj," in err["load_error"]
+    (err,) = pool1.run(
+        f"{__name__}:lora_train_job", tp=1, pp=1, targets=("q_proj",), steps=1, load_dir=lora_dir
+    )
+    assert "but this run's have rank 4, alpha 8, on q_proj:" in err["load_error"]
+    assert all("\n" not in e for e in (err["load_error"],))
+    # Optimizer state is the adapters' only: a fraction of the full run's.
+    assert 0 < resumed["state_bytes"] < full_run["state_bytes"] / 4

@@ -442,3 +442,39 @@ def apply_lora(
                     p.copy_(whole.to(p.dtype))
         setattr(inner, _CONTAINER, container)
     return list(chunks)
+
+
+def apply_configured_lora(chunks: list[torch.nn.Module], model_cfg: Any, seed: int) -> list[torch.nn.Module]:
+    """``apply_lora`` with the settings of a ModelConfig (``model.lora_rank`` etc.); a no-op at rank 0."""
+    settings = check_lora_config(model_cfg, use_te=False) if model_cfg.lora_rank else None
+    return chunks if settings is None else apply_lora(chunks, settings, seed=seed)
+
+
+def _describe(signature: dict[str, Any]) -> str:
+    return f"rank {signature['rank']}, alpha {signature['alpha']:g}, on {', '.join(signature['targets'])}"
+
+
+def lora_mismatch(part: Any, saved: dict | None, current: dict | None, error_cls: type[Exception]) -> None:
+    """Raise ``error_cls`` when a checkpoint's LoRA record (``lora_signature``) is not this model's.
+
+    A full-weights checkpoint cannot resume a LoRA run (its base weights are not adapters), nor
+    an adapters-only checkpoint a full run (it has no base weights): said in one line.
+    """
+    if saved == current:
+        return
+    if saved is None:
+        raise error_cls(
+            f"checkpoint {part} holds full model weights, but this run trains LoRA adapters "
+            f"(model.lora_rank={current['rank']}): resume it with model.lora_rank=0, or start the LoRA "
+            "run in another trainer.default_local_dir"
+        )
+    settings = f"model.lora_rank={saved['rank']} model.lora_alpha={saved['alpha']:g} model.target_modules=[{','.join(saved['targets'])}]"
+    if current is None:
+        raise error_cls(
+            f"checkpoint {part} holds only LoRA adapters ({_describe(saved)}), but this run trains every "
+            f"weight (model.lora_rank=0): resume it with {settings}"
+        )
+    raise error_cls(
+        f"checkpoint {part} holds LoRA adapters with {_describe(saved)}, but this run's have "
+        f"{_describe(current)}: resume it with {settings}"
+    )

@@ -174,9 +174,11 @@ def build_components(config: PPOConfig, runtime: Runtime) -> tuple[PPOConfig, Co
     bf16 = config.model.dtype == "bfloat16"
 
     def build_training() -> tuple[Any, Any, Any]:
-        actor_chunks, optimizer, scheduler = _trained(
-            _policy_chunks(config, runtime, hf_config), config.actor.optim, bf16
-        )
+        from verl_megatron.models.lora import apply_configured_lora
+
+        # model.lora_rank > 0: frozen base + adapters, before the optimizer sees the parameters.
+        policy = apply_configured_lora(_policy_chunks(config, runtime, hf_config), config.model, runtime.seed)
+        actor_chunks, optimizer, scheduler = _trained(policy, config.actor.optim, bf16)
         actor = MegatronActor(runtime, config.actor, actor_chunks, optimizer, scheduler)
         ref = None
         if use_reference(config):
