@@ -152,3 +152,57 @@ def test_native_rollout_uses_the_adapters(pool2, model_dir):
             run["rollout"], run["trained"], rtol=0, atol=1e-5, what="rollout vs training log-probs"
         )
         assert float((run["rollout"] - run["base"]).abs().max()) > 1e-2
+
+
+def sync_job(model_dir: str, tp: int, pp: int, mode: str) -> dict:
+    """Two weight syncs into a scripted vLLM backend under ``rollout.lora_sync=mode``."""
+    from safetensors.torch import load_file
+
+    from tests.test_rollout_engines import ScriptedBackend
+    from verl_megatron.models.lora_export import gather_peft_adapters
+    from verl_megatron.rollout.config import RolloutConfig
+    from verl_megatron.rollout.vllm_engine import VLLMRollout
+
+    class AdapterBackend(ScriptedBackend):
+        def set_lora_adapter(self, folder):
+            tensors = load_file(os.path.join(folder.path, "adapter_model.safetensors"))
+            self.calls.append(("adapter", folder.name, folder.int_id, folder.path, tensors))
+
+    runtime, chunks, hf_config = lora_chunks(model_dir, tp, pp)
+    backend = AdapterBackend()
+    config = RolloutConfig(name="vllm", dtype="float32", update_weights_bucket_megabytes=1, lora_sync=mode)
+    engine = VLLMRollout(config, runtime, chunks, None, hf_config, backend=backend)
+    engine.sync_weights()
+    engine.sync_weights()
+    calls = [c for c in backend.calls if c[0] in ("load", "adapter")]
+    folders_left = [os.path.exists(c[3]) for c in calls if c[0] == "adapter"]
+    return {"loaded": backend.loaded, "calls": calls, "folders_left": folders_left,
+            "adapters": gather_peft_adapters(chunks, runtime)}  # fmt: skip
+
+
+def test_weight_sync_sends_merged_weights_or_the_base_once_and_adapters(pool2, model_dir):
+    from safetensors.torch import load_file
+
+    base = load_file(os.path.join(model_dir, "model.safetensors"))
+    for run in pool2.run(f"{__name__}:sync_job", model_dir=model_dir, tp=1, pp=2, mode="merged"):
+        assert run["loaded"].keys() == base.keys()
+        assert [c[0] for c in run["calls"]] == ["load", "load"]  # the whole model at every sync
+        merged = dict(base)
+        for name, a in run["adapters"].items():
+            if ".lora_A." in name:
+                hf = name.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+                b = run["adapters"][name.replace("lora_A", "lora_B")]
+                merged[hf] = base[hf] + (ALPHA / RANK) * b @ a
+        assert_close_report(run["loaded"], merged, rtol=0, atol=1e-6, what="merged weights")
+        assert not torch.equal(
+            run["loaded"]["model.layers.1.mlp.down_proj.weight"], base["model.layers.1.mlp.down_proj.weight"]
+        )
+    for run in pool2.run(f"{__name__}:sync_job", model_dir=model_dir, tp=1, pp=2, mode="adapter"):
+        # The frozen base once (exactly the checkpoint), then one new adapter per sync.
+        assert [c[0] for c in run["calls"]] == ["load", "adapter", "adapter"]
+        assert all(torch.equal(run["loaded"][k], v) for k, v in base.items())
+        (_, name1, id1, _, first), (_, name2, id2, _, second) = run["calls"][1:]
+        assert (name1, id1, name2, id2) == ("actor_v1", 1, "actor_v2", 2)
+        assert first.keys() == run["adapters"].keys() and len(first) == LAYERS * len(TARGETS) * 2
+        assert all(torch.equal(first[k], v) and torch.equal(second[k], v) for k, v in run["adapters"].items())
+        assert run["folders_left"] == [False, True]  # the previous adapter's folder is gone

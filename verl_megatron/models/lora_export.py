@@ -100,6 +100,13 @@ def peft_config(chunks: Sequence[torch.nn.Module], base_model: str | None) -> di
     }
 
 
+def write_peft_folder(
+    out_dir: str, tensors: dict[str, torch.Tensor], chunks: Sequence[torch.nn.Module], base_model: str | None
+) -> None:
+    """Write ``gather_peft_adapters``' tensors as a PEFT folder at ``out_dir`` (this process only)."""
+    _write(out_dir, tensors, peft_config(chunks, base_model))
+
+
 def _write(out_dir: str, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
     from safetensors.torch import save_file
 
@@ -148,3 +155,17 @@ def export_peft_adapter(
         raise error
     if int(status.item()) != 0:
         raise RuntimeError(f"writing the LoRA adapter to '{out_dir}' failed on rank 0 (see its log)")
+
+
+def export_final_adapter(
+    chunks: Sequence[torch.nn.Module], runtime: Runtime, out_root: str, model_cfg: Any
+) -> str | None:
+    """The trainer's end-of-run export: ``<out_root>/lora_adapter`` when the actor has adapters
+    (``hf_export`` beside it holds the merged weights). Returns the folder, None without LoRA."""
+    if not has_lora(chunks):
+        return None
+    out_dir = os.path.join(out_root, "lora_adapter")
+    export_peft_adapter(chunks, runtime, out_dir, base_model=model_cfg.path or None)
+    if runtime.rank == 0:
+        print(f"exported the LoRA adapters as a PEFT adapter to {out_dir}", flush=True)
+    return out_dir

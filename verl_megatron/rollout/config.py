@@ -145,6 +145,10 @@ class RolloutConfig:
     """vllm/sglang: weights stream into the engine in buckets of at most this many MB."""
     layer_name_map: dict[str, str] = field(default_factory=dict)
     """vllm/sglang: rename weights before loading, {HF name prefix: engine name prefix}."""
+    lora_sync: str = "merged"
+    """vllm/sglang with LoRA (model.lora_rank > 0): what a weight sync sends, ``merged`` (base +
+    adapters, every sync) or ``adapter`` (vllm only: the base once, then the adapters as a PEFT
+    folder loaded through a vLLM LoRARequest); see rollout/lora_sync.py."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Tokens that end a response like EOS (kept in the response with mask 1)."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)

@@ -158,6 +158,7 @@ def build_components(config: PPOConfig, runtime: Runtime) -> tuple[PPOConfig, Co
     """
     from verl_megatron.models.config import load_hf_config
     from verl_megatron.rollout.base import build_rollout
+    from verl_megatron.rollout.lora_sync import lora_rollout_config
     from verl_megatron.utils.tokenizer import hf_tokenizer
     from verl_megatron.workers.actor import MegatronActor, MegatronRef
 
@@ -196,7 +197,9 @@ def build_components(config: PPOConfig, runtime: Runtime) -> tuple[PPOConfig, Co
     (actor, ref, critic), rollout = build_colocated(
         config.rollout.name,
         build_training,
-        lambda chunks: build_rollout(config.rollout, runtime, chunks, tokenizer, hf_config),
+        lambda chunks: build_rollout(
+            lora_rollout_config(config.rollout, config.model), runtime, chunks, tokenizer, hf_config
+        ),
     )
     if environment is not None:
         from verl_megatron.rollout.multiturn import MultiTurnRollout
