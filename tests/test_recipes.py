@@ -185,3 +185,17 @@ def test_dynamic_sampling_on_acc_uses_a_float_scorers_score():
     batch.non_tensor_batch["acc"] = np.array([1.0, 1.0, 0.0, 1.0], dtype=object)
     kept, groups = PPOTrainer._keep_varied_groups(None, batch, "acc")
     assert groups == 1 and list(kept.non_tensor_batch["uid"]) == ["b", "b"]
+
+
+def test_grpo_lora_recipe_runs_a_step(pool1, tmp_path):
+    """configs/grpo_lora.yaml (the quickstart task with LoRA adapters) trains a step and exports them."""
+    out = str(tmp_path / "grpo_lora")
+    small = ["trainer.total_training_steps=1", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8"]
+    small.append("actor.ppo_micro_batch_size_per_gpu=64")
+    (result,) = pool1.run(f"{__name__}:recipe_job", recipe="grpo_lora", out_dir=out, overrides=small)
+    step = {k: v for row in result["rows"] if row["step"] == 1 for k, v in row.items()}
+    assert result["config"]["model"]["lora_rank"] == 16 and math.isfinite(step["actor/pg_loss"])
+    assert step["actor/grad_norm"] > 0.0
+    with open(os.path.join(out, "lora_adapter", "adapter_config.json")) as f:
+        assert json.load(f)["r"] == 16
+    assert {"hf_export", "lora_adapter"} <= set(result["files"])
