@@ -286,3 +286,37 @@ def test_lora_checkpoint_holds_adapters_and_resumes_under_another_layout(pool1, 
     assert all("\n" not in e for e in (err["load_error"],))
     # Optimizer state is the adapters' only: a fraction of the full run's.
     assert 0 < resumed["state_bytes"] < full_run["state_bytes"] / 4
+
+
+def dropout_job() -> dict:
+    """Logits of one batch: LoRA dropout 0.5 in train mode (twice), in eval mode, and without dropout."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
+        from verl_megatron.models.lora import LoraSettings, apply_lora
+        from verl_megatron.models.megatron_model import build_chunks
+        from verl_megatron.models.sharding import load_full_state
+
+        init_runtime(ParallelLayout(), seed=7)
+        out = {}
+        for dropout in (0.5, 0.0):
+            chunks = build_chunks(init_runtime(ParallelLayout(), seed=7), _make_gpt)
+            apply_lora(chunks, LoraSettings(RANK, ALPHA, ALL, dropout=dropout))
+            load_full_state(chunks, lambda name, shape: _initial(name, shape, 1))
+            batch = _batch()
+            positions = torch.arange(SEQ).unsqueeze(0).expand(GLOBAL_BATCH, -1)
+            with torch.no_grad():
+                for mode in ("train_a", "train_b", "eval"):
+                    chunks[0].train(mode != "eval")
+                    out[f"{mode}_{dropout}"] = chunks[0](batch["input_ids"], positions, None)
+        return out
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def test_lora_dropout_applies_in_training_only(pool1):
+    (out,) = pool1.run(f"{__name__}:dropout_job")
+    assert float((out["train_a_0.5"] - out["train_b_0.5"]).abs().max()) > 1e-3  # a new mask per call
+    assert torch.equal(out["eval_0.5"], out["eval_0.0"])  # eval: the adapters without dropout
+    assert torch.equal(out["train_a_0.0"], out["eval_0.0"])
