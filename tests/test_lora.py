@@ -1,4 +1,4 @@
-"""LoRA on megatron's tensor-parallel linears: tp=2 and pp=2 updates equal one process.
+"""LoRA on megatron's tensor-parallel linears: tp=2, pp=2 and dp=2 updates equal one process.
 
 Float64 jobs (as tests/test_layout_equality.py) train the adapters of a tiny GQA GPTModel for
 two steps from the same weights and adapters (set by global name), with grouped-query fused
@@ -124,7 +124,11 @@ def _lora_steps(tp, pp, targets, steps, save_dir, load_dir) -> dict:
 
     batch = _batch()
     total_tokens = batch["loss_mask"].sum()
-    num_micro = GLOBAL_BATCH // MICRO_BATCH
+    dp, dp_rank = runtime.layout.dp, ps.get_data_parallel_rank()
+    batch = {
+        k: v[dp_rank * GLOBAL_BATCH // dp : (dp_rank + 1) * GLOBAL_BATCH // dp] for k, v in batch.items()
+    }
+    num_micro = GLOBAL_BATCH // dp // MICRO_BATCH
 
     def micro_batches():
         for i in range(num_micro):
@@ -136,7 +140,8 @@ def _lora_steps(tp, pp, targets, steps, save_dir, load_dir) -> dict:
 
         def loss_func(logits):
             token_sum = (_token_losses(logits, mb["labels"]) * mb["loss_mask"]).sum()
-            return token_sum / total_tokens * num_micro, {"token_sum": token_sum.detach()}
+            # megatron's schedule divides by num_micro and DDP averages over dp: both multiplied back.
+            return token_sum / total_tokens * dp * num_micro, {"token_sum": token_sum.detach()}
 
         return model(mb["input_ids"], positions, None), loss_func
 
@@ -231,7 +236,7 @@ def _seeded(name, shape):
     return seeded_tensor(name, tuple(shape), seed=3).double()
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2), (1, 1)], ids=["tp2", "pp2", "dp2"])
 def test_lora_layout_matches_single_process(pool2, reference, tp, pp):
     results = pool2.run(f"{__name__}:lora_train_job", tp=tp, pp=pp, targets=ALL)
     assert all(r["base_unchanged"] and r["optimizer_holds_adapters_only"] for r in results)
