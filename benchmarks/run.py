@@ -123,6 +123,7 @@ RUNNERS: dict[str, Callable[[bool, Path], Section]] = {
     "bypass": _module_section("bypass"),  # bitwise parity's cost and bypass's saving
     "async": lambda quick, workdir: __import__("bench_async").run_section(quick, workdir),
     "sandbox": _module_section("sandbox"),  # code-execution rewards, sandboxed vs plain subprocess
+    "lora": _module_section("lora"),
 }
 SECTIONS = tuple(RUNNERS)
 

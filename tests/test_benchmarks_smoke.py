@@ -30,6 +30,7 @@ SECTIONS = (
     "bypass",
     "async",
     "sandbox",
+    "lora",
 )
 
 
@@ -201,6 +202,25 @@ def test_scaling_section(quick_run):
         assert isinstance(k, float) and math.isfinite(k)
     png = Path(section["extra"]["plot_png"])
     assert png.parent == out and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_lora_section(quick_run):
+    _, results, _ = quick_run
+    section = results["sections"]["lora"]
+    assert not section["errors"], section["errors"]
+    rows = _rows(results, "lora")
+    full, lora = rows["full"], rows["LoRA r=4"]
+    # Adam: two float32 moments per trainable parameter (+ a step scalar each); nothing for frozen ones.
+    for row in (full, lora):
+        assert row["state bytes / trainable param"] == pytest.approx(8.0, abs=0.02)
+    # Per layer, rank 4: A [4, in] (in 64 for q k v o gate up, 128 for down) and B [out, 4].
+    assert (
+        lora["trainable params"]
+        == 2 * (4 * (6 * 64 + 128) + 4 * (64 + 32 + 32 + 64 + 128 + 128 + 64))
+        == 8192
+    )
+    assert section["ratios"]["optimizer state LoRA / full"] < 0.07
+    assert lora["grad buffer MiB"] == pytest.approx(lora["trainable params"] * 4 / 2**20, rel=1e-12)
 
 
 def test_memory_section(quick_run):

@@ -185,3 +185,23 @@ def test_dynamic_sampling_on_acc_uses_a_float_scorers_score():
     batch.non_tensor_batch["acc"] = np.array([1.0, 1.0, 0.0, 1.0], dtype=object)
     kept, groups = PPOTrainer._keep_varied_groups(None, batch, "acc")
     assert groups == 1 and list(kept.non_tensor_batch["uid"]) == ["b", "b"]
+
+
+def test_grpo_lora_recipe_runs_a_step(pool1, tmp_path):
+    """configs/grpo_lora.yaml (the quickstart task with LoRA adapters) trains a step and exports them."""
+    out = str(tmp_path / "grpo_lora")
+    small = ["trainer.total_training_steps=1", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8"]
+    small.append("actor.ppo_micro_batch_size_per_gpu=64")
+    # Also bf16 (fp32 master copies of the adapters only) and a checkpoint of the adapters.
+    small += ["model.dtype=bfloat16", "trainer.save_freq=1", "trainer.val_before_train=false"]
+    (result,) = pool1.run(f"{__name__}:recipe_job", recipe="grpo_lora", out_dir=out, overrides=small)
+    step = {k: v for row in result["rows"] if row["step"] == 1 for k, v in row.items()}
+    assert result["config"]["model"]["lora_rank"] == 16 and math.isfinite(step["actor/pg_loss"])
+    assert step["actor/grad_norm"] > 0.0
+    with open(os.path.join(out, "lora_adapter", "adapter_config.json")) as f:
+        assert json.load(f)["r"] == 16
+    assert {"hf_export", "lora_adapter", "global_step_1"} <= set(result["files"])
+    from megatron.core import dist_checkpointing
+
+    keys = dist_checkpointing.load_tensors_metadata(os.path.join(out, "global_step_1", "actor"))
+    assert keys and all(k.startswith(("layers.", "optimizer.")) for k in keys), sorted(keys)[:4]

@@ -45,6 +45,7 @@ from verl_megatron.checkpoint.storage import (
     CheckpointNotFoundError,
 )
 from verl_megatron.distributed.parallel import Runtime
+from verl_megatron.models.lora import checkpoint_module, lora_mismatch, lora_signature
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +148,8 @@ def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
 
 
 def _model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict[str, Any]:
-    return {f"chunk{i}": _unwrap(c).sharded_state_dict() for i, c in enumerate(chunks)}
+    # A LoRA model checkpoints its adapters only: the frozen base is the Hugging Face model.
+    return {f"chunk{i}": checkpoint_module(c).sharded_state_dict() for i, c in enumerate(chunks)}
 
 
 def _torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
@@ -275,6 +277,7 @@ def save_checkpoint(
         "optimizer": optimizer_kind,
         "distributed_optimizer": _is_distributed(optimizer),
         "scheduler": scheduler is not None,
+        "lora": lora_signature(chunks),
     }
     _on_rank0(lambda: storage.publish_part(root, step, name, meta), f"finishing {tmp}")
     if commit:
@@ -349,6 +352,7 @@ def load_checkpoint(
         meta = storage.read_part_meta(part, share=_world())
         ckpt = _checkpoint_shapes(part)
         _check_common_readable(part)
+        lora_mismatch(part, meta.get("lora"), lora_signature(chunks), CheckpointMismatchError)
         _check_fits(part, meta, mine, ckpt, optimizer, scheduler)
     except CheckpointError as exc:
         error = exc
@@ -510,7 +514,7 @@ def _check_loaded_keys(loaded, chunks) -> None:
     for i, chunk in enumerate(chunks):
         # "_extra_state" entries (empty without Transformer Engine) are not all
         # in sharded_state_dict: megatron drops the output layer's on purpose.
-        expected = {k for k in _unwrap(chunk).state_dict() if not k.endswith("_extra_state")}
+        expected = {k for k in checkpoint_module(chunk).state_dict() if not k.endswith("_extra_state")}
         got = {k for k in model_states[f"chunk{i}"] if not k.endswith("_extra_state")}
         if expected != got:
             raise CheckpointMismatchError(
@@ -539,7 +543,7 @@ def _apply(loaded, meta, chunks, optimizer, scheduler, backup) -> None:
                 opt.state.clear()
         for i, chunk in enumerate(chunks):
             # Keys were compared above; strict=False only tolerates the dropped "_extra_state".
-            _unwrap(chunk).load_state_dict(model_states[f"chunk{i}"], strict=False)
+            checkpoint_module(chunk).load_state_dict(model_states[f"chunk{i}"], strict=False)
         if scheduler is not None and hasattr(scheduler, "get_lr") and hasattr(scheduler, "num_steps"):
             scheduler.step(0)  # megatron's: set this step's lr and weight decay from the current schedule
     except Exception:

@@ -77,6 +77,18 @@ class ModelConfig:
     """For ``selective``: megatron module names, e.g. ``["core_attn"]`` (megatron's default)."""
     override_transformer_config: dict[str, Any] = field(default_factory=dict)
     """Any other ``TransformerConfig`` field (verl's ``megatron.override_transformer_config``)."""
+    lora_rank: int = 0
+    """LoRA adapter rank (verl's ``model.lora_rank``): > 0 freezes the base weights and trains
+    adapters only (see models/lora.py); 0 trains every weight."""
+    lora_alpha: float = 16
+    """LoRA scaling: the adapters' output is multiplied by lora_alpha / lora_rank (PEFT's)."""
+    target_modules: Any = "all-linear"
+    """Projections given adapters: "all-linear" or a list of Hugging Face names (q_proj, k_proj,
+    v_proj, o_proj, gate_proj, up_proj, down_proj) or megatron's (linear_qkv, linear_fc1, ...)."""
+    exclude_modules: list[str] | None = None
+    """Projections taken out of target_modules."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input while training (PEFT's lora_dropout)."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -128,6 +140,9 @@ class ModelConfig:
                 f"model.make_vocab_size_divisible_by must be >= 1, got {self.make_vocab_size_divisible_by}"
             )
         use_te = self.resolve_use_te()
+        from verl_megatron.models.lora import check_lora_config
+
+        check_lora_config(self, use_te)
         if self.sequence_parallel and layout.tp == 1:
             raise ModelConfigError(
                 "model.sequence_parallel=True needs tp > 1 (it splits activations over tp)"

@@ -223,7 +223,11 @@ def load_hf_weights(
 def _named_parameters(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Parameter]]:
     """Global names and parameters, without the empty placeholders some Transformer Engine
     versions register for disabled biases."""
-    return ((name, p) for name, p in named_global_parameters(chunks) if p.numel() > 0)
+    return (
+        (name, p)
+        for name, p in named_global_parameters(chunks)
+        if p.numel() > 0 and not name.startswith("lora_adapters.")  # LoRA: models/lora_export.py
+    )
 
 
 def _whole_from_hf(
@@ -277,7 +281,7 @@ def _ordered_entries(local: dict[str, torch.nn.Parameter], runtime: Runtime) -> 
 
 @torch.no_grad()
 def iter_hf_weights(
-    chunks: list[torch.nn.Module], runtime: Runtime, hf_config: Any = None
+    chunks: list[torch.nn.Module], runtime: Runtime, hf_config: Any = None, *, merge_lora: bool = True
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (Hugging Face name, full tensor) for the whole model, one tensor at a time.
 
@@ -285,13 +289,17 @@ def iter_hf_weights(
     must iterate to the end, and every rank receives every tensor (on ``runtime.device``, in
     the parameters' dtype), in Hugging Face order (embeddings, layers, norm, head). Tensors
     are fresh copies, so consumers may keep them. ``hf_config``, when given, is checked to
-    describe the built model.
+    describe the built model. With LoRA adapters the weights are base + adapter (merged in
+    float32), unless ``merge_lora=False`` (the frozen base alone).
     """
+    from verl_megatron.models.lora_export import lora_merger
+
     info = model_info(chunks)
     if hf_config is not None:
         _check_same_model(info, hf_config)
     tp = runtime.layout.tp
     local = {name: p for name, p in _named_parameters(chunks) if hf_mapping(name, info).export}
+    merge = lora_merger(chunks, runtime) if merge_lora else (lambda name, tensor: tensor)
     for name, owner, shape, dtype in _ordered_entries(local, runtime):
         if name in local:
             whole = gather_tp(local[name].detach(), local[name], runtime.tp_group(), tp)
@@ -300,7 +308,7 @@ def iter_hf_weights(
         if runtime.layout.pp > 1:
             dist.broadcast(whole, group=runtime.pp_group(), group_src=owner)
         mapping = hf_mapping(name, info)
-        yield from zip(mapping.hf_names, to_hf(mapping, whole, info, tp))
+        yield from ((n, merge(n, t)) for n, t in zip(mapping.hf_names, to_hf(mapping, whole, info, tp)))
 
 
 class _ShardWriter:

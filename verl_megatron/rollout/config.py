@@ -153,6 +153,10 @@ class RolloutConfig:
     prompt_length + response_length), about 2x the CPU time of generation and of the update;
     needs megatron's local layer spec (model.use_te=false); not with multi_turn or MoE models.
     Off: the two differ by float rounding (~1e-6 in float32, ~1e-3 in bfloat16)."""
+    lora_sync: str = "merged"
+    """vllm/sglang with LoRA (model.lora_rank > 0): what a weight sync sends, ``merged`` (base +
+    adapters, every sync) or ``adapter`` (vllm only: the base once, then the adapters as a PEFT
+    folder loaded through a vLLM LoRARequest); see rollout/lora_sync.py."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Tokens that end a response like EOS (kept in the response with mask 1)."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)

@@ -122,6 +122,12 @@ class EngineBackend(abc.ABC):
     def wake_up(self, tags: tuple[str, ...] | None = None) -> None:
         """Re-allocate what :meth:`sleep` released: ``("weights",)`` or ``("kv_cache",)`` alone, or all."""
 
+    def set_lora_adapter(self, folder: Any) -> None:
+        """Generate with the PEFT adapter at ``folder.path`` from now on (``rollout.lora_sync=adapter``)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} takes merged LoRA weights only (rollout.lora_sync=merged)"
+        )
+
 
 class ExternalRollout(RolloutEngine):
     """A colocated engine behind the rollout interface (see the module docstring).
@@ -151,6 +157,7 @@ class ExternalRollout(RolloutEngine):
         self.awake = self.weights_awake = True
         self.last_sync: SyncStats | None = None
         self._calls = 0
+        self._lora = None  # rollout.lora_sync=adapter: rollout/lora_sync.py's AdapterSync
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Responses for left-padded prompts [B, Tp] -> [B*n, ...] (keys: ``verl_megatron.rollout.base``)."""
@@ -205,13 +212,20 @@ class ExternalRollout(RolloutEngine):
 
         # Distributed optimizer with overlap_param_gather: the last update is not all-gathered yet.
         gather_updated_params(self.chunks)
-        self.last_sync = stream_weights(
-            iter_hf_weights(self.chunks, self.runtime, self.hf_config),
-            self.backend.load_weights,
-            bucket_megabytes=self.config.update_weights_bucket_megabytes,
-            name_map=self.config.layer_name_map,
-            dtype=engine_dtype(self.config),
-        )
+        from verl_megatron.rollout.lora_sync import AdapterSync
+
+        # With LoRA: merged weights every sync, or (lora_sync=adapter) the frozen base once + adapters.
+        self._lora = self._lora or AdapterSync.for_engine(self.config, self.chunks)
+        if self._lora is None or not self._lora.base_loaded:
+            self.last_sync = stream_weights(
+                iter_hf_weights(self.chunks, self.runtime, self.hf_config, merge_lora=self._lora is None),
+                self.backend.load_weights,
+                bucket_megabytes=self.config.update_weights_bucket_megabytes,
+                name_map=self.config.layer_name_map,
+                dtype=engine_dtype(self.config),
+            )
+        if self._lora is not None:
+            self._lora.load_adapters(self.backend, self.chunks, self.runtime, model_path_of(self.hf_config))
         self.backend.reset_cache()
 
     def sleep(self) -> None:

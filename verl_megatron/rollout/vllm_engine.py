@@ -141,6 +141,7 @@ class VLLMBackend(EngineBackend):
         from vllm import LLM
 
         self.llm = LLM(**vllm_engine_kwargs(config, hf_config, runtime))
+        self.lora_request = None  # rollout.lora_sync=adapter: the actor's current adapter
 
     def generate(self, prompts: list[list[int]], request: GenerationRequest) -> list[list[Completion]]:
         from vllm import SamplingParams
@@ -153,12 +154,27 @@ class VLLMBackend(EngineBackend):
             [TokensPrompt(prompt_token_ids=p) for p in prompts],
             sampling_params=[SamplingParams(**vllm_sampling_kwargs(request, seed)) for seed in seeds],
             use_tqdm=False,
+            lora_request=self.lora_request,
         )
         return completions_from_vllm(outputs, request.logprobs)
 
     def load_weights(self, bucket: list[NamedTensor]) -> None:
         # Runs in this process (external_launcher): the bucket is not copied between processes.
         self.llm.apply_model(lambda model: model.load_weights(weights=bucket))
+
+    def set_lora_adapter(self, folder) -> None:
+        """Load the PEFT folder as a new LoRA (a new id: vLLM caches adapters by id), drop the old one."""
+        from vllm.lora.request import LoRARequest
+
+        previous = self.lora_request
+        self.lora_request = LoRARequest(
+            lora_name=folder.name, lora_int_id=folder.int_id, lora_path=folder.path
+        )
+        # Loaded now rather than at the first request, so a bad folder fails at the sync (vLLM's
+        # worker refuses it unless built with enable_lora: lora_sync.lora_rollout_config sets it).
+        self.llm.llm_engine.add_lora(self.lora_request)
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
 
     def reset_cache(self) -> None:
         # Prefix-cache blocks hold keys/values computed with the previous weights.

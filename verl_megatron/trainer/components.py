@@ -158,6 +158,7 @@ def build_components(config: PPOConfig, runtime: Runtime) -> tuple[PPOConfig, Co
     """
     from verl_megatron.models.config import load_hf_config
     from verl_megatron.rollout.base import build_rollout
+    from verl_megatron.rollout.lora_sync import lora_rollout_config
     from verl_megatron.utils.tokenizer import hf_tokenizer
     from verl_megatron.workers.actor import MegatronActor, MegatronRef
 
@@ -174,9 +175,11 @@ def build_components(config: PPOConfig, runtime: Runtime) -> tuple[PPOConfig, Co
     bf16 = config.model.dtype == "bfloat16"
 
     def build_training() -> tuple[Any, Any, Any]:
-        actor_chunks, optimizer, scheduler = _trained(
-            _policy_chunks(config, runtime, hf_config), config.actor.optim, bf16
-        )
+        from verl_megatron.models.lora import apply_configured_lora
+
+        # model.lora_rank > 0: frozen base + adapters, before the optimizer sees the parameters.
+        policy = apply_configured_lora(_policy_chunks(config, runtime, hf_config), config.model, runtime.seed)
+        actor_chunks, optimizer, scheduler = _trained(policy, config.actor.optim, bf16)
         actor = MegatronActor(runtime, config.actor, actor_chunks, optimizer, scheduler)
         if config.rollout.bitwise_parity:
             from verl_megatron.models import batch_invariant
@@ -200,7 +203,9 @@ def build_components(config: PPOConfig, runtime: Runtime) -> tuple[PPOConfig, Co
     (actor, ref, critic), rollout = build_colocated(
         config.rollout.name,
         build_training,
-        lambda chunks: build_rollout(config.rollout, runtime, chunks, tokenizer, hf_config),
+        lambda chunks: build_rollout(
+            lora_rollout_config(config.rollout, config.model), runtime, chunks, tokenizer, hf_config
+        ),
     )
     if environment is not None:
         from verl_megatron.rollout.multiturn import MultiTurnRollout

@@ -713,6 +713,9 @@ def validate_config(config: PPOConfig, world_size: int) -> ParallelLayout:
         config.model.validate(layout)
         config.model.recompute_settings()
         check_engine_installed(config.rollout.name)
+        from verl_megatron.rollout.lora_sync import check_rollout_lora
+
+        check_rollout_lora(config.rollout, config.model)
         old_log_prob_micro_batch_size(config.rollout, config.actor)
     except (ModelConfigError, RolloutConfigError) as err:
         raise ConfigError(str(err)) from None

@@ -570,6 +570,11 @@ class PPOTrainer:
             out_dir = os.path.join(trainer.default_local_dir, "hf_export")
             export_hf_weights(self.actor.chunks, self.runtime, out_dir, self.hf_config, self.tokenizer)
             self.tracker.print(f"exported the final actor as a Hugging Face model to {out_dir}")
+            from verl_megatron.models.lora_export import export_final_adapter
+
+            export_final_adapter(
+                self.actor.chunks, self.runtime, trainer.default_local_dir, self.config.model
+            )
         png = self.tracker.finish()
         if png:
             self.tracker.print(f"metrics: {self.tracker.jsonl_path}; curves: {png}")
