@@ -38,6 +38,7 @@ from verl_megatron.models.config import ModelConfig
 from verl_megatron.rollout.config import RolloutConfig
 from verl_megatron.trainer.guard import DivergenceGuardConfig
 from verl_megatron.workers.config import ActorConfig, CriticConfig, RefConfig
+from verl_megatron.workers.reward_model_config import ModelRewardSettings
 
 __all__ = [
     "AlgoConfig",
@@ -153,8 +154,9 @@ class OverlongBufferConfig:
 
 
 @dataclass
-class RewardModelConfig:
-    """How responses are scored (verl's ``reward_model`` section, rule-based managers).
+class RewardModelConfig(ModelRewardSettings):
+    """How responses are scored (verl's ``reward_model`` section): the rule-based manager below,
+    a reward model and a judge (``ModelRewardSettings``, workers/reward_model_config.py).
 
     Attributes:
         reward_manager: "naive", "dapo", "batch", "parallel", "prime" or an import path.

@@ -1,0 +1,135 @@
+"""The discriminative reward model: transformers' scores, the same scores under every layout.
+
+A tiny random-init LlamaForSequenceClassification (char tokenizer, pad id 0) scores a batch of
+five prompt + response rows, some of them ending in pad-id tokens (transformers reads the
+score at the last token that is not the pad token). The single-process run is compared with
+``AutoModelForSequenceClassification``; runs with the reward model at tp=2 and pp=2 (its own
+parallel state beside an actor at dp=2) and at dp=2 (the actor's own state) are compared with
+the single-process run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.closeness import assert_close_report
+
+# Measured max abs diff against one process, float32, scores up to 10: tp=2 1.4e-6, dp=2 9.5e-7, pp=2 0.
+LAYOUT_ATOL = 1e-5
+HF_ATOL = 1e-4
+
+
+def make_batch() -> dict:
+    """input_ids [5, 6+5]: left-padded prompts, right-padded responses; rows 1 and 3 end in pad ids."""
+    g = torch.Generator().manual_seed(0)
+    prompt_lengths, response_lengths = [6, 3, 4, 1, 5], [5, 2, 4, 3, 1]
+    ids = torch.zeros((5, 11), dtype=torch.long)
+    mask = torch.zeros((5, 11), dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompt_lengths, response_lengths)):
+        ids[i, 6 - p : 6] = torch.randint(5, 60, (p,), generator=g)
+        ids[i, 6 : 6 + r] = torch.randint(5, 60, (r,), generator=g)
+        mask[i, 6 - p : 6 + r] = 1
+    ids[1, 6 + 1] = 0  # the response's last token is the pad id: the score is read before it
+    ids[3, 6 + 1 : 6 + 3] = 0
+    return {"input_ids": ids, "attention_mask": mask, "responses": ids[:, 6:]}
+
+
+VARIANTS = {
+    "packed": {"use_remove_padding": True, "micro_batch_size_per_gpu": 2},
+    "padded": {"use_remove_padding": False, "micro_batch_size_per_gpu": 3},
+    "dynamic": {"use_remove_padding": True, "use_dynamic_bsz": True, "forward_max_token_len_per_gpu": 12},
+}
+
+
+def rm_job(path: str, tp: int, pp: int, actor_tp: int = 1) -> dict:
+    from megatron.core import parallel_state as ps
+
+    from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
+    from verl_megatron.protocol import DataProto
+    from verl_megatron.workers.reward_model import MegatronRewardModel
+    from verl_megatron.workers.reward_model_config import ModelRewardSettings, RewardModelModelConfig
+
+    runtime = init_runtime(ParallelLayout(tp=actor_tp), seed=3)
+    actor_state = (ps.get_tensor_model_parallel_world_size(), ps.get_data_parallel_world_size())
+    out: dict = {}
+    for name, settings in VARIANTS.items():
+        cfg = ModelRewardSettings(
+            enable=True,
+            model=RewardModelModelConfig(path=path, dtype="float32"),
+            parallel=ParallelLayout(tp=tp, pp=pp),
+            **settings,
+        )
+        rm = MegatronRewardModel(runtime, cfg)
+        try:
+            out[name] = rm.compute_rm_score(DataProto.from_dict(make_batch()))
+            out[f"{name}/slot"] = rm.slot is not None
+        finally:
+            rm.close()
+    # The actor's parallel state is back in place, groups intact.
+    out["actor_state_after"] = (ps.get_tensor_model_parallel_world_size(), ps.get_data_parallel_world_size())
+    out["actor_state_before"] = actor_state
+    return out
+
+
+@pytest.fixture(scope="module")
+def rm_path(tmp_path_factory) -> str:
+    from verl_megatron.utils.local_assets import build_char_tokenizer, build_tiny_reward_model
+
+    path = str(tmp_path_factory.mktemp("tiny_rm"))
+    tokenizer = build_char_tokenizer(path)
+    build_tiny_reward_model(
+        path,
+        "llama",
+        tokenizer=tokenizer,
+        hidden_size=32,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=64,
+        seed=1,
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(pool1, rm_path) -> dict:
+    (result,) = pool1.run(f"{__name__}:rm_job", path=rm_path, tp=1, pp=1)
+    return result
+
+
+def test_scores_match_transformers_sequence_classification(reference, rm_path):
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(rm_path, dtype=torch.float32).eval()
+    batch = make_batch()
+    expected = []
+    with torch.no_grad():
+        for ids, mask in zip(batch["input_ids"], batch["attention_mask"]):
+            expected.append(float(model(input_ids=ids[mask.bool()].unsqueeze(0)).logits[0, 0]))
+    expected = torch.tensor(expected)
+    assert expected.std() > 0.1  # scores that differ: a wrong row or position shows
+    for name in VARIANTS:
+        assert_close_report(reference[name], expected, rtol=0, atol=HF_ATOL, what=f"rm scores ({name}) vs HF")
+    # Reading at the last token instead of the last non-pad token would give other numbers.
+    with torch.no_grad():
+        ids = batch["input_ids"][1][batch["attention_mask"][1].bool()]
+        at_pad = float(
+            model.model(input_ids=ids.unsqueeze(0)).last_hidden_state[0, -1] @ model.score.weight[0]
+        )
+    assert abs(at_pad - float(reference["packed"][1])) > 1e-3
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2), (1, 1)], ids=["tp2", "pp2", "dp2"])
+def test_layouts_match_single_process(pool2, reference, rm_path, tp, pp):
+    ranks = pool2.run(f"{__name__}:rm_job", path=rm_path, tp=tp, pp=pp)
+    for rank, result in enumerate(ranks):
+        assert result["actor_state_after"] == result["actor_state_before"] == (1, 2), rank
+        for name in VARIANTS:
+            assert result[f"{name}/slot"] == ((tp, pp) != (1, 1))
+            assert_close_report(
+                result[name],
+                reference[name],
+                rtol=0,
+                atol=LAYOUT_ATOL,
+                what=f"rank {rank} tp={tp} pp={pp} {name}",
+            )
