@@ -740,6 +740,9 @@ def validate_config(config: PPOConfig, world_size: int) -> ParallelLayout:
         raise ConfigError("data.train_files is empty; give parquet/jsonl files of verl rows")
     if config.model.path:
         check_model_fits(layout, config.model.path)
+    from verl_megatron.trainer.ppo.model_rewards import check_model_rewards
+
+    check_model_rewards(config, world_size)  # reward model checkpoint and layout, combine, judge
     return layout
 
 
