@@ -133,3 +133,52 @@ def test_layouts_match_single_process(pool2, reference, rm_path, tp, pp):
                 atol=LAYOUT_ATOL,
                 what=f"rank {rank} tp={tp} pp={pp} {name}",
             )
+
+
+# ------------------------------------------------------------------ check-hf on reward models
+
+
+def check_hf_job(argv: list[str]) -> tuple[int, str]:
+    import contextlib
+    import io
+
+    from verl_megatron.models import check_hf
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = check_hf.main(argv)
+    return status, out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def qwen2_rm_path(tmp_path_factory) -> str:
+    from verl_megatron.utils.local_assets import build_bpe_tokenizer, build_tiny_reward_model
+
+    path = str(tmp_path_factory.mktemp("tiny_qwen2_rm"))
+    tokenizer = build_bpe_tokenizer(path, vocab_size=300)
+    build_tiny_reward_model(
+        path,
+        "qwen2",
+        tokenizer=tokenizer,
+        hidden_size=32,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=64,
+        seed=2,
+    )
+    return path
+
+
+def _reported_diff(line: str) -> float:
+    return float(line.split("max |score diff| = ")[1].split()[0])
+
+
+@pytest.mark.parametrize(("family", "tp", "pp"), [("qwen2", 1, 1), ("qwen2", 2, 1), ("llama", 1, 2)])
+def test_check_hf_compares_reward_scores(pool1, pool2, rm_path, qwen2_rm_path, family, tp, pp):
+    path = qwen2_rm_path if family == "qwen2" else rm_path
+    pool = pool1 if tp * pp == 1 else pool2
+    results = pool.run(f"{__name__}:check_hf_job", argv=[path, "--tp", str(tp), "--pp", str(pp)])
+    assert [status for status, _ in results] == [0] * len(results), results
+    (line,) = [text.strip() for _, text in results if text.strip()]
+    assert "(reward model)" in line and line.endswith("(tolerance 0.0001): OK"), line
+    assert _reported_diff(line) < 1e-4
