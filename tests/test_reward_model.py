@@ -182,3 +182,55 @@ def test_check_hf_compares_reward_scores(pool1, pool2, rm_path, qwen2_rm_path, f
     (line,) = [text.strip() for _, text in results if text.strip()]
     assert "(reward model)" in line and line.endswith("(tolerance 0.0001): OK"), line
     assert _reported_diff(line) < 1e-4
+
+
+# ------------------------------------------------------------------ inputs
+
+
+def test_conversation_ids_retemplate_with_the_reward_models_tokenizer(tmp_path):
+    import numpy as np
+
+    from verl_megatron.protocol import DataProto
+    from verl_megatron.utils.local_assets import build_bpe_tokenizer, build_char_tokenizer
+    from verl_megatron.workers.reward_model import conversation_ids, score_positions
+
+    actor_tok = build_char_tokenizer(tmp_path / "actor")
+    rm_tok = build_bpe_tokenizer(tmp_path / "rm", vocab_size=300)
+    chats = [[{"role": "user", "content": "What is 2+3?"}], [{"role": "user", "content": "Hi"}]]
+    answers = ["5", "Hello there"]
+    tr = max(len(a) for a in answers) + 1
+    responses = torch.zeros((2, tr), dtype=torch.long)
+    mask = torch.zeros((2, 4 + tr), dtype=torch.long)
+    for i, a in enumerate(answers):
+        ids = actor_tok(a)["input_ids"] + [actor_tok.eos_token_id]
+        responses[i, : len(ids)] = torch.tensor(ids)
+        mask[i, 4 - 1 : 4 + len(ids)] = 1
+    batch = DataProto.from_dict(
+        {
+            "input_ids": torch.cat([torch.full((2, 4), 7), responses], 1),
+            "attention_mask": mask,
+            "responses": responses,
+        },
+        non_tensors={"raw_prompt": np.array(chats, dtype=object)},
+    )
+    got = conversation_ids(batch, rm_tok, actor_tok)
+    for i in range(2):
+        text = rm_tok.apply_chat_template(
+            [*chats[i], {"role": "assistant", "content": answers[i]}],
+            tokenize=False,
+            add_generation_prompt=False,
+        )
+        assert got[i] == rm_tok(text, add_special_tokens=False)["input_ids"]
+        assert rm_tok.decode(got[i]).endswith(f"{answers[i]}<|im_end|>\n")
+    # max_length keeps the end (left) or the start (right) of a long conversation.
+    full = got[1]
+    assert conversation_ids(batch, rm_tok, actor_tok, max_length=5, truncation="left")[1] == full[-5:]
+    assert conversation_ids(batch, rm_tok, actor_tok, max_length=5, truncation="right")[1] == full[:5]
+    with pytest.raises(ValueError, match=r"reward_model\.max_length=5"):
+        conversation_ids(batch, rm_tok, actor_tok, max_length=5, truncation="error")
+    # Without raw_prompt there is no chat to re-template.
+    with pytest.raises(KeyError, match=r"data\.return_raw_chat=true"):
+        conversation_ids(DataProto.from_dict(dict(batch.batch)), rm_tok, actor_tok)
+    # transformers' reading position: the last token that is not the pad id.
+    assert score_positions([5, 0, 6, 0, 0], 0) == 3
+    assert score_positions([0, 0], 0) == 1 and score_positions([5, 0], None) == 2
