@@ -122,6 +122,7 @@ def test_start_up_check_runs_in_validate_config(checkpoints):
         (["reward_model.enable=true", "reward_model.model.path={rm}", "reward_model.combine=rule + rmm"], "unknown name 'rmm' (known: rule, rm, judge); did you mean 'rm'?"),
         (["reward_model.combine=rule + rm"], "uses 'rm' but reward_model.enable is false"),
         (["reward_model.enable=true", "reward_model.model.path={rm}", "reward_model.parallel.tp=3"], "reward_model.parallel:"),
+        (["reward_model.enable=true", "reward_model.model.path={rm}", "reward_model.parallel.cp=2"], "reward_model.parallel.cp > 1 needs"),
         (["reward_model.enable=true", "reward_model.model.path={rm}", "reward_model.truncation=middle"], "reward_model.truncation='middle'"),
         (["reward_model.enable=true", "reward_model.model.path={rm}", "reward_model.model.input_tokenizer={rm}"], "data.return_raw_chat=true"),
         (["reward_model.judge.enable=true", "reward_model.judge.backend=openai", "reward_model.judge.url=localhost:8000"], "reward_model.judge.url: 'localhost:8000' is not an http(s)://host[:port] URL"),

@@ -23,7 +23,6 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from verl_megatron.distributed.parallel import Runtime
@@ -261,8 +260,3 @@ class MegatronRewardModel:
         """Destroy the reward model's own process groups."""
         if self.slot is not None:
             self.slot.close()
-
-
-def scores_to_list(scores: torch.Tensor) -> list[float]:
-    """Per-sample extra-info column of scores (plain floats)."""
-    return [float(x) for x in np.asarray(scores, dtype=np.float64)]

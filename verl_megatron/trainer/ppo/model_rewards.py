@@ -80,6 +80,10 @@ def check_model_rewards(config: Any, world_size: int) -> None:
         raise ConfigError(
             "reward_model.model.input_tokenizer re-templates the chat from raw_prompt: set data.return_raw_chat=true"
         )
+    if section.parallel.cp > 1 and not torch.cuda.is_available():
+        raise ConfigError(
+            "reward_model.parallel.cp > 1 needs Transformer Engine attention, which needs CUDA; this machine has no GPU"
+        )
     try:
         layout = section.parallel.resolve(world_size)
         arch = read_hf_architecture(load_hf_config(section.model.path))
