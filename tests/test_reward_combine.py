@@ -127,6 +127,7 @@ def test_start_up_check_runs_in_validate_config(checkpoints):
         (["reward_model.enable=true", "reward_model.model.path={rm}", "reward_model.model.input_tokenizer={rm}"], "data.return_raw_chat=true"),
         (["reward_model.judge.enable=true", "reward_model.judge.backend=openai", "reward_model.judge.url=localhost:8000"], "reward_model.judge.url: 'localhost:8000' is not an http(s)://host[:port] URL"),
         (["reward_model.judge.enable=true", "reward_model.judge.backend=openai"], "needs reward_model.judge.url"),
+        (["reward_model.judge.enable=true", "reward_model.judge.model_path=/nowhere/judge"], "reward_model.judge.model_path='/nowhere/judge' does not exist"),
         (["reward_model.judge.enable=true", "reward_model.judge.backend=vllm"], "reward_model.judge.backend='vllm'"),
         (["reward_model.judge.enable=true", "reward_model.judge.prompt_template=Rate {answer}"], "uses {answer}"),
         (["reward_model.judge.enable=true", "reward_model.judge.verdict_pattern=(unclosed"], "verdict_pattern does not compile"),

@@ -66,6 +66,9 @@ class JudgeConfig:
     backend: str = "native"
     """"native": the actor's own rollout engine generates the verdicts (greedy); "openai": an
     external OpenAI-compatible server (``url``)."""
+    model_path: str | None = None
+    """native backend: a separate causal-LM checkpoint that judges, built beside the actor under its
+    layout with the actor's ``model.dtype`` and its own tokenizer and chat template (null: the actor)."""
     url: str | None = None
     """openai backend: ``http(s)://host:port`` (``/v1/chat/completions`` is appended), a base
     ending in ``/v1``, or the full ``.../chat/completions`` endpoint."""

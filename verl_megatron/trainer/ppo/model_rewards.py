@@ -61,6 +61,10 @@ def check_model_rewards(config: Any, world_size: int) -> None:
     if section.judge.enable:
         try:
             check_judge_config(section.judge)
+            if section.judge.backend == "native" and section.judge.model_path:
+                from verl_megatron.workers.reward_judge_model import check_judge_model_path
+
+                check_judge_model_path(section.judge.model_path)
         except ValueError as err:
             raise ConfigError(str(err)) from None
     if not section.enable:
@@ -101,13 +105,17 @@ def check_model_rewards(config: Any, world_size: int) -> None:
 class ModelRewards:
     """The reward model and judge of a run; :meth:`apply` turns a rule reward into the final one."""
 
-    def __init__(self, section: Any, runtime: Any, tokenizer: Any, reward_model: Any = None) -> None:
+    def __init__(
+        self, section: Any, runtime: Any, tokenizer: Any, reward_model: Any = None, judge: Any = None
+    ) -> None:
         self.section = section
         self.runtime = runtime
         self.tokenizer = tokenizer
         self.formula = compile_formula(_formula_text(section))
         self.reward_model = reward_model
-        self.judge = RewardJudge(section.judge, tokenizer) if section.judge.enable else None
+        if judge is None and section.judge.enable:
+            judge = RewardJudge(section.judge, tokenizer)
+        self.judge = judge
 
     @property
     def uses_rule(self) -> bool:
@@ -115,8 +123,9 @@ class ModelRewards:
         return "rule" in self.formula.names
 
     def bind_generate(self, generate: Callable[[DataProto], DataProto]) -> None:
-        """The trainer's generate function, for the native judge."""
-        if self.judge is not None:
+        """The trainer's generate function, for the native judge of the actor (a separate judge
+        model keeps its own)."""
+        if self.judge is not None and self.judge.generate is None:
             self.judge.generate = generate
 
     def apply(
@@ -197,4 +206,10 @@ def build_model_rewards(config: Any, runtime: Any, tokenizer: Any) -> ModelRewar
         from verl_megatron.workers.reward_model import MegatronRewardModel
 
         reward_model = MegatronRewardModel(runtime, section)
-    return ModelRewards(section, runtime, tokenizer, reward_model)
+    judge = None
+    if section.judge.enable and section.judge.backend == "native" and section.judge.model_path:
+        from verl_megatron.workers.reward_judge_model import build_judge_model
+
+        generate, judge_tokenizer = build_judge_model(config, runtime)
+        judge = RewardJudge(section.judge, judge_tokenizer, generate)
+    return ModelRewards(section, runtime, tokenizer, reward_model, judge)
