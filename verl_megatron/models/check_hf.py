@@ -188,6 +188,10 @@ def run_check(args: argparse.Namespace) -> int:
     """Inside a distributed job: build, load, compare. Every rank returns the same status."""
     runtime = init_runtime(ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp))
     hf_config = load_hf_config(args.path)
+    from verl_megatron.models.check_reward_head import is_sequence_classification, run_reward_check
+
+    if is_sequence_classification(hf_config):  # a reward model: scores, not logits
+        return run_reward_check(args, runtime, hf_config)
     model_cfg = ModelConfig(path=args.path, dtype=args.dtype)
     chunks = build_gpt_chunks(hf_config, runtime, model_cfg)
     load_hf_weights(chunks, args.path, runtime)

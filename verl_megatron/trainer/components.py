@@ -43,6 +43,7 @@ class Components:
     val_reward_fn: Any
     train_loader: PromptLoader
     val_loader: PromptLoader | None
+    model_rewards: Any = None  # reward model / judge (trainer/ppo/model_rewards.py), or None
 
 
 def total_training_steps(config: PPOConfig, batches_per_epoch: int) -> int:
@@ -212,6 +213,9 @@ def build_components(config: PPOConfig, runtime: Runtime) -> tuple[PPOConfig, Co
 
         rollout = MultiTurnRollout(rollout, config.rollout, tokenizer, environment)
     reward_fn, val_reward_fn = _reward_fns(config, tokenizer)
+    from verl_megatron.trainer.ppo.model_rewards import build_model_rewards
+
+    model_rewards = build_model_rewards(config, runtime, tokenizer)
     return config, Components(
         tokenizer=tokenizer,
         hf_config=hf_config,
@@ -223,4 +227,5 @@ def build_components(config: PPOConfig, runtime: Runtime) -> tuple[PPOConfig, Co
         val_reward_fn=val_reward_fn,
         train_loader=train_loader,
         val_loader=val_loader,
+        model_rewards=model_rewards,
     )

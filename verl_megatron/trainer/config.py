@@ -41,6 +41,7 @@ from verl_megatron.trainer.guard import DivergenceGuardConfig
 from verl_megatron.trainer.ppo.rollout_correction_config import RolloutCorrectionConfig
 from verl_megatron.utils.reward_score.code_exec import CodeSandboxConfig
 from verl_megatron.workers.config import ActorConfig, CriticConfig, RefConfig
+from verl_megatron.workers.reward_model_config import ModelRewardSettings
 
 __all__ = [
     "AlgoConfig",
@@ -159,8 +160,9 @@ class OverlongBufferConfig:
 
 
 @dataclass
-class RewardModelConfig:
-    """How responses are scored (verl's ``reward_model`` section, rule-based managers).
+class RewardModelConfig(ModelRewardSettings):
+    """How responses are scored (verl's ``reward_model`` section): the rule-based manager below,
+    a reward model and a judge (``ModelRewardSettings``, workers/reward_model_config.py).
 
     Attributes:
         reward_manager: "naive", "dapo", "batch", "parallel", "prime" or an import path.
@@ -768,6 +770,9 @@ def validate_config(config: PPOConfig, world_size: int) -> ParallelLayout:
         raise ConfigError("data.train_files is empty; give parquet/jsonl files of verl rows")
     if config.model.path:
         check_model_fits(layout, config.model.path)
+    from verl_megatron.trainer.ppo.model_rewards import check_model_rewards
+
+    check_model_rewards(config, world_size)  # reward model checkpoint and layout, combine, judge
     return layout
 
 

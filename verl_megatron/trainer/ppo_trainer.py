@@ -64,6 +64,11 @@ class PPOTrainer:
         self.actor, self.ref, self.critic = components.actor, components.ref, components.critic
         self.rollout = components.rollout
         self.reward_fn, self.val_reward_fn = components.reward_fn, components.val_reward_fn
+        self.model_rewards = components.model_rewards  # reward model / judge, combined in _reward
+        if self.model_rewards is not None:
+            self.model_rewards.bind_generate(
+                lambda prompts: self._generate(prompts, validate=True, greedy=True)
+            )
         self.train_loader, self.val_loader = components.train_loader, components.val_loader
         self.hf_config = components.hf_config
         self.total_steps = total_training_steps(config, len(self.train_loader))
@@ -89,6 +94,8 @@ class PPOTrainer:
         try:
             return self._fit()
         finally:
+            if self.model_rewards is not None:
+                self.model_rewards.close()
             # Scorer worker processes end with the run, not at garbage collection.
             for reward_fn in {
                 id(f): f for f in (self.reward_fn, self.val_reward_fn) if f is not None
@@ -323,6 +330,14 @@ class PPOTrainer:
                 load(target)
 
     def _reward(self, batch: DataProto, reward_fn: Any) -> tuple[torch.Tensor, dict[str, list[Any]]]:
+        """(reward [B, Tr], extra info): the rule reward, combined with the reward model's and the
+        judge's scores when they are enabled (``reward_model.combine``)."""
+        if self.model_rewards is None:
+            return self._rule_reward(batch, reward_fn)
+        rule = self._rule_reward(batch, reward_fn) if self.model_rewards.uses_rule else None
+        return self.model_rewards.apply(batch, rule)
+
+    def _rule_reward(self, batch: DataProto, reward_fn: Any) -> tuple[torch.Tensor, dict[str, list[Any]]]:
         """(reward [B, Tr], extra info) computed on rank 0 and broadcast to every rank."""
         if self.runtime.world_size == 1:
             return compute_reward(batch, reward_fn)

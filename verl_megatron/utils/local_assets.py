@@ -7,6 +7,7 @@ and reloads with the ``Auto*`` classes from its folder.
   any model family except ``qwen2`` (transformers always rebuilds a BPE ``Qwen2Tokenizer`` there).
 - ``build_bpe_tokenizer``: byte-level BPE with Qwen2's pre-tokenizer split, safe beside ``qwen2``.
 - ``build_tiny_hf_model``: a random-init llama / qwen2 / qwen3 / mistral causal LM.
+- ``build_tiny_reward_model``: the same families as a one-label ``*ForSequenceClassification``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ __all__ = [
     "build_bpe_tokenizer",
     "build_char_tokenizer",
     "build_tiny_hf_model",
+    "build_tiny_reward_model",
 ]
 
 DEFAULT_ALPHABET = string.digits + string.ascii_letters + string.punctuation + " \n"
@@ -232,6 +234,46 @@ def build_tiny_hf_model(
         tokenizer.save_pretrained(out_dir)
         _check_tokenizer_reloads(tokenizer, out_dir, family)
     return model
+
+
+def build_tiny_reward_model(
+    out_dir: str | os.PathLike,
+    family: str,
+    *,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    vocab_size: int | None = None,
+    seed: int = 0,
+    score_std: float = 1.0,
+    **kwargs: Any,
+) -> PreTrainedModel:
+    """A random-init one-label ``<Family>ForSequenceClassification`` (a reward model) saved to ``out_dir``.
+
+    Arguments as :func:`build_tiny_hf_model`. The ``score`` head is drawn with std ``score_std``
+    (transformers' 0.02 would make every reward almost 0, hiding errors in tests).
+    """
+    from transformers import AutoModelForSequenceClassification
+
+    shape = {k: kwargs.pop(k) for k in list(kwargs) if k in _SHAPE_ARGS}
+    config = _tiny_config(
+        family, vocab_size, shape.get("hidden_size", 64), shape.get("num_layers", 2), shape.get("num_heads", 4),
+        shape.get("num_kv_heads", 2), shape.get("intermediate_size", 128), False, tokenizer,
+        {"num_labels": 1, **kwargs},
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+        with torch.no_grad():
+            model.score.weight.normal_(0.0, score_std)
+    model.eval()
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+        _check_tokenizer_reloads(tokenizer, out_dir, family)
+    return model
+
+
+_SHAPE_ARGS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size")
 
 
 def _tiny_config(
