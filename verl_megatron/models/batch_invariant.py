@@ -220,25 +220,28 @@ def self_attention(
     seg_key = torch.arange(batch, device=device)[:, None] * (steps + 1) + start
     seg_keys, seg_id = torch.unique(seg_key.reshape(-1), return_inverse=True)
     segments = seg_keys.numel()
-    token = (column[None, :] * batch + torch.arange(batch, device=device)[:, None]).reshape(
-        -1
-    )  # [b*S] in [S, b] order
-    slot = seg_id * key_length + offset.reshape(-1)  # canonical slot of each token
-    # source[slot] = token index (or the zero row past the end)
-    source = torch.full((segments * key_length,), steps * batch, dtype=torch.long, device=device)
-    source[slot] = token
+    # Flat index of each token in megatron's [S, b] order, listed in [b, S] order like seg_id.
+    token = (column[None, :] * batch + torch.arange(batch, device=device)[:, None]).reshape(-1)
 
-    def canonical(t: torch.Tensor) -> torch.Tensor:
+    def canonical(t: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """t [S, b, heads, D] -> [segments, heads, width, D] (zeros past a segment's end), slots."""
+        slot = seg_id * width + offset.reshape(-1)
+        source = torch.full((segments * width,), steps * batch, dtype=torch.long, device=device)
+        source[slot] = token  # the index past the end selects the zero row
         flat = t.reshape(steps * batch, t.shape[2], dim)
         flat = torch.cat([flat, flat.new_zeros(1, t.shape[2], dim)])
-        return flat.index_select(0, source).view(segments, key_length, t.shape[2], dim).transpose(1, 2)
+        return flat.index_select(0, source).view(segments, width, t.shape[2], dim).transpose(1, 2), slot
 
-    q, k, v = canonical(query), canonical(key), canonical(value)
-    key_column = torch.arange(key_length, device=device)
-    # Query slot j may see key columns 0..j (padding slots see column 0 and are never read).
-    allowed_c = (key_column[None, :] <= key_column[:, None]).view(1, 1, key_length, key_length)
-    out = attention(q, k, v, allowed_c.expand(segments, 1, key_length, key_length), scale)
-    out = out.transpose(1, 2).reshape(segments * key_length, heads * dim)
+    # Keys over the fixed length L; queries only as many as the longest segment (a query's
+    # result does not depend on how many others there are).
+    (k, _), (v, _) = canonical(key, key_length), canonical(value, key_length)
+    q, slot = canonical(query, longest)
+    # Query slot j sees key columns 0..j; slots past a segment's end are never read.
+    allowed = (
+        torch.arange(key_length, device=device)[None, :] <= torch.arange(longest, device=device)[:, None]
+    )
+    out = attention(q, k, v, allowed.view(1, 1, longest, key_length).expand(segments, 1, -1, -1), scale)
+    out = out.transpose(1, 2).reshape(segments * longest, heads * dim)
     # slot is in [b, S] order; megatron wants [S, b, H * D].
     return out.index_select(0, slot).view(batch, steps, heads * dim).transpose(0, 1).contiguous()
 

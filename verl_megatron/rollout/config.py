@@ -150,7 +150,7 @@ class RolloutConfig:
     for bit (float32 and bfloat16), at any tp/pp/dp layout, packing and dynamic batch size. The
     decoder and the actor's forward and backward then use batch-invariant kernels
     (``models/batch_invariant.py``: tiled GEMMs, attention over a fixed key length of
-    prompt_length + response_length), about 2x the CPU time of generation and of the update;
+    prompt_length + response_length), about 1.5-2x the CPU time of generation and of the update;
     needs megatron's local layer spec (model.use_te=false); not with multi_turn or MoE models.
     Off: the two differ by float rounding (~1e-6 in float32, ~1e-3 in bfloat16)."""
     lora_sync: str = "merged"
