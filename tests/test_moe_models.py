@@ -122,6 +122,9 @@ def test_bad_expert_layouts_name_the_problem(moe_models):
     path = moe_models["qwen3_moe_norm_topk"]  # 4 experts
     with pytest.raises(ConfigError, match=r"num_experts=4 is not divisible by ep=3"):
         check_model_fits(ParallelLayout(ep=3).resolve(3), path)
+    with pytest.raises(ConfigError, match=r"training a mixture-of-experts model with tp=2 needs model.seq"):
+        check_model_fits(ParallelLayout(tp=2, ep=2, etp=1).resolve(2), path)
+    check_model_fits(ParallelLayout(tp=2, ep=2, etp=1).resolve(2), path, sequence_parallel=True)
     with pytest.raises(ValueError, match=r"parallel.ep=4 must divide dp\*cp\*tp = 2"):
         ParallelLayout(ep=4).resolve(2)
     with pytest.raises(

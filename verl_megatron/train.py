@@ -93,7 +93,7 @@ def run(config_path: str | None, overrides: Sequence[str]) -> dict[str, float]:
         # Held until the run ends: one run per output dir, and no silent overwrite of an earlier one.
         with claim_output_dir(config, runtime.rank):
             config = prepare_quickstart_assets(config, runtime.rank)
-            check_model_fits(runtime.layout, config.model.path)
+            check_model_fits(runtime.layout, config.model.path, config.model.sequence_parallel)
             config, components = build_components(config, runtime)
             return PPOTrainer(config, runtime, components).fit()
     finally:

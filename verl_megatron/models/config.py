@@ -391,6 +391,8 @@ def hf_to_transformer_config(hf_config: Any, layout: ParallelLayout, model_cfg: 
         masked_softmax_fusion=use_te,
         apply_rope_fusion=use_te,
     )
+    # megatron marks expert weights as such (not all-reduced over dp) only when the config says ep > 1.
+    kwargs["expert_model_parallel_size"] = layout.ep
     if layout.expert_tp != layout.tp:
         kwargs["expert_tensor_parallel_size"] = layout.expert_tp
     if arch.moe is not None:

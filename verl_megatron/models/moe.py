@@ -192,3 +192,20 @@ def install_router_fallback() -> None:
 
     if not getattr(moe_utils, "HAVE_TE", False) and not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def check_trainable(moe: MoEArchitecture | None, tp: int, sequence_parallel: bool) -> None:
+    """Raise when megatron cannot train this MoE model under the layout.
+
+    megatron-core's MoE layer refuses training with tp > 1 unless sequence parallelism is on
+    (``MoELayer.forward``), and sequence parallelism needs Transformer Engine (GPU). Forward
+    passes (check-hf, log-probs) are not affected.
+    """
+    from verl_megatron.models.config import ModelConfigError
+
+    if moe is not None and tp > 1 and not sequence_parallel:
+        raise ModelConfigError(
+            f"training a mixture-of-experts model with tp={tp} needs model.sequence_parallel=True "
+            "(megatron's MoE layer requires it; it needs Transformer Engine on a GPU); on CPU use "
+            "tp=1 with parallel.ep for the experts"
+        )

@@ -639,10 +639,11 @@ def _check_finite(node: Any, prefix: str) -> None:
             raise ConfigError(f"{prefix}{f.name} must be a finite number, got {value}")
 
 
-def check_model_fits(layout: ParallelLayout, model_path: str) -> None:
-    """Parallel sizes against the checkpoint's heads, kv heads and layers (reads config.json only)."""
+def check_model_fits(layout: ParallelLayout, model_path: str, sequence_parallel: bool = False) -> None:
+    """Parallel sizes against the checkpoint's heads, kv heads, layers and experts (reads config.json only)."""
     from verl_megatron.distributed.parallel import ParallelConfigError
     from verl_megatron.models.config import ModelConfigError, load_hf_config, read_hf_architecture
+    from verl_megatron.models.moe import check_trainable
 
     if not os.path.exists(os.path.expanduser(model_path)):
         raise ConfigError(f"model.path='{model_path}' does not exist")
@@ -659,6 +660,7 @@ def check_model_fits(layout: ParallelLayout, model_path: str) -> None:
             num_query_groups=arch.num_key_value_heads,
             num_experts=arch.moe.num_experts if arch.moe else None,
         )
+        check_trainable(arch.moe, layout.tp, sequence_parallel)
     except (ParallelConfigError, ModelConfigError) as err:
         raise ConfigError(f"parallel: {err} (model.path='{model_path}')") from None
 
@@ -738,7 +740,7 @@ def validate_config(config: PPOConfig, world_size: int) -> ParallelLayout:
     if not config.data.train_files and not config.quickstart.enable:
         raise ConfigError("data.train_files is empty; give parquet/jsonl files of verl rows")
     if config.model.path:
-        check_model_fits(layout, config.model.path)
+        check_model_fits(layout, config.model.path, config.model.sequence_parallel)
     return layout
 
 
