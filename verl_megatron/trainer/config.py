@@ -253,7 +253,9 @@ class QuickstartConfig:
         task: synthetic task, "reverse" or "copy" (see verl_megatron.data.synthetic).
         num_digits: digits per prompt.
         hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size: the
-            random-init llama model.
+            random-init model.
+        family: its model family: ``llama``, or a mixture-of-experts one (``qwen3_moe``,
+            ``qwen2_moe``, ``mixtral``: 4 experts, top-2, aux loss on).
         assets_dir: where the tokenizer, model and data are written
             (default: ``<trainer.default_local_dir>/assets``).
     """
@@ -266,6 +268,7 @@ class QuickstartConfig:
     num_heads: int = 4
     num_kv_heads: int = 4
     intermediate_size: int = 128
+    family: str = "llama"
     assets_dir: str | None = None
 
 
