@@ -250,7 +250,8 @@ class MegatronActor(_PolicyForward):
         Returns per-step lists for actor/pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower,
         entropy, grad_norm (and kl_loss with use_kl_loss), each the value over the whole
         mini-batch (all dp ranks), plus actor/lr (the rate these steps used) and
-        actor/skipped_steps (steps dropped for a non-finite gradient norm).
+        actor/skipped_steps (steps dropped for a non-finite gradient norm); for a
+        mixture-of-experts model also actor/moe/* (see ``verl_megatron.workers.moe.MoEStats``).
         """
         cfg = self.config
         temperature = temperature_of(data, "MegatronActor.update_policy")
