@@ -294,6 +294,8 @@ def test_trl_peer_runs_as_one_process(quick_run):
         return
     assert raw["TRL GRPOTrainer"]["ddp_wrapped"] is False
     assert raw["TRL GRPOTrainer"]["distributed_type"] == "DistributedType.NO"
+
+
 def test_sandbox_section(quick_run):
     _, results, _ = quick_run
     section = results["sections"]["sandbox"]

@@ -1,4 +1,5 @@
-"""Every shipped recipe trains: configs/grpo.yaml, ppo.yaml and dapo.yaml each run one step on CPU.
+"""Every shipped recipe trains: configs/grpo.yaml, ppo.yaml, dapo.yaml, grpo_moe.yaml and
+quickstart_moe.yaml each run one step on CPU.
 
 Each recipe runs as written (bf16 mixed precision, its loss, estimator, KL, critic, dynamic
 sampling, overlong penalty, validation, checkpointing) with only sizes overridden: a tiny
@@ -80,6 +81,7 @@ RECIPES = {
         "actor.ppo_mini_batch_size=4",  # two actor and two critic steps
         "critic.ppo_mini_batch_size=4",
     ],
+    "grpo_moe": ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4"],
     "dapo": [
         "data.train_batch_size=2",
         "data.gen_batch_size=4",
@@ -205,3 +207,26 @@ def test_grpo_lora_recipe_runs_a_step(pool1, tmp_path):
 
     keys = dist_checkpointing.load_tensors_metadata(os.path.join(out, "global_step_1", "actor"))
     assert keys and all(k.startswith(("layers.", "optimizer.")) for k in keys), sorted(keys)[:4]
+
+
+def test_grpo_moe_recipe_runs_a_step(pool1, assets, tmp_path):
+    from verl_megatron.utils.local_assets import build_bpe_tokenizer, build_tiny_hf_model
+
+    model = tmp_path / "moe_model"
+    build_tiny_hf_model(
+        model, "qwen2_moe", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+        intermediate_size=64, tokenizer=build_bpe_tokenizer(model), seed=3,
+    )  # fmt: skip
+    result, _, m = _run(pool1, {**assets, "model": str(model)}, tmp_path, "grpo_moe")
+    assert result["config"]["parallel"]["ep"] == 1
+    assert m["actor/moe/aux_loss"] > 0.0 and m["actor/moe/load_imbalance"] >= 1.0
+
+
+def test_quickstart_moe_runs_a_step(pool1, tmp_path):
+    out = str(tmp_path / "quickstart_moe")
+    overrides = ["trainer.total_training_steps=1", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8"]
+    overrides.append("actor.ppo_micro_batch_size_per_gpu=64")  # 8 prompts x 8 samples
+    (result,) = pool1.run(f"{__name__}:recipe_job", recipe="quickstart_moe", out_dir=out, overrides=overrides)
+    last = {k: v for row in result["rows"] if row["step"] == 1 for k, v in row.items()}
+    assert result["config"]["quickstart"]["family"] == "qwen3_moe"
+    assert last["actor/moe/aux_loss"] > 0.0 and "val/test_score/synthetic/reverse" in last

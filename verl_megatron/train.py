@@ -98,7 +98,7 @@ def run(config_path: str | None, overrides: Sequence[str]) -> dict[str, float]:
         # Held until the run ends: one run per output dir, and no silent overwrite of an earlier one.
         with claim_output_dir(config, runtime.rank):
             config = prepare_quickstart_assets(config, runtime.rank)
-            check_model_fits(runtime.layout, config.model.path)
+            check_model_fits(runtime.layout, config.model.path, config.model.sequence_parallel)
             if placement is not None:
                 placement.barrier()  # the rollout ranks may read the quickstart's assets now
             config, components = build_components(config, runtime)

@@ -264,7 +264,9 @@ class QuickstartConfig:
         task: synthetic task, "reverse" or "copy" (see verl_megatron.data.synthetic).
         num_digits: digits per prompt.
         hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size: the
-            random-init llama model.
+            random-init model.
+        family: its model family: ``llama``, or a mixture-of-experts one (``qwen3_moe``,
+            ``qwen2_moe``, ``mixtral``: 4 experts, top-2, aux loss on).
         assets_dir: where the tokenizer, model and data are written
             (default: ``<trainer.default_local_dir>/assets``).
     """
@@ -277,6 +279,7 @@ class QuickstartConfig:
     num_heads: int = 4
     num_kv_heads: int = 4
     intermediate_size: int = 128
+    family: str = "llama"
     assets_dir: str | None = None
 
 
@@ -666,10 +669,11 @@ def _check_finite(node: Any, prefix: str) -> None:
             raise ConfigError(f"{prefix}{f.name} must be a finite number, got {value}")
 
 
-def check_model_fits(layout: ParallelLayout, model_path: str) -> None:
-    """Parallel sizes against the checkpoint's heads, kv heads and layers (reads config.json only)."""
+def check_model_fits(layout: ParallelLayout, model_path: str, sequence_parallel: bool = False) -> None:
+    """Parallel sizes against the checkpoint's heads, kv heads, layers and experts (reads config.json only)."""
     from verl_megatron.distributed.parallel import ParallelConfigError
     from verl_megatron.models.config import ModelConfigError, load_hf_config, read_hf_architecture
+    from verl_megatron.models.moe import check_trainable
 
     if not os.path.exists(os.path.expanduser(model_path)):
         raise ConfigError(f"model.path='{model_path}' does not exist")
@@ -684,7 +688,9 @@ def check_model_fits(layout: ParallelLayout, model_path: str) -> None:
             num_layers=arch.num_layers,
             num_attention_heads=arch.num_attention_heads,
             num_query_groups=arch.num_key_value_heads,
+            num_experts=arch.moe.num_experts if arch.moe else None,
         )
+        check_trainable(arch.moe, layout.tp, sequence_parallel)
     except (ParallelConfigError, ModelConfigError) as err:
         raise ConfigError(f"parallel: {err} (model.path='{model_path}')") from None
 
@@ -769,7 +775,7 @@ def validate_config(config: PPOConfig, world_size: int) -> ParallelLayout:
     if not config.data.train_files and not config.quickstart.enable:
         raise ConfigError("data.train_files is empty; give parquet/jsonl files of verl rows")
     if config.model.path:
-        check_model_fits(layout, config.model.path)
+        check_model_fits(layout, config.model.path, config.model.sequence_parallel)
     from verl_megatron.trainer.ppo.model_rewards import check_model_rewards
 
     check_model_rewards(config, world_size)  # reward model checkpoint and layout, combine, judge

@@ -1,4 +1,4 @@
-"""Assets for a self-contained run: a character tokenizer, a random-init llama, synthetic data.
+"""Assets for a self-contained run: a character tokenizer, a random-init model, synthetic data.
 
 Used when ``quickstart.enable`` is set and ``model.path`` / ``data.train_files`` are
 empty. Rank 0 writes everything under ``quickstart.assets_dir`` (default
@@ -25,15 +25,17 @@ DIGITS = "0123456789"
 
 def _build(config: PPOConfig, assets_dir: str, need_model: bool, need_data: bool) -> None:
     from verl_megatron.data.synthetic import write_synthetic_dataset
-    from verl_megatron.utils.local_assets import build_char_tokenizer, build_tiny_hf_model
+    from verl_megatron.utils.local_assets import MOE_FAMILIES, build_char_tokenizer, build_tiny_hf_model
 
     qs = config.quickstart
     if need_model:
         model_dir = os.path.join(assets_dir, "model")
         tokenizer = build_char_tokenizer(os.path.join(assets_dir, "tokenizer"), alphabet=DIGITS)
+        # MoE: transformers trains with the load-balancing loss only with output_router_logits.
+        moe = {"output_router_logits": True} if qs.family in MOE_FAMILIES else {}
         build_tiny_hf_model(
             model_dir,
-            "llama",
+            qs.family,
             hidden_size=qs.hidden_size,
             num_layers=qs.num_layers,
             num_heads=qs.num_heads,
@@ -41,6 +43,7 @@ def _build(config: PPOConfig, assets_dir: str, need_model: bool, need_data: bool
             intermediate_size=qs.intermediate_size,
             seed=config.trainer.seed,
             tokenizer=tokenizer,
+            **moe,
         )
     if need_data:
         write_synthetic_dataset(

@@ -26,6 +26,7 @@ from verl_megatron.models.megatron_model import attach_schedule_hooks
 from verl_megatron.protocol import DataProto
 from verl_megatron.trainer.ppo import core_algos
 from verl_megatron.trainer.ppo.algos.policy_losses import metrics_on_device
+from verl_megatron.workers import moe
 from verl_megatron.workers.batching import MicroBatch
 from verl_megatron.workers.config import ActorConfig, RefConfig
 from verl_megatron.workers.engine import ModelRunner, StepResult, dp_share
@@ -218,6 +219,7 @@ class MegatronActor(_PolicyForward):
         self.loss_config = _trainer_loss_config(config)
         self.update_calls = 0
         attach_schedule_hooks(chunks)
+        self.moe_stats = moe.MoEStats(runtime, chunks) if moe.is_moe(chunks) else None
 
     def compute_log_prob(
         self, data: DataProto, calculate_entropy: bool = False
@@ -250,7 +252,8 @@ class MegatronActor(_PolicyForward):
         Returns per-step lists for actor/pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower,
         entropy, grad_norm (and kl_loss with use_kl_loss), each the value over the whole
         mini-batch (all dp ranks), plus actor/lr (the rate these steps used) and
-        actor/skipped_steps (steps dropped for a non-finite gradient norm).
+        actor/skipped_steps (steps dropped for a non-finite gradient norm); for a
+        mixture-of-experts model also actor/moe/* (see ``verl_megatron.workers.moe.MoEStats``).
         """
         cfg = self.config
         temperature = temperature_of(data, "MegatronActor.update_policy")
@@ -277,6 +280,8 @@ class MegatronActor(_PolicyForward):
             metrics["actor/kl_coef"] = cfg.kl_loss_coef
         metrics["actor/lr"] = lr
         metrics["actor/skipped_steps"] = float(skipped)
+        if self.moe_stats is not None:  # expert load and aux loss of this update's steps
+            metrics.update(self.moe_stats.collect("actor"))
         return metrics
 
     def _policy_step(

@@ -70,6 +70,9 @@ class ModelInputs:
         held_index: None, or with context parallelism [K] flat indices into the r * Tr
             response positions of those this cp rank holds (``context_parallel.slice_inputs``).
         cp_group: the context-parallel group when ``held_index`` is set.
+        padding: same shape as ``input_ids``, True at filler positions (no token of the
+            batch); mixture-of-experts routers leave them out of the load-balancing loss
+            and expert counts (under context parallelism: this rank's positions).
 
     Per-token results are computed on what :meth:`gather` returns and brought to
     [r, Tr] by :meth:`merge_cp`, the same code with or without context parallelism::
@@ -90,6 +93,7 @@ class ModelInputs:
     output_rows_selected: bool = False
     """The model's output holds only the gather_index positions, in order ([1, K, ...]):
     ``workers.output_rows`` ran the LM head on those rows alone."""
+    padding: torch.Tensor | None = None
 
     def gather(self, output: torch.Tensor) -> torch.Tensor:
         """Model output [b, S, ...] (or [1, N, ...]) at the response positions: [r, Tr, ...] ([K, ...] under cp)."""
@@ -267,6 +271,8 @@ def _padded_inputs(
     ids = torch.full((rows, width), _PAD_ID, dtype=input_ids.dtype)
     row_of = torch.arange(input_ids.shape[0]).unsqueeze(-1).expand_as(input_ids)
     ids[row_of[valid], columns[valid]] = input_ids[valid]
+    padding = torch.ones((rows, width), dtype=torch.bool)
+    padding[row_of[valid], columns[valid]] = False
     gather = torch.arange(input_ids.shape[0]).unsqueeze(-1) * width + resp_cols - 1
     return ModelInputs(
         input_ids=ids,
@@ -276,6 +282,7 @@ def _padded_inputs(
         gather_index=torch.where(resp_valid, gather, torch.zeros_like(gather)),
         response_valid=resp_valid,
         labels=responses,
+        padding=padding,
     )
 
 
@@ -339,6 +346,8 @@ def _packed_inputs(
     target = offsets[row_of[valid]] + columns[valid]
     ids[0, target] = input_ids[valid]
     positions[0, target] = columns[valid]
+    padding = torch.ones((1, total), dtype=torch.bool)
+    padding[0, target] = False
     # Padding at the end forms its own segment so it never mixes with a real sequence.
     segments = [int(n) for n in slots] + ([total - used] if total > used else [])
     gather = offsets.unsqueeze(-1) + resp_cols - 1
@@ -355,6 +364,7 @@ def _packed_inputs(
         gather_index=torch.where(resp_valid, gather, torch.zeros_like(gather)),
         response_valid=resp_valid,
         labels=responses,
+        padding=padding,
     )
 
 

@@ -95,6 +95,7 @@ def slice_inputs(inputs: ModelInputs, cp_size: int, cp_rank: int, cp_group) -> M
         labels=inputs.labels.reshape(-1)[held_index],
         held_index=held_index,
         cp_group=cp_group,
+        padding=None if inputs.padding is None else inputs.padding[:, held],
     )
 
 

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from verl_megatron.distributed.parallel import ParallelConfigError, Runtime
 from verl_megatron.models.megatron_model import zero_grads
-from verl_megatron.workers import context_parallel
+from verl_megatron.workers import context_parallel, moe
 from verl_megatron.workers.batching import (
     MicroBatch,
     balanced_token_partition,
@@ -186,6 +186,7 @@ class ModelRunner:
         # runs at those positions alone (workers/output_rows.py).
         selector = OutputRowSelector(chunks) if select_output_rows else None
         self.row_selector = selector if selector is not None and selector.active else None
+        self.moe = moe.is_moe(chunks)
 
     # ------------------------------------------------------------------ micro-batches
     def split(
@@ -295,7 +296,12 @@ class ModelRunner:
                 inputs.position_ids.to(device),
                 None if inputs.attention_mask is None else inputs.attention_mask.to(device),
                 packed_seq_params=_to_device(inputs.packed_seq_params, device),
+                **(moe.model_kwargs(inputs, device) if self.moe else {}),
             )
+            if self.moe:  # the aux loss gets the policy loss's factor: cp / real micro-batches
+                moe.scale_aux_loss(
+                    output, self.cp / len(micro_batches) if real else 0.0, _unwrap(model).config
+                )
 
             def loss_func(output_tensor):
                 if not real:
