@@ -179,6 +179,8 @@ class ModelRunner:
             raise ValueError("TransformerConfig.calculate_per_token_loss must be False for the PPO losses")
         self.align = runtime.layout.tp if getattr(config, "sequence_parallel", False) else 1
         self.vocab_size = model_vocab_size(chunks)
+        # Set by the trainer when MoE routing replay is on (models/routing_replay.TrainingRoutes).
+        self.route_replay = None
 
     # ------------------------------------------------------------------ micro-batches
     def split(
@@ -278,8 +280,14 @@ class ModelRunner:
             settings["microbatch_group_size_per_vp_stage"] = group
         loss_scale = len(queue) / len(micro_batches)
 
+        replay = self.route_replay
+        if replay is not None:
+            replay.prepare(micro_batches, forward_only)
+
         def forward_step(data_iterator, model):
             mb, real = next(data_iterator)
+            if replay is not None:
+                replay.before_forward(mb, model, count=real)
             inputs = mb.inputs
             output = model(
                 inputs.input_ids.to(device),
@@ -304,7 +312,11 @@ class ModelRunner:
         shape = micro_batches[0].inputs.input_ids.shape
         for chunk in self.chunks:
             chunk.train(not forward_only)
-        with torch.set_grad_enabled(not forward_only), _schedule_settings(self.chunks, **settings):
+        with (
+            torch.set_grad_enabled(not forward_only),
+            _schedule_settings(self.chunks, **settings),
+            replay.running() if replay is not None else contextlib.nullcontext(),
+        ):
             get_forward_backward_func()(
                 forward_step_func=forward_step,
                 data_iterator=iterators if len(self.chunks) > 1 else iterators[0],
