@@ -230,8 +230,8 @@ def replay_job(tp: int = 1, pp: int = 1, ep: int = 1) -> dict:
     def forward(mode: str) -> tuple[torch.Tensor, dict]:
         routes.training.mode = mode
         log_probs, _ = actor.compute_log_prob(batch)
-        seen = routes.training.counts["log_prob"].tolist()
-        return log_probs, {"metrics": routes.training.metrics(), "seen": seen}
+        metrics = routes.training.metrics()
+        return log_probs, {"metrics": metrics, "seen": routes.training.last_counts["log_prob"]}
 
     before, before_stats = forward("observe")
     batch.batch["old_log_probs"] = before
@@ -247,6 +247,7 @@ def replay_job(tp: int = 1, pp: int = 1, ep: int = 1) -> dict:
         "layer_numbers": layer_numbers,
         "replica": shard.replica,
         "stored_rows": len(routes.store.rows),
+        "fetched_rows": len(routes.store.fetched),
         "before": before_stats,
         "update": update_metrics,
         "after": after_stats,
@@ -272,7 +273,7 @@ def _check_run(run: dict, layers: int) -> None:
         f"before any update training routed {seen - hits} of {seen} recorded routes differently"
     )
     assert run["before"]["metrics"][hit] == 1.0
-    expected = (attended - rows) * layers
+    expected = (attended - rows) * LAYERS  # summed over every rank: all stages, all rows
     assert seen == expected, f"{seen} routes checked, {expected} recorded"
     assert run["rollout_gap"] < 1e-3, run["rollout_gap"]
     assert (
@@ -298,3 +299,14 @@ def test_pp2_stages_record_and_replay_their_own_layers(pool2):
         _check_run(run, LAYERS // 2)
         # A stage's local MoE layer i is global layer offset + i.
         assert run["layer_numbers"] == [stage]
+
+
+def test_dp2_ranks_keep_their_rows_and_fetch_the_rows_they_train_on(pool2):
+    runs = pool2.run(f"{__name__}:replay_job")
+    rows = len(PROMPT_LENGTHS) * N
+    for run in runs:
+        _check_run(run, LAYERS)
+        # Each rank stores only the rows its replica generated; shuffled mini-batches made the
+        # ranks fetch rows from each other (the checks above passed on those).
+        assert run["stored_rows"] == rows // 2 and run["recorded"].shape[0] == rows // 2
+        assert run["fetched_rows"] > 0

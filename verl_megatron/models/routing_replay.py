@@ -493,6 +493,8 @@ class TrainingRoutes:
             dist.all_reduce(totals)
             dist.all_reduce(size, op=dist.ReduceOp.MAX)
         totals = totals.cpu().tolist()
+        # (recorded routes checked, of which training's own top-k agreed) per phase, all ranks.
+        self.last_counts = {"log_prob": totals[0:2], "update": totals[2:4]}
         out = {"actor/router_replay/bytes_per_token": float(size.item())}
         for name, (seen, hits) in (("log_prob", totals[0:2]), ("update", totals[2:4])):
             if seen:
