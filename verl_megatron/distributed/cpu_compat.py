@@ -223,6 +223,18 @@ def _patch_megatron() -> None:
     DistributedOptimizer.__init__ = _with_cuda_type_names(DistributedOptimizer.__init__)
     _run_backward_in_mode(mcore_random.CheckpointFunction)
     _run_backward_in_mode(mcore_random.CheckpointWithoutOutputFunction)
+    from megatron.core.transformer.moe import token_dispatcher
+
+    token_dispatcher.maybe_move_tensor_to_cpu = _cpu_split_sizes
+
+
+def _cpu_split_sizes(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """megatron's MoE all-to-all dispatcher moves its split sizes to the host as NumPy arrays,
+    but only from a CUDA tensor; a CPU tensor stays a tensor, which ``all_to_all_single``
+    rejects as a list of sizes. Here CPU tensors become NumPy arrays too."""
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.numpy()
+    return tensor
 
 
 def configure_model(config: Any) -> None:

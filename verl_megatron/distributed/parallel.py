@@ -33,7 +33,10 @@ class ParallelLayout:
         pp: pipeline-parallel size (transformer layers are split into stages).
         vpp: virtual pipeline stages per pipeline rank (None or 1: no interleaving).
         cp: context-parallel size (sequence split; needs Transformer Engine, GPU only).
-        ep: expert-parallel size for MoE layers.
+        ep: expert-parallel size for MoE layers (routed experts are split over ep ranks).
+        etp: expert tensor-parallel size: each routed expert's weights are split over etp
+            ranks (None: the same as tp, megatron's default). ``ep * etp`` must divide
+            ``dp * cp * tp``: the expert layers reuse the ranks of one pipeline stage.
         dp: data-parallel size; derived as world_size // (tp * pp * cp) when None.
     """
 
@@ -43,6 +46,7 @@ class ParallelLayout:
     cp: int = 1
     ep: int = 1
     dp: int | None = None
+    etp: int | None = None
 
     def resolve(self, world_size: int) -> ParallelLayout:
         """Return a copy with ``dp`` filled in, or raise ParallelConfigError."""
@@ -50,6 +54,8 @@ class ParallelLayout:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ParallelConfigError(f"parallel.{name} must be a positive integer, got {value!r}")
+        if self.etp is not None and (not isinstance(self.etp, int) or self.etp < 1):
+            raise ParallelConfigError(f"parallel.etp must be a positive integer or null, got {self.etp!r}")
         if self.vpp is not None and (not isinstance(self.vpp, int) or self.vpp < 1):
             raise ParallelConfigError(f"parallel.vpp must be a positive integer or null, got {self.vpp!r}")
         if self.vpp is not None and self.vpp > 1 and self.pp == 1:
@@ -67,12 +73,24 @@ class ParallelLayout:
             raise ParallelConfigError(
                 f"parallel.dp={self.dp} but world size {world_size} / (tp*pp*cp={model_parallel}) = {dp}"
             )
-        if (dp * self.cp * self.tp) % self.ep != 0:
+        expert_ranks = self.ep * self.expert_tp
+        if (dp * self.cp * self.tp) % expert_ranks != 0:
+            what = f"parallel.ep={self.ep}"
+            if self.expert_tp > 1:
+                default = " (etp defaults to tp)" if self.etp is None else ""
+                what = f"parallel.ep*etp = {self.ep}*{self.expert_tp} = {expert_ranks}{default}"
             raise ParallelConfigError(
-                f"parallel.ep={self.ep} must divide dp*cp*tp = {dp * self.cp * self.tp} "
-                "(experts are spread over the data/context/tensor-parallel ranks)"
+                f"{what} must divide dp*cp*tp = {dp * self.cp * self.tp} "
+                "(experts are spread over the data/context/tensor-parallel ranks of a pipeline stage)"
             )
-        return ParallelLayout(tp=self.tp, pp=self.pp, vpp=self.vpp, cp=self.cp, ep=self.ep, dp=dp)
+        return ParallelLayout(
+            tp=self.tp, pp=self.pp, vpp=self.vpp, cp=self.cp, ep=self.ep, dp=dp, etp=self.etp
+        )
+
+    @property
+    def expert_tp(self) -> int:
+        """The expert tensor-parallel size in effect (``etp``, or tp when unset)."""
+        return self.tp if self.etp is None else self.etp
 
     @property
     def virtual_stages(self) -> int:
@@ -285,6 +303,7 @@ def build_megatron_groups(layout: ParallelLayout, timeout_minutes: int = 30) -> 
         virtual_pipeline_model_parallel_size=layout.vpp if (layout.vpp or 1) > 1 else None,
         context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.expert_tp,
         distributed_timeout_minutes=timeout_minutes,
     )
     _megatron_groups.extend(g for g in _registered_groups() if g not in before)

@@ -168,9 +168,11 @@ def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
             param.data = param.data.to(dtype)
 
 
-def _layer_spec(arch: HFArchitecture, use_te: bool):
+def _layer_spec(arch: HFArchitecture, use_te: bool, config: Any = None, vp_stage: int | None = None):
     from megatron.core.models.gpt import gpt_layer_specs
 
+    if arch.moe is not None:
+        return _moe_block_spec(config, use_te, vp_stage)
     if use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
     from verl_megatron.models.sdpa_attention import SDPADotProductAttention
@@ -179,6 +181,26 @@ def _layer_spec(arch: HFArchitecture, use_te: bool):
     # Same numbers as megatron's local attention, computed by one fused SDPA call (faster on CPU).
     spec.submodules.self_attention.submodules.core_attention = SDPADotProductAttention
     return spec
+
+
+def _moe_block_spec(config: Any, use_te: bool, vp_stage: int | None):
+    """One spec per layer of this stage: MoE layers where ``config.moe_layer_freq`` says, dense MLPs
+    elsewhere. Transformer Engine (GPU): grouped-GEMM experts when ``config.moe_grouped_gemm``;
+    local spec: one megatron MLP per local expert (SequentialMLP) and SDPA attention."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    from verl_megatron.models.moe import install_router_fallback
+
+    install_router_fallback()
+    block = gpt_layer_specs.get_gpt_decoder_block_spec(
+        config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage
+    )
+    if not use_te:
+        from verl_megatron.models.sdpa_attention import SDPADotProductAttention
+
+        for layer_spec in block.layer_specs:
+            layer_spec.submodules.self_attention.submodules.core_attention = SDPADotProductAttention
+    return block
 
 
 def build_gpt_chunks(
@@ -195,13 +217,13 @@ def build_gpt_chunks(
     arch = read_hf_architecture(hf_config)
     padded = padded_vocab_size(arch.vocab_size, runtime.layout.tp, model_cfg.make_vocab_size_divisible_by)
     info = ModelInfo(arch, padded, value_head)
-    spec = _layer_spec(arch, model_cfg.resolve_use_te())
+    use_te = model_cfg.resolve_use_te()
     rope = arch.rope
 
     def make_chunk(pre_process: bool, post_process: bool, vp_stage: int | None) -> torch.nn.Module:
         model = GPTModel(
             config=config,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=_layer_spec(arch, use_te, config, vp_stage),
             vocab_size=info.padded_vocab_size,
             max_sequence_length=arch.max_position_embeddings,
             pre_process=pre_process,

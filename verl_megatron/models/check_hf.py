@@ -3,7 +3,8 @@
 Loads a Hugging Face checkpoint into megatron under the given layout, runs a few prompts
 through it and through ``transformers`` (float32 reference), prints the largest absolute logit
 difference and exits 1 when it is above the tolerance. Run it under ``torchrun`` with a
-multiple of tp*pp processes, or as a plain command: it then launches tp*pp processes itself.
+multiple of tp*pp processes, or as a plain command: it then launches tp*pp processes itself
+(or more when mixture-of-experts ``--ep``/``--etp`` need them: ep*etp*pp ranks at least).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     parser.add_argument("--vpp", type=int, default=None, help="virtual stages per pipeline rank")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
+    parser.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: tp)")
     parser.add_argument("--dtype", choices=sorted(DEFAULT_TOLERANCE), default="float32")
     parser.add_argument("--tolerance", type=float, default=None, help="max |logit diff| allowed")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts (no tokenizer)")
@@ -57,9 +60,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_args(args)
     except UserInputError as err:
         return report_user_error(err, show=int(os.environ.get("RANK", "0")) == 0)
-    if "WORLD_SIZE" not in os.environ and args.tp * args.pp > 1:
-        return _launch(argv, args.tp * args.pp)
+    if "WORLD_SIZE" not in os.environ and world_size(args) > 1:
+        return _launch(argv, world_size(args))
     return run_check(args)
+
+
+def world_size(args: argparse.Namespace) -> int:
+    """Processes the layout needs: tp*pp, times dp when the experts need more ranks (ep*etp)."""
+    import math
+
+    per_stage = math.lcm(args.tp, args.ep * (args.etp or args.tp))
+    return per_stage * args.pp
 
 
 class CheckHfArgumentError(UserInputError):
@@ -71,8 +82,11 @@ def check_args(args: argparse.Namespace) -> None:
     from verl_megatron.distributed.parallel import ParallelConfigError
     from verl_megatron.models.config import ModelConfigError, read_hf_architecture
 
-    if args.tp < 1 or args.pp < 1:
-        raise CheckHfArgumentError(f"check-hf: --tp and --pp must be positive, got tp={args.tp} pp={args.pp}")
+    if min(args.tp, args.pp, args.ep, args.etp or 1) < 1:
+        raise CheckHfArgumentError(
+            f"check-hf: --tp, --pp, --ep and --etp must be positive, got tp={args.tp} pp={args.pp} "
+            f"ep={args.ep} etp={args.etp}"
+        )
     if not os.path.exists(os.path.expanduser(args.path)):
         raise CheckHfArgumentError(f"check-hf: checkpoint folder '{args.path}' does not exist")
     try:
@@ -81,15 +95,21 @@ def check_args(args: argparse.Namespace) -> None:
         raise CheckHfArgumentError(f"check-hf: {' '.join(str(err).split())}") from None
     try:
         arch = read_hf_architecture(hf_config)
-        layout = ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp).resolve(args.tp * args.pp)
+        layout = _layout(args).resolve(int(os.environ.get("WORLD_SIZE", world_size(args))))
         layout.check_model(
             num_layers=arch.num_layers,
             num_attention_heads=arch.num_attention_heads,
             num_query_groups=arch.num_key_value_heads,
+            num_experts=arch.moe.num_experts if arch.moe else None,
         )
     except (ParallelConfigError, ModelConfigError) as err:
         flags = f"--tp {args.tp} --pp {args.pp}" + (f" --vpp {args.vpp}" if args.vpp else "")
+        flags += (f" --ep {args.ep}" if args.ep > 1 else "") + (f" --etp {args.etp}" if args.etp else "")
         raise CheckHfArgumentError(f"check-hf {args.path} {flags}: {err}") from None
+
+
+def _layout(args: argparse.Namespace) -> ParallelLayout:
+    return ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp)
 
 
 def _quiet_libraries() -> None:
@@ -186,7 +206,7 @@ def hf_logits(path: str, sequences: list[torch.Tensor], device: torch.device) ->
 
 def run_check(args: argparse.Namespace) -> int:
     """Inside a distributed job: build, load, compare. Every rank returns the same status."""
-    runtime = init_runtime(ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp))
+    runtime = init_runtime(_layout(args))
     hf_config = load_hf_config(args.path)
     model_cfg = ModelConfig(path=args.path, dtype=args.dtype)
     chunks = build_gpt_chunks(hf_config, runtime, model_cfg)
@@ -204,7 +224,9 @@ def run_check(args: argparse.Namespace) -> int:
     ok = float(max_diff) <= tolerance
     if reporter:
         print(
-            f"check-hf {args.path} tp={args.tp} pp={args.pp} vpp={args.vpp} dtype={args.dtype}: "
+            f"check-hf {args.path} tp={args.tp} pp={args.pp} vpp={args.vpp}"
+            + (f" ep={args.ep} etp={args.etp or args.tp}" if args.ep > 1 or args.etp else "")
+            + f" dtype={args.dtype}: "
             f"max |logit diff| = {float(max_diff):.3e} over {len(sequences)} prompts "
             f"(tolerance {tolerance:g}): {'OK' if ok else 'FAILED'}",
             flush=True,

@@ -1,7 +1,8 @@
 """Model settings, and the translation of a Hugging Face config into megatron's TransformerConfig.
 
 ``ModelConfig`` is the user's choice (checkpoint path, dtype, recomputation, GPU-only switches).
-``read_hf_architecture`` reads the facts of a dense Llama-family checkpoint from its HF config
+``read_hf_architecture`` reads the facts of a Llama-family checkpoint (dense, or mixture-of-experts:
+see ``verl_megatron.models.moe``) from its HF config
 into one typed object that the builder and the weight converter share, and
 ``hf_to_transformer_config`` turns it, with the parallel layout and the ``ModelConfig``, into the
 ``TransformerConfig`` megatron builds from. Unsupported models and settings raise
@@ -20,10 +21,17 @@ from typing import Any
 import torch
 
 from verl_megatron.distributed.parallel import ParallelLayout
+from verl_megatron.models.moe import (
+    MOE_MODEL_TYPES,
+    MoEArchitecture,
+    check_dispatcher,
+    moe_transformer_config,
+    read_moe_architecture,
+)
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", *MOE_MODEL_TYPES)
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _RECOMPUTE_KEYS = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules")
@@ -213,7 +221,7 @@ class RopeSettings:
 
 @dataclass(frozen=True)
 class HFArchitecture:
-    """Shape facts of a dense Llama-family checkpoint, shared by the builder and the converter."""
+    """Shape facts of a Llama-family checkpoint, shared by the builder and the converter."""
 
     model_type: str
     num_layers: int
@@ -231,6 +239,8 @@ class HFArchitecture:
     max_position_embeddings: int
     rope: RopeSettings
     initializer_range: float = 0.02
+    moe: MoEArchitecture | None = None
+    """Router and experts of a mixture-of-experts model; None for a dense one."""
 
 
 def read_rope_settings(hf_config: Any) -> RopeSettings:
@@ -264,7 +274,7 @@ def read_rope_settings(hf_config: Any) -> RopeSettings:
 
 
 def read_hf_architecture(hf_config: Any) -> HFArchitecture:
-    """Read and check a dense Llama-family HF config; unsupported models raise ModelConfigError."""
+    """Read and check a Llama-family HF config; unsupported models raise ModelConfigError."""
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ModelConfigError(
@@ -289,11 +299,12 @@ def read_hf_architecture(hf_config: Any) -> HFArchitecture:
         rms_norm_eps=hf_config.rms_norm_eps,
         qkv_bias=qkv_bias,
         linear_bias=linear_bias,
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         max_position_embeddings=hf_config.max_position_embeddings,
         rope=read_rope_settings(hf_config),
         initializer_range=getattr(hf_config, "initializer_range", 0.02),
+        moe=read_moe_architecture(hf_config, hf_config.num_hidden_layers),
     )
 
 
@@ -301,6 +312,8 @@ def _bias_layout(hf_config: Any) -> tuple[bool, bool]:
     """(bias on q/k/v, bias on every linear) as megatron can express it."""
     if hf_config.model_type == "qwen2":
         return True, False  # Qwen2 always has q/k/v biases and nothing else
+    if hf_config.model_type == "qwen2_moe":
+        return bool(getattr(hf_config, "qkv_bias", True)), False
     attention_bias = bool(getattr(hf_config, "attention_bias", False))
     mlp_bias = bool(getattr(hf_config, "mlp_bias", False)) if hf_config.model_type == "llama" else False
     if attention_bias != mlp_bias:
@@ -314,7 +327,7 @@ def _bias_layout(hf_config: Any) -> tuple[bool, bool]:
 
 def _reject_sliding_window(hf_config: Any) -> None:
     window = getattr(hf_config, "sliding_window", None)
-    used = hf_config.model_type == "mistral" or getattr(hf_config, "use_sliding_window", False)
+    used = hf_config.model_type in ("mistral", "mixtral") or getattr(hf_config, "use_sliding_window", False)
     if used and window is not None:
         raise ModelConfigError(
             f"{hf_config.model_type}: sliding-window attention (sliding_window={window}) is not supported; "
@@ -323,7 +336,7 @@ def _reject_sliding_window(hf_config: Any) -> None:
 
 
 def hf_to_transformer_config(hf_config: Any, layout: ParallelLayout, model_cfg: ModelConfig):
-    """The megatron ``TransformerConfig`` for a dense Llama/Qwen2/Qwen3/Mistral checkpoint.
+    """The megatron ``TransformerConfig`` for a Llama/Qwen2/Qwen3/Mistral checkpoint or their MoE kin.
 
     The layout is checked against the model (heads, kv heads and layers divisible) and
     ``model_cfg`` against the machine before anything else. Rotary settings are not
@@ -336,11 +349,9 @@ def hf_to_transformer_config(hf_config: Any, layout: ParallelLayout, model_cfg: 
         num_layers=arch.num_layers,
         num_attention_heads=arch.num_attention_heads,
         num_query_groups=arch.num_key_value_heads,
+        num_experts=arch.moe.num_experts if arch.moe else None,
     )
-    if arch.intermediate_size % layout.tp != 0:
-        raise ModelConfigError(
-            f"intermediate_size={arch.intermediate_size} is not divisible by tp={layout.tp}"
-        )
+    _check_mlp_split(arch, layout)
     model_cfg.validate(layout)
     use_te = model_cfg.resolve_use_te()
     dtype = model_cfg.torch_dtype
@@ -380,11 +391,29 @@ def hf_to_transformer_config(hf_config: Any, layout: ParallelLayout, model_cfg: 
         masked_softmax_fusion=use_te,
         apply_rope_fusion=use_te,
     )
+    if layout.expert_tp != layout.tp:
+        kwargs["expert_tensor_parallel_size"] = layout.expert_tp
+    if arch.moe is not None:
+        kwargs.update(moe_transformer_config(arch.moe, use_te=use_te, on_gpu=torch.cuda.is_available()))
     kwargs.update(model_cfg.recompute_settings())
     kwargs.update(model_cfg.override_transformer_config)
+    check_dispatcher(kwargs, on_gpu=torch.cuda.is_available())
     try:
         return TransformerConfig(**kwargs)
     except (AssertionError, ValueError, TypeError) as err:
         raise ModelConfigError(
             f"megatron rejected the TransformerConfig for this {arch.model_type} model: {err}"
         ) from err
+
+
+def _check_mlp_split(arch: HFArchitecture, layout: ParallelLayout) -> None:
+    """MLP widths must split evenly: dense and shared experts over tp, routed experts over etp."""
+    has_dense_layers = arch.moe is None or 0 in arch.moe.layer_pattern
+    widths = [("intermediate_size", arch.intermediate_size, layout.tp, "tp")] if has_dense_layers else []
+    if arch.moe is not None:
+        widths.append(("moe_intermediate_size", arch.moe.ffn_hidden_size, layout.expert_tp, "etp"))
+        if arch.moe.shared_expert_size:
+            widths.append(("shared_expert_intermediate_size", arch.moe.shared_expert_size, layout.tp, "tp"))
+    for field_name, width, split, split_name in widths:
+        if width % split != 0:
+            raise ModelConfigError(f"{field_name}={width} is not divisible by {split_name}={split}")

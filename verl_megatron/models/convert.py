@@ -13,6 +13,11 @@ tensor-parallel shards, which is what ``sharding.gather_tp``/``shard_tp`` move i
 - Tied embeddings: the last pipeline stage's copy of the output weight is loaded from
   ``model.embed_tokens.weight`` and skipped on export.
 - The critic's value head is Hugging Face's token-classification ``score`` (weight and bias).
+- Mixture-of-experts layers (see ``models/moe.py``): the router is HF's ``gate``; each routed
+  expert's ``linear_fc1`` is its [gate; up] split over the *expert* tensor-parallel group
+  (``sharding.tp_placement``), ``linear_fc2`` its down projection; transformers saves experts
+  one tensor per projection and expert (``experts.<e>.gate_proj.weight``), which is what is
+  read and written. Expert ``e`` lives on expert-parallel rank ``e // (experts / ep)``.
 """
 
 from __future__ import annotations
@@ -33,12 +38,23 @@ import torch.distributed as dist
 from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.models.builder import ModelInfo, model_info
 from verl_megatron.models.config import ModelConfig, read_hf_architecture
-from verl_megatron.models.sharding import gather_tp, named_global_parameters, shard_tp, whole_shape
+from verl_megatron.models.moe import expert_index, hf_moe_names
+from verl_megatron.models.sharding import (
+    gather_tp,
+    is_expert_parameter,
+    named_global_parameters,
+    shard_tp,
+    tp_placement,
+    whole_shape,
+)
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 _GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
-_CLASS_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
+_CLASS_PREFIX = {
+    "llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral",
+    "qwen3_moe": "Qwen3Moe", "qwen2_moe": "Qwen2Moe", "mixtral": "Mixtral",
+}  # fmt: skip
 
 # Suffix of a megatron layer parameter -> (kind, HF suffixes). Both the local spec's names and
 # Transformer Engine's (norms fused into the following linear as ``layer_norm_weight``) appear.
@@ -73,6 +89,11 @@ class HFMapping:
 def hf_mapping(name: str, info: ModelInfo) -> HFMapping:
     """The Hugging Face tensors behind megatron parameter ``name`` (global layer numbering)."""
     match = _LAYER_RE.match(name)
+    moe = info.arch.moe
+    if match and moe is not None:
+        found = hf_moe_names(moe, int(match.group(1)), match.group(2))
+        if found is not None:
+            return HFMapping(*found)
     if match and match.group(2) in _LAYER_RULES:
         kind, suffixes = _LAYER_RULES[match.group(2)]
         return HFMapping(kind, tuple(f"model.layers.{match.group(1)}.{s}" for s in suffixes))
@@ -198,7 +219,6 @@ def load_hf_weights(
             raise ValueError("load_hf_weights: pass hf_dir or a model_cfg with a path")
         hf_dir = model_cfg.path
     info = model_info(chunks)
-    tp, tp_rank = runtime.layout.tp, runtime.tp_rank
     with SafetensorsCheckpoint(hf_dir) as ckpt:
         for name, param in _named_parameters(chunks):
             mapping = hf_mapping(name, info)
@@ -209,6 +229,7 @@ def load_hf_weights(
                 raise KeyError(
                     f"checkpoint '{hf_dir}' has no tensor {missing} (for megatron parameter {name})"
                 )
+            _, tp, tp_rank = tp_placement(name)
             whole = _whole_from_hf(mapping, [ckpt.get(n) for n in mapping.hf_names], info, tp)
             expected = whole_shape(param, tp)
             if whole is None or tuple(whole.shape) != expected:
@@ -256,9 +277,20 @@ def _check_same_model(info: ModelInfo, hf_config: Any) -> None:
 
 
 def _ordered_entries(local: dict[str, torch.nn.Parameter], runtime: Runtime) -> list[tuple]:
-    """(name, owner pp rank, whole shape, dtype) of every exported parameter, in HF order."""
-    tp = runtime.layout.tp
-    mine = [(name, runtime.pp_rank, whole_shape(p, tp), p.dtype) for name, p in local.items()]
+    """(name, owner pp rank, owner ep rank, whole shape, dtype) of every exported parameter, in HF order."""
+    from megatron.core import parallel_state as ps
+
+    ep_rank = ps.get_expert_model_parallel_rank()
+    mine = [
+        (name, runtime.pp_rank, ep_rank, whole_shape(p, tp_placement(name)[1]), p.dtype)
+        for name, p in local.items()
+    ]
+    if runtime.layout.ep > 1:
+        # Every ep rank holds the same dense parameters and its own experts.
+        peers: list[list[tuple]] = [None] * runtime.layout.ep  # type: ignore[list-item]
+        dist.all_gather_object(peers, mine, group=ps.get_expert_model_parallel_group())
+        seen: set[str] = set()
+        mine = [e for peer in peers for e in peer if not (e[0] in seen or seen.add(e[0]))]
     stages: list[list[tuple]] = [mine]
     if runtime.layout.pp > 1:
         stages = [None] * runtime.layout.pp  # type: ignore[list-item]
@@ -269,7 +301,7 @@ def _ordered_entries(local: dict[str, torch.nn.Parameter], runtime: Runtime) -> 
         position, (name, *_rest) = item
         match = _LAYER_RE.match(name)
         if match:
-            return (1, int(match.group(1)), position)
+            return (1, int(match.group(1)), _expert_order(match.group(2)))
         return (0 if name.startswith("embedding.") else 2, 0, position)
 
     return [entry for _, entry in sorted(entries, key=hf_order)]
@@ -287,20 +319,31 @@ def iter_hf_weights(
     are fresh copies, so consumers may keep them. ``hf_config``, when given, is checked to
     describe the built model.
     """
+    from megatron.core import parallel_state as ps
+
     info = model_info(chunks)
     if hf_config is not None:
         _check_same_model(info, hf_config)
-    tp = runtime.layout.tp
     local = {name: p for name, p in _named_parameters(chunks) if hf_mapping(name, info).export}
-    for name, owner, shape, dtype in _ordered_entries(local, runtime):
+    for name, owner, ep_owner, shape, dtype in _ordered_entries(local, runtime):
+        group, tp, _ = tp_placement(name)
         if name in local:
-            whole = gather_tp(local[name].detach(), local[name], runtime.tp_group(), tp)
+            whole = gather_tp(local[name].detach(), local[name], group, tp)
         else:
             whole = torch.empty(shape, dtype=dtype, device=runtime.device)
+        if runtime.layout.ep > 1 and is_expert_parameter(name):
+            dist.broadcast(whole, group=ps.get_expert_model_parallel_group(), group_src=ep_owner)
         if runtime.layout.pp > 1:
             dist.broadcast(whole, group=runtime.pp_group(), group_src=owner)
         mapping = hf_mapping(name, info)
         yield from zip(mapping.hf_names, to_hf(mapping, whole, info, tp))
+
+
+def _expert_order(layer_rest: str) -> int:
+    """Position of a parameter inside its layer: dense ones first, then experts by global index
+    (each rank lists only its own experts, so the merged list needs sorting)."""
+    found = expert_index(layer_rest)
+    return -1 if found is None else found[0] * 2 + found[1]
 
 
 class _ShardWriter:
@@ -440,7 +483,8 @@ def export_hf_weights(
         if tmp_dir:
             shutil.rmtree(tmp_dir, ignore_errors=True)
             os.makedirs(tmp_dir)
-        if runtime.dp_rank == 0 and runtime.cp_rank == 0:
+        # Replica 0 gathers; under ep its experts also live on ranks of other dp replicas.
+        if (runtime.dp_rank == 0 and runtime.cp_rank == 0) or runtime.layout.ep > 1:
             _write_checkpoint(chunks, runtime, tmp_dir, hf_config, tokenizer, max_shard_bytes)
         if tmp_dir:
             _publish(tmp_dir, out_dir)

@@ -10,6 +10,11 @@ parameter's ``partition_dim``.
 Note: "whole tensor" here means the concatenation of the tp shards. For fused
 gate/up MLP weights that is not Hugging Face's [gate; up] layout; the HF
 converter (``verl_megatron.models.convert``) handles that mapping.
+
+Mixture-of-experts layers: a rank holds ``num_experts / ep`` routed experts, named here by
+their global expert index (expert-parallel rank * local experts + local index), and each
+expert weight is split over the *expert* tensor-parallel group (``etp``, which may differ
+from tp); :func:`tp_placement` says which group a parameter is split over.
 """
 
 from __future__ import annotations
@@ -21,6 +26,49 @@ import torch
 import torch.distributed as dist
 
 _LAYER_RE = re.compile(r"^(?:module\.)*decoder\.layers\.(\d+)\.(.*)$")
+# Routed-expert weights: the local spec's ``local_experts.<i>.`` and Transformer Engine's ``weight<i>``.
+_LOCAL_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
+_GROUPED_EXPERT_RE = re.compile(r"^mlp\.experts\.(linear_fc[12]\.(?:weight|bias))(\d+)$")
+
+
+def is_expert_parameter(name: str) -> bool:
+    """Whether global parameter ``name`` belongs to a routed expert (split over ep and etp)."""
+    return ".mlp.experts." in name
+
+
+def tp_placement(name: str) -> tuple[object, int, int]:
+    """(group, size, rank) of the tensor-parallel split of parameter ``name``: expert weights are
+    split over the expert tensor-parallel group, everything else over the tensor-parallel group."""
+    from megatron.core import parallel_state as ps
+
+    if is_expert_parameter(name):
+        return (
+            ps.get_expert_tensor_parallel_group(),
+            ps.get_expert_tensor_parallel_world_size(),
+            ps.get_expert_tensor_parallel_rank(),
+        )
+    return (
+        ps.get_tensor_model_parallel_group(),
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_tensor_model_parallel_rank(),
+    )
+
+
+def _global_expert_name(rest: str, layer: torch.nn.Module) -> str:
+    """``rest`` (a layer-relative name) with a local expert index replaced by the global one."""
+    for pattern, fmt in (
+        (_LOCAL_EXPERT_RE, "mlp.experts.local_experts.{index}.{tail}"),
+        (_GROUPED_EXPERT_RE, "mlp.experts.{tail}{index}"),
+    ):
+        match = pattern.match(rest)
+        if match:
+            from megatron.core import parallel_state as ps
+
+            local = int(match.group(1) if pattern is _LOCAL_EXPERT_RE else match.group(2))
+            tail = match.group(2) if pattern is _LOCAL_EXPERT_RE else match.group(1)
+            offset = ps.get_expert_model_parallel_rank() * layer.mlp.experts.num_local_experts
+            return fmt.format(index=offset + local, tail=tail)
+    return rest
 
 
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
@@ -32,17 +80,18 @@ def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
 def named_global_parameters(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Parameter]]:
     """Yield (global_name, local_param) for every parameter of this rank's model chunks.
 
-    Global names count transformer layers over the whole model, so a layer has
-    the same name under any pp/vpp layout. Wrapper prefixes (``module.``) are dropped.
+    Global names count transformer layers over the whole model, and routed experts over
+    all expert-parallel ranks, so a parameter has the same name under any pp/vpp/ep layout.
+    Wrapper prefixes (``module.``) are dropped.
     """
     for chunk in chunks:
         inner = _unwrap(chunk)
         for name, param in inner.named_parameters():
             match = _LAYER_RE.match(name)
             if match:
-                local = int(match.group(1))
-                global_index = inner.decoder.layers[local].layer_number - 1
-                name = f"decoder.layers.{global_index}.{match.group(2)}"
+                layer = inner.decoder.layers[int(match.group(1))]
+                rest = _global_expert_name(match.group(2), layer)
+                name = f"decoder.layers.{layer.layer_number - 1}.{rest}"
             yield name, param
 
 
@@ -81,22 +130,27 @@ def gather_full_state(
 ) -> dict[str, torch.Tensor]:
     """Whole tensors (or their gradients, with ``grads``) of this pipeline stage, by global name.
 
-    Collective over the tensor-parallel group. Ranks other than tp rank 0
+    Collective over the tensor-parallel group (and, for MoE models, the expert tensor- and
+    expert-parallel groups: every rank gets every expert). Ranks other than tp rank 0
     return an empty dict when ``only_tp_rank0`` (results are identical there).
     """
     from megatron.core import parallel_state as ps
 
-    tp_group = ps.get_tensor_model_parallel_group()
-    tp_size = ps.get_tensor_model_parallel_world_size()
-    tp_rank = ps.get_tensor_model_parallel_rank()
     out: dict[str, torch.Tensor] = {}
     for name, param in named_global_parameters(chunks):
         value = param.main_grad if grads and hasattr(param, "main_grad") else (param.grad if grads else param)
         if value is None:
             value = torch.zeros_like(param)
-        full = gather_tp(value, param, tp_group, tp_size)
-        if tp_rank == 0 or not only_tp_rank0:
-            out[name] = full.cpu()
+        group, size, _ = tp_placement(name)
+        out[name] = gather_tp(value, param, group, size).cpu()
+    if ps.get_expert_model_parallel_world_size() > 1:
+        experts = {name: t for name, t in out.items() if is_expert_parameter(name)}
+        parts: list[dict[str, torch.Tensor]] = [{} for _ in range(ps.get_expert_model_parallel_world_size())]
+        dist.all_gather_object(parts, experts, group=ps.get_expert_model_parallel_group())
+        for part in parts:
+            out.update(part)
+    if only_tp_rank0 and ps.get_tensor_model_parallel_rank() != 0:
+        return {}
     return out
 
 
@@ -105,11 +159,8 @@ def load_full_state(
     chunks: list[torch.nn.Module], make: Callable[[str, tuple[int, ...]], torch.Tensor]
 ) -> None:
     """Set every parameter from ``make(global_name, whole_shape)``, sliced for this tp rank."""
-    from megatron.core import parallel_state as ps
-
-    tp_size = ps.get_tensor_model_parallel_world_size()
-    tp_rank = ps.get_tensor_model_parallel_rank()
     for name, param in named_global_parameters(chunks):
+        _, tp_size, tp_rank = tp_placement(name)
         full = make(name, whole_shape(param, tp_size))
         if tuple(full.shape) != whole_shape(param, tp_size):
             raise ValueError(

@@ -657,6 +657,7 @@ def check_model_fits(layout: ParallelLayout, model_path: str) -> None:
             num_layers=arch.num_layers,
             num_attention_heads=arch.num_attention_heads,
             num_query_groups=arch.num_key_value_heads,
+            num_experts=arch.moe.num_experts if arch.moe else None,
         )
     except (ParallelConfigError, ModelConfigError) as err:
         raise ConfigError(f"parallel: {err} (model.path='{model_path}')") from None

@@ -33,6 +33,7 @@ __all__ = [
     "CHAR_CHAT_TEMPLATE",
     "DEFAULT_ALPHABET",
     "MODEL_FAMILIES",
+    "MOE_FAMILIES",
     "build_bpe_tokenizer",
     "build_char_tokenizer",
     "build_tiny_hf_model",
@@ -65,6 +66,7 @@ BPE_CHAT_TEMPLATE = (
 QWEN2_PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
 MODEL_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
 
 
 def build_char_tokenizer(
@@ -211,7 +213,11 @@ def build_tiny_hf_model(
     """A random-init causal LM of ``family`` saved as safetensors to ``out_dir`` (eval mode).
 
     ``family``: ``llama``; ``qwen2`` (bias on q/k/v); ``qwen3`` (RMSNorm on q and k per head);
-    ``mistral`` (sliding window off, so attention is fully causal like the others). Attention is
+    ``mistral`` (sliding window off, so attention is fully causal like the others); the MoE
+    families ``qwen3_moe``, ``qwen2_moe`` and ``mixtral`` get 4 experts, top-2 routing, experts of
+    ``intermediate_size // 2`` (mixtral: ``intermediate_size``) and, for qwen2_moe, a gated shared
+    expert of ``intermediate_size`` (``overrides`` change ``num_experts``, ``num_experts_per_tok``,
+    ``moe_intermediate_size``, ``output_router_logits``, ... like any other field). Attention is
     grouped-query when ``num_kv_heads < num_heads``; ``head_dim = hidden_size // num_heads``.
     ``vocab_size`` defaults to ``len(tokenizer)``. The same ``seed`` gives the same weights, and the
     caller's torch RNG state is left untouched. ``overrides`` set any other config field (e.g.
@@ -246,8 +252,10 @@ def _tiny_config(
     tokenizer: PreTrainedTokenizerBase | None,
     overrides: dict[str, Any],
 ) -> Any:
-    if family not in MODEL_FAMILIES:
-        raise ValueError(f"unknown model family '{family}'; expected one of {list(MODEL_FAMILIES)}")
+    if family not in (*MODEL_FAMILIES, *MOE_FAMILIES):
+        raise ValueError(
+            f"unknown model family '{family}'; expected one of {[*MODEL_FAMILIES, *MOE_FAMILIES]}"
+        )
     if hidden_size % num_heads != 0:
         raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
     if num_heads % num_kv_heads != 0:
@@ -270,8 +278,9 @@ def _tiny_config(
         "tie_word_embeddings": tie_word_embeddings,
         "max_position_embeddings": 2048,
     }
-    if family == "mistral":
+    if family in ("mistral", "mixtral"):
         fields["sliding_window"] = None
+    fields.update(_tiny_moe_fields(family, intermediate_size))
     if tokenizer is not None:
         fields.update(
             bos_token_id=tokenizer.bos_token_id,
@@ -280,6 +289,24 @@ def _tiny_config(
         )
     fields.update(overrides)
     return AutoConfig.for_model(family, **fields)
+
+
+def _tiny_moe_fields(family: str, intermediate_size: int) -> dict[str, Any]:
+    """Router and expert fields of a tiny MoE config (empty for a dense family)."""
+    if family == "mixtral":
+        return {"num_local_experts": 4, "num_experts_per_tok": 2}
+    if family not in MOE_FAMILIES:
+        return {}
+    fields = {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": intermediate_size // 2,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
+    if family == "qwen2_moe":
+        fields["shared_expert_intermediate_size"] = intermediate_size
+    return fields
 
 
 _PROBE_TEXT = "Q: 12 + 35 = ? A: 47\nHello, world!"

@@ -1,0 +1,194 @@
+"""Mixture-of-experts checkpoints: what a Hugging Face MoE config says, in megatron's terms.
+
+Supported families (``model_type``) and how their routers map onto megatron's MoE layer:
+
+- ``qwen3_moe``: softmax router, top-k, renormalised when ``norm_topk_prob``; QK-norm.
+- ``qwen2_moe``: as qwen3_moe plus one shared expert whose output is scaled by
+  ``sigmoid(shared_expert_gate(x))`` (megatron's ``moe_shared_expert_gate``); q/k/v biases.
+- ``mixtral``: softmax router, top-k always renormalised; experts named ``w1`` (gate),
+  ``w3`` (up), ``w2`` (down) under ``block_sparse_moe``.
+
+Softmax-then-top-k without renormalisation is megatron's ``moe_router_pre_softmax=True``;
+with renormalisation it is top-k-then-softmax (``pre_softmax=False``), the same numbers.
+
+Load balancing: ``router_aux_loss_coef`` becomes ``moe_aux_loss_coeff``. Transformers adds
+that loss only when ``output_router_logits`` is true, so the megatron aux loss is on
+(``moe_router_load_balancing_type="aux_loss"``) exactly then; released Qwen/Mixtral configs
+say false (verl also trains RL with it off). ``model.override_transformer_config`` can switch it.
+
+Token dispatcher: megatron's ``alltoall`` on every machine. Its expert-parallel exchange is
+``all_to_all_single`` with uneven splits, which gloo implements; the ``allgather`` dispatcher
+refuses the variable sequence lengths RL micro-batches have, and ``flex`` needs DeepEP (GPU).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
+# Dispatchers that run without a GPU (see the module docstring).
+CPU_TOKEN_DISPATCHERS = ("alltoall",)
+# Routed-expert weights (global expert index): the local spec's and Transformer Engine's names.
+_LOCAL_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(?P<index>\d+)\.linear_fc(?P<fc>[12])\.weight$")
+_GROUPED_EXPERT_RE = re.compile(r"^mlp\.experts\.linear_fc(?P<fc>[12])\.weight(?P<index>\d+)$")
+
+
+@dataclass(frozen=True)
+class MoEArchitecture:
+    """Router and expert shapes of a mixture-of-experts checkpoint."""
+
+    num_experts: int
+    """Routed experts per MoE layer."""
+    topk: int
+    """Experts each token is sent to."""
+    ffn_hidden_size: int
+    """Intermediate size of one routed expert."""
+    norm_topk_prob: bool
+    """Whether the top-k routing weights are renormalised to sum to 1."""
+    layer_pattern: tuple[int, ...]
+    """Per layer: 1 for an MoE layer, 0 for a dense MLP (``mlp_only_layers``, ``decoder_sparse_step``)."""
+    aux_loss_coeff: float
+    """``router_aux_loss_coef`` of the checkpoint."""
+    aux_loss_enabled: bool
+    """Whether transformers trains with the aux loss (``output_router_logits``)."""
+    shared_expert_size: int = 0
+    """Intermediate size of the shared expert (0: none)."""
+    shared_expert_gate: bool = False
+    """Whether the shared expert's output is scaled by a sigmoid gate."""
+    hf_block: str = "mlp"
+    """HF module holding the router and experts (``mlp``, or ``block_sparse_moe`` for mixtral)."""
+    hf_expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    """HF names of each expert's gate, up and down projections."""
+
+
+def read_moe_architecture(hf_config: Any, num_layers: int) -> MoEArchitecture | None:
+    """The MoE facts of ``hf_config`` (None for a dense model type)."""
+    model_type = hf_config.model_type
+    if model_type not in MOE_MODEL_TYPES:
+        return None
+    from verl_megatron.models.config import ModelConfigError
+
+    num_experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
+    topk = hf_config.num_experts_per_tok
+    if not num_experts or not 0 < topk <= num_experts:
+        raise ModelConfigError(
+            f"{model_type}: num_experts={num_experts} with num_experts_per_tok={topk}: need 0 < top-k <= experts"
+        )
+    coeff = float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0)
+    common = dict(
+        num_experts=int(num_experts),
+        topk=int(topk),
+        aux_loss_coeff=coeff,
+        aux_loss_enabled=bool(getattr(hf_config, "output_router_logits", False)) and coeff > 0,
+    )
+    if model_type == "mixtral":
+        if float(getattr(hf_config, "router_jitter_noise", 0.0) or 0.0) != 0.0:
+            raise ModelConfigError(
+                f"mixtral: router_jitter_noise={hf_config.router_jitter_noise} is not supported; set it to 0"
+            )
+        return MoEArchitecture(
+            ffn_hidden_size=hf_config.intermediate_size,
+            norm_topk_prob=True,
+            layer_pattern=(1,) * num_layers,
+            hf_block="block_sparse_moe",
+            hf_expert_names=("w1", "w3", "w2"),
+            **common,
+        )
+    step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
+    dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
+    pattern = tuple(0 if (i in dense or (i + 1) % step != 0) else 1 for i in range(num_layers))
+    shared = int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0)
+    return MoEArchitecture(
+        ffn_hidden_size=hf_config.moe_intermediate_size,
+        norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)),
+        layer_pattern=pattern,
+        shared_expert_size=shared if model_type == "qwen2_moe" else 0,
+        shared_expert_gate=model_type == "qwen2_moe" and shared > 0,
+        **common,
+    )
+
+
+def moe_transformer_config(moe: MoEArchitecture, *, use_te: bool, on_gpu: bool) -> dict[str, Any]:
+    """The TransformerConfig fields of the MoE layers (merged into the dense ones)."""
+    kwargs: dict[str, Any] = dict(
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.topk,
+        moe_ffn_hidden_size=moe.ffn_hidden_size,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not moe.norm_topk_prob,
+        moe_aux_loss_coeff=moe.aux_loss_coeff,
+        moe_router_load_balancing_type="aux_loss" if moe.aux_loss_enabled else "none",
+        moe_layer_freq=list(moe.layer_pattern),
+        moe_token_dispatcher_type="alltoall",
+        # Grouped GEMM runs the local experts as one kernel: Transformer Engine on CUDA only.
+        moe_grouped_gemm=use_te and on_gpu,
+        # Per-layer aux losses go to megatron's tracker, read back as metrics after each step.
+        moe_per_layer_logging=True,
+    )
+    if moe.shared_expert_size:
+        kwargs["moe_shared_expert_intermediate_size"] = moe.shared_expert_size
+        kwargs["moe_shared_expert_gate"] = moe.shared_expert_gate
+    return kwargs
+
+
+def check_dispatcher(config_kwargs: dict[str, Any], on_gpu: bool) -> None:
+    """Raise when the chosen token dispatcher cannot run on this machine."""
+    from verl_megatron.models.config import ModelConfigError
+
+    dispatcher = config_kwargs.get("moe_token_dispatcher_type")
+    if config_kwargs.get("num_moe_experts") and not on_gpu and dispatcher not in CPU_TOKEN_DISPATCHERS:
+        raise ModelConfigError(
+            f"model.override_transformer_config.moe_token_dispatcher_type={dispatcher!r} cannot run "
+            f"without a GPU; CPU (gloo) supports {list(CPU_TOKEN_DISPATCHERS)}"
+        )
+
+
+def hf_moe_names(moe: MoEArchitecture, layer: int, rest: str) -> tuple[str, tuple[str, ...]] | None:
+    """(kind, HF names) of an MoE-layer parameter ``decoder.layers.<layer>.<rest>``, or None.
+
+    Expert indices in ``rest`` are global (see ``sharding.named_global_parameters``). Local
+    spec: ``mlp.experts.local_experts.<e>.linear_fc{1,2}.weight``; Transformer Engine's grouped
+    GEMM: ``mlp.experts.linear_fc{1,2}.weight<e>``.
+    """
+    block = f"model.layers.{layer}.{moe.hf_block}"
+    gate, up, down = moe.hf_expert_names
+    if rest == "mlp.router.weight":
+        return "copy", (f"{block}.gate.weight",)
+    expert = expert_index(rest)
+    if expert is not None:
+        index, fc = expert
+        prefix = f"{block}.experts.{index}"
+        if fc == 1:
+            return "gate_up", (f"{prefix}.{gate}.weight", f"{prefix}.{up}.weight")
+        return "copy", (f"{prefix}.{down}.weight",)
+    if rest == "mlp.shared_experts.linear_fc1.weight":
+        return "gate_up", (f"{block}.shared_expert.gate_proj.weight", f"{block}.shared_expert.up_proj.weight")
+    if rest == "mlp.shared_experts.linear_fc2.weight":
+        return "copy", (f"{block}.shared_expert.down_proj.weight",)
+    if rest == "mlp.shared_experts.gate_weight":
+        return "copy", (f"{block}.shared_expert_gate.weight",)
+    return None
+
+
+def expert_index(rest: str) -> tuple[int, int] | None:
+    """(expert index, 1 or 2) of a routed expert's fc1/fc2 weight name, else None."""
+    match = _LOCAL_EXPERT_RE.match(rest) or _GROUPED_EXPERT_RE.match(rest)
+    if match is None:
+        return None
+    return int(match.group("index")), int(match.group("fc"))
+
+
+def install_router_fallback() -> None:
+    """Let megatron's router run without Transformer Engine.
+
+    megatron-core 0.16.1's ``moe_utils`` imports ``te_general_gemm`` inside a ``try`` and, when
+    Transformer Engine is absent, never defines the name, so ``RouterGatingLinearFunction``
+    raises NameError instead of taking its own ``torch.mm`` branch (``te_general_gemm is None``).
+    Defining it as None selects that branch; with Transformer Engine nothing is changed.
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    if not getattr(moe_utils, "HAVE_TE", False) and not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
