@@ -21,7 +21,7 @@ import torch
 VOCAB, EXPERTS, TOPK, LAYERS = 96, 4, 2, 2
 PROMPT_LENGTHS = [6, 3, 5, 2]
 PROMPT_LEN, RESPONSE_LEN, N = 6, 8, 2
-LR = 1e-4
+LR = 3e-4  # one Adam step that moves a few routes (hit rate ~0.99), not most of them
 
 
 # ---------------------------------------------------------------------------- layout by hand
@@ -141,33 +141,30 @@ def test_a_dense_checkpoint_is_refused(tmp_path):
 # ---------------------------------------------------------------------------- end to end
 
 
-def _moe_chunks(runtime):
-    """A tiny megatron MoE GPTModel (local spec): 2 layers, 4 experts, top-2, float32."""
-    import megatron.core.transformer.moe.moe_utils as moe_utils
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory) -> str:
+    """A tiny random Qwen3-MoE checkpoint: 2 layers, 4 experts, top-2."""
+    from verl_megatron.utils.local_assets import build_tiny_hf_model
 
-    from verl_megatron.models.megatron_model import build_chunks
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None  # megatron 0.16.1 reads it unguarded without Transformer Engine
-    layout = runtime.layout
-    config = TransformerConfig(
-        num_layers=LAYERS, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
-        num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=32, moe_token_dispatcher_type="alltoall",
-        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-        expert_model_parallel_size=layout.ep, init_method_std=0.3, use_cpu_initialization=True,
-        params_dtype=torch.float32, pipeline_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
-        normalization="RMSNorm", add_bias_linear=False,
+    path = tmp_path_factory.mktemp("replay_moe")
+    build_tiny_hf_model(
+        path, "qwen3_moe", vocab_size=VOCAB, hidden_size=32, num_layers=LAYERS, num_heads=4, num_kv_heads=2,
+        intermediate_size=64, seed=3, initializer_range=0.3, bos_token_id=None, eos_token_id=1, pad_token_id=0,
     )  # fmt: skip
-    spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False, normalization="RMSNorm")
+    return str(path)
 
-    def make(pre: bool, post: bool, vp_stage):
-        return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=64,
-                        pre_process=pre, post_process=post, position_embedding_type="rope", vp_stage=vp_stage)  # fmt: skip
 
-    return build_chunks(runtime, make)
+def _moe_chunks(runtime, path: str):
+    """The checkpoint as our builder makes it: megatron MoE chunks of ``runtime``'s layout, DDP-wrapped."""
+    from verl_megatron.models.builder import build_gpt_chunks
+    from verl_megatron.models.config import ModelConfig, load_hf_config
+    from verl_megatron.models.convert import load_hf_weights
+    from verl_megatron.models.megatron_model import wrap_ddp
+
+    model_cfg = ModelConfig(path=path, dtype="float32", use_te=False)
+    chunks = build_gpt_chunks(load_hf_config(path), runtime, model_cfg)
+    load_hf_weights(chunks, path, runtime, model_cfg)
+    return wrap_ddp(chunks)
 
 
 def _prompts():
@@ -188,11 +185,11 @@ def _abs_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
     return float(((a - b).abs() * mask).sum())
 
 
-def replay_job(tp: int = 1, pp: int = 1, ep: int = 1) -> dict:
+def replay_job(path: str, tp: int = 1, pp: int = 1, ep: int = 1, lr: float = LR) -> dict:
     """Generate with recording, then the actor's forwards before and after one update."""
     from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
     from verl_megatron.models import routing_replay
-    from verl_megatron.models.megatron_model import build_optimizer, wrap_ddp
+    from verl_megatron.models.megatron_model import build_optimizer
     from verl_megatron.protocol import DataProto
     from verl_megatron.rollout import RolloutConfig, build_rollout
     from verl_megatron.rollout.layout import gather_replicas, shard_for
@@ -201,9 +198,9 @@ def replay_job(tp: int = 1, pp: int = 1, ep: int = 1) -> dict:
     from verl_megatron.workers.lr_schedule import build_lr_scheduler, optim_settings
 
     runtime = init_runtime(ParallelLayout(tp=tp, pp=pp, ep=ep), seed=3)
-    chunks = wrap_ddp(_moe_chunks(runtime))
+    chunks = _moe_chunks(runtime, path)
     cfg = ActorConfig(ppo_mini_batch_size=len(PROMPT_LENGTHS), ppo_micro_batch_size_per_gpu=2, rollout_n=N,
-                      shuffle=True, optim=OptimConfig(lr=LR, weight_decay=0.0))  # fmt: skip
+                      shuffle=True, optim=OptimConfig(lr=lr, weight_decay=0.0))  # fmt: skip
     optimizer = build_optimizer(chunks, optim_settings(cfg.optim))
     actor = MegatronActor(runtime, cfg, chunks, optimizer, build_lr_scheduler(optimizer, cfg.optim))
     rollout_cfg = RolloutConfig(
@@ -284,8 +281,8 @@ def _check_run(run: dict, layers: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def single(pool1) -> dict:
-    return pool1.run(f"{__name__}:replay_job")[0]
+def single(pool1, moe_model) -> dict:
+    return pool1.run(f"{__name__}:replay_job", path=moe_model)[0]
 
 
 def test_training_routes_equal_rollout_routes_until_an_update_and_replay_keeps_them(single):
@@ -293,20 +290,24 @@ def test_training_routes_equal_rollout_routes_until_an_update_and_replay_keeps_t
     assert single["layer_numbers"] == list(range(LAYERS))
 
 
-def test_pp2_stages_record_and_replay_their_own_layers(pool2):
-    runs = pool2.run(f"{__name__}:replay_job", pp=2)
+def test_pp2_stages_record_and_replay_their_own_layers(pool2, moe_model, single):
+    runs = pool2.run(f"{__name__}:replay_job", path=moe_model, pp=2)
     for stage, run in enumerate(runs):
         _check_run(run, LAYERS // 2)
-        # A stage's local MoE layer i is global layer offset + i.
+        # A stage's local MoE layer i is global layer offset + i, and records what one process
+        # records for that layer.
         assert run["layer_numbers"] == [stage]
+        assert torch.equal(run["recorded"][:, :, 0], single["recorded"][:, :, stage]), f"stage {stage}"
 
 
-def test_dp2_ranks_keep_their_rows_and_fetch_the_rows_they_train_on(pool2):
-    runs = pool2.run(f"{__name__}:replay_job")
+@pytest.mark.parametrize("ep", [1, 2])
+def test_dp2_ranks_keep_their_rows_and_fetch_the_rows_they_train_on(pool2, moe_model, single, ep):
+    runs = pool2.run(f"{__name__}:replay_job", path=moe_model, ep=ep)
     rows = len(PROMPT_LENGTHS) * N
-    for run in runs:
+    for rank, run in enumerate(runs):
         _check_run(run, LAYERS)
-        # Each rank stores only the rows its replica generated; shuffled mini-batches made the
-        # ranks fetch rows from each other (the checks above passed on those).
-        assert run["stored_rows"] == rows // 2 and run["recorded"].shape[0] == rows // 2
+        # Each rank stores only the rows its replica generated (one process's rows of that share);
+        # shuffled mini-batches made the ranks fetch rows from each other.
+        assert run["stored_rows"] == rows // 2
+        assert torch.equal(run["recorded"], single["recorded"][rank * rows // 2 : (rank + 1) * rows // 2])
         assert run["fetched_rows"] > 0

@@ -146,6 +146,12 @@ class RouteHook:
         return scores.gather(1, chosen), chosen
 
 
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
 def moe_routers(chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
     """The top-k routers of this rank's chunks, in chunk then layer order."""
     from megatron.core.transformer.moe.router import TopKRouter
@@ -156,11 +162,10 @@ def moe_routers(chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
 def install_hooks(chunks: Sequence[torch.nn.Module]) -> list[RouteHook]:
     """A :class:`RouteHook` on every top-k router of ``chunks`` (kept if already there).
 
-    Raises ValueError when the model has no MoE layer or routes in a way replay cannot follow.
+    A pipeline stage of only dense layers gets none. Raises ValueError for routers whose
+    top-k replay cannot follow.
     """
     routers = moe_routers(chunks)
-    if not routers:
-        raise ValueError("routing replay needs a mixture-of-experts model; these chunks have no MoE router")
     hooks = []
     for i, router in enumerate(routers):
         config = router.config
@@ -195,10 +200,10 @@ class RouteRecorder:
     def __init__(self, chunks: Sequence[torch.nn.Module], rows: int, width: int) -> None:
         self.hooks = install_hooks(chunks)
         self.layer_numbers = [h.layer_number for h in self.hooks]
-        first = self.hooks[0]
-        self.dtype = route_dtype(first.num_experts)
+        experts, topk = (self.hooks[0].num_experts, self.hooks[0].topk) if self.hooks else (0, 1)
+        self.dtype = route_dtype(experts)
         self.routes = torch.full(
-            (rows, width, len(self.hooks), first.topk), UNRECORDED[self.dtype], dtype=self.dtype
+            (rows, width, len(self.hooks), topk), UNRECORDED[self.dtype], dtype=self.dtype
         )
         self._step: tuple[torch.Tensor, int, int] | None = None
         self._captured: dict[int, torch.Tensor] = {}
@@ -433,9 +438,7 @@ class TrainingRoutes:
         self.runtime = runtime
         self.mode = "replay" if replay else "observe"
         install_hooks(chunks)
-        self.hooks_of = {
-            id(chunk): install_hooks([chunk]) if moe_routers([chunk]) else [] for chunk in chunks
-        }
+        self.hooks_of = {id(chunk): install_hooks([chunk]) for chunk in chunks}
         self.all_hooks = [h for hooks in self.hooks_of.values() for h in hooks]
         self.routes: dict[int, torch.Tensor] = {}
         self.phase = "log_prob"
@@ -443,7 +446,8 @@ class TrainingRoutes:
             "log_prob": torch.zeros(2, dtype=torch.float64),
             "update": torch.zeros(2, dtype=torch.float64),
         }
-        config = moe_routers(chunks)[0].config
+        config = _unwrap(chunks[0]).config
+        # The routers of a tp rank see 1/tp of the sequence under sequence parallelism.
         self.sp_size = runtime.layout.tp if config.sequence_parallel else 1
 
     def prepare(self, micro_batches: Sequence[Any], forward_only: bool) -> None:
@@ -542,15 +546,6 @@ def for_trainer(config: Any, runtime: Any, actor: Any, rollout: Any) -> RunRoute
     return RunRoutes(runtime, actor, rollout, replay=config.actor.megatron.router_replay.mode == "R3")
 
 
-def hf_num_experts(hf_config: Any) -> int:
-    """Routed experts per MoE layer of a Hugging Face config (0 for a dense model)."""
-    for name in ("num_experts", "num_local_experts", "n_routed_experts"):
-        value = getattr(hf_config, name, None)
-        if value:
-            return int(value)
-    return 0
-
-
 def check_config(config: Any) -> None:
     """Start-up checks of the routing-replay keys (raises ConfigError naming the key)."""
     from verl_megatron.trainer.config import ConfigError
@@ -584,15 +579,17 @@ def check_config(config: Any) -> None:
         )
     if config.model.path:
         from verl_megatron.models.config import load_hf_config
+        from verl_megatron.models.moe import MOE_MODEL_TYPES, read_moe_architecture
 
         try:
-            experts = hf_num_experts(load_hf_config(config.model.path))
-        except (FileNotFoundError, ValueError, OSError):
+            hf_config = load_hf_config(config.model.path)
+        except (ValueError, OSError):
             return  # check_model_fits names an unreadable checkpoint
-        if not experts:
+        if read_moe_architecture(hf_config, hf_config.num_hidden_layers) is None:
             raise ConfigError(
                 f"rollout.enable_rollout_routing_replay=true needs a mixture-of-experts model; model.path="
-                f"'{config.model.path}' is dense (no num_experts in its config.json)"
+                f"'{config.model.path}' is dense (model_type {hf_config.model_type!r}, MoE types: "
+                f"{list(MOE_MODEL_TYPES)})"
             )
     elif config.quickstart.enable:
         raise ConfigError(
