@@ -311,3 +311,45 @@ def test_dp2_ranks_keep_their_rows_and_fetch_the_rows_they_train_on(pool2, moe_m
         assert run["stored_rows"] == rows // 2
         assert torch.equal(run["recorded"], single["recorded"][rank * rows // 2 : (rank + 1) * rows // 2])
         assert run["fetched_rows"] > 0
+
+
+# ---------------------------------------------------------------------------- the trainer
+
+
+def trainer_job(out_dir: str, model_dir: str) -> dict:
+    """One GRPO step (and validation) of the quickstart task on a tiny Qwen3-MoE model, replay on."""
+    from verl_megatron.train import run
+    from verl_megatron.trainer.config import default_config_path
+    from verl_megatron.trainer.tracking import read_jsonl_metrics
+
+    run(default_config_path(), [
+        f"trainer.default_local_dir={out_dir}", f"model.path={model_dir}", "quickstart.num_digits=2",
+        "data.train_batch_size=4", "rollout.n=2", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_gpu=4",
+        "trainer.total_training_steps=1", "trainer.test_freq=1", "trainer.save_freq=0", "trainer.logger=[console]",
+        "trainer.resume_mode=disable", "rollout.enable_rollout_routing_replay=true",
+        "actor.megatron.router_replay.mode=R3",
+    ])  # fmt: skip
+    import os
+
+    return {"rows": read_jsonl_metrics(os.path.join(out_dir, "metrics.jsonl"))}
+
+
+def test_trainer_replays_and_reports_hit_rates(pool1, tmp_path):
+    from verl_megatron.trainer.quickstart import DIGITS
+    from verl_megatron.utils.local_assets import build_char_tokenizer, build_tiny_hf_model
+
+    model_dir = tmp_path / "model"
+    tokenizer = build_char_tokenizer(str(tmp_path / "tokenizer"), alphabet=DIGITS)
+    build_tiny_hf_model(model_dir, "qwen3_moe", hidden_size=32, num_layers=LAYERS, num_heads=4, num_kv_heads=2,
+                        intermediate_size=64, seed=1, tokenizer=tokenizer)  # fmt: skip
+    (result,) = pool1.run(f"{__name__}:trainer_job", out_dir=str(tmp_path / "run"), model_dir=str(model_dir))
+    steps = {}
+    for row in result["rows"]:
+        steps.setdefault(row["step"], {}).update(row)
+    metrics = steps[1]
+    # The old-log-prob forward runs on the rollout's weights: every recorded route agrees.
+    assert metrics["actor/router_replay/hit_rate_log_prob"] == 1.0, metrics
+    assert metrics["actor/router_replay/bytes_per_token"] == LAYERS * TOPK
+    # Two mini-batches: the second update forward runs after the first optimizer step.
+    assert 0.0 < metrics["actor/router_replay/hit_rate_update"] <= 1.0
+    assert any(key.startswith("val") for key in metrics), "the validation rollout (routes dropped) ran"
