@@ -6,7 +6,8 @@
     python benchmarks/run.py --only update,memory # a subset of sections
 
 Sections (each compares ours with the tool a user would pick instead; see benchmarks/README.md):
-generation, reward, update, grpo_step, scaling, memory. Each is printed as a markdown table and
+generation, reward, update, grpo_step, scaling, memory, bypass (ours against ours: what bitwise
+parity costs and what skipping the old-log-prob pass saves). Each is printed as a markdown table and
 saved as ``<section>.json`` and ``<section>.md`` under the results folder; ``summary.md`` and
 ``results.json`` hold all of them with the machine description. A section that fails records
 its error text instead of stopping the run.
@@ -44,7 +45,7 @@ from common import (
     write_section,
 )
 
-SECTIONS = ("generation", "reward", "update", "grpo_step", "scaling", "memory")
+SECTIONS = ("generation", "reward", "update", "grpo_step", "scaling", "memory", "bypass")
 
 
 def run_generation(quick: bool, workdir: Path) -> Section:
@@ -114,6 +115,7 @@ RUNNERS: dict[str, Callable[[bool, Path], Section]] = {
     "grpo_step": _module_section("grpo_step"),
     "scaling": _module_section("scaling"),
     "memory": _module_section("memory"),
+    "bypass": _module_section("bypass"),  # bitwise parity's cost and bypass's saving
 }
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = ("generation", "reward", "update", "grpo_step", "scaling", "memory")
+SECTIONS = ("generation", "reward", "update", "grpo_step", "scaling", "memory", "bypass")
 
 
 def _load_common():
@@ -165,6 +165,16 @@ def test_grpo_step_section(quick_run):
     assert _positive(peer["step_s (best)"]) and peer["mean response tokens"] == 8.0
     key = "step time ours / TRL (best; < 1 = ours faster)"
     assert section["ratios"][key] == pytest.approx(ours["step_s (best)"] / peer["step_s (best)"], rel=1e-12)
+
+
+def test_bypass_section(quick_run):
+    _, results, _ = quick_run
+    rows = _rows(results, "bypass")
+    assert set(rows) == {"off", "parity", "parity+bypass"}, results["sections"]["bypass"]["errors"]
+    assert rows["parity"]["logprob diff max"] == 0.0
+    assert rows["parity+bypass"]["old_log_prob_cpu_s"] == 0.0 and _positive(
+        rows["parity"]["old_log_prob_cpu_s"]
+    )
 
 
 def test_scaling_section(quick_run):

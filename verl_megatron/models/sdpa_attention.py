@@ -9,6 +9,9 @@ GPU. The GPU path with Transformer Engine is unaffected.
 Exactly the same inputs and outputs as megatron's class; configurations whose arithmetic SDPA
 would not reproduce exactly (attention dropout while training, query-key layer scaling, softmax
 offsets, sliding windows, packed sequences) fall back to megatron's implementation.
+
+A model switched to batch-invariant kernels (``models/batch_invariant.py``, the rollout's
+bitwise parity mode) sets ``batch_invariant_key_length`` and computes attention there instead.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ from megatron.core.transformer.enums import AttnMaskType
 
 class SDPADotProductAttention(DotProductAttention):
     """megatron ``DotProductAttention`` computed by ``torch.nn.functional.scaled_dot_product_attention``."""
+
+    batch_invariant_key_length: int | None = None
+    """Set by ``batch_invariant.enable``: attend through its fixed-length, batch-invariant kernels."""
 
     def _sdpa_applies(self, attention_bias, packed_seq_params) -> bool:
         dropout = self.attention_dropout.p if self.training else 0.0
@@ -45,6 +51,16 @@ class SDPADotProductAttention(DotProductAttention):
     ) -> torch.Tensor:
         """query [sq, b, heads, d], key/value [sk, b, groups, d], mask [b|1, 1, sq, sk] (True = hidden)
         -> context [sq, b, heads * d]."""
+        if (
+            self.batch_invariant_key_length is not None
+            and packed_seq_params is None
+            and attention_bias is None
+        ):
+            from verl_megatron.models import batch_invariant
+
+            return batch_invariant.self_attention(
+                query, key, value, attention_mask, self.batch_invariant_key_length, self.softmax_scale
+            )
         if not self._sdpa_applies(attention_bias, packed_seq_params):
             return super().forward(
                 query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params

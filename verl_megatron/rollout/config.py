@@ -148,6 +148,14 @@ class RolloutConfig:
     """vllm/sglang: weights stream into the engine in buckets of at most this many MB."""
     layer_name_map: dict[str, str] = field(default_factory=dict)
     """vllm/sglang: rename weights before loading, {HF name prefix: engine name prefix}."""
+    bitwise_parity: bool = False
+    """native only: make every sampled token's rollout log-prob equal the actor's old_log_probs bit
+    for bit (float32 and bfloat16), at any tp/pp/dp layout, packing and dynamic batch size. The
+    decoder and the actor's forward and backward then use batch-invariant kernels
+    (``models/batch_invariant.py``: tiled GEMMs, attention over a fixed key length of
+    prompt_length + response_length), about 2x the CPU time of generation and of the update;
+    needs megatron's local layer spec (model.use_te=false); not with multi_turn or MoE models.
+    Off: the two differ by float rounding (~1e-6 in float32, ~1e-3 in bfloat16)."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Tokens that end a response like EOS (kept in the response with mask 1)."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
@@ -187,6 +195,15 @@ class RolloutConfig:
                 f"rollout.log_prob_micro_batch_size_per_gpu must be >= 1 or null, "
                 f"got {self.log_prob_micro_batch_size_per_gpu}"
             )
+        if self.bitwise_parity and self.name != "native":
+            raise RolloutConfigError(
+                f"rollout.bitwise_parity=true needs rollout.name=native (the {self.name} engine computes "
+                "log-probs with its own kernels); correct for the gap with rollout correction instead"
+            )
+        if self.bitwise_parity and self.multi_turn.enable:
+            # A turn's calls decode rows past prompt_length + response_length (then drop those
+            # tokens); the fixed key length of the batch-invariant attention cannot hold them.
+            raise RolloutConfigError("rollout.bitwise_parity=true does not support rollout.multi_turn yet")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise RolloutConfigError(
                 f"rollout.stop_token_ids must be token ids >= 0, got {self.stop_token_ids}"

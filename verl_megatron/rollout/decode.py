@@ -14,6 +14,11 @@ it replaces two parts of megatron's inference path:
 - rotary positions are per row (verl's ``position_ids``: the token's index in its own
   sequence), so left-padded prompts need no re-alignment.
 
+Bitwise parity mode (chunks switched by ``models.batch_invariant.enable``): the cache holds
+each row's keys in canonical columns (column j = the row's j-th token, i.e. its rotary position)
+over the fixed key length L, and attention and the linear layers run through the batch-invariant
+kernels, so each token's logits are bit for bit those of the training forward.
+
 Pipeline parallelism: each step runs stage after stage; a stage sends its hidden states
 [s, B, H] to the next pipeline rank (with virtual stages the last rank sends back to the first).
 """
@@ -29,6 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from verl_megatron.distributed.parallel import Runtime
+from verl_megatron.models import batch_invariant
 
 __all__ = ["ChunkDecoder", "inference_mode_for"]
 
@@ -98,7 +104,7 @@ class ChunkDecoder:
         runtime: the distributed runtime (for pipeline neighbours).
         batch_size: rows B of the cache.
         max_len: columns T_max of the cache (prompt + response length).
-        vocab_size: real vocabulary size; logits columns past it (tp padding) are dropped.
+        vocab_size: real vocabulary size; logits columns past it are tp padding.
     """
 
     def __init__(
@@ -109,6 +115,15 @@ class ChunkDecoder:
         self.chunks = chunks
         self.runtime = runtime
         self.vocab_size = vocab_size
+        # Bitwise parity: canonical cache columns over the model's fixed key length.
+        self.parity_length = batch_invariant.key_length(chunks)
+        if self.parity_length is not None:
+            if max_len > self.parity_length:
+                raise ValueError(
+                    f"rollout.bitwise_parity: prompt + response = {max_len} tokens exceeds the key length "
+                    f"{self.parity_length} the model was switched to (rollout.prompt_length + response_length)"
+                )
+            max_len = self.parity_length
         self.max_len = max_len
         config = chunks[0].config
         self.hidden_size = config.hidden_size
@@ -151,13 +166,18 @@ class ChunkDecoder:
             start: first cache column of the new tokens.
 
         Returns:
-            logits [B, V] float32 for the token after the last new one on the last pipeline
-            stage (whole vocabulary on every tp rank), else None.
+            logits [B, V_pad] float32 for the token after the last new one on the last pipeline
+            stage (the whole padded vocabulary on every tp rank: tp rank r's slice is columns
+            [r * V_pad / tp, (r + 1) * V_pad / tp)), else None. Columns from ``vocab_size`` on
+            are padding.
         """
         batch, s = positions.shape
         cos = self.cos[positions].transpose(0, 1).unsqueeze(2)  # [s, B, 1, R]
         sin = self.sin[positions].transpose(0, 1).unsqueeze(2)
-        mask = self._mask(key_valid, start, s)
+        if self.parity_length is None:
+            mask = self._mask(key_valid, start, s)
+        else:
+            mask = self._canonical_slots(positions, key_valid[:, start : start + s])
         logits = None
         for chunk, cache in zip(self.chunks, self.caches):
             if chunk.pre_process:
@@ -182,14 +202,35 @@ class ChunkDecoder:
         # NaN; letting every query see itself keeps such rows finite (their output is unused).
         return (mask | (key_col == query_col)[None]).unsqueeze(1)
 
+    def _canonical_slots(self, positions: torch.Tensor, valid: torch.Tensor) -> dict:
+        """Parity mode: where the new tokens' keys go and what each query may see.
+
+        A token's cache column is its position in its own sequence; padding tokens of a
+        left-padded prompt are not stored, and a query sees the columns up to its own position.
+        """
+        rows, cols = torch.nonzero(valid, as_tuple=True)
+        key_col = torch.arange(self.max_len, device=positions.device)
+        allowed = (key_col[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, s, L]
+        return {"rows": rows, "cols": cols, "slots": positions[rows, cols], "allowed": allowed}
+
     def _layer(self, layer, hidden, k_cache, v_cache, cos, sin, mask, start: int) -> torch.Tensor:
         attn = layer.self_attention
         query, key, value = attn.get_query_key_value_tensors(layer.input_layernorm(hidden), None)
         query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
         s = query.shape[0]
-        k_cache[:, :, start : start + s] = key.permute(1, 2, 0, 3)
-        v_cache[:, :, start : start + s] = value.permute(1, 2, 0, 3)
-        context = self._attention(query, k_cache[:, :, : start + s], v_cache[:, :, : start + s], mask)
+        if self.parity_length is not None:
+            rows, cols, slots = mask["rows"], mask["cols"], mask["slots"]
+            k_cache[rows, :, slots] = key[cols, rows]
+            v_cache[rows, :, slots] = value[cols, rows]
+            scale = attn.core_attention.softmax_scale
+            out = batch_invariant.attention(
+                query.permute(1, 2, 0, 3), k_cache, v_cache, mask["allowed"], scale
+            )
+            context = out.permute(2, 0, 1, 3).reshape(s, out.shape[0], -1)
+        else:
+            k_cache[:, :, start : start + s] = key.permute(1, 2, 0, 3)
+            v_cache[:, :, start : start + s] = value.permute(1, 2, 0, 3)
+            context = self._attention(query, k_cache[:, :, : start + s], v_cache[:, :, : start + s], mask)
         out, bias = attn.linear_proj(context)
         hidden = hidden + out if bias is None else hidden + out + bias
         out, bias = layer.mlp(layer.pre_mlp_layernorm(hidden))
@@ -223,7 +264,7 @@ class ChunkDecoder:
             chunk.shared_embedding_or_output_weight() if chunk.share_embeddings_and_output_weights else None
         )
         logits, _ = chunk.output_layer(hidden, weight=weight, runtime_gather_output=True)
-        return logits[-1, :, : self.vocab_size].float()
+        return logits[-1].float()
 
     def _send(self, hidden: torch.Tensor) -> None:
         from megatron.core import parallel_state as ps

@@ -10,6 +10,11 @@ layout, so ``sync_weights`` / ``sleep`` / ``wake_up`` have nothing to do. One ca
    log-probs are broadcast to every rank of the model-parallel group, so all ranks agree.
    Once a quarter of the rows still decoded have stopped, they are dropped from the cache.
 
+The log-prob of each sampled token is computed by the trainer's own function
+(``models.logprobs.vocab_parallel_log_probs`` on this tp rank's slice of the logits), so with
+``rollout.bitwise_parity`` (batch-invariant kernels in decoding and training) it equals the
+actor's ``old_log_probs`` bit for bit.
+
 Each prompt samples from its own seed (``sampling.prompt_seed``: seed, call number, and the
 prompt's row in the global batch, ``meta_info['prompt_offset']`` + its local row): the same seed
 and the same sequence of calls give the same tokens whatever the tp/pp/dp layout.
@@ -25,6 +30,7 @@ import torch.distributed as dist
 
 from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.models import routing_replay
+from verl_megatron.models.logprobs import vocab_parallel_log_probs
 from verl_megatron.protocol import DataProto
 from verl_megatron.rollout.base import (
     RolloutEngine,
@@ -167,7 +173,7 @@ class NativeRollout(RolloutEngine):
         active = torch.arange(rows, device=device)  # output row of each cache row
         for t in range(response_length):
             uniform = None if uniforms is None else uniforms[active, t]
-            tokens, token_log_probs = self._next_tokens(logits, params, uniform, active.numel())
+            tokens, token_log_probs = self._next_tokens(logits, params, uniform, active.numel(), vocab)
             live = ~finished[active]
             responses[active, t] = torch.where(live, tokens, pad)
             log_probs[active, t] = torch.where(live, token_log_probs, 0.0)
@@ -193,23 +199,41 @@ class NativeRollout(RolloutEngine):
         return responses, response_mask, log_probs
 
     def _next_tokens(
-        self, logits: torch.Tensor | None, params: SamplingParams, uniform: torch.Tensor | None, rows: int
+        self,
+        logits: torch.Tensor | None,
+        params: SamplingParams,
+        uniform: torch.Tensor | None,
+        rows: int,
+        vocab: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample on the last pipeline stage; broadcast (tokens [rows], log_probs [rows]) to all ranks.
 
-        tp ranks of the last stage hold identical gathered logits and uniforms; tp rank 0's
-        draw is broadcast anyway so that no rounding difference between ranks can split them.
+        ``logits`` [rows, V_pad] are the gathered padded logits. tp ranks of the last stage hold
+        identical logits and uniforms; tp rank 0's draw is broadcast anyway so that no rounding
+        difference between ranks can split them. The log-probs are then computed as the trainer
+        computes them, each tp rank on its own vocabulary slice.
         """
         from megatron.core import parallel_state as ps
 
         device = self.runtime.device
+        tp = self.runtime.layout.tp
         # float64 holds token ids exactly and float32 log-probs without rounding: one message.
         packed = torch.empty(2, rows, dtype=torch.float64, device=device)
         if logits is not None:
-            tokens, token_log_probs = sample_next(logits, params, uniform=uniform)
+            tokens, _ = sample_next(logits[:, :vocab], params, uniform=uniform)
+            if tp > 1:
+                dist.broadcast(tokens, ps.get_tensor_model_parallel_src_rank(), group=self.runtime.tp_group())
+            width = logits.shape[-1] // tp
+            start = ps.get_tensor_model_parallel_rank() * width
+            token_log_probs, _ = vocab_parallel_log_probs(
+                logits[:, start : start + width].contiguous(),
+                tokens,
+                temperature=params.logprob_temperature,
+                vocab_size=vocab,
+                tp_group=self.runtime.tp_group(),
+                vocab_start=start,
+            )
             packed[0], packed[1] = tokens, token_log_probs
-            if self.runtime.layout.tp > 1:
-                dist.broadcast(packed, ps.get_tensor_model_parallel_src_rank(), group=self.runtime.tp_group())
         if self.runtime.layout.pp > 1:
             dist.broadcast(packed, ps.get_pipeline_model_parallel_last_rank(), group=self.runtime.pp_group())
         return packed[0].long(), packed[1].float()

@@ -178,6 +178,12 @@ def build_components(config: PPOConfig, runtime: Runtime) -> tuple[PPOConfig, Co
             _policy_chunks(config, runtime, hf_config), config.actor.optim, bf16
         )
         actor = MegatronActor(runtime, config.actor, actor_chunks, optimizer, scheduler)
+        if config.rollout.bitwise_parity:
+            from verl_megatron.models import batch_invariant
+
+            batch_invariant.enable(
+                actor_chunks, config.rollout.prompt_length + config.rollout.response_length
+            )
         ref = None
         if use_reference(config):
             ref = MegatronRef(runtime, config.ref, _policy_chunks(config, runtime, hf_config))

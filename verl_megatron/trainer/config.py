@@ -37,6 +37,7 @@ from verl_megatron.errors import UserInputError
 from verl_megatron.models.config import ModelConfig
 from verl_megatron.rollout.config import RolloutConfig
 from verl_megatron.trainer.guard import DivergenceGuardConfig
+from verl_megatron.trainer.ppo.rollout_correction_config import RolloutCorrectionConfig
 from verl_megatron.workers.config import ActorConfig, CriticConfig, RefConfig
 
 __all__ = [
@@ -115,6 +116,7 @@ class AlgorithmConfig:
         kl_penalty: KL estimator for KL-in-reward: kl/k1, abs, mse/k2, low_var_kl/k3.
         kl_ctrl: the coefficient beta and how it adapts.
         filter_groups: DAPO dynamic sampling.
+        rollout_correction: what to do about the rollout / training log-prob gap (bypass_mode).
     """
 
     gamma: float = 1.0
@@ -129,6 +131,7 @@ class AlgorithmConfig:
     """gdpo: reward_extra_info keys (from compute_score's dict) normalised one by one."""
     gdpo_reward_weights: list[float] | None = None
     """gdpo: weight of each of those keys (null: 1 each)."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 # verl's name for the algorithm section's class.
@@ -504,6 +507,19 @@ def _check_algorithm(config: PPOConfig) -> None:
         raise ConfigError(
             "actor.policy_loss.loss_mode=bypass_mode trains on the rollout's log-probs, which this trainer "
             "does not use as old_log_probs; call rollout_corr_helper.apply_bypass_mode in your own loop"
+        )
+    if algo.rollout_correction.bypass_mode and not (
+        config.rollout.name == "native" and config.rollout.bitwise_parity
+    ):
+        raise ConfigError(
+            "algorithm.rollout_correction.bypass_mode=true trains on the rollout's log-probs as old_log_probs, "
+            "which is exact only with rollout.name=native and rollout.bitwise_parity=true "
+            f"(got rollout.name={config.rollout.name}, bitwise_parity={config.rollout.bitwise_parity})"
+        )
+    if config.rollout.bitwise_parity and config.model.resolve_use_te():
+        raise ConfigError(
+            "rollout.bitwise_parity=true needs megatron's local layer spec (model.use_te=false): "
+            "Transformer Engine's kernels cannot be switched to the batch-invariant ones"
         )
     if algo.adv_estimator == "gdpo" and not algo.gdpo_reward_keys:
         raise ConfigError(

@@ -101,17 +101,27 @@ def rollout_probs_diff_metrics(
 ) -> dict[str, float]:
     """How far the sampler's token probabilities are from the trainer's, all [B, Tr].
 
-    ``|exp(rollout_log_probs) - exp(old_log_probs)|`` over response tokens: max,
-    mean and std. Near 0 means the rollout engine and the megatron forward agree.
+    ``training/rollout_probs_diff_{max,mean,std}``: ``|exp(rollout_log_probs) - exp(old_log_probs)|``
+    over response tokens. ``rollout/logprob_diff/{max,mean}``: ``|rollout_log_probs - old_log_probs|``,
+    and ``rollout/logprob_diff/frac_diff`` the fraction of response tokens whose log-probs differ
+    at all (0 with ``rollout.bitwise_parity``). Near 0 means the rollout engine and the megatron
+    forward agree.
     """
     mask = response_mask.bool()
     diff = (rollout_log_probs.float().exp() - old_log_probs.float().exp()).abs()[mask]
     if diff.numel() == 0:
-        return {f"training/rollout_probs_diff_{k}": 0.0 for k in ("max", "mean", "std")}
+        return {
+            **{f"training/rollout_probs_diff_{k}": 0.0 for k in ("max", "mean", "std")},
+            **{f"rollout/logprob_diff/{k}": 0.0 for k in ("max", "mean", "frac_diff")},
+        }
+    log_diff = (rollout_log_probs.float() - old_log_probs.float()).abs()[mask]
     return {
         "training/rollout_probs_diff_max": diff.max().item(),
         "training/rollout_probs_diff_mean": diff.mean().item(),
         "training/rollout_probs_diff_std": diff.std(unbiased=False).item(),
+        "rollout/logprob_diff/max": log_diff.max().item(),
+        "rollout/logprob_diff/mean": log_diff.mean().item(),
+        "rollout/logprob_diff/frac_diff": (log_diff > 0).float().mean().item(),
     }
 
 

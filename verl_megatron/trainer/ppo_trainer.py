@@ -138,9 +138,14 @@ class PPOTrainer:
         with M.timed("step", timing):
             batch, gen_metrics = self._collect_batch(step, timing)
             metrics.update(gen_metrics)
-            with M.timed("old_log_prob", timing):
-                batch.batch["old_log_probs"], _ = self.actor.compute_log_prob(batch)
-            if "rollout_log_probs" in batch.batch.keys():  # noqa: SIM118 (TensorDict has no __contains__)
+            bypass = self.config.algorithm.rollout_correction.bypass_mode
+            if bypass:
+                # Equal bit for bit to a recomputation (bitwise parity, required at start-up).
+                batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
+            else:
+                with M.timed("old_log_prob", timing):
+                    batch.batch["old_log_probs"], _ = self.actor.compute_log_prob(batch)
+            if not bypass and "rollout_log_probs" in batch.batch.keys():  # noqa: SIM118
                 metrics.update(
                     M.rollout_probs_diff_metrics(
                         batch.batch["rollout_log_probs"],

@@ -1,0 +1,194 @@
+"""What bitwise parity costs and what bypass saves: one GRPO step, three ways, side by side.
+
+- ``off``: the default (no batch-invariant kernels; old_log_probs recomputed);
+- ``parity``: ``rollout.bitwise_parity=true`` (rollout log-probs equal old_log_probs bit for bit);
+- ``parity+bypass``: also ``algorithm.rollout_correction.bypass_mode=true``, which skips the
+  old-log-prob forward pass and trains on the rollout's log-probs.
+
+Same checkpoint, prompts, seed and sizes for the three (configs/grpo.yaml with
+bench_grpo_step's settings). Reported per variant: wall and CPU seconds per step and the CPU
+seconds of its stages (generation, old-log-prob pass, actor update); ratios: step parity+bypass
+/ parity (the saving), and parity / off per stage (the cost of the batch-invariant kernels).
+CPU seconds are this process's, so they count every torch thread and are steadier than wall
+time on a shared machine.
+
+Run alone: ``python benchmarks/bench_bypass.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from bench_grpo_step import GRPOBenchConfig, _ours_config
+from common import HEADLINE_THREADS, ModelShape, Section, build_assets, error_text, ratio, shape_text
+
+FULL = GRPOBenchConfig(
+    shape=ModelShape(
+        vocab_size=2048, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=352
+    ),
+    prompts=4,
+    group=4,
+    prompt_len=32,
+    response_len=64,
+    micro_batch=8,
+    steps=2,
+    warmup=1,
+)
+QUICK = replace(
+    FULL,
+    shape=ModelShape(
+        vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128
+    ),
+    prompts=2,
+    group=2,
+    prompt_len=8,
+    response_len=8,
+    micro_batch=2,
+    steps=1,
+    warmup=0,
+)
+
+VARIANTS = {"off": (False, False), "parity": (True, False), "parity+bypass": (True, True)}
+STAGES = ("gen", "old_log_prob", "update_actor")
+
+
+def run_variant(model_dir: str, cfg: GRPOBenchConfig, out_dir: Path, parity: bool, bypass: bool) -> dict:
+    """``cfg.total_steps`` GRPO steps in this process: wall / CPU seconds and stage times per step."""
+    from verl_megatron.distributed.parallel import init_runtime, shutdown
+    from verl_megatron.trainer.components import build_components
+    from verl_megatron.trainer.config import validate_config
+    from verl_megatron.trainer.ppo_trainer import PPOTrainer
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = _ours_config(model_dir, cfg, out_dir)
+    config.rollout.bitwise_parity = parity
+    config.algorithm.rollout_correction.bypass_mode = bypass
+    validate_config(config, 1)
+    threads = torch.get_num_threads()
+    runtime = init_runtime(config.parallel, seed=config.trainer.seed)
+    torch.set_num_threads(threads)
+    steps: list[dict[str, Any]] = []
+    try:
+        config, components = build_components(config, runtime)
+        trainer = PPOTrainer(config, runtime, components)
+        stage_cpu: dict[str, float] = {}
+        _time_cpu(trainer.rollout, "generate_sequences", "gen", stage_cpu)
+        _time_cpu(trainer.actor, "compute_log_prob", "old_log_prob", stage_cpu)
+        _time_cpu(trainer.actor, "update_policy", "update_actor", stage_cpu)
+        for step in range(1, 1 + cfg.total_steps):
+            stage_cpu.clear()
+            wall, cpu = time.perf_counter(), time.process_time()
+            metrics = trainer.train_step(step)
+            steps.append(
+                {
+                    "wall": time.perf_counter() - wall,
+                    "cpu": time.process_time() - cpu,
+                    **{stage: stage_cpu.get(stage, 0.0) for stage in STAGES},
+                    "logprob_diff_max": metrics.get("rollout/logprob_diff/max"),
+                }
+            )
+    finally:
+        shutdown(runtime)
+    return {"steps": steps[cfg.warmup :]}
+
+
+def _time_cpu(owner: Any, method: str, stage: str, totals: dict[str, float]) -> None:
+    """Wrap ``owner.method`` (on the instance) to add its CPU seconds to ``totals[stage]``."""
+    inner = getattr(owner, method)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.process_time()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            totals[stage] = totals.get(stage, 0.0) + time.process_time() - start
+
+    setattr(owner, method, timed)
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def run(cfg: GRPOBenchConfig, workdir: Path) -> Section:
+    """The three variants on one checkpoint; a failing variant is reported with its error text."""
+    model_dir, _ = build_assets(workdir / "bypass_model", cfg.shape, cfg.seed)
+    section = Section(
+        name="bypass",
+        title="Bitwise parity and bypass: GRPO step, one process",
+        columns=[
+            "variant",
+            "step_s (median)",
+            "step_cpu_s (median)",
+            *(f"{stage}_cpu_s" for stage in STAGES),
+            "logprob diff max",
+        ],
+        config={
+            **{k: v for k, v in asdict(cfg).items() if k != "shape"},
+            "model": shape_text(cfg.shape),
+            "threads": torch.get_num_threads(),
+        },
+    )
+    raw: dict[str, dict] = {}
+    for name, (parity, bypass) in VARIANTS.items():
+        try:
+            raw[name] = run_variant(model_dir, cfg, workdir / f"bypass_{name}", parity, bypass)
+        except Exception as exc:
+            section.errors[name] = error_text(exc)
+            continue
+        steps = raw[name]["steps"]
+        row = {
+            "variant": name,
+            "step_s (median)": _median([s["wall"] for s in steps]),
+            "step_cpu_s (median)": _median([s["cpu"] for s in steps]),
+        }
+        row.update({f"{stage}_cpu_s": _median([s[stage] for s in steps]) for stage in STAGES})
+        row["logprob diff max"] = steps[-1]["logprob_diff_max"]
+        section.rows.append(row)
+    rows = {r["variant"]: r for r in section.rows}
+
+    def of(variant: str, key: str) -> float | None:
+        return rows[variant][key] if variant in rows else None
+
+    section.ratios = {
+        "step cpu, parity+bypass / parity (bypass saving)": ratio(
+            of("parity+bypass", "step_cpu_s (median)"), of("parity", "step_cpu_s (median)")
+        ),
+        "step cpu, parity / off": ratio(
+            of("parity", "step_cpu_s (median)"), of("off", "step_cpu_s (median)")
+        ),
+        **{
+            f"{stage} cpu, parity / off": ratio(of("parity", f"{stage}_cpu_s"), of("off", f"{stage}_cpu_s"))
+            for stage in STAGES
+        },
+    }
+    section.notes.append(
+        "stage columns are CPU seconds (median over timed steps); bypass runs no old_log_prob "
+        "stage (0); 'logprob diff max' is "
+        "max |rollout_log_probs - old_log_probs| of the last step (none under bypass: nothing to compare)"
+    )
+    section.extra["raw"] = raw
+    return section
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--threads", type=int, default=HEADLINE_THREADS)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        section = run(QUICK if args.quick else FULL, Path(tmp))
+    print(section.to_markdown())
+    print(json.dumps(section.ratios, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,342 @@
+"""Batch-invariant kernels: a token's numbers do not depend on which other tokens share its batch.
+
+A row of ``x @ W.T`` computed by one GEMM differs in the last bits with the number of rows M
+(on this CPU, M=1 and M=2 differ by 3e-6): BLAS picks its blocking and kernels from the shape.
+The rollout decodes a few rows at a time while training runs thousands, so the log-prob of a
+sampled token computed during generation and the one the trainer recomputes (``old_log_probs``)
+differ. Bitwise parity needs every reduction to happen in the same order in both paths:
+
+- **linear layers** (:func:`matmul_rows`): rows are cut into tiles of :data:`TILE_ROWS` rows
+  (the last one zero-padded) and multiplied as one batched GEMM of [TILE_ROWS, K] x [K, N]
+  items. Every item has the same shape whatever M, so a row's result depends only on the row
+  and the weight (checked empirically in ``tests/test_rollout_parity.py`` at several thread
+  counts). The backward pass is an ordinary one (:class:`_TiledLinear`).
+- **attention** (:func:`attention`): each sequence's keys sit in canonical columns (column j
+  holds the sequence's j-th token, whatever the batch layout: left-padded prompt, padded row or
+  packed segment) and are padded to one fixed key length L for every call, masked with -inf.
+  Q K^T and P V then run as tiled GEMMs of fixed shape, and the softmax runs over rows of
+  length L, so the reduction over keys has the same length and order in the decoder (one query
+  per row, KV cache) and in training (all queries of a sequence at once).
+- **rotary positions** restart at 0 in every packed segment (:class:`_PositionRotary`);
+  megatron's rotary embedding otherwise numbers the whole packed row, which gives the same
+  attention mathematically but not bitwise.
+- RMSNorm, the activation, softmax and log-softmax work row by row and were measured to give
+  the same bits for a row whatever the number of rows; the tensor-parallel all-reduce adds the
+  same two partial sums in both paths.
+
+:func:`enable` switches a model's chunks to these kernels (the trainer does it for the actor
+when ``rollout.bitwise_parity`` is set); :func:`key_length` tells the decoder the fixed L.
+Needs megatron's local layer spec (Transformer Engine kernels cannot be swapped this way).
+Verified in float32 and bfloat16 on CPU (MKL); that a batched GEMM item's result does not depend on the
+number of items is an empirical property of the BLAS, not yet checked on a GPU (cuBLAS).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["TILE_ROWS", "attention", "enable", "key_length", "matmul_rows", "self_attention"]
+
+TILE_ROWS = 16
+"""Rows per GEMM item. Smaller tiles waste less on padding when decoding few rows; larger ones
+run training GEMMs closer to full speed. Both paths must use the same value."""
+
+_KEY_LENGTH_MULTIPLE = 16  # keeps L fixed when sequence parallelism rounds a micro-batch's width up
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+# ------------------------------------------------------------------ matrix products
+
+
+def matmul_rows(x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight_t [K, N] -> [M, N], each row computed by a [TILE_ROWS, K] x [K, N] GEMM item."""
+    rows, inner = x.shape
+    pad = -rows % TILE_ROWS
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, inner)])
+    tiles = x.shape[0] // TILE_ROWS
+    out = torch.bmm(x.reshape(tiles, TILE_ROWS, inner), weight_t.unsqueeze(0).expand(tiles, *weight_t.shape))
+    return out.reshape(tiles * TILE_ROWS, -1)[:rows]
+
+
+def _batched_matmul_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [n, M, K] @ b [n, K, N] -> [n, M, N], each row of each item by a [TILE_ROWS, K] x [K, N] item."""
+    n, rows, inner = a.shape
+    pad = -rows % TILE_ROWS
+    if pad:
+        a = torch.cat([a, a.new_zeros(n, pad, inner)], dim=1)
+    tiles = a.shape[1] // TILE_ROWS
+    b = b.unsqueeze(1).expand(n, tiles, *b.shape[1:]).reshape(n * tiles, *b.shape[1:])
+    out = torch.bmm(a.reshape(n * tiles, TILE_ROWS, inner), b)
+    return out.reshape(n, tiles * TILE_ROWS, -1)[:, :rows]
+
+
+class _TiledLinear(torch.autograd.Function):
+    """y = x @ weight.T with a batch-invariant forward and PyTorch's ordinary backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        out = matmul_rows(x.reshape(-1, x.shape[-1]), weight.t())
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+        return grad_x, grad_w
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K].T (+ bias): a row's result does not depend on the other rows."""
+    out = _TiledLinear.apply(x, weight)
+    return out if bias is None else out + bias
+
+
+def _linear_forward_impl(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    gradient_accumulation_fusion: bool = False,
+    allreduce_dgrad: bool = False,
+    sequence_parallel: bool = False,
+    grad_output_buffer=None,
+    wgrad_deferral_limit=None,
+    async_grad_allreduce=None,
+    tp_group=None,
+) -> torch.Tensor:
+    """Drop-in for megatron's ``linear_with_grad_accumulation_and_async_allreduce`` (same
+    arguments, same communication), with the batch-invariant matmul."""
+    from megatron.core.tensor_parallel.mappings import (
+        copy_to_tensor_model_parallel_region,
+        gather_from_sequence_parallel_region,
+    )
+
+    if sequence_parallel:
+        # Forward: all-gather along the sequence; backward: reduce-scatter (megatron's order).
+        input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
+    elif allreduce_dgrad:
+        # Forward: identity; backward: all-reduce of the input gradient over tp.
+        input = copy_to_tensor_model_parallel_region(input, group=tp_group)
+    return linear(input, weight, bias)
+
+
+# ------------------------------------------------------------------ attention
+
+
+def attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Softmax attention with keys in canonical columns.
+
+    Args:
+        query: [B, H, S, D] (H = G * P query heads, group-major as in megatron).
+        keys, values: [B, G, L, D], column j of a row holding its sequence's j-th token
+            (anything where ``allowed`` is False).
+        allowed: [B, 1, S, L] bool; every query must allow at least one column.
+        scale: softmax scale applied to the scores.
+
+    Returns:
+        [B, H, S, D]. A query's output depends only on its own row of ``query``, the row's keys
+        and values and L, never on B, S or the position of the query among them.
+    """
+    batch, heads, steps, dim = query.shape
+    groups, length = keys.shape[1], keys.shape[2]
+    per_group = heads // groups
+    # Each (row, group) is one item; its P*S query rows are tiled by _batched_matmul_rows.
+    q = query.reshape(batch * groups, per_group * steps, dim)
+    k_t = keys.reshape(batch * groups, length, dim).transpose(1, 2)
+    scores = _batched_matmul_rows(q, k_t).reshape(batch, groups, per_group, steps, length) * scale
+    scores = scores.masked_fill(~allowed.view(batch, 1, 1, steps, length), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).reshape(batch * groups, per_group * steps, length)
+    out = _batched_matmul_rows(probs, values.reshape(batch * groups, length, dim))
+    return out.reshape(batch, heads, steps, dim)
+
+
+def _segments(allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first allowed key [b, S], position in its segment [b, S]) of each query of a
+    block-causal ``allowed`` [b, S, S]; ValueError for a mask that is not block-causal."""
+    steps = allowed.shape[-1]
+    column = torch.arange(steps, device=allowed.device)
+    start = torch.where(allowed, column, steps).amin(dim=-1)
+    expected = (column[None, None, :] >= start[..., None]) & (column[None, None, :] <= column[None, :, None])
+    if not torch.equal(expected, allowed):
+        raise ValueError(
+            "batch-invariant attention: the attention mask is not causal within contiguous segments"
+        )
+    return start, column[None, :] - start
+
+
+def self_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    key_length: int,
+    scale: float,
+) -> torch.Tensor:
+    """Training-side core attention in megatron's layout, through :func:`attention`.
+
+    Args:
+        query: [S, b, H, D]; key, value: [S, b, G, D] (self-attention, causal).
+        attention_mask: None (causal over each row) or [b|1, 1, S, S] bool, True where a query
+            may NOT attend: block-causal for packed rows.
+        key_length: the fixed L (see the module docstring); no segment may be longer.
+        scale: softmax scale.
+
+    Returns:
+        [S, b, H * D].
+
+    Each causal segment (a padded row, or a packed sequence) is moved to its own canonical row
+    [L] (gathers, so the backward is ordinary autograd), attended, and moved back.
+    """
+    steps, batch, heads, dim = query.shape
+    device = query.device
+    column = torch.arange(steps, device=device)
+    if attention_mask is None:
+        start = torch.zeros(batch, steps, dtype=torch.long, device=device)
+        offset = column[None, :].expand(batch, steps)
+    else:
+        allowed = ~attention_mask.bool()[:, 0].expand(batch, steps, steps)
+        start, offset = _segments(allowed)
+    longest = int(offset.max()) + 1
+    if longest > key_length:
+        raise ValueError(
+            f"batch-invariant attention: a sequence of {longest} tokens exceeds the fixed key length "
+            f"{key_length} (rollout.prompt_length + rollout.response_length)"
+        )
+    # Segment id of each token: (row, start) pairs, numbered in order.
+    seg_key = torch.arange(batch, device=device)[:, None] * (steps + 1) + start
+    seg_keys, seg_id = torch.unique(seg_key.reshape(-1), return_inverse=True)
+    segments = seg_keys.numel()
+    token = (column[None, :] * batch + torch.arange(batch, device=device)[:, None]).reshape(
+        -1
+    )  # [b*S] in [S, b] order
+    slot = seg_id * key_length + offset.reshape(-1)  # canonical slot of each token
+    # source[slot] = token index (or the zero row past the end)
+    source = torch.full((segments * key_length,), steps * batch, dtype=torch.long, device=device)
+    source[slot] = token
+
+    def canonical(t: torch.Tensor) -> torch.Tensor:
+        flat = t.reshape(steps * batch, t.shape[2], dim)
+        flat = torch.cat([flat, flat.new_zeros(1, t.shape[2], dim)])
+        return flat.index_select(0, source).view(segments, key_length, t.shape[2], dim).transpose(1, 2)
+
+    q, k, v = canonical(query), canonical(key), canonical(value)
+    key_column = torch.arange(key_length, device=device)
+    # Query slot j may see key columns 0..j (padding slots see column 0 and are never read).
+    allowed_c = (key_column[None, :] <= key_column[:, None]).view(1, 1, key_length, key_length)
+    out = attention(q, k, v, allowed_c.expand(segments, 1, key_length, key_length), scale)
+    out = out.transpose(1, 2).reshape(segments * key_length, heads * dim)
+    # slot is in [b, S] order; megatron wants [S, b, H * D].
+    return out.index_select(0, slot).view(batch, steps, heads * dim).transpose(0, 1).contiguous()
+
+
+# ------------------------------------------------------------------ rotary positions
+
+
+class _PositionRotary:
+    """A rotary embedding's forward that takes the positions of the current call's tokens.
+
+    The chunk's forward pre-hook stores ``position_ids``; packed rows (one row of several
+    sequences) then get each token's position within its own sequence.
+    """
+
+    def __init__(self, rotary: torch.nn.Module) -> None:
+        self.original = rotary.forward
+        self.positions: torch.Tensor | None = None
+
+    def __call__(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None):
+        positions = self.positions
+        if positions is None or offset != 0:
+            return self.original(max_seq_len, offset, packed_seq, cp_group)
+        table = self.original(int(positions.max()) + 1, 0, packed_seq, cp_group)  # [T, 1, 1, D]
+        return table.index_select(0, positions.to(table.device))
+
+
+def _store_positions(rotary: _PositionRotary, module, args, kwargs) -> None:
+    positions = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
+    if positions is None:
+        rotary.positions = None
+        return
+    if positions.dim() != 2 or not bool((positions == positions[:1]).all()):
+        raise ValueError(
+            "batch-invariant model: rows of position_ids differ; rotary positions are shared by the "
+            "rows of a micro-batch (padded rows start at 0, packed rows hold one row)"
+        )
+    rotary.positions = positions[0].long()
+
+
+# ------------------------------------------------------------------ switching a model
+
+
+def _check(chunk: torch.nn.Module) -> None:
+    from verl_megatron.models.sdpa_attention import SDPADotProductAttention
+
+    config = chunk.config
+    where = "rollout.bitwise_parity"
+    cores = [m for m in chunk.modules() if type(m).__name__.endswith("DotProductAttention")]
+    if any(not isinstance(m, SDPADotProductAttention) for m in cores):
+        raise ValueError(
+            f"{where} needs megatron's local layer spec (model.use_te=false): Transformer Engine's "
+            "attention and linear kernels cannot be made batch-invariant here"
+        )
+    if config.gradient_accumulation_fusion or config.defer_embedding_wgrad_compute:
+        raise ValueError(
+            f"{where}: gradient_accumulation_fusion / defer_embedding_wgrad_compute are not supported"
+        )
+    if config.attention_dropout or config.hidden_dropout:
+        raise ValueError(
+            f"{where} needs attention_dropout = hidden_dropout = 0 (dropout is not batch-invariant)"
+        )
+    if config.context_parallel_size > 1:
+        raise ValueError(f"{where} does not support context parallelism (parallel.cp > 1)")
+    if getattr(config, "num_moe_experts", None):
+        # The router's gating matmul is not one of the kernels switched here.
+        raise ValueError(f"{where} does not support mixture-of-experts models yet")
+
+
+def round_key_length(length: int) -> int:
+    """The fixed key length L for sequences of at most ``length`` tokens."""
+    return -(-length // _KEY_LENGTH_MULTIPLE) * _KEY_LENGTH_MULTIPLE
+
+
+def enable(chunks: Sequence[torch.nn.Module], max_sequence_length: int) -> None:
+    """Switch model chunks (DDP-wrapped or bare) to the batch-invariant kernels, in place.
+
+    ``max_sequence_length`` bounds every sequence the model will see (prompt + response); the
+    attention's fixed key length L is that rounded up (:func:`round_key_length`).
+    """
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    length = round_key_length(max_sequence_length)
+    for chunk in (_unwrap(c) for c in chunks):
+        _check(chunk)
+        for module in chunk.modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                module._forward_impl = _linear_forward_impl
+            elif type(module).__name__ == "SDPADotProductAttention":
+                module.batch_invariant_key_length = length
+        rotary = getattr(chunk, "rotary_pos_emb", None)
+        if rotary is not None and not isinstance(rotary.forward, _PositionRotary):
+            rotary.forward = _PositionRotary(rotary)
+            chunk.register_forward_pre_hook(
+                functools.partial(_store_positions, rotary.forward), with_kwargs=True
+            )
+        chunk.batch_invariant_key_length = length
+
+
+def key_length(chunks: Sequence[torch.nn.Module]) -> int | None:
+    """The fixed key length L of chunks switched by :func:`enable`; None when they are not."""
+    return getattr(_unwrap(chunks[0]), "batch_invariant_key_length", None)
