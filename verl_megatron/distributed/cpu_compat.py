@@ -223,8 +223,11 @@ def _patch_megatron() -> None:
     DistributedOptimizer.__init__ = _with_cuda_type_names(DistributedOptimizer.__init__)
     _run_backward_in_mode(mcore_random.CheckpointFunction)
     _run_backward_in_mode(mcore_random.CheckpointWithoutOutputFunction)
+    from megatron.core.tensor_parallel import mappings
     from megatron.core.transformer.moe import token_dispatcher
 
+    # Expert parallelism: the all-to-all's backward allocates its output on "the current device".
+    _run_backward_in_mode(mappings._AllToAll)
     token_dispatcher.maybe_move_tensor_to_cpu = _cpu_split_sizes
 
 
