@@ -22,8 +22,8 @@ Shapes and storage:
 - the trainer keeps it on the rank that generated it (:class:`RouteStore`), compacted to the
   row's attended tokens, and puts only a row id into the batch (``routing_row_id`` [rows]); a
   data-parallel rank fetches the rows it trains on from their owner just before the forward
-  (point to point inside the data-parallel group, which holds the same layers), so no rank ever
-  holds every row or every layer;
+  (point to point inside the data-parallel group, which holds the same layers), so a rank holds
+  only its stage's layers and only the rows it generated or trains on;
 - training lays the routes out as the router sees its tokens (:func:`router_token_targets`).
 
 Metrics: ``actor/router_replay/hit_rate_{log_prob,update}`` is the fraction of recorded
@@ -49,8 +49,12 @@ __all__ = [
     "RouteRecorder",
     "RouteStore",
     "RouterReplayConfig",
+    "RunRoutes",
     "TrainingRoutes",
+    "check_config",
+    "for_trainer",
     "install_hooks",
+    "recorder_for",
     "router_token_targets",
 ]
 
