@@ -137,6 +137,9 @@ class RolloutConfig:
     """vllm/sglang: reuse the KV cache of shared prompt prefixes."""
     load_format: str = "dummy"
     """vllm/sglang: ``dummy`` starts from random weights, which the first sync_weights replaces."""
+    enable_rollout_routing_replay: bool = False
+    """MoE models: record each token's experts during generation, for the actor's routing replay
+    (``actor.megatron.router_replay.mode=R3``) or its hit-rate metrics; native engine only."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """vllm/sglang: extra keyword arguments for the engine's constructor."""
     calculate_log_probs: bool = False

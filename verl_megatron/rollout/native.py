@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from verl_megatron.distributed.parallel import Runtime
+from verl_megatron.models import routing_replay
 from verl_megatron.models.logprobs import vocab_parallel_log_probs
 from verl_megatron.protocol import DataProto
 from verl_megatron.rollout.base import (
@@ -82,6 +83,8 @@ class NativeRollout(RolloutEngine):
         self.hf_config = hf_config
         self.seed = config.seed if config.seed is not None else runtime.seed
         self._calls = 0
+        # MoE routing replay: record each fed token's experts (models/routing_replay.py).
+        self.record_routes, self._routes = False, routing_replay.recorder_for(actor_chunks, 0, 0, False)
         # Of the last call: decode_steps (forward steps after the prefill), final_cache_rows (rows
         # still decoded at the end), response_tokens, seconds.
         self.stats: dict[str, float] = {}
@@ -105,7 +108,9 @@ class NativeRollout(RolloutEngine):
             input_ids.shape[0], int(meta.get("prompt_offset", 0)), params, response_length
         )
         start = time.perf_counter()
-        with inference_mode_for(self.chunks) as bare:
+        rows, width = input_ids.shape[0] * params.n, input_ids.shape[1] + response_length
+        self._routes = routing_replay.recorder_for(self.chunks, rows, width, self.record_routes)
+        with inference_mode_for(self.chunks) as bare, self._routes.recording():
             responses, response_mask, log_probs = self._decode(
                 bare,
                 input_ids.to(device),
@@ -119,7 +124,7 @@ class NativeRollout(RolloutEngine):
             )
         self.stats["seconds"] = time.perf_counter() - start
         self.stats["response_tokens"] = float(response_mask.sum())
-        return assemble_output(prompts, responses, response_mask, log_probs, params.n)
+        return self._routes.attach(assemble_output(prompts, responses, response_mask, log_probs, params.n))
 
     def _uniforms(
         self, prompts: int, offset: int, params: SamplingParams, response_length: int
@@ -152,6 +157,7 @@ class NativeRollout(RolloutEngine):
 
         key_valid = torch.ones(batch, prompt_len + response_length, dtype=torch.bool, device=device)
         key_valid[:, :prompt_len] = prompt_valid
+        self._routes.begin(torch.arange(rows), 0, expand=n)
         logits = decoder.step(input_ids, positions, key_valid, start=0)
         if n > 1:
             decoder.reorder(torch.arange(batch, device=device).repeat_interleave(n))
@@ -183,6 +189,7 @@ class NativeRollout(RolloutEngine):
                 kept = torch.nonzero(keep).flatten()
                 decoder.reorder(kept)
                 key_valid, active = key_valid[kept], active[kept]
+            self._routes.begin(active, prompt_len + t)
             logits = decoder.step(
                 responses[active, t : t + 1],
                 (next_position[active] + t)[:, None],

@@ -717,6 +717,9 @@ def validate_config(config: PPOConfig, world_size: int) -> ParallelLayout:
     except ParallelConfigError as err:
         raise ConfigError(f"parallel: {err}") from None
     _check_finite(config, "")
+    from verl_megatron.models import routing_replay
+
+    routing_replay.check_config(config)  # before the engine's install check: vllm cannot record routes
     try:
         config.model.validate(layout)
         config.model.recompute_settings()

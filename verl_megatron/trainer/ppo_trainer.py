@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from verl_megatron.distributed.parallel import Runtime
+from verl_megatron.models import routing_replay
 from verl_megatron.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
 from verl_megatron.rollout.layout import gather_replicas, shard_for
 from verl_megatron.trainer import metrics as M
@@ -86,6 +87,7 @@ class PPOTrainer:
         self._weights_version, self._synced_version = 0, -1
         self._staged_checkpoint: int | None = None  # step saved but not yet published
         self.guard = DivergenceGuard(config.trainer.divergence_guard, config.actor.optim.lr)
+        self.routes = routing_replay.for_trainer(config, runtime, self.actor, self.rollout)
 
     # ------------------------------------------------------------------ the loop
 
@@ -175,6 +177,8 @@ class PPOTrainer:
                 with M.timed("update_actor", timing):
                     metrics.update(self._report_skips("actor", self.actor.update_policy(batch), step))
                 self._weights_version += 1
+            if self.routes is not None:
+                metrics.update(self.routes.end_step())
             self._after_update(step, timing)
             if (
                 self.val_loader is not None
@@ -267,6 +271,8 @@ class PPOTrainer:
         local.meta_info["prompt_offset"] = shard.replica * len(local)
         with self._rollout_phase():
             output = self.rollout.generate_sequences(local).to("cpu")
+        if self.routes is not None:  # MoE routes stay on the ranks that recorded them
+            output = self.routes.keep(output, shard.replica, shard.replicas, validate)
         # Per replica, so the parts would disagree in the concat (it refuses conflicting keys).
         output.meta_info.pop("prompt_offset", None)
         output = DataProto.concat(gather_replicas(output, shard, self.runtime.world_size))

@@ -48,7 +48,7 @@ def batch_tensors(data: DataProto, keys: tuple[str, ...], where: str) -> dict[st
     out = {k: data.batch[k].cpu() for k in keys}
     width = out["responses"].shape[1] if "responses" in out else None
     for key, value in out.items():
-        if key in ("input_ids", "attention_mask", "responses"):
+        if key in ("input_ids", "attention_mask", "responses") or value.dim() == 1:
             continue
         if width is not None and value.shape[-1] != width:
             raise ValueError(
@@ -60,6 +60,14 @@ def batch_tensors(data: DataProto, keys: tuple[str, ...], where: str) -> dict[st
             f"{tuple(out['input_ids'].shape)} differ in shape"
         )
     return out
+
+
+def _row_keys(data: DataProto) -> tuple[str, ...]:
+    """Per-row [B] keys the micro-batches carry along: MoE routing replay's row ids, when present."""
+    from verl_megatron.models.routing_replay import ROW_ID_KEY
+
+    present = data.batch is not None and ROW_ID_KEY in data.batch.keys()  # noqa: SIM118
+    return (ROW_ID_KEY,) if present else ()
 
 
 def temperature_of(data: DataProto, where: str) -> float:
@@ -122,7 +130,8 @@ class _PolicyForward:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         where = f"{type(self).__name__}.compute_log_prob"
         temperature = temperature_of(data, where)
-        batch = batch_tensors(data, _MODEL_KEYS, where)
+        row_keys = _row_keys(data)
+        batch = batch_tensors(data, _MODEL_KEYS + row_keys, where)
         meta = data.meta_info
         micro_batch_size = meta.get("micro_batch_size", micro_batch_size)
         use_dynamic_bsz = meta.get("use_dynamic_bsz", use_dynamic_bsz)
@@ -136,6 +145,7 @@ class _PolicyForward:
             micro_batch_size=micro_batch_size,
             use_dynamic_bsz=use_dynamic_bsz,
             max_token_len=max_token_len,
+            tensor_keys=row_keys,
         )
 
         def step(mb: MicroBatch, logits: torch.Tensor) -> StepResult:
@@ -244,7 +254,7 @@ class MegatronActor(_PolicyForward):
             keys += ("ref_log_prob",)
         if data.batch is not None and "rollout_is_weights" in data.batch.keys():  # noqa: SIM118
             keys += ("rollout_is_weights",)
-        return keys
+        return keys + _row_keys(data)
 
     def update_policy(self, data: DataProto) -> dict[str, float | list[float]]:
         """PPO epochs over mini-batches of ``data``; one optimizer step per mini-batch.

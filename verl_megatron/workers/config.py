@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from verl_megatron.models.routing_replay import RouterReplayConfig
 from verl_megatron.trainer.ppo.core_algos import KL_PENALTY_NAMES, LOSS_AGG_MODES, POLICY_LOSS_REGISTRY
 
 __all__ = ["ActorConfig", "CriticConfig", "OptimConfig", "PolicyLossConfig", "RefConfig"]
@@ -164,6 +165,8 @@ class OffloadConfig:
     """Release gradient buffers between updates (they come back zeroed)."""
     optimizer_offload: bool = False
     """Move optimizer state (Adam moments, fp32 master weights) to host memory between updates."""
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
+    """MoE routing replay (verl's engine key; the actor's only: see models/routing_replay.py)."""
 
 
 @dataclass

@@ -187,6 +187,8 @@ class ModelRunner:
         selector = OutputRowSelector(chunks) if select_output_rows else None
         self.row_selector = selector if selector is not None and selector.active else None
         self.moe = moe.is_moe(chunks)
+        # Set by the trainer when MoE routing replay is on (models/routing_replay.TrainingRoutes).
+        self.route_replay = None
 
     # ------------------------------------------------------------------ micro-batches
     def split(
@@ -286,8 +288,14 @@ class ModelRunner:
             settings["microbatch_group_size_per_vp_stage"] = group
         loss_scale = len(queue) / len(micro_batches)
 
+        replay = self.route_replay
+        if replay is not None:
+            replay.prepare(micro_batches, forward_only)
+
         def forward_step(data_iterator, model):
             mb, real = next(data_iterator)
+            if replay is not None:
+                replay.before_forward(mb, model, count=real)
             inputs = mb.inputs
             if self.row_selector is not None:
                 mb = dataclasses.replace(mb, inputs=self.row_selector.prepare(inputs))
@@ -320,7 +328,12 @@ class ModelRunner:
         for chunk in self.chunks:
             chunk.train(not forward_only)
         selecting = self.row_selector.installed() if self.row_selector else contextlib.nullcontext()
-        with torch.set_grad_enabled(not forward_only), _schedule_settings(self.chunks, **settings), selecting:
+        with (
+            torch.set_grad_enabled(not forward_only),
+            _schedule_settings(self.chunks, **settings),
+            selecting,
+            replay.running() if replay is not None else contextlib.nullcontext(),
+        ):
             get_forward_backward_func()(
                 forward_step_func=forward_step,
                 data_iterator=iterators if len(self.chunks) > 1 else iterators[0],
