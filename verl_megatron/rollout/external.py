@@ -218,7 +218,13 @@ class ExternalRollout(RolloutEngine):
         self._lora = self._lora or AdapterSync.for_engine(self.config, self.chunks)
         if self._lora is None or not self._lora.base_loaded:
             self.last_sync = stream_weights(
-                iter_hf_weights(self.chunks, self.runtime, self.hf_config, merge_lora=self._lora is None),
+                # merge_lora=False only for the adapter sync's one-time base (merged is the default).
+                iter_hf_weights(
+                    self.chunks,
+                    self.runtime,
+                    self.hf_config,
+                    **({} if self._lora is None else {"merge_lora": False}),
+                ),
                 self.backend.load_weights,
                 bucket_megabytes=self.config.update_weights_bucket_megabytes,
                 name_map=self.config.layer_name_map,

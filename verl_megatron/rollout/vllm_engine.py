@@ -150,11 +150,13 @@ class VLLMBackend(EngineBackend):
         # One SamplingParams per prompt (vLLM takes a list as long as the prompts): each prompt
         # draws from its own seed, whichever replica generates it.
         seeds = request.prompt_seeds or (request.seed,) * len(prompts)
+        # lora_request only when an adapter is loaded (rollout.lora_sync=adapter); None is vLLM's default.
+        extra = {"lora_request": self.lora_request} if self.lora_request is not None else {}
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in prompts],
             sampling_params=[SamplingParams(**vllm_sampling_kwargs(request, seed)) for seed in seeds],
             use_tqdm=False,
-            lora_request=self.lora_request,
+            **extra,
         )
         return completions_from_vllm(outputs, request.logprobs)
 
