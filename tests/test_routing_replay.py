@@ -186,11 +186,18 @@ def _abs_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
 
 
 def replay_job(
-    path: str, tp: int = 1, pp: int = 1, ep: int = 1, lr: float = LR, eos: list[int] | None = None
+    path: str,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    lr: float = LR,
+    eos: list[int] | None = None,
+    parity: bool = False,
 ) -> dict:
     """Generate with recording, then the actor's forwards before and after one update.
 
-    ``eos``: stop ids (None: ignore EOS, every row runs the whole response length)."""
+    ``eos``: stop ids (None: ignore EOS, every row runs the whole response length). ``parity``:
+    batch-invariant kernels (``rollout.bitwise_parity``) and every forward replays (R3)."""
     from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
     from verl_megatron.models import routing_replay
     from verl_megatron.models.megatron_model import build_optimizer
@@ -203,12 +210,23 @@ def replay_job(
 
     runtime = init_runtime(ParallelLayout(tp=tp, pp=pp, ep=ep), seed=3)
     chunks = _moe_chunks(runtime, path)
+    if parity:
+        from verl_megatron.models import batch_invariant
+
+        batch_invariant.enable(chunks, PROMPT_LEN + RESPONSE_LEN)
+        routers = [m for m in chunks[0].modules() if type(m).__name__ == "TopKRouter"]
+        assert routers and all("_router_gating" in repr(m.gating) for m in routers)
     cfg = ActorConfig(ppo_mini_batch_size=len(PROMPT_LENGTHS), ppo_micro_batch_size_per_gpu=2, rollout_n=N,
                       shuffle=True, optim=OptimConfig(lr=lr, weight_decay=0.0))  # fmt: skip
     optimizer = build_optimizer(chunks, optim_settings(cfg.optim))
     actor = MegatronActor(runtime, cfg, chunks, optimizer, build_lr_scheduler(optimizer, cfg.optim))
     rollout_cfg = RolloutConfig(
-        prompt_length=PROMPT_LEN, response_length=RESPONSE_LEN, n=N, seed=1, ignore_eos=eos is None
+        prompt_length=PROMPT_LEN,
+        response_length=RESPONSE_LEN,
+        n=N,
+        seed=1,
+        ignore_eos=eos is None,
+        bitwise_parity=parity,
     )
     tokens = SimpleNamespace(pad_token_id=0, eos_token_id=1)
     rollout = build_rollout(rollout_cfg, runtime, chunks, tokens, SimpleNamespace(eos_token_id=None))
@@ -237,7 +255,7 @@ def replay_job(
         metrics = routes.training.metrics()
         return log_probs, {"metrics": metrics, "seen": routes.training.last_counts["log_prob"]}
 
-    before, before_stats = forward("observe")
+    before, before_stats = forward("replay" if parity else "observe")
     batch.batch["old_log_probs"] = before
     g = torch.Generator().manual_seed(1)
     batch.batch["advantages"] = torch.randn(mask.shape, generator=g) * mask
@@ -245,7 +263,7 @@ def replay_job(
     actor.update_policy(batch)
     update_metrics = routes.training.metrics()
     after_own, after_stats = forward("observe")
-    after_replayed, _ = forward("replay")
+    after_replayed, replayed_stats = forward("replay")
     result = {
         "recorded": recorded,
         "local": local_out,
@@ -257,6 +275,8 @@ def replay_job(
         "before": before_stats,
         "update": update_metrics,
         "after": after_stats,
+        "replayed": replayed_stats,
+        "rollout_max_diff": float(((before - rollout_lp).abs() * mask).max()),
         "rollout_gap": _abs_diff(before, rollout_lp, mask),
         "own_gap": _abs_diff(after_own, rollout_lp, mask),
         "replayed_gap": _abs_diff(after_replayed, rollout_lp, mask),
@@ -352,6 +372,21 @@ def test_dp2_ranks_keep_their_rows_and_fetch_the_rows_they_train_on(pool2, moe_m
         fed = attended[:, :-1] & attended[:, 1:]
         assert torch.equal(run["recorded"][:, :-1][fed], single["recorded"][own][:, :-1][fed]), rank
         assert run["decode_steps"] == (max(ends) - 1 if ep > 1 else max(ends[own]) - 1), (ep, rank, ends)
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_bitwise_parity_moe_rollout_log_probs_equal_replayed_old_log_probs(pool1, pool2, moe_model, ep):
+    # Batch-invariant kernels (router gating and experts included) plus R3 replay: the trainer's
+    # old_log_probs are the rollout's bit for bit, in one process and with the experts split.
+    pool = pool1 if ep == 1 else pool2
+    runs = pool.run(f"{__name__}:replay_job", path=moe_model, ep=ep, parity=True)
+    for rank, run in enumerate(runs):
+        _check_run(run, LAYERS)
+        assert run["rollout_max_diff"] == 0.0, (
+            f"ep={ep} rank {rank}: old_log_probs differ from the rollout's by up to {run['rollout_max_diff']:.3g}"
+        )
+        # After the update, the replayed forward applied every recorded route (and only those).
+        assert run["replayed"]["seen"][0] == run["before"]["seen"][0], (ep, rank, run["replayed"]["seen"])
 
 
 # ---------------------------------------------------------------------------- the trainer
