@@ -375,11 +375,14 @@ def test_dp2_ranks_keep_their_rows_and_fetch_the_rows_they_train_on(pool2, moe_m
 
 
 @pytest.mark.parametrize("ep", [1, 2])
-def test_bitwise_parity_moe_rollout_log_probs_equal_replayed_old_log_probs(pool1, pool2, moe_model, ep):
+def test_bitwise_parity_moe_rollout_log_probs_equal_replayed_old_log_probs(
+    pool1, pool2, moe_model, single, ep
+):
     # Batch-invariant kernels (router gating and experts included) plus R3 replay: the trainer's
-    # old_log_probs are the rollout's bit for bit, in one process and with the experts split.
-    pool = pool1 if ep == 1 else pool2
-    runs = pool.run(f"{__name__}:replay_job", path=moe_model, ep=ep, parity=True)
+    # old_log_probs are the rollout's bit for bit, in one process and with the experts split
+    # (there with EOS on, so one replica may idle-step for the other).
+    pool, eos = (pool1, None) if ep == 1 else (pool2, _uneven_eos(single["local"]["responses"])[0])
+    runs = pool.run(f"{__name__}:replay_job", path=moe_model, ep=ep, parity=True, eos=eos)
     for rank, run in enumerate(runs):
         _check_run(run, LAYERS)
         assert run["rollout_max_diff"] == 0.0, (
