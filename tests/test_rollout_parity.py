@@ -224,6 +224,29 @@ def test_tiled_matmul_and_attention_rows_do_not_depend_on_the_batch(threads):
         torch.set_num_threads(before)
 
 
+def test_moe_router_gating_rows_do_not_depend_on_the_batch():
+    """The router's gating matmul (switched by ``enable``) is tiled like the linears; megatron's
+    own ``router_gating_linear`` is not, at a router of realistic width."""
+    from megatron.core.transformer.moe.moe_utils import router_gating_linear
+
+    from verl_megatron.models import batch_invariant as bi
+    from verl_megatron.models.moe import install_router_fallback
+
+    install_router_fallback()
+    g = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(300, 256, generator=g), torch.randn(64, 256, generator=g)
+    router = SimpleNamespace(config=SimpleNamespace(moe_router_dtype="fp32"), weight=weight, bias=None)
+    whole, plain = bi._router_gating(router, x), router_gating_linear(x, weight, None, torch.float32)
+    gaps = [float((router_gating_linear(x[s : s + 1], weight, None, torch.float32)[0] - plain[s]).abs().max())
+            for s in range(40)]  # fmt: skip
+    assert max(gaps) > 0, "megatron's gating is row-stable here: the check below proves nothing"
+    for rows in (1, 3, 17, 100):
+        for start in (0, 13, 150):
+            assert torch.equal(
+                bi._router_gating(router, x[start : start + rows]), whole[start : start + rows]
+            )
+
+
 def test_packed_segments_attend_like_padded_rows():
     """Training's self-attention: a packed row (block-causal mask) gives each token exactly the
     output of the same sequence in its own padded row."""

@@ -185,8 +185,19 @@ def _abs_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
     return float(((a - b).abs() * mask).sum())
 
 
-def replay_job(path: str, tp: int = 1, pp: int = 1, ep: int = 1, lr: float = LR) -> dict:
-    """Generate with recording, then the actor's forwards before and after one update."""
+def replay_job(
+    path: str,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    lr: float = LR,
+    eos: list[int] | None = None,
+    parity: bool = False,
+) -> dict:
+    """Generate with recording, then the actor's forwards before and after one update.
+
+    ``eos``: stop ids (None: ignore EOS, every row runs the whole response length). ``parity``:
+    batch-invariant kernels (``rollout.bitwise_parity``) and every forward replays (R3)."""
     from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
     from verl_megatron.models import routing_replay
     from verl_megatron.models.megatron_model import build_optimizer
@@ -199,12 +210,23 @@ def replay_job(path: str, tp: int = 1, pp: int = 1, ep: int = 1, lr: float = LR)
 
     runtime = init_runtime(ParallelLayout(tp=tp, pp=pp, ep=ep), seed=3)
     chunks = _moe_chunks(runtime, path)
+    if parity:
+        from verl_megatron.models import batch_invariant
+
+        batch_invariant.enable(chunks, PROMPT_LEN + RESPONSE_LEN)
+        routers = [m for m in chunks[0].modules() if type(m).__name__ == "TopKRouter"]
+        assert routers and all("_router_gating" in repr(m.gating) for m in routers)
     cfg = ActorConfig(ppo_mini_batch_size=len(PROMPT_LENGTHS), ppo_micro_batch_size_per_gpu=2, rollout_n=N,
                       shuffle=True, optim=OptimConfig(lr=lr, weight_decay=0.0))  # fmt: skip
     optimizer = build_optimizer(chunks, optim_settings(cfg.optim))
     actor = MegatronActor(runtime, cfg, chunks, optimizer, build_lr_scheduler(optimizer, cfg.optim))
     rollout_cfg = RolloutConfig(
-        prompt_length=PROMPT_LEN, response_length=RESPONSE_LEN, n=N, seed=1, ignore_eos=True
+        prompt_length=PROMPT_LEN,
+        response_length=RESPONSE_LEN,
+        n=N,
+        seed=1,
+        ignore_eos=eos is None,
+        bitwise_parity=parity,
     )
     tokens = SimpleNamespace(pad_token_id=0, eos_token_id=1)
     rollout = build_rollout(rollout_cfg, runtime, chunks, tokens, SimpleNamespace(eos_token_id=None))
@@ -214,8 +236,11 @@ def replay_job(path: str, tp: int = 1, pp: int = 1, ep: int = 1, lr: float = LR)
     shard = shard_for("native", 1, runtime)
     local = _prompts().chunk(shard.replicas)[shard.replica]
     local.meta_info["prompt_offset"] = shard.replica * len(local)
+    if eos is not None:
+        local.meta_info["eos_token_id"] = eos
     out = rollout.generate_sequences(local)
     recorded = out.batch["routed_experts"].clone()
+    local_out = {key: out.batch[key].clone() for key in ("responses", "response_mask", "attention_mask")}
     layer_numbers = list(out.meta_info["routed_experts_layers"])
     out = routes.keep(out, shard.replica, shard.replicas, validate=False)
     out.meta_info.pop("prompt_offset")
@@ -230,7 +255,7 @@ def replay_job(path: str, tp: int = 1, pp: int = 1, ep: int = 1, lr: float = LR)
         metrics = routes.training.metrics()
         return log_probs, {"metrics": metrics, "seen": routes.training.last_counts["log_prob"]}
 
-    before, before_stats = forward("observe")
+    before, before_stats = forward("replay" if parity else "observe")
     batch.batch["old_log_probs"] = before
     g = torch.Generator().manual_seed(1)
     batch.batch["advantages"] = torch.randn(mask.shape, generator=g) * mask
@@ -238,9 +263,11 @@ def replay_job(path: str, tp: int = 1, pp: int = 1, ep: int = 1, lr: float = LR)
     actor.update_policy(batch)
     update_metrics = routes.training.metrics()
     after_own, after_stats = forward("observe")
-    after_replayed, _ = forward("replay")
+    after_replayed, replayed_stats = forward("replay")
     result = {
         "recorded": recorded,
+        "local": local_out,
+        "decode_steps": rollout.stats["decode_steps"],
         "layer_numbers": layer_numbers,
         "replica": shard.replica,
         "stored_rows": len(routes.store.rows),
@@ -248,6 +275,8 @@ def replay_job(path: str, tp: int = 1, pp: int = 1, ep: int = 1, lr: float = LR)
         "before": before_stats,
         "update": update_metrics,
         "after": after_stats,
+        "replayed": replayed_stats,
+        "rollout_max_diff": float(((before - rollout_lp).abs() * mask).max()),
         "rollout_gap": _abs_diff(before, rollout_lp, mask),
         "own_gap": _abs_diff(after_own, rollout_lp, mask),
         "replayed_gap": _abs_diff(after_replayed, rollout_lp, mask),
@@ -300,17 +329,67 @@ def test_pp2_stages_record_and_replay_their_own_layers(pool2, moe_model, single)
         assert torch.equal(run["recorded"][:, :, 0], single["recorded"][:, :, stage]), f"stage {stage}"
 
 
+def _stop_ends(responses: torch.Tensor, eos: set[int]) -> list[int]:
+    """Each row's response length when it stops at the first of ``eos``."""
+    return [next((i + 1 for i, t in enumerate(row.tolist()) if t in eos), RESPONSE_LEN) for row in responses]
+
+
+def _uneven_eos(responses: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Stop ids that end every row of one dp half before the other half's last row, and the ends."""
+    half = responses.shape[0] // 2
+    for position in range(RESPONSE_LEN - 1):
+        for early in (0, 1):
+            eos = set(responses[early * half : (early + 1) * half, position].tolist())
+            ends = _stop_ends(responses, eos)
+            if max(ends[early * half : (early + 1) * half]) < max(
+                ends[(1 - early) * half : (2 - early) * half]
+            ):
+                return sorted(eos), ends
+    raise AssertionError("no stop ids make the two halves end at different steps")
+
+
 @pytest.mark.parametrize("ep", [1, 2])
 def test_dp2_ranks_keep_their_rows_and_fetch_the_rows_they_train_on(pool2, moe_model, single, ep):
-    runs = pool2.run(f"{__name__}:replay_job", path=moe_model, ep=ep)
+    # EOS on, with stop ids that end one replica's rows steps before the other's: at ep=2 the
+    # replicas meet in every step's all-to-all, so the one done first must keep stepping.
+    eos, ends = _uneven_eos(single["local"]["responses"])
+    runs = pool2.run(f"{__name__}:replay_job", path=moe_model, ep=ep, eos=eos)
     rows = len(PROMPT_LENGTHS) * N
     for rank, run in enumerate(runs):
         _check_run(run, LAYERS)
         # Each rank stores only the rows its replica generated (one process's rows of that share);
         # shuffled mini-batches made the ranks fetch rows from each other.
         assert run["stored_rows"] == rows // 2
-        assert torch.equal(run["recorded"], single["recorded"][rank * rows // 2 : (rank + 1) * rows // 2])
         assert run["fetched_rows"] > 0
+        # Its tokens are one process's tokens up to each row's stop id, pad after.
+        own = slice(rank * rows // 2, (rank + 1) * rows // 2)
+        expected_mask = torch.tensor([[int(i < end) for i in range(RESPONSE_LEN)] for end in ends[own]])
+        assert torch.equal(run["local"]["response_mask"], expected_mask), (rank, ends)
+        got = run["local"]["responses"] * expected_mask
+        assert torch.equal(got, single["local"]["responses"][own] * expected_mask), rank
+        # The routes of every token fed to the model are the ones one process recorded.
+        attended = run["local"]["attention_mask"].bool()
+        fed = attended[:, :-1] & attended[:, 1:]
+        assert torch.equal(run["recorded"][:, :-1][fed], single["recorded"][own][:, :-1][fed]), rank
+        assert run["decode_steps"] == (max(ends) - 1 if ep > 1 else max(ends[own]) - 1), (ep, rank, ends)
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_bitwise_parity_moe_rollout_log_probs_equal_replayed_old_log_probs(
+    pool1, pool2, moe_model, single, ep
+):
+    # Batch-invariant kernels (router gating and experts included) plus R3 replay: the trainer's
+    # old_log_probs are the rollout's bit for bit, in one process and with the experts split
+    # (there with EOS on, so one replica may idle-step for the other).
+    pool, eos = (pool1, None) if ep == 1 else (pool2, _uneven_eos(single["local"]["responses"])[0])
+    runs = pool.run(f"{__name__}:replay_job", path=moe_model, ep=ep, parity=True, eos=eos)
+    for rank, run in enumerate(runs):
+        _check_run(run, LAYERS)
+        assert run["rollout_max_diff"] == 0.0, (
+            f"ep={ep} rank {rank}: old_log_probs differ from the rollout's by up to {run['rollout_max_diff']:.3g}"
+        )
+        # After the update, the replayed forward applied every recorded route (and only those).
+        assert run["replayed"]["seen"][0] == run["before"]["seen"][0], (ep, rank, run["replayed"]["seen"])
 
 
 # ---------------------------------------------------------------------------- the trainer

@@ -20,6 +20,8 @@ differ. Bitwise parity needs every reduction to happen in the same order in both
 - **rotary positions** restart at 0 in every packed segment (:class:`_PositionRotary`);
   megatron's rotary embedding otherwise numbers the whole packed row, which gives the same
   attention mathematically but not bitwise.
+- **MoE routers** (:func:`_router_gating`): the gating matmul is tiled the same way; the experts
+  are column/row-parallel linears.
 - RMSNorm, the activation, softmax and log-softmax work row by row and were measured to give
   the same bits for a row whatever the number of rows; the tensor-parallel all-reduce adds the
   same two partial sums in both paths.
@@ -64,7 +66,7 @@ def matmul_rows(x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
         x = torch.cat([x, x.new_zeros(pad, inner)])
     tiles = x.shape[0] // TILE_ROWS
     out = torch.bmm(x.reshape(tiles, TILE_ROWS, inner), weight_t.unsqueeze(0).expand(tiles, *weight_t.shape))
-    return out.reshape(tiles * TILE_ROWS, -1)[:rows]
+    return out.reshape(tiles * TILE_ROWS, weight_t.shape[1])[:rows]  # rows may be 0 (an idle expert)
 
 
 def _batched_matmul_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -305,9 +307,21 @@ def _check(chunk: torch.nn.Module) -> None:
         )
     if config.context_parallel_size > 1:
         raise ValueError(f"{where} does not support context parallelism (parallel.cp > 1)")
-    if getattr(config, "num_moe_experts", None):
-        # The router's gating matmul is not one of the kernels switched here.
-        raise ValueError(f"{where} does not support mixture-of-experts models yet")
+    if getattr(config, "moe_shared_expert_gate", False):
+        # The shared expert's gate is a plain F.linear inside megatron's forward.
+        raise ValueError(f"{where} does not support a gated shared expert (e.g. qwen2_moe)")
+
+
+def _router_gating(router: torch.nn.Module, input: torch.Tensor) -> torch.Tensor:
+    """Megatron's ``TopKRouter.gating`` (logits in ``moe_router_dtype``) with the tiled matmul.
+
+    The rest of the MoE layer already treats each token alone: softmax / top-k per row, experts
+    made of the column/row-parallel linears switched here, and the unpermutation adds a
+    token's k weighted expert outputs in expert order (a scatter-add over sorted rows).
+    """
+    dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(router.config.moe_router_dtype, input.dtype)
+    bias = None if router.bias is None else router.bias.to(dtype)
+    return linear(input.to(dtype), router.weight.to(dtype), bias)
 
 
 def round_key_length(length: int) -> int:
@@ -322,6 +336,7 @@ def enable(chunks: Sequence[torch.nn.Module], max_sequence_length: int) -> None:
     attention's fixed key length L is that rounded up (:func:`round_key_length`).
     """
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.moe.router import TopKRouter
 
     length = round_key_length(max_sequence_length)
     for chunk in (_unwrap(c) for c in chunks):
@@ -331,6 +346,8 @@ def enable(chunks: Sequence[torch.nn.Module], max_sequence_length: int) -> None:
                 module._forward_impl = _linear_forward_impl
             elif type(module).__name__ == "SDPADotProductAttention":
                 module.batch_invariant_key_length = length
+            elif isinstance(module, TopKRouter):
+                module.gating = functools.partial(_router_gating, module)
         rotary = getattr(chunk, "rotary_pos_emb", None)
         if rotary is not None and not isinstance(rotary.forward, _PositionRotary):
             rotary.forward = _PositionRotary(rotary)

@@ -225,7 +225,7 @@ class RouteRecorder:
 
     def begin(self, rows: torch.Tensor, start: int, expand: int = 1) -> None:
         """The next step's batch row b is output rows ``rows[b*expand:(b+1)*expand]``; its tokens
-        sit at cache columns ``start``, ``start+1``, ..."""
+        sit at cache columns ``start``, ``start+1``, ... (empty ``rows``: record nothing)."""
         self._flush()
         self._step = (rows.cpu(), start, expand)
 
@@ -234,7 +234,8 @@ class RouteRecorder:
             return
         rows, start, expand = self._step
         batch = rows.numel() // expand
-        for layer, indices in self._captured.items():
+        # No rows: a step whose outputs are discarded (native.py's idle steps under ep).
+        for layer, indices in self._captured.items() if batch else ():
             # The router sees [s, B] tokens flattened sequence-major: token (j, b) is row j*B + b.
             per_row = indices.view(-1, batch, indices.shape[-1]).transpose(0, 1).cpu()
             per_row = per_row.repeat_interleave(expand, dim=0)

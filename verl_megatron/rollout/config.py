@@ -154,7 +154,9 @@ class RolloutConfig:
     decoder and the actor's forward and backward then use batch-invariant kernels
     (``models/batch_invariant.py``: tiled GEMMs, attention over a fixed key length of
     prompt_length + response_length), about 1.5-2x the CPU time of generation and of the update;
-    needs megatron's local layer spec (model.use_te=false); not with multi_turn or MoE models.
+    needs megatron's local layer spec (model.use_te=false); MoE models too (router gating tiled
+    as well; exact with routing replay R3, at ep > 1 as well), but not with multi_turn or a gated
+    shared expert (qwen2_moe).
     Off: the two differ by float rounding (~1e-6 in float32, ~1e-3 in bfloat16)."""
     lora_sync: str = "merged"
     """vllm/sglang with LoRA (model.lora_rank > 0): what a weight sync sends, ``merged`` (base +

@@ -9,6 +9,9 @@ layout, so ``sync_weights`` / ``sleep`` / ``wake_up`` have nothing to do. One ca
    response length is reached; the last pipeline stage samples, and the tokens and their
    log-probs are broadcast to every rank of the model-parallel group, so all ranks agree.
    Once a quarter of the rows still decoded have stopped, they are dropped from the cache.
+   With expert parallelism, ranks of different replicas meet in the MoE all-to-alls of every
+   step, so the replicas of one expert group agree on "all done" each step (one tiny all-reduce)
+   and a replica that finished first keeps stepping on one discarded row until all have.
 
 The log-prob of each sampled token is computed by the trainer's own function
 (``models.logprobs.vocab_parallel_log_probs`` on this tp rank's slice of the logits), so with
@@ -179,17 +182,22 @@ class NativeRollout(RolloutEngine):
             log_probs[active, t] = torch.where(live, token_log_probs, 0.0)
             response_mask[active, t] = live.long()
             finished[active] |= torch.isin(tokens, stop_ids)
-            # Every rank holds the same tokens, so every rank takes the same branches below.
-            if t == response_length - 1 or bool(finished.all()):
+            # Every rank of a replica holds the same tokens; replicas sharing experts agree below.
+            if t == response_length - 1 or self._all_done(bool(finished.all())):
                 self.stats["decode_steps"], self.stats["final_cache_rows"] = t, active.numel()
                 break
             keep = ~finished[active]
             if int(keep.sum()) <= _COMPACT_FRACTION * active.numel():
                 # Finished rows would keep costing a full step each: drop them from the cache.
                 kept = torch.nonzero(keep).flatten()
+                if kept.numel() == 0:
+                    # Done, but an expert-group peer is not: one row (its outputs are already
+                    # masked, as a finished row's are) keeps this rank in the peers' all-to-alls.
+                    kept = kept.new_zeros(1)
                 decoder.reorder(kept)
                 key_valid, active = key_valid[kept], active[kept]
-            self._routes.begin(active, prompt_len + t)
+            # A replica already done only steps for its expert-group peers: record nothing.
+            self._routes.begin(active if bool(keep.any()) else active[:0], prompt_len + t)
             logits = decoder.step(
                 responses[active, t : t + 1],
                 (next_position[active] + t)[:, None],
@@ -197,6 +205,22 @@ class NativeRollout(RolloutEngine):
                 start=prompt_len + t,
             )
         return responses, response_mask, log_probs
+
+    def _all_done(self, local: bool) -> bool:
+        """Whether every replica sharing this rank's expert collectives has finished (else False).
+
+        Ranks of one replica (tp x pp) hold the same tokens already; other replicas only meet
+        this one in the MoE layers, when ep > 1 or the expert tp group is wider than tp.
+        """
+        layout = self.runtime.layout
+        if layout.ep == 1 and layout.expert_tp <= layout.tp:
+            return local
+        from megatron.core import parallel_state as ps
+
+        flag = torch.tensor([int(local)], dtype=torch.int32, device=self.runtime.device)
+        group = ps.get_expert_tensor_and_model_parallel_group()
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        return bool(flag.item())
 
     def _next_tokens(
         self,
