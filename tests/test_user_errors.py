@@ -228,7 +228,7 @@ def test_bugs_keep_their_traceback(monkeypatch):
     [
         (["/no/model"], "checkpoint folder '/no/model' does not exist"),
         (["{model}", "--tp", "3"], "--tp 3 --pp 1: num_attention_heads=2 is not divisible by tp=3"),
-        (["{model}", "--tp", "0"], "--tp and --pp must be positive"),
+        (["{model}", "--tp", "0"], "--tp, --pp, --ep and --etp must be positive"),
     ],
 )
 def test_check_hf_arguments_checked_before_launching(args, expected, assets, capsys, monkeypatch):
