@@ -187,6 +187,8 @@ class ModelRunner:
         selector = OutputRowSelector(chunks) if select_output_rows else None
         self.row_selector = selector if selector is not None and selector.active else None
         self.moe = moe.is_moe(chunks)
+        if self.moe:
+            moe.reset_aux_loss_tracker()  # a new model: the tracker may hold another model's layer count
         # Set by the trainer when MoE routing replay is on (models/routing_replay.TrainingRoutes).
         self.route_replay = None
 

@@ -62,6 +62,18 @@ def scale_aux_loss(output: torch.Tensor, scale: float, config) -> None:
     output.register_hook(start_of_backward)
 
 
+def reset_aux_loss_tracker() -> None:
+    """Empty megatron's process-wide per-layer aux-loss tracker.
+
+    Entries are dropped rather than zeroed (megatron's ``clear_aux_losses_tracker``): an entry is
+    sized by the layer count of the model that first logged into it, so a later model with more
+    layers in the same process would index past its end.
+    """
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    get_moe_layer_wise_logging_tracker().clear()
+
+
 class MoEStats:
     """Expert load and aux loss per MoE layer over the training forwards since the last collect.
 
@@ -100,9 +112,7 @@ class MoEStats:
 
     @staticmethod
     def _clear_tracker() -> None:
-        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
-
-        clear_aux_losses_tracker()
+        reset_aux_loss_tracker()
 
     def _aux_losses(self) -> torch.Tensor:
         """[num_layers] sum over micro-batches of each layer's raw load-balancing loss (no coefficient)."""
