@@ -118,13 +118,9 @@ def _write(out_dir: str, tensors: dict[str, torch.Tensor], config: dict[str, Any
     )
     with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
-    if os.path.exists(out_dir):
-        old = f"{out_dir}.old-{os.getpid()}"
-        os.rename(out_dir, old)
-        os.rename(tmp, out_dir)
-        shutil.rmtree(old)
-    else:
-        os.rename(tmp, out_dir)
+    from verl_megatron.models.convert import _publish
+
+    _publish(tmp, out_dir)  # the same replace-never-half-written move as the merged HF export
 
 
 def export_peft_adapter(
