@@ -328,3 +328,65 @@ def test_dp2_sampling_matches_one_process(pool1, pool2, model_dir):
         assert_close_report(
             run["rollout_log_probs"], one["rollout_log_probs"], rtol=0, atol=1e-5, what="log-probs"
         )
+
+
+def packing_job(model_dir: str) -> dict:
+    """Prefill logits with packed linears, without them, and by a cache-free full forward;
+    which layers the packing switched, inside and after the context, and with parity kernels."""
+    from verl_megatron.models import batch_invariant
+    from verl_megatron.rollout import packed_linear
+    from verl_megatron.rollout.decode import ChunkDecoder, inference_mode_for
+
+    runtime, chunks, _ = _setup(model_dir)
+    prompts = prompt_batch()
+    ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"].bool()
+    width = ids.shape[1]
+
+    def prefill(bare) -> torch.Tensor:
+        key_valid = torch.ones(len(PROMPT_LENGTHS), width + 1, dtype=torch.bool)
+        key_valid[:, :width] = mask
+        decoder = ChunkDecoder(bare, runtime, len(PROMPT_LENGTHS), width + 1, VOCAB)
+        return decoder.step(ids, prompts.batch["position_ids"], key_valid, start=0)[:, :VOCAB]
+
+    def switched(bare) -> list:
+        impls = [vars(m).get("_forward_impl") for m in bare[0].modules()]
+        return [impl for impl in impls if isinstance(impl, packed_linear._PackedMatmul)]
+
+    with inference_mode_for(chunks) as bare:
+        packed, impls = prefill(bare), switched(bare)
+        inside = sum(len(impl.packed) == 1 for impl in impls)  # each ran on its packed weight
+    after = sum("_forward_impl" in vars(m) for m in chunks[0].modules())
+    available = packed_linear.packing_available
+    packed_linear.packing_available = lambda: False
+    try:
+        with inference_mode_for(chunks) as bare:
+            plain = prefill(bare)
+    finally:
+        packed_linear.packing_available = available
+    with torch.no_grad():
+        full = torch.stack(
+            [_full_logits(chunks[0], ids[row, width - n :].tolist())[-1] for row, n in enumerate(PROMPT_LENGTHS)]
+        )
+    batch_invariant.enable(chunks, width + 1)
+    with inference_mode_for(chunks) as bare:
+        with_parity = len(switched(bare))
+    return {"packed": packed, "plain": plain, "full": full, "inside": inside, "after": after,
+            "with_parity": with_parity, "available": available()}  # fmt: skip
+
+
+def test_packed_linears_change_decoding_logits_only_by_float32_rounding(pool1, model_dir):
+    """On CPU, decoding multiplies with oneDNN-packed weights (rollout/packed_linear.py): every
+    column/row parallel linear of the chunk (4 layers x qkv, proj, fc1, fc2 + the LM head) for the
+    call only, none once the parity kernels own the layers; its logits differ from the unpacked
+    decoder's by at most the unpacked decoder's own float32 noise (its gap to a cache-free forward;
+    on this tiny model the packed product happens to be bit-identical)."""
+    out = pool1.run(f"{__name__}:packing_job", model_dir=model_dir)[0]
+    assert out["available"], "oneDNN packed linear unavailable in this torch build: the CPU path is not tested"
+    assert (out["inside"], out["after"], out["with_parity"]) == (4 * LAYERS + 1, 0, 0)
+    packed_gap = (out["packed"] - out["plain"]).abs()
+    floor = float((out["plain"] - out["full"]).abs().max())
+    where = divmod(int(packed_gap.argmax()), VOCAB)
+    assert float(packed_gap.max()) <= floor, (
+        f"packed vs plain decoding logits: max diff {float(packed_gap.max()):.3g} at (row, token) {where}; "
+        f"noise floor (plain decoding vs full forward) {floor:.3g}"
+    )

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.models import batch_invariant
+from verl_megatron.rollout.packed_linear import packed_linears
 
 __all__ = ["ChunkDecoder", "inference_mode_for"]
 
@@ -63,7 +64,8 @@ def inference_mode_for(chunks: list[torch.nn.Module]) -> Iterator[list[torch.nn.
     try:
         for m in bare:
             m.eval()
-        with torch.no_grad():
+        # On CPU the linears multiply with pre-packed weights (packed_linear.py).
+        with torch.no_grad(), packed_linears(bare):
             yield bare
     finally:
         for module, attr in switched:
@@ -193,14 +195,20 @@ class ChunkDecoder:
         return logits
 
     def _mask(self, key_valid: torch.Tensor, start: int, s: int) -> torch.Tensor:
-        """[B, 1, s, start+s] bool, True where attention is allowed."""
+        """[B, 1, s, start+s] additive mask: 0 where attention is allowed, -inf elsewhere.
+
+        Additive rather than boolean: scaled_dot_product_attention on CPU converts a boolean
+        mask to this form in every call, i.e. once per layer instead of once per step.
+        """
         end = start + s
         query_col = torch.arange(start, end, device=key_valid.device)[:, None]
         key_col = torch.arange(end, device=key_valid.device)[None, :]
-        mask = key_valid[:, None, :end] & (key_col <= query_col)[None]
+        allowed = key_valid[:, None, :end] & (key_col <= query_col)[None]
         # A padding query whose earlier keys are all padding would see no key at all and give
         # NaN; letting every query see itself keeps such rows finite (their output is unused).
-        return (mask | (key_col == query_col)[None]).unsqueeze(1)
+        allowed = (allowed | (key_col == query_col)[None]).unsqueeze(1)
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device)
+        return mask.masked_fill_(~allowed, float("-inf"))
 
     def _canonical_slots(self, positions: torch.Tensor, valid: torch.Tensor) -> dict:
         """Parity mode: where the new tokens' keys go and what each query may see.

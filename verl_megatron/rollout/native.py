@@ -176,7 +176,9 @@ class NativeRollout(RolloutEngine):
         active = torch.arange(rows, device=device)  # output row of each cache row
         for t in range(response_length):
             uniform = None if uniforms is None else uniforms[active, t]
-            tokens, token_log_probs = self._next_tokens(logits, params, uniform, active.numel(), vocab)
+            tokens, token_log_probs = self._next_tokens(
+                logits, params, uniform, active.numel(), vocab, parity=decoder.parity_length is not None
+            )
             live = ~finished[active]
             responses[active, t] = torch.where(live, tokens, pad)
             log_probs[active, t] = torch.where(live, token_log_probs, 0.0)
@@ -229,13 +231,16 @@ class NativeRollout(RolloutEngine):
         uniform: torch.Tensor | None,
         rows: int,
         vocab: int,
+        parity: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample on the last pipeline stage; broadcast (tokens [rows], log_probs [rows]) to all ranks.
 
         ``logits`` [rows, V_pad] are the gathered padded logits. tp ranks of the last stage hold
         identical logits and uniforms; tp rank 0's draw is broadcast anyway so that no rounding
         difference between ranks can split them. The log-probs are then computed as the trainer
-        computes them, each tp rank on its own vocabulary slice.
+        computes them, each tp rank on its own vocabulary slice, when ``parity`` asks for them bit
+        for bit or tp > 1 (the broadcast draw may differ from this rank's); otherwise the sampler's
+        own log-softmax serves (equal up to rounding; one pass over the vocabulary, not two).
         """
         from megatron.core import parallel_state as ps
 
@@ -244,19 +249,20 @@ class NativeRollout(RolloutEngine):
         # float64 holds token ids exactly and float32 log-probs without rounding: one message.
         packed = torch.empty(2, rows, dtype=torch.float64, device=device)
         if logits is not None:
-            tokens, _ = sample_next(logits[:, :vocab], params, uniform=uniform)
+            tokens, token_log_probs = sample_next(logits[:, :vocab], params, uniform=uniform)
             if tp > 1:
                 dist.broadcast(tokens, ps.get_tensor_model_parallel_src_rank(), group=self.runtime.tp_group())
-            width = logits.shape[-1] // tp
-            start = ps.get_tensor_model_parallel_rank() * width
-            token_log_probs, _ = vocab_parallel_log_probs(
-                logits[:, start : start + width].contiguous(),
-                tokens,
-                temperature=params.logprob_temperature,
-                vocab_size=vocab,
-                tp_group=self.runtime.tp_group(),
-                vocab_start=start,
-            )
+            if parity or tp > 1:
+                width = logits.shape[-1] // tp
+                start = ps.get_tensor_model_parallel_rank() * width
+                token_log_probs, _ = vocab_parallel_log_probs(
+                    logits[:, start : start + width].contiguous(),
+                    tokens,
+                    temperature=params.logprob_temperature,
+                    vocab_size=vocab,
+                    tp_group=self.runtime.tp_group(),
+                    vocab_start=start,
+                )
             packed[0], packed[1] = tokens, token_log_probs
         if self.runtime.layout.pp > 1:
             dist.broadcast(packed, ps.get_pipeline_model_parallel_last_rank(), group=self.runtime.pp_group())
