@@ -258,9 +258,16 @@ class ChunkDecoder:
         # [s, B, G*P, D] -> [B, G, P*s, D]; megatron orders heads group-major.
         q = query.reshape(s, batch, groups, per_group, dim).permute(1, 2, 3, 0, 4)
         q = q.reshape(batch, groups, per_group * s, dim)
-        if s > 1:
-            mask = mask.repeat(1, 1, per_group, 1)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
+        if s == 1 and q.device.type == "cpu":
+            # One new token: two matmuls and a softmax over [B, G, P, L] beat the CPU flash
+            # kernel, whose blocking is for long queries (measured 0.4-1.1 vs 0.8-2.0 ms per layer
+            # at B=64, G=2, P=4, L=80..190).
+            scores = torch.matmul(q * self.scale, keys.transpose(-1, -2)).add_(mask)
+            out = torch.matmul(torch.softmax(scores, dim=-1), values)
+        else:
+            if s > 1:
+                mask = mask.repeat(1, 1, per_group, 1)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
         out = out.reshape(batch, groups, per_group, s, dim).permute(3, 0, 1, 2, 4)
         return out.reshape(s, batch, heads * dim)
 

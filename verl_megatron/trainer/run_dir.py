@@ -76,6 +76,7 @@ _IGNORED = ("trainer.resume_mode", "trainer.resume_from_path", "trainer.resume_a
 # Filled in by the trainer from other keys (components.resolve_worker_configs).
 _DERIVED = (
     "actor.rollout_n",
+    "actor.ppo_infer_micro_batch_size_per_gpu",
     "critic.rollout_n",
     "actor.optim.total_training_steps",
     "critic.optim.total_training_steps",
