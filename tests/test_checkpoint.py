@@ -17,49 +17,21 @@ import numpy as np
 import pytest
 import torch
 
+from tests.tiny_gpt import make_gpt
+
 VOCAB, SEQ, HIDDEN, LAYERS, HEADS, GROUPS, FFN = 64, 8, 32, 4, 4, 2, 48
 BATCH, MICRO = 4, 2
 
 
 def _make_gpt(pre: bool, post: bool, vp_stage, hidden: int = HIDDEN):
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
-
-    config = TransformerConfig(
-        num_layers=LAYERS,
-        hidden_size=hidden,
-        num_attention_heads=HEADS,
-        num_query_groups=GROUPS,
-        ffn_hidden_size=FFN,
-        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
-        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
-        virtual_pipeline_model_parallel_size=ps.get_virtual_pipeline_model_parallel_world_size(),
-        use_cpu_initialization=True,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
+    return make_gpt(
+        pre, post, vp_stage, vocab=VOCAB, seq=SEQ, hidden=hidden, layers=LAYERS, heads=HEADS,
+        groups=GROUPS, ffn=FFN, dtype=torch.float32,
         # Dropout makes the next step depend on the restored RNG streams.
         hidden_dropout=0.1,
-        attention_dropout=0.0,
-        normalization="RMSNorm",
-        add_bias_linear=False,
         # SwiGLU: fc1 is saved through a ShardedTensorFactory (gate and up halves).
-        gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
-        bias_activation_fusion=False,
-    )
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-        vocab_size=VOCAB,
-        max_sequence_length=SEQ,
-        pre_process=pre,
-        post_process=post,
-        share_embeddings_and_output_weights=False,
-        position_embedding_type="rope",
-        vp_stage=vp_stage,
-    )
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu, bias_activation_fusion=False,
+    )  # fmt: skip
 
 
 def _runtime(tp: int, pp: int, vpp: int | None):

@@ -18,7 +18,6 @@ import torch
 
 from tests.closeness import assert_close_report
 from tests.test_layout_equality import (
-    GLOBAL_BATCH,
     GROUPS,
     HEADS,
     LAYERS,
@@ -28,8 +27,8 @@ from tests.test_layout_equality import (
     _global_batch,
     _make_gpt,
     _merge,
-    _token_losses,
 )
+from tests.tiny_gpt import token_mean_schedule
 
 
 def _gather_grad_shards(chunks, dp_group) -> None:
@@ -101,25 +100,9 @@ def _distopt_steps(
     dp, dp_rank = runtime.layout.dp, ps.get_data_parallel_rank()
     batch = _global_batch()
     total_tokens = batch["loss_mask"].sum()
-    rows = slice(dp_rank * GLOBAL_BATCH // dp, (dp_rank + 1) * GLOBAL_BATCH // dp)
-    shard = {k: v[rows] for k, v in batch.items()}
-    num_micro = shard["input_ids"].shape[0] // MICRO_BATCH
-
-    def micro_batches():
-        for i in range(num_micro):
-            yield {k: v[i * MICRO_BATCH : (i + 1) * MICRO_BATCH] for k, v in shard.items()}
-
-    def forward_step(data_iterator, model):
-        mb = next(data_iterator)
-        positions = torch.arange(SEQ).unsqueeze(0).expand(MICRO_BATCH, -1)
-        output = model(mb["input_ids"], positions, None)
-
-        def loss_func(logits):
-            per_token_loss = _token_losses(logits, mb["labels"])
-            token_sum = (per_token_loss * mb["loss_mask"]).sum()
-            return token_sum / total_tokens * dp * num_micro, {"token_sum": token_sum.detach()}
-
-        return output, loss_func
+    micro_batches, forward_step, num_micro = token_mean_schedule(
+        batch, micro_batch=MICRO_BATCH, seq=SEQ, dp=dp, dp_rank=dp_rank
+    )
 
     losses, grad_norms, first_grads, counts = [], [], {}, []
     _ParamAndGradBucketGroup.start_grad_sync = counted

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from tests.closeness import assert_close_report
+from tests.tiny_gpt import make_gpt, token_mean_schedule
 
 VOCAB, SEQ, HIDDEN, LAYERS, HEADS, GROUPS, FFN = 64, 16, 32, 4, 4, 2, 64
 GLOBAL_BATCH, MICRO_BATCH = 8, 1
@@ -40,40 +41,10 @@ def _global_batch(seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def _make_gpt(pre: bool, post: bool, vp_stage, dtype: torch.dtype = torch.float64):
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
-
-    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
-    config = TransformerConfig(
-        num_layers=LAYERS,
-        hidden_size=HIDDEN,
-        num_attention_heads=HEADS,
-        num_query_groups=GROUPS,
-        ffn_hidden_size=FFN,
-        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
-        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
-        virtual_pipeline_model_parallel_size=vpp,
-        use_cpu_initialization=True,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        normalization="RMSNorm",
-        add_bias_linear=False,
-    )
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-        vocab_size=VOCAB,
-        max_sequence_length=SEQ,
-        pre_process=pre,
-        post_process=post,
-        share_embeddings_and_output_weights=False,
-        position_embedding_type="rope",
-        vp_stage=vp_stage,
-    )
+    return make_gpt(
+        pre, post, vp_stage, vocab=VOCAB, seq=SEQ, hidden=HIDDEN, layers=LAYERS, heads=HEADS,
+        groups=GROUPS, ffn=FFN, dtype=dtype,
+    )  # fmt: skip
 
 
 def train_step_job(tp: int, pp: int, vpp: int | None) -> dict:
@@ -85,14 +56,6 @@ def train_step_job(tp: int, pp: int, vpp: int | None) -> dict:
         return _train_steps(tp, pp, vpp)
     finally:
         torch.set_default_dtype(previous)
-
-
-def _token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """[B, T] float64 cross-entropy from [B, T, V/tp] logit slices (gathered, differentiably)."""
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-    full = gather_from_tensor_model_parallel_region(logits)
-    return -torch.log_softmax(full, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
 
 
 def _train_steps(tp: int, pp: int, vpp: int | None) -> dict:
@@ -121,31 +84,11 @@ def _train_steps(tp: int, pp: int, vpp: int | None) -> dict:
     attach_schedule_hooks(chunks)
     optimizer = build_optimizer(chunks, settings)
 
-    dp, dp_rank = runtime.layout.dp, ps.get_data_parallel_rank()
     batch = _global_batch()
     total_tokens = batch["loss_mask"].sum()
-    rows = slice(dp_rank * GLOBAL_BATCH // dp, (dp_rank + 1) * GLOBAL_BATCH // dp)
-    shard = {k: v[rows] for k, v in batch.items()}
-    num_micro = shard["input_ids"].shape[0] // MICRO_BATCH
-
-    def micro_batches():
-        for i in range(num_micro):
-            yield {k: v[i * MICRO_BATCH : (i + 1) * MICRO_BATCH] for k, v in shard.items()}
-
-    def forward_step(data_iterator, model):
-        mb = next(data_iterator)
-        positions = torch.arange(SEQ).unsqueeze(0).expand(MICRO_BATCH, -1)
-        output = model(mb["input_ids"], positions, None)
-
-        def loss_func(logits):
-            per_token_loss = _token_losses(logits, mb["labels"])
-            token_sum = (per_token_loss * mb["loss_mask"]).sum()
-            # Global token mean: the schedule divides by num_micro and DDP
-            # averages over dp, so both are multiplied back in.
-            loss = token_sum / total_tokens * dp * num_micro
-            return loss, {"token_sum": token_sum.detach()}
-
-        return output, loss_func
+    micro_batches, forward_step, num_micro = token_mean_schedule(
+        batch, micro_batch=MICRO_BATCH, seq=SEQ, dp=runtime.layout.dp, dp_rank=ps.get_data_parallel_rank()
+    )
 
     losses, grad_norms, first_grads = [], [], {}
     for step in range(NUM_STEPS):

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.closeness import assert_close_report
+from tests.tiny_gpt import make_gpt, token_mean_schedule
 
 VOCAB, SEQ, HIDDEN, LAYERS, HEADS, GROUPS, FFN = 64, 12, 32, 2, 8, 4, 48
 GLOBAL_BATCH, MICRO_BATCH, NUM_STEPS, LR = 4, 1, 2, 1e-2
@@ -28,39 +29,10 @@ def _batch(seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def _make_gpt(pre: bool, post: bool, vp_stage):
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
-
-    config = TransformerConfig(
-        num_layers=LAYERS,
-        hidden_size=HIDDEN,
-        num_attention_heads=HEADS,
-        num_query_groups=GROUPS,
-        ffn_hidden_size=FFN,
-        gated_linear_unit=True,
-        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
-        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
-        use_cpu_initialization=True,
-        params_dtype=torch.float64,
-        pipeline_dtype=torch.float64,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        normalization="RMSNorm",
-        add_bias_linear=False,
-    )
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-        vocab_size=VOCAB,
-        max_sequence_length=SEQ,
-        pre_process=pre,
-        post_process=post,
-        share_embeddings_and_output_weights=False,
-        position_embedding_type="rope",
-        vp_stage=vp_stage,
-    )
+    return make_gpt(
+        pre, post, vp_stage, vocab=VOCAB, seq=SEQ, hidden=HIDDEN, layers=LAYERS, heads=HEADS,
+        groups=GROUPS, ffn=FFN, gated_linear_unit=True,
+    )  # fmt: skip
 
 
 def lora_train_job(
@@ -88,7 +60,6 @@ def _lora_steps(tp, pp, targets, steps, save_dir, load_dir) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from tests.test_layout_equality import _token_losses
     from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
     from verl_megatron.models.lora import LoraSettings, apply_lora
     from verl_megatron.models.megatron_model import (
@@ -124,26 +95,9 @@ def _lora_steps(tp, pp, targets, steps, save_dir, load_dir) -> dict:
 
     batch = _batch()
     total_tokens = batch["loss_mask"].sum()
-    dp, dp_rank = runtime.layout.dp, ps.get_data_parallel_rank()
-    batch = {
-        k: v[dp_rank * GLOBAL_BATCH // dp : (dp_rank + 1) * GLOBAL_BATCH // dp] for k, v in batch.items()
-    }
-    num_micro = GLOBAL_BATCH // dp // MICRO_BATCH
-
-    def micro_batches():
-        for i in range(num_micro):
-            yield {k: v[i * MICRO_BATCH : (i + 1) * MICRO_BATCH] for k, v in batch.items()}
-
-    def forward_step(data_iterator, model):
-        mb = next(data_iterator)
-        positions = torch.arange(SEQ).unsqueeze(0).expand(MICRO_BATCH, -1)
-
-        def loss_func(logits):
-            token_sum = (_token_losses(logits, mb["labels"]) * mb["loss_mask"]).sum()
-            # megatron's schedule divides by num_micro and DDP averages over dp: both multiplied back.
-            return token_sum / total_tokens * dp * num_micro, {"token_sum": token_sum.detach()}
-
-        return model(mb["input_ids"], positions, None), loss_func
+    micro_batches, forward_step, num_micro = token_mean_schedule(
+        batch, micro_batch=MICRO_BATCH, seq=SEQ, dp=runtime.layout.dp, dp_rank=ps.get_data_parallel_rank()
+    )
 
     losses, grad_norms = [], []
     for _ in range(steps):

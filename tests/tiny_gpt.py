@@ -1,0 +1,109 @@
+"""The tiny megatron GPTModel and token-mean training schedule shared by the layout-equality tests.
+
+``make_gpt`` builds one model chunk with the local layer spec (RoPE, RMSNorm, no biases, no
+dropout unless asked) under whatever tp/pp/vpp the megatron state holds; ``token_mean_schedule``
+splits a global batch over dp ranks and micro-batches and makes the loss the global token mean of
+a float64 cross-entropy, whatever the layout. Each test module keeps its own sizes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+
+def make_gpt(
+    pre: bool,
+    post: bool,
+    vp_stage: int | None,
+    *,
+    vocab: int,
+    seq: int,
+    hidden: int,
+    layers: int,
+    heads: int,
+    groups: int,
+    ffn: int,
+    dtype: torch.dtype = torch.float64,
+    **config: Any,
+):
+    """One GPTModel chunk; ``config`` overrides TransformerConfig fields (dropout, SwiGLU, ...)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    settings = {
+        "num_layers": layers,
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_query_groups": groups,
+        "ffn_hidden_size": ffn,
+        "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
+        "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+        "virtual_pipeline_model_parallel_size": ps.get_virtual_pipeline_model_parallel_world_size(),
+        "use_cpu_initialization": True,
+        "params_dtype": dtype,
+        "pipeline_dtype": dtype,
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+        "normalization": "RMSNorm",
+        "add_bias_linear": False,
+        **config,
+    }
+    return GPTModel(
+        config=TransformerConfig(**settings),
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=vocab,
+        max_sequence_length=seq,
+        pre_process=pre,
+        post_process=post,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        vp_stage=vp_stage,
+    )
+
+
+def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """[B, T] float64 cross-entropy from [B, T, V/tp] logit slices (gathered, differentiably).
+
+    Computed here rather than by megatron's vocab-parallel cross-entropy, which casts to float32.
+    """
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    full = gather_from_tensor_model_parallel_region(logits)
+    return -torch.log_softmax(full, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+
+
+def token_mean_schedule(
+    batch: dict[str, torch.Tensor], *, micro_batch: int, seq: int, dp: int, dp_rank: int
+) -> tuple[Callable[[], Iterator[dict]], Callable, int]:
+    """(micro_batches, forward_step, num_micro) for megatron's ``forward_backward_func``.
+
+    ``batch`` is the global batch (input_ids, labels, loss_mask); this dp rank takes its rows, in
+    micro-batches of ``micro_batch``. The loss is the global token mean: megatron's schedule
+    divides by num_micro and DDP averages over dp, so both are multiplied back in. Each micro-batch
+    reports its ``token_sum``.
+    """
+    total_tokens = batch["loss_mask"].sum()
+    rows = len(batch["input_ids"]) // dp
+    shard = {k: v[dp_rank * rows : (dp_rank + 1) * rows] for k, v in batch.items()}
+    num_micro = rows // micro_batch
+
+    def micro_batches() -> Iterator[dict]:
+        for i in range(num_micro):
+            yield {k: v[i * micro_batch : (i + 1) * micro_batch] for k, v in shard.items()}
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        positions = torch.arange(seq).unsqueeze(0).expand(micro_batch, -1)
+
+        def loss_func(logits):
+            token_sum = (token_losses(logits, mb["labels"]) * mb["loss_mask"]).sum()
+            return token_sum / total_tokens * dp * num_micro, {"token_sum": token_sum.detach()}
+
+        return model(mb["input_ids"], positions, None), loss_func
+
+    return micro_batches, forward_step, num_micro
