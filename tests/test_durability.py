@@ -359,7 +359,9 @@ def test_config_changes_are_classified_per_key():
     )
     # The trainer fills these in from other keys: not a change.
     saved["actor"]["rollout_n"], saved["actor"]["optim"]["total_training_steps"] = 4, 150
-    saved["actor"]["ppo_infer_micro_batch_size_per_gpu"] = 512  # from rollout.log_prob_micro_batch_size_per_gpu
+    saved["actor"]["ppo_infer_micro_batch_size_per_gpu"] = (
+        512  # from rollout.log_prob_micro_batch_size_per_gpu
+    )
     changes = config_changes(saved, new)
     assert changes == [
         ("actor.optim.lr", 1e-3, 2e-3),

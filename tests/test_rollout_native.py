@@ -365,7 +365,10 @@ def packing_job(model_dir: str) -> dict:
         packed_linear.packing_available = available
     with torch.no_grad():
         full = torch.stack(
-            [_full_logits(chunks[0], ids[row, width - n :].tolist())[-1] for row, n in enumerate(PROMPT_LENGTHS)]
+            [
+                _full_logits(chunks[0], ids[row, width - n :].tolist())[-1]
+                for row, n in enumerate(PROMPT_LENGTHS)
+            ]
         )
     batch_invariant.enable(chunks, width + 1)
     with inference_mode_for(chunks) as bare:
@@ -381,7 +384,9 @@ def test_packed_linears_change_decoding_logits_only_by_float32_rounding(pool1, m
     decoder's by at most the unpacked decoder's own float32 noise (its gap to a cache-free forward;
     on this tiny model the packed product happens to be bit-identical)."""
     out = pool1.run(f"{__name__}:packing_job", model_dir=model_dir)[0]
-    assert out["available"], "oneDNN packed linear unavailable in this torch build: the CPU path is not tested"
+    assert out["available"], (
+        "oneDNN packed linear unavailable in this torch build: the CPU path is not tested"
+    )
     assert (out["inside"], out["after"], out["with_parity"]) == (4 * LAYERS + 1, 0, 0)
     packed_gap = (out["packed"] - out["plain"]).abs()
     floor = float((out["plain"] - out["full"]).abs().max())
