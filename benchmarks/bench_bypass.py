@@ -17,9 +17,6 @@ Run alone: ``python benchmarks/bench_bypass.py [--quick]``.
 
 from __future__ import annotations
 
-import argparse
-import json
-import tempfile
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -27,7 +24,16 @@ from typing import Any
 
 import torch
 from bench_grpo_step import GRPOBenchConfig, _ours_config
-from common import HEADLINE_THREADS, ModelShape, Section, build_assets, error_text, ratio, shape_text
+from common import (
+    QUICK_SHAPE,
+    ModelShape,
+    Section,
+    build_assets,
+    error_text,
+    ratio,
+    run_alone,
+    shape_text,
+)
 
 FULL = GRPOBenchConfig(
     shape=ModelShape(
@@ -43,9 +49,7 @@ FULL = GRPOBenchConfig(
 )
 QUICK = replace(
     FULL,
-    shape=ModelShape(
-        vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128
-    ),
+    shape=QUICK_SHAPE,
     prompts=2,
     group=2,
     prompt_len=8,
@@ -179,15 +183,7 @@ def run(cfg: GRPOBenchConfig, workdir: Path) -> Section:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--threads", type=int, default=HEADLINE_THREADS)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory() as tmp:
-        section = run(QUICK if args.quick else FULL, Path(tmp))
-    print(section.to_markdown())
-    print(json.dumps(section.ratios, indent=1))
+    run_alone(__doc__, run, FULL, QUICK)
 
 
 if __name__ == "__main__":

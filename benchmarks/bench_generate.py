@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from common import (
     HEADLINE_THREADS,
+    QUICK_SHAPE,
     ModelShape,
     Section,
     build_assets,
@@ -67,9 +68,7 @@ FULL = GenerateBenchConfig(
     )
 )
 QUICK = GenerateBenchConfig(
-    shape=ModelShape(
-        vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128
-    ),
+    shape=QUICK_SHAPE,
     batch=4,
     prompt_len=8,
     new_tokens=8,

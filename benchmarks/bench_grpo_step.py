@@ -11,8 +11,8 @@ Run alone: ``python benchmarks/bench_grpo_step.py [--quick]``.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -24,14 +24,14 @@ from typing import Any
 
 import torch
 from common import (
-    HEADLINE_THREADS,
+    QUICK_SHAPE,
     REPO_ROOT,
     ModelShape,
     Section,
     build_assets,
     error_text,
-    machine_info,
     ratio,
+    run_alone,
     shape_text,
     single_process_env,
 )
@@ -58,6 +58,8 @@ class GRPOBenchConfig:
         return self.warmup + self.steps
 
     seed: int = 0
+    recompute_old_log_prob: bool = True
+    """ours: a separate old-log-prob pass (verl's way); false: the on-policy update's own log-probs"""
 
 
 FULL = GRPOBenchConfig(
@@ -66,9 +68,7 @@ FULL = GRPOBenchConfig(
     )
 )
 QUICK = GRPOBenchConfig(
-    shape=ModelShape(
-        vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128
-    ),
+    shape=QUICK_SHAPE,
     prompts=2,
     group=2,
     prompt_len=8,
@@ -252,6 +252,7 @@ def _ours_config(model_dir: str, cfg: GRPOBenchConfig, out_dir: Path):
         "actor.ppo_micro_batch_size_per_gpu": cfg.micro_batch,
         "actor.use_kl_loss": False,
         "actor.use_remove_padding": False,
+        "actor.recompute_old_log_prob": cfg.recompute_old_log_prob,
         "actor.optim.lr": cfg.lr,
         "custom_reward_function.path": str(reward),
         "trainer.total_training_steps": cfg.total_steps,
@@ -315,6 +316,7 @@ def run_ours(
 
 
 STAGES = ("gen", "reward", "old_log_prob", "adv", "update_actor")
+OURS, OURS_ON_POLICY, TRL = "verl-megatron", "verl-megatron, on-policy", "TRL GRPOTrainer"
 
 
 def _row(impl: str, raw: dict[str, Any], warmup: int) -> dict[str, Any]:
@@ -352,7 +354,13 @@ def run(cfg: GRPOBenchConfig, workdir: Path) -> Section:
         },
     )
     results: dict[str, dict[str, Any]] = {}
-    for impl, fn in (("verl-megatron", run_ours), ("TRL GRPOTrainer", run_trl)):
+    on_policy = dataclasses.replace(cfg, recompute_old_log_prob=False)
+    sides = (
+        (OURS, run_ours, cfg),
+        (OURS_ON_POLICY, run_ours, on_policy),
+        (TRL, run_trl, cfg),
+    )
+    for impl, fn, side_cfg in sides:
         # Our runtime leaves RANK / WORLD_SIZE / LOCAL_RANK in the environment; from them
         # accelerate took TRL for a distributed run and wrapped its model in torch DDP with
         # find_unused_parameters=True (an extra autograd traversal per step). The peer runs as the
@@ -360,21 +368,26 @@ def run(cfg: GRPOBenchConfig, workdir: Path) -> Section:
         env = single_process_env() if fn is run_trl else contextlib.nullcontext()
         try:
             with tempfile.TemporaryDirectory(dir=workdir) as tmp, env:
-                results[impl] = fn(model_dir, tokenizer, cfg, tmp)
+                results[impl] = fn(model_dir, tokenizer, side_cfg, tmp)
         except Exception as exc:  # report the peer's (or our) failure instead of dying
             section.errors[impl] = error_text(exc)
             continue
         section.rows.append(_row(impl, results[impl], cfg.warmup))
     by_impl = {row["impl"]: row for row in section.rows}
+    trl_best = by_impl.get(TRL, {}).get("step_s (best)")
     section.ratios["step time ours / TRL (best; < 1 = ours faster)"] = ratio(
-        by_impl.get("verl-megatron", {}).get("step_s (best)"),
-        by_impl.get("TRL GRPOTrainer", {}).get("step_s (best)"),
+        by_impl.get(OURS, {}).get("step_s (best)"), trl_best
+    )
+    section.ratios["step time ours on-policy / TRL (best; same passes as TRL)"] = ratio(
+        by_impl.get(OURS_ON_POLICY, {}).get("step_s (best)"), trl_best
     )
     section.notes.append(
         "TRL runs with beta=0 and one iteration per generation, so it skips the old-log-prob forward "
-        "pass (reusing detached current log-probs); ours recomputes old log-probs as verl does."
+        "pass (reusing detached current log-probs). Ours recomputes old log-probs as verl does; "
+        "'on-policy' is ours with actor.recompute_old_log_prob=false, which does what TRL does (the "
+        "update's own log-probs, detached, are the old ones: the same gradient, one pass fewer)."
     )
-    trl = results.get("TRL GRPOTrainer", {})
+    trl = results.get(TRL, {})
     if trl:
         section.notes.append(
             f"TRL ran as one process (accelerate: {trl.get('distributed_type')}, model wrapped in torch DDP: "
@@ -389,14 +402,7 @@ def run(cfg: GRPOBenchConfig, workdir: Path) -> Section:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
-    torch.set_num_threads(HEADLINE_THREADS)
-    with tempfile.TemporaryDirectory() as tmp:
-        section = run(QUICK if args.quick else FULL, Path(tmp))
-    print(machine_info())
-    print(section.to_markdown())
+    run_alone(__doc__, run, FULL, QUICK)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,6 @@ Run alone: ``python benchmarks/bench_lora.py [--quick]``.
 
 from __future__ import annotations
 
-import argparse
-import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -23,12 +21,11 @@ from bench_update import FULL as UPDATE_FULL
 from bench_update import QUICK as UPDATE_QUICK
 from bench_update import UpdateBenchConfig, make_update_batch
 from common import (
-    HEADLINE_THREADS,
     Section,
     build_assets,
     error_text,
-    machine_info,
     ratio,
+    run_alone,
     shape_text,
     time_interleaved,
 )
@@ -174,15 +171,7 @@ def run(cfg: LoraBenchConfig, workdir: Path) -> Section:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--threads", type=int, default=HEADLINE_THREADS)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory() as tmp:
-        section = run(QUICK if args.quick else FULL, Path(tmp))
-    print(machine_info()["cpu_model"])
-    print(section.to_markdown())
+    run_alone(__doc__, run, FULL, QUICK)
 
 
 if __name__ == "__main__":

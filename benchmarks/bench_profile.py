@@ -21,10 +21,8 @@ Run alone: ``python benchmarks/bench_profile.py [--quick]``.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
-import tempfile
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
@@ -33,7 +31,7 @@ from typing import Any
 
 import torch
 from bench_update import FULL, QUICK, HFPPOUpdate, UpdateBenchConfig, build_actor, make_update_batch
-from common import HEADLINE_THREADS, Section, build_assets, machine_info, shape_text
+from common import Section, build_assets, run_alone, shape_text
 
 STAGES = (
     "forward (model)",
@@ -217,14 +215,7 @@ def run(cfg: UpdateBenchConfig, workdir: Path) -> Section:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
-    torch.set_num_threads(HEADLINE_THREADS)
-    with tempfile.TemporaryDirectory() as tmp:
-        section = run(QUICK if args.quick else FULL, Path(tmp))
-    print(machine_info())
-    print(section.to_markdown())
+    run_alone(__doc__, run, FULL, QUICK)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import torch
 from bench_grpo_step import GRPOBenchConfig, run_ours
 from common import (
     HEADLINE_THREADS,
+    QUICK_SHAPE,
     ModelShape,
     Section,
     build_assets,
@@ -56,9 +57,7 @@ FULL = ScalingBenchConfig(
     )
 )
 QUICK = ScalingBenchConfig(
-    shape=ModelShape(
-        vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128
-    ),
+    shape=QUICK_SHAPE,
     response_lens=(8, 16),
     batch_for_lengths=4,
     batch_sizes=(2, 4),

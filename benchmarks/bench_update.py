@@ -18,9 +18,7 @@ Run alone: ``python benchmarks/bench_update.py [--quick]``.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,15 +27,15 @@ from typing import Any
 import torch
 from common import (
     FLOPS_FORMULA_TRAIN,
-    HEADLINE_THREADS,
+    QUICK_SHAPE,
     ModelShape,
     Section,
     best_peak,
     build_assets,
     error_text,
-    machine_info,
     measure_matmul_peak,
     ratio,
+    run_alone,
     shape_text,
     time_interleaved,
     train_flops_per_token,
@@ -72,9 +70,7 @@ FULL = UpdateBenchConfig(
     )
 )
 QUICK = UpdateBenchConfig(
-    shape=ModelShape(
-        vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128
-    ),
+    shape=QUICK_SHAPE,
     batch=4,
     prompt_len=8,
     response_len=8,
@@ -309,14 +305,7 @@ def run(cfg: UpdateBenchConfig, workdir: Path) -> Section:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
-    torch.set_num_threads(HEADLINE_THREADS)
-    with tempfile.TemporaryDirectory() as tmp:
-        section = run(QUICK if args.quick else FULL, Path(tmp))
-    print(machine_info())
-    print(section.to_markdown())
+    run_alone(__doc__, run, FULL, QUICK)
 
 
 if __name__ == "__main__":

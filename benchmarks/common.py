@@ -11,6 +11,7 @@ the headline is the fastest repeat (least disturbed), the median is reported bes
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import math
@@ -18,6 +19,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -243,6 +245,12 @@ class ModelShape:
         ]
 
 
+# The smoke-run (--quick) model of every section that builds a llama: numbers mean nothing.
+QUICK_SHAPE = ModelShape(
+    vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128
+)
+
+
 def train_flops_per_token(shape: ModelShape, seq_len: int) -> float:
     """Forward + backward FLOPs per token; see FLOPS_FORMULA_TRAIN."""
     return 6.0 * shape.matmul_params + 12.0 * shape.num_layers * seq_len * shape.d_attn
@@ -411,3 +419,17 @@ def fit_exponent(xs: Sequence[float], ys: Sequence[float]) -> float | None:
     if sxx == 0:
         return None
     return sum((p[0] - mx) * (p[1] - my) for p in pts) / sxx
+
+
+def run_alone(doc: str, run: Callable[[Any, Path], Section], full: Any, quick: Any) -> None:
+    """The command line of a ``bench_<name>.py`` run by itself: ``--quick`` (smoke sizes) and
+    ``--threads`` (headline: 2); prints the machine and the section's table, writes nothing."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat: checks the script runs")
+    parser.add_argument("--threads", type=int, default=HEADLINE_THREADS, help="torch threads (headline: 2)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="verl_megatron_bench_") as tmp:
+        section = run(quick if args.quick else full, Path(tmp))
+    print(machine_line(machine_info()))
+    print(section.to_markdown())

@@ -170,6 +170,8 @@ def test_grpo_step_section(quick_run):
     assert ours["mean response tokens"] == 8.0  # EOS ignored: every response has response_len tokens
     for stage in ("gen", "old_log_prob", "update_actor"):
         assert _positive(ours[stage])
+    on_policy = rows["verl-megatron, on-policy"]  # actor.recompute_old_log_prob=false: no such pass
+    assert on_policy["old_log_prob"] is None and _positive(on_policy["update_actor"])
     peer = rows.get("TRL GRPOTrainer")
     if importlib.util.find_spec("trl") is None:
         assert "TRL GRPOTrainer" in section["errors"]  # the reason is recorded, not swallowed
@@ -178,6 +180,10 @@ def test_grpo_step_section(quick_run):
     assert _positive(peer["step_s (best)"]) and peer["mean response tokens"] == 8.0
     key = "step time ours / TRL (best; < 1 = ours faster)"
     assert section["ratios"][key] == pytest.approx(ours["step_s (best)"] / peer["step_s (best)"], rel=1e-12)
+    key = "step time ours on-policy / TRL (best; same passes as TRL)"
+    assert section["ratios"][key] == pytest.approx(
+        on_policy["step_s (best)"] / peer["step_s (best)"], rel=1e-12
+    )
 
 
 def test_bypass_section(quick_run):

@@ -501,6 +501,31 @@ def _check_mini_batches(
         )
 
 
+def _check_old_log_prob(config: PPOConfig) -> None:
+    """actor.recompute_old_log_prob=false is exact only for an on-policy update whose old log-probs
+    nothing else reads before it."""
+    actor, algo = config.actor, config.algorithm
+    if actor.recompute_old_log_prob:
+        return
+    why = None
+    if actor.ppo_epochs != 1:
+        why = f"actor.ppo_epochs={actor.ppo_epochs} (needs 1)"
+    elif actor.ppo_mini_batch_size != config.data.train_batch_size:
+        why = (
+            f"actor.ppo_mini_batch_size={actor.ppo_mini_batch_size} is not data.train_batch_size="
+            f"{config.data.train_batch_size} (needs one mini-batch)"
+        )
+    elif algo.use_kl_in_reward:
+        why = "algorithm.use_kl_in_reward=true reads old_log_probs before the update"
+    elif algo.rollout_correction.enabled or algo.rollout_correction.bypass_mode:
+        why = "algorithm.rollout_correction reads old_log_probs before the update"
+    if why is not None:
+        raise ConfigError(
+            f"actor.recompute_old_log_prob=false needs an on-policy update that nothing else reads old "
+            f"log-probs for: {why}"
+        )
+
+
 def _check_algorithm(config: PPOConfig) -> None:
     from verl_megatron.trainer.ppo import core_algos
     from verl_megatron.trainer.ppo.rollout_correction import check_rollout_correction
@@ -535,6 +560,7 @@ def _check_algorithm(config: PPOConfig) -> None:
             "Transformer Engine's kernels cannot be switched to the batch-invariant ones"
         )
     check_rollout_correction(config)
+    _check_old_log_prob(config)
     if algo.adv_estimator == "gdpo" and not algo.gdpo_reward_keys:
         raise ConfigError(
             "algorithm.adv_estimator=gdpo needs algorithm.gdpo_reward_keys (reward_extra_info keys)"

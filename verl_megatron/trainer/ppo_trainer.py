@@ -147,13 +147,15 @@ class PPOTrainer:
             batch, gen_metrics = self._collect_batch(step, timing)
             metrics.update(gen_metrics)
             bypass = self.config.algorithm.rollout_correction.bypass_mode
+            recompute = self.config.actor.recompute_old_log_prob
             if bypass:
                 # Equal bit for bit to a recomputation (bitwise parity, required at start-up).
                 batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
-            else:
+            elif recompute:
                 with M.timed("old_log_prob", timing):
                     batch.batch["old_log_probs"], _ = self.actor.compute_log_prob(batch)
-            if not bypass and "rollout_log_probs" in batch.batch.keys():  # noqa: SIM118
+            # else: an on-policy update takes its own log-probs as the old ones (checked at start-up).
+            if not bypass and recompute and "rollout_log_probs" in batch.batch.keys():  # noqa: SIM118
                 metrics.update(
                     M.rollout_probs_diff_metrics(
                         batch.batch["rollout_log_probs"],

@@ -249,7 +249,9 @@ class MegatronActor(_PolicyForward):
         )
 
     def _keys(self, data: DataProto) -> tuple[str, ...]:
-        keys = (*_MODEL_KEYS, "response_mask", "old_log_probs", "advantages")
+        keys = (*_MODEL_KEYS, "response_mask", "advantages")
+        if self.config.recompute_old_log_prob or "old_log_probs" in data.batch.keys():  # noqa: SIM118
+            keys += ("old_log_probs",)
         if self.config.use_kl_loss:
             keys += ("ref_log_prob",)
         if data.batch is not None and "rollout_is_weights" in data.batch.keys():  # noqa: SIM118
@@ -314,7 +316,8 @@ class MegatronActor(_PolicyForward):
         # Metrics as device tensors: summed over micro-batches, moved to the host once per mini-batch.
         with metrics_on_device():
             pg_loss, pg_metrics = self.policy_loss_fn(
-                t["old_log_probs"],
+                # On-policy without a recomputation pass: this forward's log-probs are the old ones.
+                t["old_log_probs"] if "old_log_probs" in t else log_probs.detach(),
                 log_probs,
                 t["advantages"],
                 mask,

@@ -219,6 +219,11 @@ class ActorConfig:
     """KL estimator of the KL loss (core_algos.kl_penalty names)."""
     ppo_epochs: int = 1
     """Passes over the batch per update_policy call."""
+    recompute_old_log_prob: bool = True
+    """Compute old_log_probs in a forward pass of their own before the update (verl's way). false,
+    for an on-policy update only (one mini-batch, one epoch; checked at start-up): the update's own
+    log-probs, detached, are the old ones (the ratio is exactly 1, as in verl's actor on-policy and
+    TRL's GRPO with one iteration), and the trainer skips that pass; the gradient is the same."""
     shuffle: bool = False
     """Shuffle sequences before splitting into mini-batches, per epoch."""
     data_loader_seed: int | None = None
