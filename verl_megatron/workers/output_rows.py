@@ -56,6 +56,33 @@ def _output_layers(chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Module] |
     return layers
 
 
+class _FoldableGrad(torch.autograd.Function):
+    """Identity on the selected rows' logits [K, 1, V] whose backward re-strides the gradient.
+
+    The gradient comes back through megatron's [K, 1, V] -> [1, K, V] transpose with strides
+    (V, K*V, 1): contiguous by torch's rules (dimension 1 has size 1), so ``contiguous()`` keeps it,
+    but ``torch.matmul`` only folds a 3-d operand into one matrix product when its strides chain.
+    A frozen output layer (LoRA) computes its input gradient as ``grad_output.matmul(weight)``,
+    which for that gradient became K batched vector products over the whole [V, h] weight: 2.2 s
+    instead of ~0.05 s per micro-batch at V=32000, h=512, K=768.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor) -> torch.Tensor:
+        return logits.view_as(logits)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.reshape(-1, grad.shape[-1]).view(grad.shape)
+
+
+def _foldable_grad(module, args, output):
+    logits, bias = output
+    if torch.is_grad_enabled() and logits.requires_grad:
+        logits = _FoldableGrad.apply(logits)
+    return logits, bias
+
+
 class OutputRowSelector:
     """Forward pre-hooks on the output layers that keep only the current micro-batch's rows."""
 
@@ -72,6 +99,7 @@ class OutputRowSelector:
         handles = [
             layer.register_forward_pre_hook(self._hook, with_kwargs=True) for layer in self.layers or []
         ]
+        handles += [layer.register_forward_hook(_foldable_grad) for layer in self.layers or []]
         try:
             yield
         finally:
