@@ -52,6 +52,9 @@ class GRPOBenchConfig:
     """timed steps"""
     warmup: int = 1
     """untimed steps first (lazy init, allocator); 0 in quick mode, where timing is not the point"""
+    rounds: int = 2
+    """each side runs this many times, the sides alternating (A, B, C, A, B, C), so that a change
+    of the machine's load hits all alike; the best timed step over all rounds is the headline"""
 
     @property
     def total_steps(self) -> int:
@@ -76,6 +79,7 @@ QUICK = GRPOBenchConfig(
     micro_batch=2,
     steps=1,
     warmup=0,
+    rounds=1,
 )
 
 
@@ -360,19 +364,33 @@ def run(cfg: GRPOBenchConfig, workdir: Path) -> Section:
         (OURS_ON_POLICY, run_ours, on_policy),
         (TRL, run_trl, cfg),
     )
-    for impl, fn, side_cfg in sides:
-        # Our runtime leaves RANK / WORLD_SIZE / LOCAL_RANK in the environment; from them
-        # accelerate took TRL for a distributed run and wrapped its model in torch DDP with
-        # find_unused_parameters=True (an extra autograd traversal per step). The peer runs as the
-        # single process it is.
-        env = single_process_env() if fn is run_trl else contextlib.nullcontext()
-        try:
-            with tempfile.TemporaryDirectory(dir=workdir) as tmp, env:
-                results[impl] = fn(model_dir, tokenizer, side_cfg, tmp)
-        except Exception as exc:  # report the peer's (or our) failure instead of dying
-            section.errors[impl] = error_text(exc)
-            continue
-        section.rows.append(_row(impl, results[impl], cfg.warmup))
+    for _ in range(cfg.rounds):
+        for impl, fn, side_cfg in sides:
+            if impl in section.errors:
+                continue
+            # Our runtime leaves RANK / WORLD_SIZE / LOCAL_RANK in the environment; from them
+            # accelerate took TRL for a distributed run and wrapped its model in torch DDP with
+            # find_unused_parameters=True (an extra autograd traversal per step). The peer runs as the
+            # single process it is.
+            env = single_process_env() if fn is run_trl else contextlib.nullcontext()
+            try:
+                with tempfile.TemporaryDirectory(dir=workdir) as tmp, env:
+                    raw = fn(model_dir, tokenizer, side_cfg, tmp)
+            except Exception as exc:  # report the peer's (or our) failure instead of dying
+                section.errors[impl] = error_text(exc)
+                results.pop(impl, None)
+                continue
+            merged = results.setdefault(impl, {})
+            for key, value in raw.items():
+                if key in ("step_seconds", "stage_seconds"):  # each run's timed steps (no warm-up)
+                    merged.setdefault(key, []).extend(value[cfg.warmup :])
+                elif key == "mean_completion_length":
+                    merged.setdefault(key, []).extend(value)
+                else:
+                    merged[key] = value
+    for impl, _, _ in sides:
+        if impl in results:
+            section.rows.append(_row(impl, results[impl], 0))
     by_impl = {row["impl"]: row for row in section.rows}
     trl_best = by_impl.get(TRL, {}).get("step_s (best)")
     section.ratios["step time ours / TRL (best; < 1 = ours faster)"] = ratio(
@@ -394,7 +412,8 @@ def run(cfg: GRPOBenchConfig, workdir: Path) -> Section:
             f"{trl.get('ddp_wrapped')})"
         )
     section.notes.append(
-        f"the first {cfg.warmup} step(s) of each side are warm-up and excluded; stage columns are ours (verl's timing_s/*), "
+        f"each side ran {cfg.rounds} time(s), the sides alternating; the first {cfg.warmup} step(s) of each run are "
+        "warm-up and excluded; stage columns are ours (verl's timing_s/*), "
         "TRL does not time its stages"
     )
     section.extra = {"raw": results, "config": asdict(cfg)}
