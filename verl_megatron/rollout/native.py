@@ -174,10 +174,11 @@ class NativeRollout(RolloutEngine):
         log_probs = torch.zeros(rows, response_length, dtype=torch.float32, device=device)
         finished = torch.zeros(rows, dtype=torch.bool, device=device)
         active = torch.arange(rows, device=device)  # output row of each cache row
+        parity = decoder.parity_length is not None
         for t in range(response_length):
             uniform = None if uniforms is None else uniforms[active, t]
             tokens, token_log_probs = self._next_tokens(
-                logits, params, uniform, active.numel(), vocab, parity=decoder.parity_length is not None
+                logits, params, uniform, active.numel(), vocab, parity
             )
             live = ~finished[active]
             responses[active, t] = torch.where(live, tokens, pad)
