@@ -31,6 +31,7 @@ import torch
 from common import (
     HEADLINE_THREADS,
     QUICK_SHAPE,
+    SHARED_HEAP_NOTE,
     ModelShape,
     Section,
     build_assets,
@@ -236,6 +237,7 @@ def run(cfg: GenerateBenchConfig, workdir: Path) -> Section:
         section.notes.append(
             "HF with a static cache / torch.compile: full run only (compiling takes minutes)"
         )
+    section.notes.append(SHARED_HEAP_NOTE)
     section.notes.append(
         f"greedy check ({cfg.check_rows} prompts x {cfg.check_tokens} tokens): "
         + ("identical tokens on both sides" if agree else "TOKENS DIFFER between the two sides")

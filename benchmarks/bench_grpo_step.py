@@ -26,6 +26,7 @@ import torch
 from common import (
     QUICK_SHAPE,
     REPO_ROOT,
+    SHARED_HEAP_NOTE,
     ModelShape,
     Section,
     build_assets,
@@ -411,6 +412,7 @@ def run(cfg: GRPOBenchConfig, workdir: Path) -> Section:
             f"TRL ran as one process (accelerate: {trl.get('distributed_type')}, model wrapped in torch DDP: "
             f"{trl.get('ddp_wrapped')})"
         )
+    section.notes.append(SHARED_HEAP_NOTE)
     section.notes.append(
         f"each side ran {cfg.rounds} time(s), the sides alternating; the first {cfg.warmup} step(s) of each run are "
         "warm-up and excluded; stage columns are ours (verl's timing_s/*), "

@@ -28,6 +28,7 @@ import torch
 from common import (
     FLOPS_FORMULA_TRAIN,
     QUICK_SHAPE,
+    SHARED_HEAP_NOTE,
     ModelShape,
     Section,
     best_peak,
@@ -254,6 +255,7 @@ def run(cfg: UpdateBenchConfig, workdir: Path) -> Section:
             "repeats": cfg.repeats,
         },
     )
+    section.notes.append(SHARED_HEAP_NOTE)
     section.notes.append(f"FLOPs per token = {FLOPS_FORMULA_TRAIN} = {flops_per_token / 1e6:.1f} MFLOP")
     updates: dict[str, Callable[[], Any]] = {}
     for impl, build in (

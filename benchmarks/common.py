@@ -35,6 +35,11 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 HEADLINE_THREADS = 2
+SHARED_HEAP_NOTE = (
+    "both sides ran in one process, after verl-megatron's runtime had set glibc's malloc thresholds "
+    "for it (verl_megatron/utils/cpu_heap.py: freed memory is reused instead of page-faulted in "
+    "again), so the peer ran with the same allocator setting"
+)
 
 # Per-token FLOPs, stated in every result that uses them. N counts the parameters that take part in
 # a matmul (everything but the input embedding table, which is a lookup); the attention term counts

@@ -334,7 +334,7 @@ def packing_job(model_dir: str) -> dict:
     """Prefill logits with packed linears, without them, and by a cache-free full forward;
     which layers the packing switched, inside and after the context, and with parity kernels."""
     from verl_megatron.models import batch_invariant
-    from verl_megatron.rollout import packed_linear
+    from verl_megatron.rollout import decode, packed_linear
     from verl_megatron.rollout.decode import ChunkDecoder, inference_mode_for
 
     runtime, chunks, _ = _setup(model_dir)
@@ -352,6 +352,8 @@ def packing_job(model_dir: str) -> dict:
         impls = [vars(m).get("_forward_impl") for m in bare[0].modules()]
         return [impl for impl in impls if isinstance(impl, packed_linear._PackedMatmul)]
 
+    # The layers' own modules (what LoRA / MoE layers decode through), not lean_layer.py's ops.
+    real_lean, decode.lean_layer = decode.lean_layer, lambda layer, group: (None, "switched off")
     with inference_mode_for(chunks) as bare:
         packed, impls = prefill(bare), switched(bare)
         inside = sum(len(impl.packed) == 1 for impl in impls)  # each ran on its packed weight
@@ -362,7 +364,7 @@ def packing_job(model_dir: str) -> dict:
         with inference_mode_for(chunks) as bare:
             plain = prefill(bare)
     finally:
-        packed_linear.packing_available = available
+        packed_linear.packing_available, decode.lean_layer = available, real_lean
     with torch.no_grad():
         full = torch.stack(
             [
@@ -394,4 +396,73 @@ def test_packed_linears_change_decoding_logits_only_by_float32_rounding(pool1, m
     assert float(packed_gap.max()) <= floor, (
         f"packed vs plain decoding logits: max diff {float(packed_gap.max()):.3g} at (row, token) {where}; "
         f"noise floor (plain decoding vs full forward) {floor:.3g}"
+    )
+
+
+def lean_job(model_dir: str, tp: int) -> dict:
+    """Prefill and one decoding step with the lean layers and with the modules, a cache-free
+    forward of the same tokens, and which layers stay on the modules under a forward hook or
+    the parity kernels."""
+    from verl_megatron.models import batch_invariant
+    from verl_megatron.rollout import decode
+
+    runtime, chunks, _ = _setup(model_dir, tp=tp)
+    prompts = prompt_batch()
+    ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"].bool()
+    positions, rows, width = prompts.batch["position_ids"], len(PROMPT_LENGTHS), ids.shape[1]
+
+    def two_steps(bare) -> tuple[torch.Tensor, int, list[str]]:
+        key_valid = torch.ones(rows, width + 1, dtype=torch.bool)
+        key_valid[:, :width] = mask
+        decoder = decode.ChunkDecoder(bare, runtime, rows, width + 1, VOCAB)
+        first = decoder.step(ids, positions, key_valid, start=0)[:, :VOCAB]
+        second = decoder.step(first.argmax(-1, keepdim=True), positions[:, -1:] + 1, key_valid, start=width)
+        lean = sum(plan is not None for plan in decoder.lean[0])
+        return torch.stack([first, second[:, :VOCAB]]), lean, decoder.lean_skipped
+
+    with decode.inference_mode_for(chunks) as bare:
+        lean, lean_layers, _ = two_steps(bare)
+    real = decode.lean_layer
+    decode.lean_layer = lambda layer, group: (None, "switched off")
+    try:
+        with decode.inference_mode_for(chunks) as bare:
+            modules, _, _ = two_steps(bare)
+    finally:
+        decode.lean_layer = real
+    with torch.no_grad():
+        full = []
+        for row, n in enumerate(PROMPT_LENGTHS):
+            tokens = [*ids[row, width - n :].tolist(), int(lean[0, row].argmax())]
+            full.append(_full_logits(chunks[0], tokens)[-2:])
+        full = torch.stack(full, dim=1)  # [2, rows, V]
+    hook = chunks[0].decoder.layers[1].mlp.linear_fc2.register_forward_hook(lambda *args: None)
+    with decode.inference_mode_for(chunks) as bare:
+        _, hooked_lean, hooked_reasons = two_steps(bare)
+    hook.remove()
+    batch_invariant.enable(chunks, width + 1)
+    with decode.inference_mode_for(chunks) as bare:
+        _, parity_lean, _ = two_steps(bare)
+    return {"lean": lean, "modules": modules, "full": full, "lean_layers": lean_layers,
+            "hooked_lean": hooked_lean, "hooked_reasons": hooked_reasons, "parity_lean": parity_lean}  # fmt: skip
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_lean_layers_decode_like_the_modules(pool1, pool2, model_dir, tp):
+    """On CPU every dense layer decodes through lean_layer.py's plain ops (tp=2: the row-parallel
+    products summed over ranks before the bias); the logits of a prefill and a decoding step
+    differ from the module path's by no more than the module path's own float32 gap to a
+    cache-free forward. A layer with a forward hook (LoRA's mechanism) keeps its modules, saying
+    why; under the parity kernels no layer is lean."""
+    pool = pool1 if tp == 1 else pool2
+    out = pool.run(f"{__name__}:lean_job", model_dir=model_dir, tp=tp)[0]
+    assert (out["lean_layers"], out["hooked_lean"], out["parity_lean"]) == (LAYERS, LAYERS - 1, 0)
+    assert len(out["hooked_reasons"]) == 1 and "forward hooks" in out["hooked_reasons"][0], out[
+        "hooked_reasons"
+    ]
+    gap = (out["lean"] - out["modules"]).abs()
+    floor = float((out["modules"] - out["full"]).abs().max())
+    step, row, token = np.unravel_index(int(gap.argmax()), gap.shape)
+    assert float(gap.max()) <= floor, (
+        f"lean vs module decoding logits: max diff {float(gap.max()):.3g} at step {step}, row {row}, "
+        f"token {token}; noise floor (module decoding vs full forward) {floor:.3g}"
     )

@@ -319,6 +319,7 @@ def init_runtime(layout: ParallelLayout, seed: int = 1234, timeout_minutes: int 
     destroying the old groups (see :func:`build_megatron_groups`).
     """
     from verl_megatron.distributed import cpu_compat
+    from verl_megatron.utils.cpu_heap import keep_freed_memory
 
     compat = cpu_compat.install()
     owns = not dist.is_initialized()
@@ -332,6 +333,8 @@ def init_runtime(layout: ParallelLayout, seed: int = 1234, timeout_minutes: int 
     build_megatron_groups(layout, timeout_minutes)
     seed_everything(seed)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cpu":
+        keep_freed_memory()  # utils/cpu_heap.py: no page faults for each step's tensors
     return Runtime(
         layout=layout,
         rank=rank,

@@ -26,6 +26,7 @@ Pipeline parallelism: each step runs stage after stage; a stage sends its hidden
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterator
 
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 
 from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.models import batch_invariant
+from verl_megatron.rollout.lean_layer import LeanLayer, lean_layer
 from verl_megatron.rollout.packed_linear import packed_linears
 
 __all__ = ["ChunkDecoder", "inference_mode_for"]
@@ -139,6 +141,17 @@ class ChunkDecoder:
         self.caches: list[list[tuple[torch.Tensor, torch.Tensor]]] = [
             [self._empty_cache(layer, batch_size) for layer in chunk.decoder.layers] for chunk in chunks
         ]
+        # Dense layers on CPU step through plain tensor ops (lean_layer.py); the reason each
+        # other layer keeps its modules is in ``lean_skipped``.
+        self.lean: list[list[LeanLayer | None]] = [[None] * len(c.decoder.layers) for c in chunks]
+        self.lean_skipped: list[str] = []
+        if self.parity_length is None and self.device.type == "cpu":
+            tp_group = runtime.tp_group() if runtime.layout.tp > 1 else None
+            for plans, chunk in zip(self.lean, chunks):
+                for i, layer in enumerate(chunk.decoder.layers):
+                    plans[i], reason = lean_layer(layer, tp_group)
+                    if reason is not None:
+                        self.lean_skipped.append(reason)
 
     def _empty_cache(self, layer: torch.nn.Module, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         attn = layer.self_attention
@@ -181,13 +194,17 @@ class ChunkDecoder:
         else:
             mask = self._canonical_slots(positions, key_valid[:, start : start + s])
         logits = None
-        for chunk, cache in zip(self.chunks, self.caches):
+        for chunk, cache, plans in zip(self.chunks, self.caches, self.lean):
             if chunk.pre_process:
                 hidden = chunk.embedding(input_ids=tokens, position_ids=positions)
             else:
                 hidden = self._recv(s, batch)
-            for layer, (k_cache, v_cache) in zip(chunk.decoder.layers, cache):
-                hidden = self._layer(layer, hidden, k_cache, v_cache, cos, sin, mask, start)
+            for layer, (k_cache, v_cache), lean in zip(chunk.decoder.layers, cache, plans):
+                if lean is not None:
+                    attend = functools.partial(self._attend_qkv, k_cache, v_cache, cos, sin, mask, start)
+                    hidden = lean(hidden, attend)
+                else:
+                    hidden = self._layer(layer, hidden, k_cache, v_cache, cos, sin, mask, start)
             if chunk.post_process:
                 logits = self._logits(chunk, hidden[-1:])
             else:
@@ -243,6 +260,18 @@ class ChunkDecoder:
         hidden = hidden + out if bias is None else hidden + out + bias
         out, bias = layer.mlp(layer.pre_mlp_layernorm(hidden))
         return hidden + out if bias is None else hidden + out + bias
+
+    def _attend_qkv(self, k_cache, v_cache, cos, sin, mask, start: int, qkv: torch.Tensor) -> torch.Tensor:
+        """A lean layer's attention: qkv [s, B, groups, per_group + 2, D] -> context [s, B, heads*D].
+
+        Queries and keys are adjacent in each group, so one rotary call turns both.
+        """
+        s, batch, groups, per_group = qkv.shape[0], qkv.shape[1], qkv.shape[2], qkv.shape[3] - 2
+        query_key = _rotate(qkv[:, :, :, : per_group + 1], cos.unsqueeze(2), sin.unsqueeze(2))
+        k_cache[:, :, start : start + s] = query_key[:, :, :, per_group].permute(1, 2, 0, 3)
+        v_cache[:, :, start : start + s] = qkv[:, :, :, per_group + 1].permute(1, 2, 0, 3)
+        query = query_key[:, :, :, :per_group].reshape(s, batch, groups * per_group, -1)
+        return self._attention(query, k_cache[:, :, : start + s], v_cache[:, :, : start + s], mask)
 
     def _attention(
         self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor

@@ -26,7 +26,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-__all__ = ["packed_linears", "packing_available"]
+__all__ = ["pack_weight", "packed_linears", "packing_available"]
 
 # Rows the packed layout is tuned for: a decoding batch. The layout barely depends on it
 # (16..4096 rows measured within 10% of each other at 8, 64 and 512 rows).
@@ -48,6 +48,11 @@ def packing_available() -> bool:
     return bool(torch.allclose(out, x @ weight.t(), atol=1e-5))
 
 
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out, in] (float32, CPU) in oneDNN's blocked layout, for ``_linear_pointwise``."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, _ROWS_HINT)
+
+
 class _PackedMatmul:
     """Stands in for megatron's ``_forward_impl`` (same arguments) in forward-only use."""
 
@@ -67,7 +72,7 @@ class _PackedMatmul:
         entry = self.packed.get(id(weight))
         if entry is None or entry[0] is not weight:
             # The weight itself is kept with its packed copy, so the id cannot be reused.
-            entry = (weight, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _ROWS_HINT))
+            entry = (weight, pack_weight(weight.detach()))
             self.packed[id(weight)] = entry
         rows = input.reshape(-1, input.shape[-1])
         out = torch.ops.mkldnn._linear_pointwise(rows, entry[1], bias, "none", [], "")

@@ -1,0 +1,44 @@
+"""Keep freed memory in the process on CPU, so that a step's tensors do not page-fault in again.
+
+torch's CPU allocator hands every tensor to malloc and back. glibc serves blocks over its mmap
+threshold (128 KiB at first, adapting up to 32 MiB) with fresh mappings and gives the top of
+the heap back to the OS once more than 128 KiB of it is free, so a loop that allocates and frees
+the same few megabytes each iteration makes the kernel map and zero them again every time. A
+decoding step on the CI machine (batch 64, hidden 512, vocabulary 32k) took about 1,100 page
+faults; generating 8192 tokens spent 0.4-0.6 s of system time on 130-170 thousand faults, none
+with the heap kept (measured: 5.9 -> 5.1 s per call). CUDA's caching allocator keeps freed memory
+the same way.
+
+:func:`keep_freed_memory` raises both thresholds once per process (glibc only; a no-op elsewhere
+and when the user set ``MALLOC_TRIM_THRESHOLD_`` / ``MALLOC_MMAP_THRESHOLD_`` themselves). The
+cost: up to ``_TRIM`` of freed memory stays with the process instead of going back to the OS.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import os
+
+__all__ = ["keep_freed_memory"]
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers
+_TRIM = 1 << 30  # free heap kept before returning any to the OS
+_MMAP = 32 << 20  # glibc's own ceiling for the adaptive threshold
+
+
+@functools.cache
+def keep_freed_memory() -> bool:
+    """Set glibc's trim / mmap thresholds for this process; True if they were set."""
+    if any(name in os.environ for name in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")):
+        return False
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        mallopt = libc.mallopt if libc is not None else None
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
+        return False
+    if mallopt is None:
+        return False
+    return bool(mallopt(_M_TRIM_THRESHOLD, _TRIM)) and bool(mallopt(_M_MMAP_THRESHOLD, _MMAP))
