@@ -55,7 +55,7 @@ class GenerateBenchConfig:
     batch: int = 64
     prompt_len: int = 64
     new_tokens: int = 128
-    repeats: int = 2
+    repeats: int = 3
     check_rows: int = 4
     check_tokens: int = 16
     seed: int = 0

@@ -53,7 +53,7 @@ class GRPOBenchConfig:
     """timed steps"""
     warmup: int = 1
     """untimed steps first (lazy init, allocator); 0 in quick mode, where timing is not the point"""
-    rounds: int = 2
+    rounds: int = 3
     """each side runs this many times, the sides alternating (A, B, C, A, B, C), so that a change
     of the machine's load hits all alike; the best timed step over all rounds is the headline"""
 
