@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import io
 import json
 import os
@@ -381,6 +382,9 @@ def run(cfg: GRPOBenchConfig, workdir: Path) -> Section:
                 section.errors[impl] = error_text(exc)
                 results.pop(impl, None)
                 continue
+            # The finished side's trainer (model, optimizer, process groups and their threads) is
+            # garbage in reference cycles: collect it now, not while the next side is timed.
+            gc.collect()
             merged = results.setdefault(impl, {})
             for key, value in raw.items():
                 if key in ("step_seconds", "stage_seconds"):  # each run's timed steps (no warm-up)
