@@ -1,6 +1,6 @@
-"""utils/cpu_heap.py: after ``keep_freed_memory`` a loop that allocates and frees the same tensors
-stops page-faulting; a user's own malloc settings are left alone. Each case runs in a fresh
-interpreter, since the setting is for the whole process."""
+"""utils/cpu_heap.py: with ``keep_freed_memory`` a step that allocates and frees the same tensors
+stops page-faulting them in again; a user's own malloc settings are left alone. Each case runs in
+a fresh interpreter, since the setting is for the whole process."""
 
 from __future__ import annotations
 
@@ -13,17 +13,18 @@ _SCRIPT = """
 import json, resource, torch
 from verl_megatron.utils.cpu_heap import keep_freed_memory
 
-def faults():
-    torch.empty(2 << 20).fill_(1.0)  # warm-up: one 8 MiB tensor
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(40):
-        torch.empty(2 << 20).fill_(1.0)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-
-default = faults()
 applied = keep_freed_memory()
-print(json.dumps({"default": default, "applied": applied, "kept": faults()}))
+counts = []
+for _ in range(3):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(20):  # a step's pattern: a few tensors alive together, then all freed
+        step = [torch.empty(2 << 20).fill_(1.0) for _ in range(3)]  # 3 x 8 MiB
+        del step
+    counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(json.dumps({"applied": applied, "faults": counts}))
 """
+# 20 steps x 3 x 8 MiB, in 4 KiB pages: what a round costs when every step maps its memory anew.
+_PAGES = 20 * 3 * (8 << 20) // 4096
 
 
 def _run(env_extra: dict) -> dict:
@@ -35,11 +36,13 @@ def _run(env_extra: dict) -> dict:
 
 def test_freed_tensors_are_reused_without_page_faults():
     out = _run({})
-    # 40 x 8 MiB = 80k pages of 4 KiB when each tensor is mapped anew (fewer with huge pages).
-    assert out["applied"] and out["default"] >= 1000, out
-    assert out["kept"] <= out["default"] // 50, f"page faults for 40 x 8 MiB tensors: {out}"
+    # The first round grows the heap once; the later ones reuse it (the fewest of them: a round
+    # can take faults from outside on a loaded machine).
+    assert out["applied"] and min(out["faults"][1:]) <= _PAGES // 100, f"page faults per round: {out}"
 
 
 def test_user_malloc_settings_win():
-    out = _run({"MALLOC_TRIM_THRESHOLD_": "131072"})
-    assert not out["applied"] and out["kept"] >= 1000, out
+    # glibc's own static thresholds, set by the user: left alone, and each step faults anew, which
+    # is what the test above would see without the setting.
+    out = _run({"MALLOC_TRIM_THRESHOLD_": "131072", "MALLOC_MMAP_THRESHOLD_": "131072"})
+    assert not out["applied"] and min(out["faults"]) >= _PAGES * 9 // 10, f"page faults per round: {out}"
