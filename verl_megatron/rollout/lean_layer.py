@@ -10,7 +10,8 @@ call (packed for oneDNN, see packed_linear.py) and :class:`LeanLayer` runs the s
 - at tp=1 the output projection and the second MLP product add the residual in the same call.
 
 Measured on the 2-core CI machine, whole generate calls alternating with and without it (batch
-64, median of 5): hidden 512, 64 new tokens 3.11 vs 3.61 s; hidden 256, 128 tokens 2.26 vs 2.61 s.
+64, medians): hidden 512, 64 new tokens 3.11 vs 3.61 s (5 pairs); hidden 256, 128 tokens 2.26 vs
+2.61 s (4 pairs).
 
 Only the layers it covers are replaced (SwiGLU MLP, torch RMSNorm / LayerNorm, megatron's local
 linears). For anything else (other activations, q/k layernorm, MoE, Transformer Engine modules,

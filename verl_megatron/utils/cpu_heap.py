@@ -6,7 +6,7 @@ the heap back to the OS once more than 128 KiB of it is free, so a loop that all
 the same few megabytes each iteration makes the kernel map and zero them again every time. A
 decoding step on the CI machine (batch 64, hidden 512, vocabulary 32k) took about 1,100 page
 faults; generating 8192 tokens spent 0.4-0.6 s of system time on 130-170 thousand faults, none
-with the heap kept (measured: 5.9 -> 5.1 s per call). CUDA's caching allocator keeps freed memory
+with the heap kept (measured: 5.9-6.1 -> 5.1-5.5 s per call). CUDA's caching allocator keeps freed memory
 the same way.
 
 :func:`keep_freed_memory` raises both thresholds once per process (glibc only; a no-op elsewhere
