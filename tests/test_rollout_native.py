@@ -12,6 +12,7 @@ under its own tp/pp layout. References:
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import numpy as np
@@ -334,7 +335,7 @@ def packing_job(model_dir: str) -> dict:
     """Prefill logits with packed linears, without them, and by a cache-free full forward;
     which layers the packing switched, inside and after the context, and with parity kernels."""
     from verl_megatron.models import batch_invariant
-    from verl_megatron.rollout import decode, packed_linear
+    from verl_megatron.rollout import packed_linear
     from verl_megatron.rollout.decode import ChunkDecoder, inference_mode_for
 
     runtime, chunks, _ = _setup(model_dir)
@@ -353,8 +354,7 @@ def packing_job(model_dir: str) -> dict:
         return [impl for impl in impls if isinstance(impl, packed_linear._PackedMatmul)]
 
     # The layers' own modules (what LoRA / MoE layers decode through), not lean_layer.py's ops.
-    real_lean, decode.lean_layer = decode.lean_layer, lambda layer, group: (None, "switched off")
-    with inference_mode_for(chunks) as bare:
+    with _modules_only(), inference_mode_for(chunks) as bare:
         packed, impls = prefill(bare), switched(bare)
         inside = sum(len(impl.packed) == 1 for impl in impls)  # each ran on its packed weight
     after = sum("_forward_impl" in vars(m) for m in chunks[0].modules())
@@ -364,7 +364,7 @@ def packing_job(model_dir: str) -> dict:
         with inference_mode_for(chunks) as bare:
             plain = prefill(bare)
     finally:
-        packed_linear.packing_available, decode.lean_layer = available, real_lean
+        packed_linear.packing_available = available
     with torch.no_grad():
         full = torch.stack(
             [
@@ -399,6 +399,19 @@ def test_packed_linears_change_decoding_logits_only_by_float32_rounding(pool1, m
     )
 
 
+@contextlib.contextmanager
+def _modules_only():
+    """Every layer decodes through its megatron modules (lean_layer.py switched off)."""
+    from verl_megatron.rollout import decode
+
+    real = decode.lean_layer
+    decode.lean_layer = lambda layer, group: (None, "switched off")
+    try:
+        yield
+    finally:
+        decode.lean_layer = real
+
+
 def lean_job(model_dir: str, tp: int) -> dict:
     """Prefill and one decoding step with the lean layers and with the modules, a cache-free
     forward of the same tokens, and which layers stay on the modules under a forward hook or
@@ -422,13 +435,8 @@ def lean_job(model_dir: str, tp: int) -> dict:
 
     with decode.inference_mode_for(chunks) as bare:
         lean, lean_layers, _ = two_steps(bare)
-    real = decode.lean_layer
-    decode.lean_layer = lambda layer, group: (None, "switched off")
-    try:
-        with decode.inference_mode_for(chunks) as bare:
-            modules, _, _ = two_steps(bare)
-    finally:
-        decode.lean_layer = real
+    with _modules_only(), decode.inference_mode_for(chunks) as bare:
+        modules, _, _ = two_steps(bare)
     with torch.no_grad():
         full = []
         for row, n in enumerate(PROMPT_LENGTHS):

@@ -253,9 +253,7 @@ class ChunkDecoder:
             )
             context = out.permute(2, 0, 1, 3).reshape(s, out.shape[0], -1)
         else:
-            k_cache[:, :, start : start + s] = key.permute(1, 2, 0, 3)
-            v_cache[:, :, start : start + s] = value.permute(1, 2, 0, 3)
-            context = self._attention(query, k_cache[:, :, : start + s], v_cache[:, :, : start + s], mask)
+            context = self._store_and_attend(k_cache, v_cache, query, key, value, mask, start)
         out, bias = attn.linear_proj(context)
         hidden = hidden + out if bias is None else hidden + out + bias
         out, bias = layer.mlp(layer.pre_mlp_layernorm(hidden))
@@ -268,9 +266,16 @@ class ChunkDecoder:
         """
         s, batch, groups, per_group = qkv.shape[0], qkv.shape[1], qkv.shape[2], qkv.shape[3] - 2
         query_key = _rotate(qkv[:, :, :, : per_group + 1], cos.unsqueeze(2), sin.unsqueeze(2))
-        k_cache[:, :, start : start + s] = query_key[:, :, :, per_group].permute(1, 2, 0, 3)
-        v_cache[:, :, start : start + s] = qkv[:, :, :, per_group + 1].permute(1, 2, 0, 3)
         query = query_key[:, :, :, :per_group].reshape(s, batch, groups * per_group, -1)
+        key, value = query_key[:, :, :, per_group], qkv[:, :, :, per_group + 1]
+        return self._store_and_attend(k_cache, v_cache, query, key, value, mask, start)
+
+    def _store_and_attend(self, k_cache, v_cache, query, key, value, mask, start: int) -> torch.Tensor:
+        """Write keys / values [s, B, groups, D] at cache column ``start``, then attend with
+        query [s, B, heads, D] over columns < start + s -> context [s, B, heads * D]."""
+        s = query.shape[0]
+        k_cache[:, :, start : start + s] = key.permute(1, 2, 0, 3)
+        v_cache[:, :, start : start + s] = value.permute(1, 2, 0, 3)
         return self._attention(query, k_cache[:, :, : start + s], v_cache[:, :, : start + s], mask)
 
     def _attention(

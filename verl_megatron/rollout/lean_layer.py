@@ -33,7 +33,8 @@ from verl_megatron.rollout.packed_linear import _PackedMatmul, pack_weight, pack
 
 __all__ = ["LeanLayer", "lean_layer"]
 
-_linear = torch.ops.mkldnn._linear_pointwise if hasattr(torch.ops, "mkldnn") else None
+# None in builds without oneDNN, where packing_available() keeps every layer on its modules.
+_linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
 
 
 @dataclass

@@ -6,8 +6,8 @@ the heap back to the OS once more than 128 KiB of it is free, so a loop that all
 the same few megabytes each iteration makes the kernel map and zero them again every time. A
 decoding step on the CI machine (batch 64, hidden 512, vocabulary 32k) took about 1,100 page
 faults; generating 8192 tokens spent 0.4-0.6 s of system time on 130-170 thousand faults, none
-with the heap kept (measured: 5.9-6.1 -> 5.1-5.5 s per call). CUDA's caching allocator keeps freed memory
-the same way.
+with the heap kept (measured: 5.9-6.1 -> 5.1-5.5 s per call). CUDA's caching allocator keeps
+freed memory the same way.
 
 :func:`keep_freed_memory` raises both thresholds once per process (glibc only; a no-op elsewhere
 and when the user set ``MALLOC_TRIM_THRESHOLD_`` / ``MALLOC_MMAP_THRESHOLD_`` themselves). The
@@ -33,12 +33,8 @@ def keep_freed_memory() -> bool:
     """Set glibc's trim / mmap thresholds for this process; True if they were set."""
     if any(name in os.environ for name in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")):
         return False
-    name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name) if name else None
-        mallopt = libc.mallopt if libc is not None else None
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
-        return False
-    if mallopt is None:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
+    except (OSError, AttributeError):  # no C library found, or not glibc's (macOS): nothing to tune
         return False
     return bool(mallopt(_M_TRIM_THRESHOLD, _TRIM)) and bool(mallopt(_M_MMAP_THRESHOLD, _MMAP))
