@@ -241,7 +241,7 @@ class NativeRollout(RolloutEngine):
         difference between ranks can split them. The log-probs are then computed as the trainer
         computes them, each tp rank on its own vocabulary slice, when ``parity`` asks for them bit
         for bit or tp > 1 (the broadcast draw may differ from this rank's); otherwise the sampler's
-        own log-softmax serves (equal up to rounding; one pass over the vocabulary, not two).
+        own log-probabilities serve (equal up to rounding; one pass over the vocabulary, not two).
         """
         from megatron.core import parallel_state as ps
 

