@@ -14,6 +14,11 @@ it replaces two parts of megatron's inference path:
 - rotary positions are per row (verl's ``position_ids``: the token's index in its own
   sequence), so left-padded prompts need no re-alignment.
 
+On CPU, dense layers step through ``lean_layer.py`` instead of their modules. In a prefill of
+left-padded prompts those layers' token-wise work (norms, linears) runs on the real tokens only;
+attention alone sees the padded layout. Outside parity mode the rotary embedding uses a fused
+form (:func:`_rotate_fused`) that differs from megatron's by float32 rounding.
+
 Bitwise parity mode (chunks switched by ``models.batch_invariant.enable``): the cache holds
 each row's keys in canonical columns (column j = the row's j-th token, i.e. its rotary position)
 over the fixed key length L, and attention and the linear layers run through the batch-invariant
@@ -92,12 +97,26 @@ def _check_supported(chunk: torch.nn.Module) -> None:
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of x [s, B, heads, D] with cos/sin [s, B, 1, R] (R <= D rotated dims)."""
+    """Rotary embedding of x [s, B, heads, D] with cos/sin [s, B, 1, R] (R <= D rotated dims),
+    in megatron's arithmetic (x * cos + rotate_half(x) * sin): bitwise the training forward's."""
     rot = cos.shape[-1]
     x_rot, x_pass = x[..., :rot], x[..., rot:]
     x1, x2 = x_rot.chunk(2, dim=-1)
     out = x_rot * cos + torch.cat((-x2, x1), dim=-1) * sin
     return torch.cat((out, x_pass), dim=-1) if x_pass.shape[-1] else out
+
+
+def _rotate_fused(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """:func:`_rotate` with ``signed_sin`` = sin with its first half negated, so that
+    rotate_half(x) * sin = [x2, x1] * signed_sin: one roll and one fused multiply-add instead of
+    slicing, negating and concatenating halves (35 vs 58 us per layer at B=64; equal up to
+    float32 rounding)."""
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return torch.addcmul(x * cos, x.roll(rot // 2, dims=-1), signed_sin)
+    x_rot = x[..., :rot]
+    out = torch.addcmul(x_rot * cos, x_rot.roll(rot // 2, dims=-1), signed_sin)
+    return torch.cat((out, x[..., rot:]), dim=-1)
 
 
 class ChunkDecoder:
@@ -137,7 +156,14 @@ class ChunkDecoder:
         # Rotary table for positions 0..max_len-1 from the model's own module (keeps its
         # scaling / llama3 frequencies); [T_max, 1, 1, R] -> [T_max, R].
         freqs = chunks[0].rotary_pos_emb(max_len).reshape(max_len, -1).float()
-        self.cos, self.sin = freqs.cos().to(self.dtype), freqs.sin().to(self.dtype)
+        self.cos, sin = freqs.cos().to(self.dtype), freqs.sin()
+        if self.parity_length is None:
+            half = sin.shape[-1] // 2
+            sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+            self.rotate = _rotate_fused
+        else:  # the training forward's own arithmetic
+            self.rotate = _rotate
+        self.sin = sin.to(self.dtype)
         self.caches: list[list[tuple[torch.Tensor, torch.Tensor]]] = [
             [self._empty_cache(layer, batch_size) for layer in chunk.decoder.layers] for chunk in chunks
         ]
@@ -193,18 +219,34 @@ class ChunkDecoder:
             mask = self._mask(key_valid, start, s)
         else:
             mask = self._canonical_slots(positions, key_valid[:, start : start + s])
+        # A prefill of left-padded prompts: lean layers run their token-wise work (norms, linears)
+        # on the real tokens only, [N, 1, H] instead of [s, B, H]; attention sees the padded layout.
+        real = None
+        if s > 1 and any(lean is not None for plans in self.lean for lean in plans):
+            valid = key_valid[:, start : start + s].t().reshape(-1)  # [s * B], [s, B] order
+            if not bool(valid.all()):
+                real = torch.nonzero(valid).squeeze(1)
         logits = None
         for chunk, cache, plans in zip(self.chunks, self.caches, self.lean):
             if chunk.pre_process:
                 hidden = chunk.embedding(input_ids=tokens, position_ids=positions)
             else:
                 hidden = self._recv(s, batch)
+            packed = False
             for layer, (k_cache, v_cache), lean in zip(chunk.decoder.layers, cache, plans):
-                if lean is not None:
-                    attend = functools.partial(self._attend_qkv, k_cache, v_cache, cos, sin, mask, start)
-                    hidden = lean(hidden, attend)
-                else:
+                if lean is None:
+                    if packed:
+                        hidden, packed = self._unpack(hidden, real, s, batch), False
                     hidden = self._layer(layer, hidden, k_cache, v_cache, cos, sin, mask, start)
+                    continue
+                attend = functools.partial(self._attend_qkv, k_cache, v_cache, cos, sin, mask, start)
+                if real is not None:
+                    if not packed:
+                        hidden, packed = hidden.reshape(s * batch, 1, -1).index_select(0, real), True
+                    attend = functools.partial(self._attend_packed, attend, real, s, batch)
+                hidden = lean(hidden, attend)
+            if packed:
+                hidden = self._unpack(hidden, real, s, batch)
             if chunk.post_process:
                 logits = self._logits(chunk, hidden[-1:])
             else:
@@ -241,7 +283,7 @@ class ChunkDecoder:
     def _layer(self, layer, hidden, k_cache, v_cache, cos, sin, mask, start: int) -> torch.Tensor:
         attn = layer.self_attention
         query, key, value = attn.get_query_key_value_tensors(layer.input_layernorm(hidden), None)
-        query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
+        query, key = self.rotate(query, cos, sin), self.rotate(key, cos, sin)
         s = query.shape[0]
         if self.parity_length is not None:
             rows, cols, slots = mask["rows"], mask["cols"], mask["slots"]
@@ -265,10 +307,26 @@ class ChunkDecoder:
         Queries and keys are adjacent in each group, so one rotary call turns both.
         """
         s, batch, groups, per_group = qkv.shape[0], qkv.shape[1], qkv.shape[2], qkv.shape[3] - 2
-        query_key = _rotate(qkv[:, :, :, : per_group + 1], cos.unsqueeze(2), sin.unsqueeze(2))
+        query_key = self.rotate(qkv[:, :, :, : per_group + 1], cos.unsqueeze(2), sin.unsqueeze(2))
         query = query_key[:, :, :, :per_group].reshape(s, batch, groups * per_group, -1)
         key, value = query_key[:, :, :, per_group], qkv[:, :, :, per_group + 1]
         return self._store_and_attend(k_cache, v_cache, query, key, value, mask, start)
+
+    @staticmethod
+    def _unpack(hidden: torch.Tensor, real: torch.Tensor, s: int, batch: int) -> torch.Tensor:
+        """[N, 1, ...] real tokens -> [s, B, ...] with zeros at the padding."""
+        full = hidden.new_zeros(s * batch, *hidden.shape[2:])
+        return full.index_copy_(0, real, hidden.squeeze(1)).view(s, batch, *hidden.shape[2:])
+
+    def _attend_packed(
+        self, attend, real: torch.Tensor, s: int, batch: int, qkv: torch.Tensor
+    ) -> torch.Tensor:
+        """``attend`` for real tokens only: qkv [N, 1, ...] -> context [N, 1, heads * D].
+
+        Padding positions get zero keys and values, which the mask hides from every real query.
+        """
+        context = attend(self._unpack(qkv, real, s, batch))
+        return context.reshape(s * batch, -1).index_select(0, real).unsqueeze(1)
 
     def _store_and_attend(self, k_cache, v_cache, query, key, value, mask, start: int) -> torch.Tensor:
         """Write keys / values [s, B, groups, D] at cache column ``start``, then attend with
