@@ -85,11 +85,18 @@ def temperature_of(data: DataProto, where: str) -> float:
 class _PolicyForward:
     """Forward-only log-probs of the response tokens; shared by the actor and the reference."""
 
-    def __init__(self, runtime: Runtime, chunks: list[torch.nn.Module], use_remove_padding: bool) -> None:
+    def __init__(
+        self, runtime: Runtime, chunks: list[torch.nn.Module], use_remove_padding: bool, share_prefix: bool
+    ) -> None:
         self.runtime = runtime
         self.chunks = chunks
         self.runner = ModelRunner(
-            runtime, chunks, use_remove_padding=use_remove_padding, merges_cp=True, select_output_rows=True
+            runtime,
+            chunks,
+            use_remove_padding=use_remove_padding,
+            merges_cp=True,
+            select_output_rows=True,
+            share_prefix=share_prefix,
         )
 
     def _log_probs(
@@ -172,7 +179,7 @@ class MegatronRef(_PolicyForward):
     """
 
     def __init__(self, runtime: Runtime, config: RefConfig, chunks: list[torch.nn.Module]) -> None:
-        super().__init__(runtime, chunks, config.use_remove_padding)
+        super().__init__(runtime, chunks, config.use_remove_padding, config.share_prompt_prefix)
         config.validate()
         self.config = config
         for chunk in chunks:
@@ -220,7 +227,7 @@ class MegatronActor(_PolicyForward):
             raise ValueError(
                 "MegatronActor needs DDP-wrapped chunks (verl_megatron.models.megatron_model.wrap_ddp)"
             )
-        super().__init__(runtime, chunks, config.use_remove_padding)
+        super().__init__(runtime, chunks, config.use_remove_padding, config.share_prompt_prefix)
         config.validate()
         self.config = config
         self.optimizer = optimizer

@@ -94,6 +94,8 @@ class ModelInputs:
     """The model's output holds only the gather_index positions, in order ([1, K, ...]):
     ``workers.output_rows`` ran the LM head on those rows alone."""
     padding: torch.Tensor | None = None
+    shared_prefix: object | None = None
+    """``workers.shared_prefix.SharedPrefix`` where rows sharing a prompt share one model row."""
 
     def gather(self, output: torch.Tensor) -> torch.Tensor:
         """Model output [b, S, ...] (or [1, N, ...]) at the response positions: [r, Tr, ...] ([K, ...] under cp)."""
@@ -387,6 +389,7 @@ def build_micro_batches(
     uniform: bool = False,
     tensor_keys: Sequence[str] = (),
     cp_size: int = 1,
+    share_prefix: bool = False,
 ) -> list[MicroBatch]:
     """Model inputs for each group of row positions of ``batch``.
 
@@ -404,6 +407,9 @@ def build_micro_batches(
         cp_size: context-parallel size; > 1 pads every packed sequence to a multiple of
             2 * cp_size tokens (the whole micro-batch; ``context_parallel.slice_inputs``
             then takes each rank's share). Needs ``pack`` and ``thd``.
+        share_prefix: lay out rows that share a prompt as one model row with the prompt once
+            (``workers.shared_prefix``) where that saves positions; the caller checks that the
+            model's attention and rotary embedding take that layout.
     """
     if cp_size > 1 and not (pack and thd):
         raise ValueError(
@@ -421,9 +427,14 @@ def build_micro_batches(
     out = []
     for rows, (num, width) in zip(index, shapes):
         ids, mask, resp = (batch[k][rows] for k in ("input_ids", "attention_mask", "responses"))
-        if pack:
+        inputs = None
+        if share_prefix and not uniform and not thd and cp_size == 1 and align == 1:
+            from verl_megatron.workers.shared_prefix import shared_prefix_inputs
+
+            inputs = shared_prefix_inputs(ids, mask, resp, _model_shape(mask, False, 1, 1)[1])
+        if inputs is None and pack:
             inputs = _packed_inputs(ids, mask, resp, width, thd, cp_size)
-        else:
+        elif inputs is None:
             inputs = _padded_inputs(ids, mask, resp, (num, width))
         tensors = {key: batch[key][rows] for key in tensor_keys}
         out.append(MicroBatch(rows=rows, inputs=inputs, tensors=tensors))

@@ -191,6 +191,10 @@ class ActorConfig:
     """Token budget of one compute_log_prob micro-batch with use_dynamic_bsz."""
     use_remove_padding: bool = True
     """Pack the valid tokens of a micro-batch into one row (THD) instead of a padded [b, T] batch."""
+    share_prompt_prefix: bool = True
+    """Rows of a micro-batch that share a prompt (GRPO groups) run it once: one model row of
+    prompt + responses with attention kept per response (``workers/shared_prefix.py``). Applies
+    with the local (SDPA) attention spec without cp/sp/MoE; elsewhere the layout above is used."""
     clip_ratio: float = 0.2
     """PPO clip range (default for clip_ratio_low/high)."""
     clip_ratio_low: float = 0.2
@@ -285,6 +289,8 @@ class RefConfig:
     """Token budget of one micro-batch with log_prob_use_dynamic_bsz."""
     use_remove_padding: bool = True
     """Pack valid tokens (see ActorConfig.use_remove_padding)."""
+    share_prompt_prefix: bool = True
+    """One model row per shared prompt (see ActorConfig.share_prompt_prefix)."""
     megatron: OffloadConfig = field(default_factory=OffloadConfig)
     """Host-memory offload between stages (GPU only; only param_offload applies)."""
 
@@ -322,6 +328,8 @@ class CriticConfig:
     """Token budget of one compute_values micro-batch with use_dynamic_bsz."""
     use_remove_padding: bool = True
     """Pack valid tokens (see ActorConfig.use_remove_padding)."""
+    share_prompt_prefix: bool = True
+    """One model row per shared prompt (see ActorConfig.share_prompt_prefix)."""
     ppo_epochs: int = 1
     """Passes over the batch per update_critic call."""
     shuffle: bool = True

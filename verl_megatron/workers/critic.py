@@ -51,7 +51,11 @@ class MegatronCritic:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.runner = ModelRunner(
-            runtime, chunks, use_remove_padding=config.use_remove_padding, merges_cp=True
+            runtime,
+            chunks,
+            use_remove_padding=config.use_remove_padding,
+            merges_cp=True,
+            share_prefix=config.share_prompt_prefix,
         )
         self.update_calls = 0
         attach_schedule_hooks(chunks)

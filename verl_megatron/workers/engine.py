@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from verl_megatron.distributed.parallel import ParallelConfigError, Runtime
 from verl_megatron.models.megatron_model import zero_grads
-from verl_megatron.workers import context_parallel, moe
+from verl_megatron.workers import context_parallel, moe, shared_prefix
 from verl_megatron.workers.batching import (
     MicroBatch,
     balanced_token_partition,
@@ -162,6 +162,7 @@ class ModelRunner:
         use_remove_padding: bool,
         merges_cp: bool = False,
         select_output_rows: bool = False,
+        share_prefix: bool = False,
     ) -> None:
         self.cp = runtime.layout.cp
         if self.cp > 1:
@@ -191,6 +192,16 @@ class ModelRunner:
             moe.reset_aux_loss_tracker()  # a new model: the tracker may hold another model's layer count
         # Set by the trainer when MoE routing replay is on (models/routing_replay.TrainingRoutes).
         self.route_replay = None
+        # Rows sharing a prompt run it once (workers/shared_prefix.py) where the model allows.
+        self.prefix_sharing = None
+        if (
+            share_prefix
+            and not self.thd
+            and self.cp == 1
+            and self.align == 1
+            and shared_prefix.unsupported_reason(chunks) is None
+        ):
+            self.prefix_sharing = shared_prefix.PrefixSharing(chunks)
 
     # ------------------------------------------------------------------ micro-batches
     def split(
@@ -224,6 +235,7 @@ class ModelRunner:
             uniform=self.runtime.layout.pp > 1,
             tensor_keys=tensor_keys,
             cp_size=self.cp,
+            share_prefix=self.prefix_sharing is not None and not self.prefix_sharing.batch_invariant(),
         )
         if self.cp > 1:
             rank, group = self.runtime.cp_rank, self.runtime.cp_group()
@@ -301,10 +313,12 @@ class ModelRunner:
             inputs = mb.inputs
             if self.row_selector is not None:
                 mb = dataclasses.replace(mb, inputs=self.row_selector.prepare(inputs))
+            if self.prefix_sharing is not None:
+                self.prefix_sharing.prepare(inputs)
             output = model(
                 inputs.input_ids.to(device),
                 inputs.position_ids.to(device),
-                None if inputs.attention_mask is None else inputs.attention_mask.to(device),
+                _mask_to(inputs, device),
                 packed_seq_params=_to_device(inputs.packed_seq_params, device),
                 **(moe.model_kwargs(inputs, device) if self.moe else {}),
             )
@@ -330,10 +344,12 @@ class ModelRunner:
         for chunk in self.chunks:
             chunk.train(not forward_only)
         selecting = self.row_selector.installed() if self.row_selector else contextlib.nullcontext()
+        sharing = self.prefix_sharing.installed() if self.prefix_sharing else contextlib.nullcontext()
         with (
             torch.set_grad_enabled(not forward_only),
             _schedule_settings(self.chunks, **settings),
             selecting,
+            sharing,
             replay.running() if replay is not None else contextlib.nullcontext(),
         ):
             get_forward_backward_func()(
@@ -485,6 +501,16 @@ def clip_by_norm(optimizer, grad_norm: float) -> None:
                 total_norm=grad_norm,
                 use_decoupled_grad=sub.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
             )
+
+
+def _mask_to(inputs, device: torch.device) -> torch.Tensor | None:
+    mask = inputs.attention_mask
+    if mask is None:
+        return None
+    moved = mask.to(device)
+    if inputs.shared_prefix is not None:  # the attention reads the layout off the mask it is given
+        moved.shared_prefix = inputs.shared_prefix
+    return moved
 
 
 def _to_device(packed, device: torch.device):
