@@ -410,6 +410,12 @@ def run(cfg: GRPOBenchConfig, workdir: Path) -> Section:
         "'on-policy' is ours with actor.recompute_old_log_prob=false, which does what TRL does (the "
         "update's own log-probs, detached, are the old ones: the same gradient, one pass fewer)."
     )
+    section.notes.append(
+        "ours runs with its defaults, which include actor.share_prompt_prefix=true: the rows of a micro-batch "
+        "that answer one prompt run that prompt once (verl_megatron/workers/shared_prefix.py; the same "
+        "mathematics, equal to the padded layout to float32 rounding in tests/test_shared_prefix.py); "
+        "TRL runs every row's prompt"
+    )
     trl = results.get(TRL, {})
     if trl:
         section.notes.append(
