@@ -40,21 +40,29 @@ def make_batch(seed: int = 0) -> dict[str, torch.Tensor]:
     resp_lens = torch.tensor([5, 2, 4, 0, 3, 5, 1, 4])
     prompts = torch.randint(1, VOCAB, (BATCH, TP_LEN), generator=g)
     responses = torch.randint(1, VOCAB, (BATCH, TR_LEN), generator=g)
-    prompt_mask = torch.arange(TP_LEN)[None, :] >= TP_LEN - prompt_lens[:, None]
-    resp_mask = torch.arange(TR_LEN)[None, :] < resp_lens[:, None]
+    batch = padded_batch(prompts, responses, prompt_lens, resp_lens)
+    batch["response_mask"][5, 2] = 0.0  # a tool/environment token: attended to, not trained on
+    batch["advantages"] = torch.randn(BATCH, TR_LEN, generator=g) * batch["response_mask"]
+    return batch
+
+
+def padded_batch(
+    prompts: torch.Tensor, responses: torch.Tensor, prompt_lens: torch.Tensor, resp_lens: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Prompts left-padded and responses right-padded to the given lengths (zeros elsewhere)."""
+    tp, tr = prompts.shape[1], responses.shape[1]
+    prompt_mask = torch.arange(tp)[None, :] >= tp - prompt_lens[:, None]
+    resp_mask = torch.arange(tr)[None, :] < resp_lens[:, None]
     prompts = torch.where(prompt_mask, prompts, torch.zeros_like(prompts))
     responses = torch.where(resp_mask, responses, torch.zeros_like(responses))
     attention = torch.cat([prompt_mask, resp_mask], dim=1).long()
-    response_mask = resp_mask.float()
-    response_mask[5, 2] = 0.0  # a tool/environment token: attended to, not trained on
     return {
         "prompts": prompts,
         "responses": responses,
         "input_ids": torch.cat([prompts, responses], dim=1),
         "attention_mask": attention,
         "position_ids": (attention.cumsum(-1) - 1).clamp(min=0),
-        "response_mask": response_mask,
-        "advantages": torch.randn(BATCH, TR_LEN, generator=g) * response_mask,
+        "response_mask": resp_mask.float(),
     }
 
 

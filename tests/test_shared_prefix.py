@@ -19,7 +19,14 @@ import torch
 import torch.nn.functional as F
 
 from tests.closeness import assert_adam_weights_close, assert_close_report
-from tests.test_actor_update import TEMPERATURE, VOCAB, build_hf_model, build_model, full_weights
+from tests.test_actor_update import (
+    TEMPERATURE,
+    VOCAB,
+    build_hf_model,
+    build_model,
+    full_weights,
+    padded_batch,
+)
 
 TP_LEN, TR_LEN, GROUPS, N = 6, 5, 3, 4
 
@@ -31,21 +38,9 @@ def grpo_batch(seed: int = 0) -> dict[str, torch.Tensor]:
     resp_lens = torch.tensor([5, 2, 4, 1, 3, 5, 1, 4, 2, 2, 5, 3])
     prompts = torch.randint(1, VOCAB, (GROUPS, TP_LEN), generator=g).repeat_interleave(N, dim=0)
     responses = torch.randint(1, VOCAB, (GROUPS * N, TR_LEN), generator=g)
-    prompt_mask = torch.arange(TP_LEN)[None, :] >= TP_LEN - prompt_lens[:, None]
-    resp_mask = torch.arange(TR_LEN)[None, :] < resp_lens[:, None]
-    prompts = torch.where(prompt_mask, prompts, torch.zeros_like(prompts))
-    responses = torch.where(resp_mask, responses, torch.zeros_like(responses))
-    attention = torch.cat([prompt_mask, resp_mask], dim=1).long()
-    response_mask = resp_mask.float()
-    return {
-        "prompts": prompts,
-        "responses": responses,
-        "input_ids": torch.cat([prompts, responses], dim=1),
-        "attention_mask": attention,
-        "position_ids": (attention.cumsum(-1) - 1).clamp(min=0),
-        "response_mask": response_mask,
-        "advantages": torch.randn(GROUPS * N, TR_LEN, generator=g) * response_mask,
-    }
+    batch = padded_batch(prompts, responses, prompt_lens, resp_lens)
+    batch["advantages"] = torch.randn(GROUPS * N, TR_LEN, generator=g) * batch["response_mask"]
+    return batch
 
 
 def test_layout_reads_each_token_from_its_slot():
