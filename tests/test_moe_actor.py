@@ -57,6 +57,8 @@ def moe_actor_job(path: str, layout: dict) -> dict:
     chunks = build_model(runtime, path)
     optimizer = build_optimizer(chunks, optim_settings(cfg.optim))
     actor = MegatronActor(runtime, cfg, chunks, optimizer, build_lr_scheduler(optimizer, cfg.optim))
+    # share_prompt_prefix is on by default; routing (replay, token counts) keeps every row's prompt
+    assert cfg.share_prompt_prefix and actor.runner.prefix_sharing is None
     data = DataProto.from_dict(make_batch(), meta_info={"temperature": TEMPERATURE})
     old_log_probs, _ = actor.compute_log_prob(data)
     data.batch["old_log_probs"] = old_log_probs

@@ -75,6 +75,11 @@ def test_layout_reads_each_token_from_its_slot():
                 else:
                     assert at % s == layout.prompt_width - 1
                     assert int(flat_ids[at]) == int(batch["prompts"][row, -1])
+    # Pipeline stages exchange one fixed shape (uniform): the padded layout is kept.
+    for mb in build_micro_batches(
+        batch, [list(range(6)), list(range(6, 12))], pack=False, uniform=True, share_prefix=True
+    ):
+        assert mb.inputs.shared_prefix is None and mb.inputs.input_ids.shape == (6, 11)
     # Distinct prompts: nothing to share, the padded layout is kept.
     plain = {k: v[[0, 4, 8]] for k, v in batch.items()}
     (mb,) = build_micro_batches(plain, [[0, 1, 2]], pack=False, share_prefix=True)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -48,6 +49,8 @@ from verl_megatron.workers.batching import (
 from verl_megatron.workers.output_rows import OutputRowSelector
 
 __all__ = ["ModelRunner", "StepResult", "dp_share"]
+
+_LOG = logging.getLogger(__name__)
 
 
 @dataclass
@@ -194,14 +197,19 @@ class ModelRunner:
         self.route_replay = None
         # Rows sharing a prompt run it once (workers/shared_prefix.py) where the model allows.
         self.prefix_sharing = None
-        if (
-            share_prefix
-            and not self.thd
-            and self.cp == 1
-            and self.align == 1
-            and shared_prefix.unsupported_reason(chunks) is None
-        ):
-            self.prefix_sharing = shared_prefix.PrefixSharing(chunks)
+        if share_prefix:
+            reason = (
+                "Transformer Engine attention, context or sequence parallelism"
+                if self.thd or self.cp > 1 or self.align > 1
+                else shared_prefix.unsupported_reason(chunks)
+            )
+            if reason is None:
+                self.prefix_sharing = shared_prefix.PrefixSharing(chunks)
+            else:
+                _LOG.info(
+                    "share_prompt_prefix does not apply to this model (%s): rows keep their own prompt",
+                    reason,
+                )
 
     # ------------------------------------------------------------------ micro-batches
     def split(
