@@ -6,7 +6,8 @@ Two choices, both optional by config:
   budget per micro-batch (``use_dynamic_bsz``) with a balanced partition that gives
   every data-parallel rank the same number of micro-batches;
 - *how a micro-batch's tokens are laid out*: padded rows [b, S] or one packed row
-  without padding (``use_remove_padding``).
+  without padding (``use_remove_padding``); rows that share a prompt can instead share one
+  row with the prompt once (``share_prompt_prefix``, ``workers.shared_prefix``).
 
 Either way only the valid tokens (``attention_mask == 1``) enter the model, moved to
 the front of their row or of their packed segment, so every sequence starts at
