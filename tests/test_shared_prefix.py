@@ -243,3 +243,70 @@ def test_critic_with_shared_prompts_matches_padded(pool1, tmp_path):
         {k: shared[k] for k in keys}, {k: padded[k] for k in keys}, rtol=2e-6, atol=2e-6, what=what
     )
     assert_adam_weights_close(shared["weights"], padded["weights"], lr=1e-2, steps=1, what=what)
+
+
+def trainer_job(out_dir: str, share: bool) -> dict:
+    """One PPO step (actor and critic) of the tiny quickstart; its metrics and how many micro-batches
+    were laid out with shared prompts."""
+    import os
+
+    import torch.distributed as dist
+
+    from tests.test_e2e import PPO, QUICKSTART, TINY
+    from verl_megatron.train import run
+    from verl_megatron.trainer.tracking import read_jsonl_metrics
+    from verl_megatron.workers import shared_prefix
+
+    shared = []
+    original = shared_prefix.shared_prefix_inputs
+
+    def counted(*args, **kwargs):
+        inputs = original(*args, **kwargs)
+        shared.append(inputs is not None)
+        return inputs
+
+    shared_prefix.shared_prefix_inputs = counted
+    flag = str(share).lower()
+    try:
+        run(
+            QUICKSTART,
+            [
+                f"trainer.default_local_dir={out_dir}",
+                *TINY,
+                *PPO,
+                "trainer.total_training_steps=1",
+                "trainer.save_freq=0",
+                # the critic shuffles rows by default (as in verl), which splits groups across
+                # micro-batches; in order, every micro-batch holds whole groups
+                "critic.shuffle=false",
+                f"actor.share_prompt_prefix={flag}",
+                f"critic.share_prompt_prefix={flag}",
+            ],
+        )
+    finally:
+        shared_prefix.shared_prefix_inputs = original
+    if dist.get_rank() != 0:
+        return {}
+    rows = read_jsonl_metrics(os.path.join(out_dir, "metrics.jsonl"))
+    return {"row": next(r for r in rows if r.get("step") == 1), "shared": shared}
+
+
+def test_a_ppo_step_with_shared_prompts_matches_the_padded_one(pool1, tmp_path):
+    """The trainer's own batches (8 prompts x 4 responses, micro-batches of 8 rows): every actor
+    and critic micro-batch is laid out shared, and the step's actor / critic metrics equal the run
+    without sharing to float32 rounding."""
+    on = pool1.run(f"{__name__}:trainer_job", out_dir=str(tmp_path / "on"), share=True)[0]
+    off = pool1.run(f"{__name__}:trainer_job", out_dir=str(tmp_path / "off"), share=False)[0]
+    assert on["shared"] and all(on["shared"]), on["shared"]
+    assert not off["shared"]
+    keys = sorted(
+        k for k in off["row"] if k.startswith(("actor/", "critic/")) and isinstance(off["row"][k], float)
+    )
+    assert len(keys) > 20, keys
+    assert_close_report(
+        {k: on["row"][k] for k in keys},
+        {k: off["row"][k] for k in keys},
+        rtol=1e-5,
+        atol=1e-6,
+        what="PPO step metrics, shared prompt rows vs padded rows",
+    )
