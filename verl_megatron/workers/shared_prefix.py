@@ -26,7 +26,8 @@ where sharing would not save positions, keep the ordinary layout.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -59,10 +60,17 @@ class SharedPrefix:
     slot_width: int
     key_valid: torch.Tensor
     rotary_index: torch.Tensor
+    _masks: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def width(self) -> int:
         return self.prompt_width + self.slots * self.slot_width
+
+    def masks(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_slot_masks`` on ``device``, built once per micro-batch (every layer reads them)."""
+        if device not in self._masks:
+            self._masks[device] = _slot_masks(self, device)
+        return self._masks[device]
 
 
 def _slot_masks(layout: SharedPrefix, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,7 +100,7 @@ def attend(
     """query [S, G, heads, d], key/value [S, G, groups, d] -> context [S, G, heads, d]."""
     p, n, w = layout.prompt_width, layout.slots, layout.slot_width
     g = query.shape[1]
-    allowed_p, allowed_r = _slot_masks(layout, query.device)
+    allowed_p, allowed_r = layout.masks(query.device)
 
     def heads_first(t: torch.Tensor) -> torch.Tensor:  # [s, G, h, d] -> [G, h, s, d]
         return t.permute(1, 2, 0, 3)
@@ -119,7 +127,7 @@ def attend(
 def full_mask(layout: SharedPrefix) -> torch.Tensor:
     """[G, 1, S, S] bool, True where a query may NOT attend to a key (megatron's convention)."""
     p, n, w = layout.prompt_width, layout.slots, layout.slot_width
-    allowed_p, allowed_r = _slot_masks(layout, layout.key_valid.device)
+    allowed_p, allowed_r = layout.masks(layout.key_valid.device)
     g, s = layout.key_valid.shape[0], layout.width
     allowed = torch.zeros(g, 1, s, s, dtype=torch.bool)
     allowed[:, :, :p, :p] = allowed_p
@@ -242,6 +250,11 @@ class PrefixSharing:
 
     def __init__(self, chunks) -> None:
         self.chunks = chunks
+        self._rotary = [
+            model.rotary_pos_emb
+            for model in map(_unwrap, chunks)
+            if getattr(model, "position_embedding_type", None) == "rope"
+        ]
         self._index: torch.Tensor | None = None
 
     def prepare(self, inputs) -> None:
@@ -254,29 +267,18 @@ class PrefixSharing:
             return output
         return output.index_select(0, self._index.to(output.device))
 
+    @contextlib.contextmanager
     def installed(self):
-        import contextlib
-
-        @contextlib.contextmanager
-        def scope():
-            handles = []
-            for chunk in self.chunks:
-                model = _unwrap(chunk)
-                if getattr(model, "position_embedding_type", None) == "rope":
-                    handles.append(model.rotary_pos_emb.register_forward_hook(self._hook))
-            try:
-                yield
-            finally:
-                for handle in handles:
-                    handle.remove()
-                self._index = None
-
-        return scope()
+        handles = [rotary.register_forward_hook(self._hook) for rotary in self._rotary]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            self._index = None
 
     def batch_invariant(self) -> bool:
         """True while the model runs the rollout's bitwise parity kernels (no sharing then)."""
-        return any(
-            getattr(m, "batch_invariant_key_length", None) is not None
-            for chunk in self.chunks
-            for m in _unwrap(chunk).modules()
-        )
+        from verl_megatron.models import batch_invariant
+
+        return batch_invariant.key_length(self.chunks) is not None
