@@ -4,6 +4,7 @@ scoring 0, counted by cause, with the trainer untouched."""
 
 import json
 import os
+import signal
 import string
 import sys
 import time
@@ -322,3 +323,16 @@ def test_code_samples_are_scored_side_by_side_and_math_on_the_main_thread():
     seen.clear()  # a scorer that is not the default one: everything here, in order
     assert ce.map_side_by_side(len, [{"data_source": s} for s in sources], call) == sources
     assert seen == [(s, True) for s in sources]
+
+
+def test_a_second_expired_timer_does_not_raise_again():
+    """CPU and wall timers can both expire in one case; only the first raises, so the timeout is
+    handled as a timeout (a second raise escaped run_case: a cpu_loop read as a harness error)."""
+    from verl_megatron.utils.reward_score import code_harness
+
+    code_harness._timer_fired = False
+    with pytest.raises(code_harness._CaseTimeout):
+        code_harness._on_timer(signal.SIGPROF, None)
+    code_harness._on_timer(signal.SIGALRM, None)  # must not raise
+    assert signal.getitimer(signal.ITIMER_PROF) == (0.0, 0.0)
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
