@@ -412,6 +412,34 @@ def _modules_only():
         decode.lean_layer = real
 
 
+def _prefill_and_step(bare, runtime):
+    """A decoder's prefill of ``prompt_batch()`` and one greedy decoding step:
+    (decoder, logits [2, rows, V])."""
+    from verl_megatron.rollout import decode
+
+    prompts = prompt_batch()
+    ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"].bool()
+    positions, rows, width = prompts.batch["position_ids"], len(PROMPT_LENGTHS), ids.shape[1]
+    key_valid = torch.ones(rows, width + 1, dtype=torch.bool)
+    key_valid[:, :width] = mask
+    decoder = decode.ChunkDecoder(bare, runtime, rows, width + 1, VOCAB)
+    first = decoder.step(ids, positions, key_valid, start=0)[:, :VOCAB]
+    second = decoder.step(first.argmax(-1, keepdim=True), positions[:, -1:] + 1, key_valid, start=width)
+    return decoder, torch.stack([first, second[:, :VOCAB]])
+
+
+def _full_two_steps(chunks, decoded: torch.Tensor) -> torch.Tensor:
+    """Cache-free forward logits [2, rows, V] of each prompt and of it plus ``decoded``'s greedy token."""
+    ids = prompt_batch().batch["input_ids"]
+    width = ids.shape[1]
+    with torch.no_grad():
+        full = []
+        for row, n in enumerate(PROMPT_LENGTHS):
+            tokens = [*ids[row, width - n :].tolist(), int(decoded[0, row].argmax())]
+            full.append(_full_logits(chunks[0], tokens)[-2:])
+    return torch.stack(full, dim=1)
+
+
 def lean_job(model_dir: str, tp: int) -> dict:
     """Prefill and one decoding step with the lean layers and with the modules, a cache-free
     forward of the same tokens, and which layers stay on the modules under a forward hook or
@@ -420,34 +448,21 @@ def lean_job(model_dir: str, tp: int) -> dict:
     from verl_megatron.rollout import decode
 
     runtime, chunks, _ = _setup(model_dir, tp=tp)
-    prompts = prompt_batch()
-    ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"].bool()
-    positions, rows, width = prompts.batch["position_ids"], len(PROMPT_LENGTHS), ids.shape[1]
 
     def two_steps(bare) -> tuple[torch.Tensor, int, list[str]]:
-        key_valid = torch.ones(rows, width + 1, dtype=torch.bool)
-        key_valid[:, :width] = mask
-        decoder = decode.ChunkDecoder(bare, runtime, rows, width + 1, VOCAB)
-        first = decoder.step(ids, positions, key_valid, start=0)[:, :VOCAB]
-        second = decoder.step(first.argmax(-1, keepdim=True), positions[:, -1:] + 1, key_valid, start=width)
-        lean = sum(plan is not None for plan in decoder.lean[0])
-        return torch.stack([first, second[:, :VOCAB]]), lean, decoder.lean_skipped
+        decoder, logits = _prefill_and_step(bare, runtime)
+        return logits, sum(plan is not None for plan in decoder.lean[0]), decoder.lean_skipped
 
     with decode.inference_mode_for(chunks) as bare:
         lean, lean_layers, _ = two_steps(bare)
     with _modules_only(), decode.inference_mode_for(chunks) as bare:
         modules, _, _ = two_steps(bare)
-    with torch.no_grad():
-        full = []
-        for row, n in enumerate(PROMPT_LENGTHS):
-            tokens = [*ids[row, width - n :].tolist(), int(lean[0, row].argmax())]
-            full.append(_full_logits(chunks[0], tokens)[-2:])
-        full = torch.stack(full, dim=1)  # [2, rows, V]
+    full = _full_two_steps(chunks, lean)
     hook = chunks[0].decoder.layers[1].mlp.linear_fc2.register_forward_hook(lambda *args: None)
     with decode.inference_mode_for(chunks) as bare:
         _, hooked_lean, hooked_reasons = two_steps(bare)
     hook.remove()
-    batch_invariant.enable(chunks, width + 1)
+    batch_invariant.enable(chunks, max(PROMPT_LENGTHS) + 1)
     with decode.inference_mode_for(chunks) as bare:
         _, parity_lean, _ = two_steps(bare)
     return {"lean": lean, "modules": modules, "full": full, "lean_layers": lean_layers,
@@ -496,3 +511,40 @@ def test_fused_rotary_is_megatrons_up_to_float32_rounding(rotated):
     assert 0 < floor < 1e-5, floor
     assert_close_report(fused, exact, rtol=0.0, atol=2 * floor, what=f"fused rotary, {rotated} of 16 dims")
     assert torch.equal(fused[..., rotated:], x[..., rotated:])
+
+
+def attention_kernel_job(model_dir: str) -> dict:
+    """A prefill and a decoding step with the compiled decode attention and with the matmul
+    path, and a cache-free forward of the same tokens."""
+    from verl_megatron.rollout import decode
+
+    runtime, chunks, _ = _setup(model_dir)
+    with decode.inference_mode_for(chunks) as bare:
+        decoder, kernel = _prefill_and_step(bare, runtime)
+        used = decoder.attention_kernel is not None
+    real = decode.decode_attention_kernel
+    decode.decode_attention_kernel = lambda: None
+    try:
+        with decode.inference_mode_for(chunks) as bare:
+            decoder, matmul = _prefill_and_step(bare, runtime)
+            fallback_used = decoder.attention_kernel is not None
+    finally:
+        decode.decode_attention_kernel = real
+    return {"kernel": kernel, "matmul": matmul, "full": _full_two_steps(chunks, kernel), "used": used,
+            "fallback_used": fallback_used}  # fmt: skip
+
+
+def test_compiled_decode_attention_decodes_like_the_matmul_path(pool1, model_dir):
+    """On CPU a decoding step's attention runs through the compiled kernel (cpu_attention.py); the
+    step's logits differ from the matmul path's by no more than the matmul path's own float32 gap
+    to a cache-free forward."""
+    out = pool1.run(f"{__name__}:attention_kernel_job", model_dir=model_dir)[0]
+    assert (out["used"], out["fallback_used"]) == (True, False), "the kernel did not build here"
+    assert torch.equal(out["kernel"][0], out["matmul"][0]), "the prefill does not use the kernel"
+    gap = (out["kernel"][1] - out["matmul"][1]).abs()
+    floor = float((out["matmul"][1] - out["full"][1]).abs().max())
+    row, token = divmod(int(gap.argmax()), gap.shape[-1])
+    assert float(gap.max()) <= floor, (
+        f"kernel vs matmul decoding logits: max diff {float(gap.max()):.3g} at row {row}, token {token}; "
+        f"noise floor (matmul decoding vs full forward) {floor:.3g}"
+    )

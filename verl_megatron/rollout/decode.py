@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.models import batch_invariant
+from verl_megatron.rollout.cpu_attention import decode_attention_kernel
 from verl_megatron.rollout.lean_layer import LeanLayer, lean_layer
 from verl_megatron.rollout.packed_linear import packed_linears
 
@@ -162,6 +163,12 @@ class ChunkDecoder:
         else:  # the training forward's own arithmetic
             self.rotate = _rotate
         self.sin = sin.to(self.dtype)
+        # One-token attention on CPU through the compiled kernel where it builds (cpu_attention.py).
+        self.attention_kernel = (
+            decode_attention_kernel()
+            if self.parity_length is None and self.device.type == "cpu" and self.dtype == torch.float32
+            else None
+        )
         self.caches: list[list[tuple[torch.Tensor, torch.Tensor]]] = [
             [self._empty_cache(layer, batch_size) for layer in chunk.decoder.layers] for chunk in chunks
         ]
@@ -344,13 +351,17 @@ class ChunkDecoder:
         s, batch, heads, dim = query.shape
         groups = keys.shape[1]
         per_group = heads // groups
+        if s == 1 and self.attention_kernel is not None:
+            q = query.reshape(batch, groups, per_group, dim)
+            out = self.attention_kernel(q, keys, values, mask.view(batch, -1), self.scale)
+            return out.view(1, batch, heads * dim)
         # [s, B, G*P, D] -> [B, G, P*s, D]; megatron orders heads group-major.
         q = query.reshape(s, batch, groups, per_group, dim).permute(1, 2, 3, 0, 4)
         q = q.reshape(batch, groups, per_group * s, dim)
         if s == 1 and q.device.type == "cpu":
-            # One new token: two matmuls and a softmax over [B, G, P, L] beat the CPU flash
-            # kernel, whose blocking is for long queries (measured 0.4-1.1 vs 0.8-2.0 ms per layer
-            # at B=64, G=2, P=4, L=80..190).
+            # One new token without the compiled kernel: two matmuls and a softmax over
+            # [B, G, P, L] beat the CPU flash kernel, whose blocking is for long queries
+            # (measured 0.4-1.1 vs 0.8-2.0 ms per layer at B=64, G=2, P=4, L=80..190).
             scores = torch.matmul(q * self.scale, keys.transpose(-1, -2)).add_(mask)
             out = torch.matmul(torch.softmax(scores, dim=-1), values)
         else:

@@ -1,0 +1,125 @@
+"""The compiled one-token decode attention (rollout/cpu_attention.py) against float64.
+
+Its error to a float64 reference must stay within twice the matmul path's own float32 error
+on the same inputs (the decoder's fallback: matmul, softmax, matmul). Masked columns hold huge
+values, so a masked key that leaked into a softmax would show as a large error.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from verl_megatron.rollout import cpu_attention
+
+
+def _matmul_path(q, k, v, mask, scale):
+    scores = torch.matmul(q * scale, k.transpose(-1, -2)).add_(mask[:, None, None, :])
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
+def _inputs(batch, groups, per_group, dim, length, total, seed=0):
+    """q [B, G, P, D]; caches [B, G, total, D] of which the first ``length`` columns are used;
+    an additive mask [B, length] with left padding (row b hides its first b % 5 columns, whose
+    keys and values are set huge)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, groups, per_group, dim, generator=g)
+    k = torch.randn(batch, groups, total, dim, generator=g)
+    v = torch.randn(batch, groups, total, dim, generator=g)
+    mask = torch.zeros(batch, length)
+    for b in range(batch):
+        hidden = min(b % 5, length - 1)
+        mask[b, :hidden] = float("-inf")
+        k[b, :, :hidden] = 1e4
+        v[b, :, :hidden] = 1e6
+    return q, k[:, :, :length], v[:, :, :length], mask
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    fn = cpu_attention.decode_attention_kernel()
+    assert fn is not None, (
+        "the CPU decode-attention kernel did not build on this machine (see the warning above: "
+        "it needs a C++ compiler and ninja)"
+    )
+    return fn
+
+
+@pytest.mark.parametrize(
+    "groups, per_group, dim, length, total",
+    [(2, 4, 64, 150, 192), (2, 4, 128, 37, 40), (2, 2, 16, 13, 13), (3, 3, 40, 1, 8), (1, 8, 32, 300, 301)],
+    ids=["P4-D64", "P4-D128", "P2-D16", "one-key", "P8-D32-long"],
+)
+def test_kernel_matches_float64_within_the_matmul_paths_error(kernel, groups, per_group, dim, length, total):
+    q, k, v, mask = _inputs(11, groups, per_group, dim, length, total)
+    scale = dim**-0.5
+    ours = kernel(q, k, v, mask, scale)
+    theirs = _matmul_path(q, k, v, mask, scale)
+    exact = _matmul_path(q.double(), k.double(), v.double(), mask.double(), scale)
+    floor = float((theirs - exact).abs().max())
+    gap = (ours - exact).abs()
+    where = tuple(int(i) for i in torch.unravel_index(gap.argmax(), gap.shape))
+    assert float(gap.max()) <= 2 * floor, (
+        f"kernel vs float64: max diff {float(gap.max()):.3g} at (b, g, p, d) {where}; "
+        f"matmul path vs float64 {floor:.3g}"
+    )
+
+
+def test_kernel_uses_the_threads_and_rejects_bad_input(kernel):
+    q, k, v, mask = _inputs(8, 2, 4, 64, 20, 24)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel(q, k, v, mask, 0.125)
+        torch.set_num_threads(2)
+        two = kernel(q, k, v, mask, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    # Each (row, group) is computed whole by one thread: the split changes no number.
+    assert torch.equal(one, two)
+    with pytest.raises(RuntimeError, match="float32"):
+        kernel(q.double(), k, v, mask, 0.125)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        kernel(q, k[:, :, :5], v, mask, 0.125)
+    with pytest.raises(RuntimeError, match="unit stride"):
+        kernel(q, k.transpose(2, 3).contiguous().transpose(2, 3), v, mask, 0.125)
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch):
+    """The loader with its per-process result forgotten (restored afterwards)."""
+    saved = dict(cpu_attention._loaded)
+    cpu_attention._loaded.clear()
+    yield
+    cpu_attention._loaded.clear()
+    cpu_attention._loaded.update(saved)
+
+
+@pytest.mark.parametrize("value", ["0", "off"])
+def test_switched_off_by_the_environment(fresh_loader, monkeypatch, value):
+    monkeypatch.setenv(cpu_attention.DISABLE_ENV, value)
+    monkeypatch.setattr(cpu_attention, "_build", lambda: pytest.fail("built although switched off"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cpu_attention.decode_attention_kernel() is None
+
+
+def test_a_failed_build_warns_once_and_falls_back(fresh_loader, monkeypatch):
+    calls = []
+
+    def broken():
+        calls.append(1)
+        raise RuntimeError("Ninja is required to load C++ extensions\nmore detail")
+
+    monkeypatch.delenv(cpu_attention.DISABLE_ENV, raising=False)
+    monkeypatch.setattr(cpu_attention, "_build", broken)
+    with pytest.warns(UserWarning) as record:
+        assert cpu_attention.decode_attention_kernel() is None
+        assert cpu_attention.decode_attention_kernel() is None
+    assert len(calls) == 1 and len(record) == 1
+    message = str(record[0].message)
+    assert "\n" not in message
+    assert "RuntimeError: Ninja is required to load C++ extensions" in message
+    assert cpu_attention.DISABLE_ENV in message

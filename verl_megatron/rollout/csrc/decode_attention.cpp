@@ -1,0 +1,118 @@
+// One new token's attention over a KV cache on CPU (float32): see cpu_attention.py for why.
+//
+// For each (row b, key/value group g) the group's P query heads read the cached keys once
+// (scores), take a softmax per head, then read the cached values once (context). The rows and
+// groups are independent, so they are split across torch's intra-op threads.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cfloat>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kMaxHeadsPerGroup = 64;
+constexpr int64_t kMaxHeadDim = 256;
+
+// P_ / D_: compile-time heads per group / head dim for the common shapes (the loops then unroll
+// with the query and the accumulators in registers); 0 = read them at run time.
+template <int64_t P_, int64_t D_>
+void attend_one(const float* q, const float* k, const float* v, const float* mask, float* out,
+                int64_t P, int64_t D, int64_t L, int64_t k_row, int64_t v_row, float scale,
+                float* scores) {
+  const int64_t heads = P_ ? P_ : P, dim = D_ ? D_ : D;
+  for (int64_t l = 0; l < L; ++l) {
+    const float* key = k + l * k_row;
+    // -ffast-math assumes finite values: the mask's -inf becomes the lowest float, whose
+    // exponential below still underflows to exactly 0.
+    const float bias = std::fmax(mask[l], -FLT_MAX);
+    for (int64_t p = 0; p < heads; ++p) {
+      const float* query = q + p * dim;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < dim; ++d) dot += query[d] * key[d];
+      scores[p * L + l] = std::fmax(dot * scale + bias, -FLT_MAX);
+    }
+  }
+  for (int64_t p = 0; p < heads; ++p) {
+    float* row = scores + p * L;
+    float peak = -FLT_MAX;
+    for (int64_t l = 0; l < L; ++l) peak = std::fmax(peak, row[l]);
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t l = 0; l < L; ++l) {
+      const float e = std::exp(row[l] - peak);
+      row[l] = e;
+      total += e;
+    }
+    const float inv = 1.f / total;
+#pragma omp simd
+    for (int64_t l = 0; l < L; ++l) row[l] *= inv;
+  }
+  float acc[(P_ ? P_ : kMaxHeadsPerGroup) * (D_ ? D_ : kMaxHeadDim)];
+  for (int64_t j = 0; j < heads * dim; ++j) acc[j] = 0.f;
+  for (int64_t l = 0; l < L; ++l) {
+    const float* value = v + l * v_row;
+    for (int64_t p = 0; p < heads; ++p) {
+      const float w = scores[p * L + l];
+      float* __restrict__ o = acc + p * dim;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) o[d] += w * value[d];
+    }
+  }
+  for (int64_t j = 0; j < heads * dim; ++j) out[j] = acc[j];
+}
+
+}  // namespace
+
+// q [B, G, P, D]; k, v [B, G, >= L, D] (e.g. the first L columns of a longer cache, unit stride
+// along D); mask [B, L] additive (0 or -inf). Returns the context [B, G, P, D].
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask,
+                               double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && mask.dim() == 2,
+              "decode_attention: q, k, v must be 4-d and mask 2-d");
+  for (const auto& t : {q, k, v, mask}) {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32,
+                "decode_attention: float32 CPU tensors only");
+  }
+  q = q.contiguous();
+  const int64_t B = q.size(0), G = q.size(1), P = q.size(2), D = q.size(3), L = mask.size(1);
+  TORCH_CHECK(P <= kMaxHeadsPerGroup && D <= kMaxHeadDim, "decode_attention: at most ",
+              kMaxHeadsPerGroup, " heads per group and head dim ", kMaxHeadDim);
+  TORCH_CHECK(k.size(0) == B && k.size(1) == G && k.size(2) >= L && k.size(3) == D &&
+                  v.sizes() == k.sizes() && mask.size(0) == B,
+              "decode_attention: shapes do not match");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && mask.stride(1) == 1,
+              "decode_attention: k, v and mask need unit stride in their last dim");
+  auto out = torch::empty({B, G, P, D}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const float* mp = mask.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float s = static_cast<float>(scale);
+  at::parallel_for(0, B * G, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(P * L);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / G, g = i % G;
+      const float* qi = qp + i * P * D;
+      const float* ki = kp + b * k.stride(0) + g * k.stride(1);
+      const float* vi = vp + b * v.stride(0) + g * v.stride(1);
+      const float* mi = mp + b * mask.stride(0);
+      float* oi = op + i * P * D;
+      if (P == 4 && D == 64) {
+        attend_one<4, 64>(qi, ki, vi, mi, oi, P, D, L, k.stride(2), v.stride(2), s, scores.data());
+      } else if (P == 4 && D == 128) {
+        attend_one<4, 128>(qi, ki, vi, mi, oi, P, D, L, k.stride(2), v.stride(2), s, scores.data());
+      } else {
+        attend_one<0, 0>(qi, ki, vi, mi, oi, P, D, L, k.stride(2), v.stride(2), s, scores.data());
+      }
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "one new token's attention over a KV cache (CPU, float32)");
+}
