@@ -1,7 +1,8 @@
 """The compiled one-token decode attention (rollout/cpu_attention.py) against float64.
 
-Its error to a float64 reference must stay within twice the matmul path's own float32 error
-on the same inputs (the decoder's fallback: matmul, softmax, matmul). Masked columns hold huge
+Its error to a float64 reference must stay within twice the Python path's own float32 error
+on the same inputs (the decoder's fallback: rotary embedding, cache write, matmul, softmax,
+matmul). Masked columns hold huge
 values, so a masked key that leaked into a softmax would show as a large error.
 """
 
@@ -20,10 +21,10 @@ def _matmul_path(q, k, v, mask, scale):
     return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
-def _inputs(batch, groups, per_group, dim, length, total, seed=0):
+def _inputs(batch, groups, per_group, dim, length, total, seed=0, whole=False):
     """q [B, G, P, D]; caches [B, G, total, D] of which the first ``length`` columns are used;
     an additive mask [B, length] with left padding (row b hides its first b % 5 columns, whose
-    keys and values are set huge)."""
+    keys and values are set huge). ``whole``: the whole caches instead."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, groups, per_group, dim, generator=g)
     k = torch.randn(batch, groups, total, dim, generator=g)
@@ -34,17 +35,24 @@ def _inputs(batch, groups, per_group, dim, length, total, seed=0):
         mask[b, :hidden] = float("-inf")
         k[b, :, :hidden] = 1e4
         v[b, :, :hidden] = 1e6
+    if whole:
+        return q, k, v, mask
     return q, k[:, :, :length], v[:, :, :length], mask
 
 
 @pytest.fixture(scope="module")
-def kernel():
-    fn = cpu_attention.decode_attention_kernel()
-    assert fn is not None, (
-        "the CPU decode-attention kernel did not build on this machine (see the warning above: "
-        "it needs a C++ compiler and ninja)"
+def kernels():
+    module = cpu_attention.decode_kernels()
+    assert module is not None, (
+        "the CPU decode-attention kernels did not build on this machine (see the warning above: "
+        "they need a C++ compiler and ninja)"
     )
-    return fn
+    return module
+
+
+@pytest.fixture(scope="module")
+def kernel(kernels):
+    return kernels.decode_attention
 
 
 @pytest.mark.parametrize(
@@ -103,7 +111,7 @@ def test_switched_off_by_the_environment(fresh_loader, monkeypatch, value):
     monkeypatch.setattr(cpu_attention, "_build", lambda: pytest.fail("built although switched off"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert cpu_attention.decode_attention_kernel() is None
+        assert cpu_attention.decode_kernels() is None
 
 
 def test_a_failed_build_warns_once_and_falls_back(fresh_loader, monkeypatch):
@@ -116,10 +124,66 @@ def test_a_failed_build_warns_once_and_falls_back(fresh_loader, monkeypatch):
     monkeypatch.delenv(cpu_attention.DISABLE_ENV, raising=False)
     monkeypatch.setattr(cpu_attention, "_build", broken)
     with pytest.warns(UserWarning) as record:
-        assert cpu_attention.decode_attention_kernel() is None
-        assert cpu_attention.decode_attention_kernel() is None
+        assert cpu_attention.decode_kernels() is None
+        assert cpu_attention.decode_kernels() is None
     assert len(calls) == 1 and len(record) == 1
     message = str(record[0].message)
     assert "\n" not in message
     assert "RuntimeError: Ninja is required to load C++ extensions" in message
     assert cpu_attention.DISABLE_ENV in message
+
+
+def _python_step(qkv, cos, signed_sin, k_cache, v_cache, start, mask, scale):
+    """decode.py's path for one new token: rotary (fused form), cache write, matmul attention."""
+    from verl_megatron.rollout.decode import _rotate_fused
+
+    per_group = qkv.shape[2] - 2
+    turned = _rotate_fused(qkv[:, :, : per_group + 1], cos[:, None, None, :], signed_sin[:, None, None, :])
+    k_cache[:, :, start] = turned[:, :, per_group]
+    v_cache[:, :, start] = qkv[:, :, per_group + 1]
+    end = start + 1
+    return _matmul_path(turned[:, :, :per_group], k_cache[:, :, :end], v_cache[:, :, :end], mask, scale)
+
+
+@pytest.mark.parametrize(
+    "groups, per_group, dim, rotated, start, total",
+    [(2, 4, 64, 64, 120, 192), (2, 2, 16, 16, 0, 4), (1, 3, 40, 16, 30, 31)],
+    ids=["P4-D64", "first-column", "partial-rotary"],
+)
+def test_fused_step_matches_float64_and_writes_the_cache(
+    kernels, groups, per_group, dim, rotated, start, total
+):
+    """decode_step_attention turns the new query heads and key, writes key and value at column
+    ``start`` (the rest of the cache untouched) and attends: context and cache within twice the
+    Python path's float32 error of float64."""
+    batch = 7
+    _, k_cache, v_cache, mask = _inputs(batch, groups, per_group, dim, start + 1, total, seed=3, whole=True)
+    g = torch.Generator().manual_seed(4)
+    qkv = torch.randn(batch, groups, per_group + 2, dim, generator=g)
+    angle = torch.rand(batch, rotated, generator=g) * 6.3
+    cos, signed_sin = angle.cos(), angle.sin()
+    signed_sin[:, : rotated // 2] *= -1
+    scale = dim**-0.5
+    ours_k, ours_v = k_cache.clone(), v_cache.clone()
+    ours = kernels.decode_step_attention(qkv, cos, signed_sin, ours_k, ours_v, start, mask, scale)
+    theirs_k, theirs_v = k_cache.clone(), v_cache.clone()
+    theirs = _python_step(qkv, cos, signed_sin, theirs_k, theirs_v, start, mask, scale)
+    exact_k, exact_v = k_cache.double(), v_cache.double()
+    exact = _python_step(
+        qkv.double(), cos.double(), signed_sin.double(), exact_k, exact_v, start, mask.double(), scale
+    )
+    untouched = torch.ones(total, dtype=torch.bool)
+    untouched[start] = False
+    assert torch.equal(ours_k[:, :, untouched], k_cache[:, :, untouched])
+    assert torch.equal(ours_v, theirs_v)  # the value is copied as it is
+    for name, mine, python, reference in (
+        ("context", ours, theirs, exact),
+        ("cached key", ours_k[:, :, start], theirs_k[:, :, start], exact_k[:, :, start]),
+    ):
+        floor = float((python - reference).abs().max())
+        gap = (mine - reference).abs()
+        where = tuple(int(i) for i in torch.unravel_index(gap.argmax(), gap.shape))
+        assert float(gap.max()) <= 2 * max(floor, 1e-7), (
+            f"{name}: kernel vs float64 max diff {float(gap.max()):.3g} at {where}; Python path vs float64 "
+            f"{floor:.3g}"
+        )

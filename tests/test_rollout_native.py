@@ -521,15 +521,15 @@ def attention_kernel_job(model_dir: str) -> dict:
     runtime, chunks, _ = _setup(model_dir)
     with decode.inference_mode_for(chunks) as bare:
         decoder, kernel = _prefill_and_step(bare, runtime)
-        used = decoder.attention_kernel is not None
-    real = decode.decode_attention_kernel
-    decode.decode_attention_kernel = lambda: None
+        used = decoder.kernels is not None
+    real = decode.decode_kernels
+    decode.decode_kernels = lambda: None
     try:
         with decode.inference_mode_for(chunks) as bare:
             decoder, matmul = _prefill_and_step(bare, runtime)
-            fallback_used = decoder.attention_kernel is not None
+            fallback_used = decoder.kernels is not None
     finally:
-        decode.decode_attention_kernel = real
+        decode.decode_kernels = real
     return {"kernel": kernel, "matmul": matmul, "full": _full_two_steps(chunks, kernel), "used": used,
             "fallback_used": fallback_used}  # fmt: skip
 

@@ -25,19 +25,19 @@ import os
 import platform
 import threading
 import warnings
-from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
-__all__ = ["DISABLE_ENV", "decode_attention_kernel"]
+__all__ = ["DISABLE_ENV", "decode_kernels"]
 
 DISABLE_ENV = "VERL_MEGATRON_CPU_KERNELS"
 _SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 _lock = threading.Lock()
-_loaded: dict[str, Callable | None] = {}
+_loaded: dict[str, ModuleType | None] = {}
 
 
 def _cpu_tag() -> str:
@@ -51,7 +51,7 @@ def _cpu_tag() -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:10]
 
 
-def _build() -> Callable:
+def _build() -> ModuleType:
     from torch.utils.cpp_extension import load
 
     # torch runs `ninja` from PATH; the pip package's binary is not on it when the venv's python
@@ -70,22 +70,27 @@ def _build() -> Callable:
         extra_ldflags=["-fopenmp"],
         verbose=False,
     )
-    return module.decode_attention
+    return module
 
 
-def decode_attention_kernel() -> Callable | None:
-    """``decode_attention(q [B, G, P, D], k, v [B, G, >= L, D], mask [B, L], scale) -> [B, G, P, D]``
-    (float32, CPU), or None where it is switched off or cannot be built (warned once).
+def decode_kernels() -> ModuleType | None:
+    """The compiled kernels (float32, CPU; see csrc/decode_attention.cpp for the exact contracts),
+    or None where they are switched off or cannot be built (warned once):
 
-    The first call in a process loads, and on a new machine compiles, the kernel.
+    - ``decode_attention(q [B, G, P, D], k, v [B, G, >= L, D], mask [B, L], scale)`` -> [B, G, P, D];
+    - ``decode_step_attention(qkv [B, G, P + 2, D], cos, signed_sin [B, R], k_cache, v_cache
+      [B, G, T, D], start, mask [B, start + 1], scale)`` -> [B, G, P, D]: a lean layer's rotary
+      embedding, cache write and attention in one pass.
+
+    The first call in a process loads, and on a new machine compiles, them.
     """
     with _lock:
-        if "kernel" not in _loaded:
-            _loaded["kernel"] = _load()
-        return _loaded["kernel"]
+        if "kernels" not in _loaded:
+            _loaded["kernels"] = _load()
+        return _loaded["kernels"]
 
 
-def _load() -> Callable | None:
+def _load() -> ModuleType | None:
     if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "off", "no"):
         return None
     if not torch.backends.openmp.is_available():

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.models import batch_invariant
-from verl_megatron.rollout.cpu_attention import decode_attention_kernel
+from verl_megatron.rollout.cpu_attention import decode_kernels
 from verl_megatron.rollout.lean_layer import LeanLayer, lean_layer
 from verl_megatron.rollout.packed_linear import packed_linears
 
@@ -163,9 +163,9 @@ class ChunkDecoder:
         else:  # the training forward's own arithmetic
             self.rotate = _rotate
         self.sin = sin.to(self.dtype)
-        # One-token attention on CPU through the compiled kernel where it builds (cpu_attention.py).
-        self.attention_kernel = (
-            decode_attention_kernel()
+        # One-token attention on CPU through the compiled kernels where they build (cpu_attention.py).
+        self.kernels = (
+            decode_kernels()
             if self.parity_length is None and self.device.type == "cpu" and self.dtype == torch.float32
             else None
         )
@@ -309,9 +309,16 @@ class ChunkDecoder:
     def _attend_qkv(self, k_cache, v_cache, cos, sin, mask, start: int, qkv: torch.Tensor) -> torch.Tensor:
         """A lean layer's attention: qkv [s, B, groups, per_group + 2, D] -> context [s, B, heads*D].
 
-        Queries and keys are adjacent in each group, so one rotary call turns both.
+        Queries and keys are adjacent in each group, so one rotary call turns both. One new token
+        on CPU: the compiled kernel turns, stores and attends in one pass over each row and group.
         """
         s, batch, groups, per_group = qkv.shape[0], qkv.shape[1], qkv.shape[2], qkv.shape[3] - 2
+        if s == 1 and self.kernels is not None:
+            context = self.kernels.decode_step_attention(
+                qkv[0], cos.reshape(batch, -1), sin.reshape(batch, -1), k_cache, v_cache, start,
+                mask.view(batch, -1), self.scale,
+            )  # fmt: skip
+            return context.view(1, batch, -1)
         query_key = self.rotate(qkv[:, :, :, : per_group + 1], cos.unsqueeze(2), sin.unsqueeze(2))
         query = query_key[:, :, :, :per_group].reshape(s, batch, groups * per_group, -1)
         key, value = query_key[:, :, :, per_group], qkv[:, :, :, per_group + 1]
@@ -351,9 +358,9 @@ class ChunkDecoder:
         s, batch, heads, dim = query.shape
         groups = keys.shape[1]
         per_group = heads // groups
-        if s == 1 and self.attention_kernel is not None:
+        if s == 1 and self.kernels is not None:
             q = query.reshape(batch, groups, per_group, dim)
-            out = self.attention_kernel(q, keys, values, mask.view(batch, -1), self.scale)
+            out = self.kernels.decode_attention(q, keys, values, mask.view(batch, -1), self.scale)
             return out.view(1, batch, heads * dim)
         # [s, B, G*P, D] -> [B, G, P*s, D]; megatron orders heads group-major.
         q = query.reshape(s, batch, groups, per_group, dim).permute(1, 2, 3, 0, 4)

@@ -64,6 +64,18 @@ void attend_one(const float* q, const float* k, const float* v, const float* mas
   for (int64_t j = 0; j < heads * dim; ++j) out[j] = acc[j];
 }
 
+// attend_one with the common shapes unrolled.
+void attend(const float* q, const float* k, const float* v, const float* mask, float* out, int64_t P, int64_t D,
+            int64_t L, int64_t k_row, int64_t v_row, float scale, float* scores) {
+  if (P == 4 && D == 64) {
+    attend_one<4, 64>(q, k, v, mask, out, P, D, L, k_row, v_row, scale, scores);
+  } else if (P == 4 && D == 128) {
+    attend_one<4, 128>(q, k, v, mask, out, P, D, L, k_row, v_row, scale, scores);
+  } else {
+    attend_one<0, 0>(q, k, v, mask, out, P, D, L, k_row, v_row, scale, scores);
+  }
+}
+
 }  // namespace
 
 // q [B, G, P, D]; k, v [B, G, >= L, D] (e.g. the first L columns of a longer cache, unit stride
@@ -101,13 +113,75 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
       const float* vi = vp + b * v.stride(0) + g * v.stride(1);
       const float* mi = mp + b * mask.stride(0);
       float* oi = op + i * P * D;
-      if (P == 4 && D == 64) {
-        attend_one<4, 64>(qi, ki, vi, mi, oi, P, D, L, k.stride(2), v.stride(2), s, scores.data());
-      } else if (P == 4 && D == 128) {
-        attend_one<4, 128>(qi, ki, vi, mi, oi, P, D, L, k.stride(2), v.stride(2), s, scores.data());
-      } else {
-        attend_one<0, 0>(qi, ki, vi, mi, oi, P, D, L, k.stride(2), v.stride(2), s, scores.data());
-      }
+      attend(qi, ki, vi, mi, oi, P, D, L, k.stride(2), v.stride(2), s, scores.data());
+    }
+  });
+  return out;
+}
+
+// x [D] -> out [D] with its first R dims turned by the rotary embedding in the fused form of
+// decode.py's _rotate_fused: out = x * cos + roll(x, R / 2) * signed_sin (signed_sin: sin with its
+// first half negated); dims past R are copied.
+inline void rotate(const float* x, const float* cos, const float* signed_sin, float* out, int64_t R, int64_t D) {
+  const int64_t half = R / 2;
+  for (int64_t d = 0; d < half; ++d) out[d] = x[d] * cos[d] + x[d + half] * signed_sin[d];
+  for (int64_t d = half; d < R; ++d) out[d] = x[d] * cos[d] + x[d - half] * signed_sin[d];
+  for (int64_t d = R; d < D; ++d) out[d] = x[d];
+}
+
+// A lean layer's whole attention for one new token (decode.py's _attend_qkv at s = 1):
+// qkv [B, G, P + 2, D] (each group's P query heads, then its key, then its value); cos and
+// signed_sin [B, R] for each row's position; the caches [B, G, T, D] get the turned key and the
+// value at column ``start``; the queries, turned, attend over columns < start + 1 under mask [B, start + 1].
+// Returns the context [B, G, P, D].
+torch::Tensor decode_step_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tensor signed_sin,
+                                    torch::Tensor k_cache, torch::Tensor v_cache, int64_t start,
+                                    torch::Tensor mask, double scale) {
+  TORCH_CHECK(qkv.dim() == 4 && cos.dim() == 2 && signed_sin.sizes() == cos.sizes() && k_cache.dim() == 4 &&
+                  v_cache.sizes() == k_cache.sizes() && mask.dim() == 2,
+              "decode_step_attention: shapes do not match");
+  for (const auto& t : {qkv, cos, signed_sin, k_cache, v_cache, mask}) {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32,
+                "decode_step_attention: float32 CPU tensors only");
+  }
+  qkv = qkv.contiguous();
+  cos = cos.contiguous();
+  signed_sin = signed_sin.contiguous();
+  mask = mask.contiguous();
+  const int64_t B = qkv.size(0), G = qkv.size(1), P = qkv.size(2) - 2, D = qkv.size(3), R = cos.size(1);
+  const int64_t L = start + 1;
+  TORCH_CHECK(P >= 1 && P <= kMaxHeadsPerGroup && D <= kMaxHeadDim && R <= D && R % 2 == 0,
+              "decode_step_attention: at most ", kMaxHeadsPerGroup, " heads per group, head dim ",
+              kMaxHeadDim, ", an even number of rotary dims <= head dim");
+  TORCH_CHECK(cos.size(0) == B && k_cache.size(0) == B && k_cache.size(1) == G && k_cache.size(3) == D &&
+                  start >= 0 && start < k_cache.size(2) && mask.size(0) == B && mask.size(1) == L,
+              "decode_step_attention: shapes do not match");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "decode_step_attention: contiguous caches only");
+  auto out = torch::empty({B, G, P, D}, qkv.options());
+  const float* xp = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = signed_sin.data_ptr<float>();
+  const float* mp = mask.data_ptr<float>();
+  float* kp = k_cache.data_ptr<float>();
+  float* vp = v_cache.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t T = k_cache.size(2);
+  const float s = static_cast<float>(scale);
+  at::parallel_for(0, B * G, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(P * L), queries(P * D);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / G;
+      const float* x = xp + i * (P + 2) * D;
+      const float* c = cp + b * R;
+      const float* sn = sp + b * R;
+      float* ki = kp + i * T * D;
+      float* vi = vp + i * T * D;
+      for (int64_t p = 0; p < P; ++p) rotate(x + p * D, c, sn, queries.data() + p * D, R, D);
+      rotate(x + P * D, c, sn, ki + start * D, R, D);
+      for (int64_t d = 0; d < D; ++d) vi[start * D + d] = x[(P + 1) * D + d];
+      const float* mi = mp + b * L;
+      float* oi = op + i * P * D;
+      attend(queries.data(), ki, vi, mi, oi, P, D, L, D, D, s, scores.data());
     }
   });
   return out;
@@ -115,4 +189,6 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "one new token's attention over a KV cache (CPU, float32)");
+  m.def("decode_step_attention", &decode_step_attention,
+        "a lean layer's rotary, cache write and attention for one new token (CPU, float32)");
 }
