@@ -535,8 +535,8 @@ def attention_kernel_job(model_dir: str) -> dict:
 
 
 def test_compiled_decode_attention_decodes_like_the_matmul_path(pool1, model_dir):
-    """On CPU a decoding step's attention runs through the compiled kernel (cpu_attention.py); the
-    step's logits differ from the matmul path's by no more than the matmul path's own float32 gap
+    """On CPU a decoding step's rotary embedding, cache write and attention run through the
+    compiled kernel (cpu_kernels.py), the prefill does not; the step's logits differ from the matmul path's by no more than the matmul path's own float32 gap
     to a cache-free forward."""
     out = pool1.run(f"{__name__}:attention_kernel_job", model_dir=model_dir)[0]
     assert (out["used"], out["fallback_used"]) == (True, False), "the kernel did not build here"

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.models import batch_invariant
-from verl_megatron.rollout.cpu_attention import decode_kernels
+from verl_megatron.rollout.cpu_kernels import decode_kernels
 from verl_megatron.rollout.lean_layer import LeanLayer, lean_layer
 from verl_megatron.rollout.packed_linear import packed_linears
 
@@ -163,7 +163,7 @@ class ChunkDecoder:
         else:  # the training forward's own arithmetic
             self.rotate = _rotate
         self.sin = sin.to(self.dtype)
-        # One-token attention on CPU through the compiled kernels where they build (cpu_attention.py).
+        # One-token attention on CPU through the compiled kernels where they build (cpu_kernels.py).
         self.kernels = (
             decode_kernels()
             if self.parity_length is None and self.device.type == "cpu" and self.dtype == torch.float32

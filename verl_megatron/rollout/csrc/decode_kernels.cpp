@@ -1,4 +1,4 @@
-// One new token's attention over a KV cache on CPU (float32): see cpu_attention.py for why.
+// One new token's attention over a KV cache on CPU (float32): see cpu_kernels.py for why.
 //
 // For each (row b, key/value group g) the group's P query heads read the cached keys once
 // (scores), take a softmax per head, then read the cached values once (context). The rows and
@@ -7,7 +7,9 @@
 #include <ATen/Parallel.h>
 
 #include <cfloat>
+#include <algorithm>
 #include <cmath>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -187,8 +189,79 @@ torch::Tensor decode_step_attention(torch::Tensor qkv, torch::Tensor cos, torch:
   return out;
 }
 
+// One token per row of temperature-scaled logits [B, V] for uniforms u [B] in [0, 1), as
+// sampling.py's _inverse_cdf_blocked draws it from softmax(logits): the first block of ``block``
+// entries whose running sum of exp(logit - max) exceeds u * total, then the first entry inside
+// it whose running sum exceeds what is left. Returns (tokens [B] int64, log-probabilities
+// [B] float32 of the drawn tokens under the softmax): one pass for the maximum and one for the
+// exponentials instead of a softmax, block sums, two cumulative sums and two searches.
+std::tuple<torch::Tensor, torch::Tensor> sample_softmax(torch::Tensor logits, torch::Tensor u, int64_t block) {
+  TORCH_CHECK(logits.dim() == 2 && u.dim() == 1 && u.size(0) == logits.size(0) && block > 0,
+              "sample_softmax: logits [B, V], uniforms [B]");
+  for (const auto& t : {logits, u}) {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32, "sample_softmax: float32 CPU tensors only");
+  }
+  logits = logits.contiguous();
+  u = u.contiguous();
+  const int64_t B = logits.size(0), V = logits.size(1), blocks = (V + block - 1) / block;
+  auto tokens = torch::empty({B}, logits.options().dtype(torch::kInt64));
+  auto log_probs = torch::empty({B}, logits.options());
+  const float* xp = logits.data_ptr<float>();
+  const float* up = u.data_ptr<float>();
+  int64_t* tp = tokens.data_ptr<int64_t>();
+  float* lp = log_probs.data_ptr<float>();
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> e(V), sums(blocks);
+    for (int64_t b = begin; b < end; ++b) {
+      const float* x = xp + b * V;
+      float peak = -FLT_MAX;
+#pragma omp simd reduction(max : peak)
+      for (int64_t j = 0; j < V; ++j) peak = std::fmax(peak, x[j]);
+      for (int64_t k = 0; k < blocks; ++k) {
+        const int64_t lo = k * block, hi = std::min(V, lo + block);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = lo; j < hi; ++j) {
+          const float v = std::exp(std::fmax(x[j], -FLT_MAX) - peak);
+          e[j] = v;
+          sum += v;
+        }
+        sums[k] = sum;
+      }
+      float total = 0.f;
+      for (int64_t k = 0; k < blocks; ++k) total += sums[k];
+      const float target = up[b] * total;
+      // The first block whose running sum exceeds the target (the last if rounding runs past).
+      int64_t chosen = blocks - 1;
+      float before = 0.f;
+      for (int64_t k = 0; k < blocks; ++k) {
+        if (before + sums[k] > target) {
+          chosen = k;
+          break;
+        }
+        if (k < blocks - 1) before += sums[k];
+      }
+      const float offset = target - before;
+      const int64_t lo = chosen * block, hi = std::min(V, lo + block);
+      int64_t token = hi - 1;
+      float running = 0.f;
+      for (int64_t j = lo; j < hi; ++j) {
+        running += e[j];
+        if (running > offset) {
+          token = j;
+          break;
+        }
+      }
+      tp[b] = token;
+      lp[b] = std::log(e[token] / total);
+    }
+  });
+  return {tokens, log_probs};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "one new token's attention over a KV cache (CPU, float32)");
   m.def("decode_step_attention", &decode_step_attention,
         "a lean layer's rotary, cache write and attention for one new token (CPU, float32)");
+  m.def("sample_softmax", &sample_softmax, "inverse-CDF draw from softmax(logits) per row (CPU, float32)");
 }

@@ -1,4 +1,4 @@
-"""The compiled one-token decode attention (rollout/cpu_attention.py) against float64.
+"""The compiled one-token decode attention (rollout/cpu_kernels.py) against float64.
 
 Its error to a float64 reference must stay within twice the Python path's own float32 error
 on the same inputs (the decoder's fallback: rotary embedding, cache write, matmul, softmax,
@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 
-from verl_megatron.rollout import cpu_attention
+from verl_megatron.rollout import cpu_kernels
 
 
 def _matmul_path(q, k, v, mask, scale):
@@ -42,9 +42,9 @@ def _inputs(batch, groups, per_group, dim, length, total, seed=0, whole=False):
 
 @pytest.fixture(scope="module")
 def kernels():
-    module = cpu_attention.decode_kernels()
+    module = cpu_kernels.decode_kernels()
     assert module is not None, (
-        "the CPU decode-attention kernels did not build on this machine (see the warning above: "
+        "the CPU decoding kernels did not build on this machine (see the warning above: "
         "they need a C++ compiler and ninja)"
     )
     return module
@@ -98,20 +98,20 @@ def test_kernel_uses_the_threads_and_rejects_bad_input(kernel):
 @pytest.fixture
 def fresh_loader(monkeypatch):
     """The loader with its per-process result forgotten (restored afterwards)."""
-    saved = dict(cpu_attention._loaded)
-    cpu_attention._loaded.clear()
+    saved = dict(cpu_kernels._loaded)
+    cpu_kernels._loaded.clear()
     yield
-    cpu_attention._loaded.clear()
-    cpu_attention._loaded.update(saved)
+    cpu_kernels._loaded.clear()
+    cpu_kernels._loaded.update(saved)
 
 
 @pytest.mark.parametrize("value", ["0", "off"])
 def test_switched_off_by_the_environment(fresh_loader, monkeypatch, value):
-    monkeypatch.setenv(cpu_attention.DISABLE_ENV, value)
-    monkeypatch.setattr(cpu_attention, "_build", lambda: pytest.fail("built although switched off"))
+    monkeypatch.setenv(cpu_kernels.DISABLE_ENV, value)
+    monkeypatch.setattr(cpu_kernels, "_build", lambda: pytest.fail("built although switched off"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert cpu_attention.decode_kernels() is None
+        assert cpu_kernels.decode_kernels() is None
 
 
 def test_a_failed_build_warns_once_and_falls_back(fresh_loader, monkeypatch):
@@ -121,16 +121,16 @@ def test_a_failed_build_warns_once_and_falls_back(fresh_loader, monkeypatch):
         calls.append(1)
         raise RuntimeError("Ninja is required to load C++ extensions\nmore detail")
 
-    monkeypatch.delenv(cpu_attention.DISABLE_ENV, raising=False)
-    monkeypatch.setattr(cpu_attention, "_build", broken)
+    monkeypatch.delenv(cpu_kernels.DISABLE_ENV, raising=False)
+    monkeypatch.setattr(cpu_kernels, "_build", broken)
     with pytest.warns(UserWarning) as record:
-        assert cpu_attention.decode_kernels() is None
-        assert cpu_attention.decode_kernels() is None
+        assert cpu_kernels.decode_kernels() is None
+        assert cpu_kernels.decode_kernels() is None
     assert len(calls) == 1 and len(record) == 1
     message = str(record[0].message)
     assert "\n" not in message
     assert "RuntimeError: Ninja is required to load C++ extensions" in message
-    assert cpu_attention.DISABLE_ENV in message
+    assert cpu_kernels.DISABLE_ENV in message
 
 
 def _python_step(qkv, cos, signed_sin, k_cache, v_cache, start, mask, scale):
@@ -187,3 +187,30 @@ def test_fused_step_matches_float64_and_writes_the_cache(
             f"{name}: kernel vs float64 max diff {float(gap.max()):.3g} at {where}; Python path vs float64 "
             f"{floor:.3g}"
         )
+
+
+def test_sample_softmax_draws_the_python_paths_tokens(kernels):
+    """For the same uniforms the compiled draw picks sampling.py's two-level inverse-CDF tokens
+    (vocabulary 3000: blocks of 256 and a partial last one; masked -inf entries never), and its
+    log-probabilities are within twice the Python path's float32 error of float64."""
+    from verl_megatron.rollout import sampling
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(200, 3000, generator=g) * 3
+    logits[:, 1000:1300] = float("-inf")
+    u = torch.rand(200, generator=g)
+    ours, our_log_probs = kernels.sample_softmax(logits, u, sampling._BLOCK)
+    theirs = sampling._inverse_cdf_blocked(torch.softmax(logits, dim=-1), None, u)
+    differ = torch.nonzero(ours != theirs).flatten().tolist()
+    assert not differ, (
+        f"tokens differ in rows {differ[:10]}: {ours[differ[:10]].tolist()} vs {theirs[differ[:10]].tolist()}"
+    )
+    assert not bool(((ours >= 1000) & (ours < 1300)).any())
+    rows = torch.arange(200)
+    python = torch.softmax(logits, dim=-1)[rows, ours].log()
+    exact = torch.log_softmax(logits.double(), dim=-1)[rows, ours]
+    floor = float((python - exact).abs().max())
+    gap = (our_log_probs - exact).abs()
+    assert float(gap.max()) <= 2 * max(floor, 1e-7), (
+        f"log-probs: max diff {float(gap.max()):.3g} to float64 at row {int(gap.argmax())}; Python path {floor:.3g}"
+    )
