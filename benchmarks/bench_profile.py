@@ -115,7 +115,7 @@ def _common_patches(clock: StageClock) -> Iterator[None]:
 def _ours_patches(actor, clock: StageClock) -> Iterator[None]:
     from megatron.core.pipeline_parallel import schedules
 
-    from verl_megatron.workers import engine
+    from verl_megatron.workers import model_runner as engine
 
     config = engine._unwrap(actor.chunks[0]).config
     with contextlib.ExitStack() as stack:

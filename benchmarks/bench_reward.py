@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 from verl_megatron.protocol import DataProto
+from verl_megatron.reward.managers import NaiveRewardManager, ParallelRewardManager
 from verl_megatron.utils.local_assets import build_char_tokenizer
-from verl_megatron.workers.reward_manager import NaiveRewardManager, ParallelRewardManager
 
 PROMPT_LEN, RESPONSE_LEN = 32, 96
 

@@ -1,7 +1,7 @@
 """Code-execution reward throughput: sandboxed vs a plain subprocess.
 
 Scores stdin/stdout programming samples (APPS-style, 3 test cases each) with the code
-scorer (``verl_megatron.utils.reward_score.code_exec``: each program in its own sandbox)
+scorer (``verl_megatron.reward.scorers.code_exec``: each program in its own sandbox)
 and, as the peer, runs the same harness on the same programs in a plain subprocess
 (no namespaces, no limits, no seccomp: what a scorer without a sandbox costs), both
 ``workers`` programs at a time. Two workloads: all correct programs, and a mix in which
@@ -31,8 +31,8 @@ from pathlib import Path
 
 from common import Section, machine_info, ratio
 
-from verl_megatron.utils import sandbox
-from verl_megatron.utils.reward_score import code_exec, code_harness
+from verl_megatron.reward import sandbox
+from verl_megatron.reward.scorers import code_exec, code_harness
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ from common import (
     train_flops_per_token,
 )
 
-from verl_megatron.trainer.ppo.core_algos import compute_policy_loss
+from verl_megatron.algos.core_algos import compute_policy_loss
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Shared fixtures: persistent pools of torch.distributed workers (see verl_megatron.utils.dist_pool)."""
+"""Shared fixtures: persistent pools of torch.distributed workers (see verl_megatron.distributed.dist_pool)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def pool1():
     """One process in its own gloo group: the single-process reference."""
-    from verl_megatron.utils.dist_pool import DistPool
+    from verl_megatron.distributed.dist_pool import DistPool
 
     pool = DistPool(1)
     yield pool
@@ -24,7 +24,7 @@ def pool1():
 @pytest.fixture(scope="session")
 def pool2():
     """Two processes in one gloo group: every CPU-capable parallel layout of size 2."""
-    from verl_megatron.utils.dist_pool import DistPool
+    from verl_megatron.distributed.dist_pool import DistPool
 
     pool = DistPool(2)
     yield pool

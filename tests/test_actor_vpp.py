@@ -166,7 +166,7 @@ def test_expert_parallel_with_a_dense_model_is_refused(pool2, model_path):
     ],
 )
 def test_interleaving_plan_meets_megatrons_constraints(num_micro, pp, plan):
-    from verl_megatron.workers.engine import _interleaving_plan
+    from verl_megatron.workers.model_runner import _interleaving_plan
 
     # (padding, group): pp <= group <= M and the last group (M mod group) empty or >= pp.
     assert _interleaving_plan(num_micro, pp) == plan

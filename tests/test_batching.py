@@ -13,7 +13,7 @@ from verl_megatron.workers.batching import (
     fixed_size_partition,
     mini_batch_rows,
 )
-from verl_megatron.workers.engine import dp_share
+from verl_megatron.workers.model_runner import dp_share
 
 
 def test_fixed_partition_keeps_order_and_a_short_tail():

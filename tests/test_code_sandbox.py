@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from tests.test_reward_managers import make_batch
+from verl_megatron.reward import sandbox
 from verl_megatron.trainer.ppo.reward import compute_reward
 from verl_megatron.trainer.ppo_trainer import PPOTrainer
-from verl_megatron.utils import sandbox
 from verl_megatron.utils.local_assets import build_char_tokenizer
 from verl_megatron.utils.reward_score import (
     batch_default_compute_score,

@@ -107,7 +107,7 @@ def test_cp_needs_packed_thd_rows():
 
 def test_engine_on_cpu_says_what_cp_needs():
     from verl_megatron.distributed.parallel import ParallelConfigError, ParallelLayout, Runtime
-    from verl_megatron.workers.engine import ModelRunner
+    from verl_megatron.workers.model_runner import ModelRunner
 
     runtime = Runtime(
         layout=ParallelLayout(cp=2, dp=1), rank=0, world_size=2, local_rank=0,
@@ -171,7 +171,7 @@ def _policy_step(mb, logits, *, counts: dict, num_micro: int, cfg):
     """The actor's PPO step: per-token values merged over cp before any loss."""
     from verl_megatron.models.logprobs import vocab_parallel_log_probs
     from verl_megatron.trainer.ppo import core_algos
-    from verl_megatron.workers.engine import StepResult
+    from verl_megatron.workers.model_runner import StepResult
 
     log_probs, entropy = vocab_parallel_log_probs(
         mb.inputs.gather(logits), mb.inputs.labels, temperature=TEMPERATURE, calculate_entropy=True
@@ -259,7 +259,7 @@ def actor_job(cp: int) -> dict:
         wrap_ddp,
     )
     from verl_megatron.models.sharding import gather_full_state, load_full_state, seeded_tensor
-    from verl_megatron.workers import engine
+    from verl_megatron.workers import model_runner as engine
 
     runtime = _runtime(cp)
     chunks = build_chunks(runtime, _tokenwise_gpt)

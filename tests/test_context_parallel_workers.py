@@ -29,7 +29,7 @@ def job(cp: int) -> dict:
     from verl_megatron.models.megatron_model import build_optimizer
     from verl_megatron.models.sharding import gather_full_state
     from verl_megatron.protocol import DataProto
-    from verl_megatron.workers import engine
+    from verl_megatron.workers import model_runner as engine
     from verl_megatron.workers.actor import MegatronActor
     from verl_megatron.workers.config import ActorConfig, CriticConfig, OptimConfig
     from verl_megatron.workers.critic import MegatronCritic

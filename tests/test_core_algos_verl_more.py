@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from verl_megatron.algos.pf_ppo import pf_ppo_weights
 from verl_megatron.protocol import DataProto
 from verl_megatron.trainer.ppo import core_algos
-from verl_megatron.trainer.ppo.algos.pf_ppo import pf_ppo_weights
 
 LN = math.log
 

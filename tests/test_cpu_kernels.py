@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 
-from verl_megatron.rollout import cpu_kernels
+from verl_megatron.rollout.cpu import kernels as cpu_kernels
 
 
 def _matmul_path(q, k, v, mask, scale):

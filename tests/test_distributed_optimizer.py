@@ -200,7 +200,7 @@ def test_vpp_reduces_each_bucket_once_per_step(pool2, reference, overlap):
 @pytest.fixture(scope="module")
 def pool4():
     """pp=2 x vpp=2 x dp=2 needs 4 ranks (about 30 s of CPU for both jobs below, start-up included)."""
-    from verl_megatron.utils.dist_pool import DistPool
+    from verl_megatron.distributed.dist_pool import DistPool
 
     pool = DistPool(4)
     yield pool

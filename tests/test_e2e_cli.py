@@ -85,7 +85,7 @@ def test_config_errors_exit_2_naming_the_key(capsys, monkeypatch):
 
 
 def test_subcommands(capsys, monkeypatch):
-    import verl_megatron.models.check_hf as check_hf
+    import verl_megatron.tools.check_hf as check_hf
 
     seen = []
     monkeypatch.setattr(check_hf, "main", lambda argv: seen.append(argv) or 7)

@@ -110,8 +110,8 @@ def test_actor_update_syncs_do_not_grow_with_micro_batches(pool1, model_path):
 
 
 def test_public_policy_losses_still_return_float_metrics():
+    from verl_megatron.algos.policy_losses import metrics_on_device
     from verl_megatron.trainer.ppo import core_algos
-    from verl_megatron.trainer.ppo.algos.policy_losses import metrics_on_device
 
     g = torch.Generator().manual_seed(0)
     old, new, adv = (torch.randn(3, 4, generator=g) for _ in range(3))

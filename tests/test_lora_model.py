@@ -69,9 +69,9 @@ def lora_chunks(model_dir: str, tp: int, pp: int):
 
 
 def export_job(model_dir: str, out_dir: str, tp: int, pp: int) -> dict:
-    from verl_megatron.models.check_hf import megatron_logits
     from verl_megatron.models.convert import export_hf_weights
     from verl_megatron.models.lora_export import export_peft_adapter
+    from verl_megatron.tools.check_hf import megatron_logits
 
     runtime, chunks, hf_config = lora_chunks(model_dir, tp, pp)
     export_peft_adapter(chunks, runtime, os.path.join(out_dir, "adapter"), base_model=model_dir)

@@ -66,7 +66,7 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def hf_reference(tiny_models) -> dict[str, list[torch.Tensor]]:
-    from verl_megatron.models.check_hf import hf_logits
+    from verl_megatron.tools.check_hf import hf_logits
 
     return {name: hf_logits(path, SEQUENCES, torch.device("cpu")) for name, path in tiny_models.items()}
 
@@ -76,9 +76,9 @@ def parity_job(paths: dict[str, str], tp: int, pp: int, sequences: list[torch.Te
     and, with tp > 1, the padded logit columns of one gathered forward."""
     from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
     from verl_megatron.models.builder import build_gpt_chunks, model_info
-    from verl_megatron.models.check_hf import megatron_logits
     from verl_megatron.models.config import ModelConfig, load_hf_config
     from verl_megatron.models.convert import load_hf_weights
+    from verl_megatron.tools.check_hf import megatron_logits
 
     runtime = init_runtime(ParallelLayout(tp=tp, pp=pp))
     out = {}
@@ -138,7 +138,7 @@ def test_logits_match_transformers_pp2(pool2, tiny_models, hf_reference):
 def check_hf_job(path: str) -> tuple[int, int]:
     """check-hf's exit status inside an existing process group: float32 default, and bf16 with
     a zero tolerance (bf16 cannot reproduce float32 logits exactly)."""
-    from verl_megatron.models.check_hf import main
+    from verl_megatron.tools.check_hf import main
 
     return main([path]), main([path, "--dtype", "bfloat16", "--tolerance", "0"])
 
@@ -153,7 +153,7 @@ def test_check_hf_command_launches_tp_times_pp_processes(tiny_models):
         k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")
     }
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    cmd = [sys.executable, "-m", "verl_megatron.models.check_hf", tiny_models["qwen2_tied"], "--tp", "2"]
+    cmd = [sys.executable, "-m", "verl_megatron.tools.check_hf", tiny_models["qwen2_tied"], "--tp", "2"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     match = re.search(r"tp=2 pp=1 .*max \|logit diff\| = (\S+) over 3 prompts .*: OK", proc.stdout)

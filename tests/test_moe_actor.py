@@ -110,7 +110,7 @@ def aux_grad_job(path: str, layout: dict) -> dict:
     from verl_megatron.models.convert import hf_mapping, to_hf
     from verl_megatron.models.megatron_model import attach_schedule_hooks
     from verl_megatron.models.sharding import gather_full_state
-    from verl_megatron.workers.engine import ModelRunner, StepResult
+    from verl_megatron.workers.model_runner import ModelRunner, StepResult
 
     runtime = init_runtime(ParallelLayout(**layout), seed=5)
     chunks = build_model(runtime, path)

@@ -39,7 +39,7 @@ def moe_models(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def moe_reference(moe_models) -> dict[str, list[torch.Tensor]]:
-    from verl_megatron.models.check_hf import hf_logits
+    from verl_megatron.tools.check_hf import hf_logits
 
     return {name: hf_logits(path, SEQUENCES, torch.device("cpu")) for name, path in moe_models.items()}
 
@@ -49,9 +49,9 @@ def moe_parity_job(paths: dict[str, str], layout: dict, export_dir: str | None =
     stage) and, with ``export_dir``, export each model to ``export_dir/<name>``."""
     from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
     from verl_megatron.models.builder import build_gpt_chunks
-    from verl_megatron.models.check_hf import megatron_logits
     from verl_megatron.models.config import ModelConfig, load_hf_config
     from verl_megatron.models.convert import export_hf_weights, load_hf_weights
+    from verl_megatron.tools.check_hf import megatron_logits
 
     runtime = init_runtime(ParallelLayout(**layout))
     out = {}
@@ -102,7 +102,7 @@ def test_moe_export_is_byte_identical(pool2, moe_models, tmp_path, layout):
 
 
 def check_hf_job(path: str, flags: list[str]) -> int:
-    from verl_megatron.models.check_hf import main
+    from verl_megatron.tools.check_hf import main
 
     return main([path, *flags])
 

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from verl_megatron.workers import engine
-from verl_megatron.workers.engine import ModelRunner
+from verl_megatron.workers import model_runner as engine
+from verl_megatron.workers.model_runner import ModelRunner
 
 
 class RecordingOptimizer:

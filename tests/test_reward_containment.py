@@ -15,6 +15,7 @@ import time
 
 import pytest
 from omegaconf import OmegaConf
+from verl_megatron.workers.reward_manager.scoring import DEFAULT_TIMEOUT_S
 
 from tests.test_e2e import QUICKSTART, TINY
 from tests.test_reward_managers import make_batch
@@ -23,7 +24,6 @@ from verl_megatron.trainer.config import ConfigError
 from verl_megatron.trainer.ppo.reward import check_reward_config, load_reward_manager
 from verl_megatron.utils.local_assets import build_char_tokenizer
 from verl_megatron.workers.reward_manager import NaiveRewardManager
-from verl_megatron.workers.reward_manager.scoring import DEFAULT_TIMEOUT_S
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from verl_megatron.protocol import DataProto
-from verl_megatron.trainer.ppo.model_rewards import ModelRewards
-from verl_megatron.workers.reward_judge import endpoint_url, parse_verdict
-from verl_megatron.workers.reward_model_config import JudgeConfig, ModelRewardSettings
+from verl_megatron.reward.judge import endpoint_url, parse_verdict
+from verl_megatron.reward.model_config import JudgeConfig, ModelRewardSettings
+from verl_megatron.reward.model_rewards import ModelRewards
 
 STOP = threading.Event()
 

@@ -20,9 +20,9 @@ MAX_TOKENS = 3
 
 def judge_model_job(judge_path: str) -> dict:
     from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
+    from verl_megatron.reward.judge import RewardJudge
+    from verl_megatron.reward.judge_model import build_judge_model
     from verl_megatron.trainer.config import load_config
-    from verl_megatron.workers.reward_judge import RewardJudge
-    from verl_megatron.workers.reward_judge_model import build_judge_model
 
     config = load_config(
         os.path.join(ROOT, "configs", "quickstart.yaml"),

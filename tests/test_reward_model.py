@@ -47,8 +47,8 @@ def rm_job(path: str, tp: int, pp: int, actor_tp: int = 1) -> dict:
 
     from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
     from verl_megatron.protocol import DataProto
-    from verl_megatron.workers.reward_model import MegatronRewardModel
-    from verl_megatron.workers.reward_model_config import ModelRewardSettings, RewardModelModelConfig
+    from verl_megatron.reward.model import MegatronRewardModel
+    from verl_megatron.reward.model_config import ModelRewardSettings, RewardModelModelConfig
 
     runtime = init_runtime(ParallelLayout(tp=actor_tp), seed=3)
     actor_state = (ps.get_tensor_model_parallel_world_size(), ps.get_data_parallel_world_size())
@@ -142,7 +142,7 @@ def check_hf_job(argv: list[str]) -> tuple[int, str]:
     import contextlib
     import io
 
-    from verl_megatron.models import check_hf
+    from verl_megatron.tools import check_hf
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -191,8 +191,8 @@ def test_conversation_ids_retemplate_with_the_reward_models_tokenizer(tmp_path):
     import numpy as np
 
     from verl_megatron.protocol import DataProto
+    from verl_megatron.reward.model import conversation_ids, score_positions
     from verl_megatron.utils.local_assets import build_bpe_tokenizer, build_char_tokenizer
-    from verl_megatron.workers.reward_model import conversation_ids, score_positions
 
     actor_tok = build_char_tokenizer(tmp_path / "actor")
     rm_tok = build_bpe_tokenizer(tmp_path / "rm", vocab_size=300)

@@ -8,7 +8,6 @@ import time
 import numpy as np
 import pytest
 import torch
-
 from verl_megatron.workers.reward_manager.scoring import (
     ERROR,
     INVALID,

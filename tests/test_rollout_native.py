@@ -335,7 +335,7 @@ def packing_job(model_dir: str) -> dict:
     """Prefill logits with packed linears, without them, and by a cache-free full forward;
     which layers the packing switched, inside and after the context, and with parity kernels."""
     from verl_megatron.models import batch_invariant
-    from verl_megatron.rollout import packed_linear
+    from verl_megatron.rollout.cpu import packed_linear
     from verl_megatron.rollout.decode import ChunkDecoder, inference_mode_for
 
     runtime, chunks, _ = _setup(model_dir)

@@ -232,7 +232,7 @@ def test_bugs_keep_their_traceback(monkeypatch):
     ],
 )
 def test_check_hf_arguments_checked_before_launching(args, expected, assets, capsys, monkeypatch):
-    import verl_megatron.models.check_hf as check_hf
+    import verl_megatron.tools.check_hf as check_hf
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setattr(check_hf, "_launch", lambda *a: pytest.fail("torchrun launched"))

@@ -145,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command == "train":
         return train(rest)
     if command == "check-hf":
-        from verl_megatron.models.check_hf import main as check_hf_main
+        from verl_megatron.tools.check_hf import main as check_hf_main
 
         return check_hf_main(rest)
     print(f"error: unknown command {command!r}\n{_USAGE}", file=sys.stderr)

@@ -69,7 +69,7 @@ def _quiet_libraries() -> None:
 
 def run(config_path: str | None, overrides: Sequence[str]) -> dict[str, float]:
     """Load, check, build and train; returns the trainer's summary (first/last validation score)."""
-    from verl_megatron.trainer.ppo.reward import check_reward_config
+    from verl_megatron.reward.loading import check_reward_config
     from verl_megatron.trainer.preflight import prepare_run
     from verl_megatron.trainer.progress import startup_line
 

@@ -134,10 +134,10 @@ def _sync() -> None:
 
 def grpo_step(actor: Any, model_dir: str, tokenizer: Any, hf_config: Any, args: argparse.Namespace) -> dict:
     """Native rollout -> reward -> GRPO advantages -> old log-probs -> update; timings and tokens."""
+    from verl_megatron.algos import core_algos
     from verl_megatron.protocol import DataProto
     from verl_megatron.rollout.config import RolloutConfig
     from verl_megatron.rollout.native import NativeRollout
-    from verl_megatron.trainer.ppo import core_algos
 
     rollout = NativeRollout(
         RolloutConfig(n=args.group, prompt_length=args.prompt_len, response_length=args.response_len,

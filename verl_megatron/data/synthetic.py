@@ -9,7 +9,7 @@ fraction is held out for validation, so validation prompts are never trained on.
 
 writes ``train.parquet`` and ``val.parquet`` in verl's row format with
 ``data_source`` ``synthetic/<task>`` and the expected digits as ground truth
-(scored by ``verl_megatron.utils.reward_score.synthetic``).
+(scored by ``verl_megatron.reward.scorers.synthetic``).
 """
 
 from __future__ import annotations

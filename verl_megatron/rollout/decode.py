@@ -41,9 +41,9 @@ import torch.nn.functional as F
 
 from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.models import batch_invariant
-from verl_megatron.rollout.cpu_kernels import decode_kernels
-from verl_megatron.rollout.lean_layer import LeanLayer, lean_layer
-from verl_megatron.rollout.packed_linear import packed_linears
+from verl_megatron.rollout.cpu.kernels import decode_kernels
+from verl_megatron.rollout.cpu.lean_layer import LeanLayer, lean_layer
+from verl_megatron.rollout.cpu.packed_linear import packed_linears
 
 __all__ = ["ChunkDecoder", "inference_mode_for"]
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from verl_megatron.rollout.config import RolloutConfig, RolloutConfigError
-from verl_megatron.rollout.cpu_kernels import decode_kernels
+from verl_megatron.rollout.cpu.kernels import decode_kernels
 
 __all__ = ["SamplingParams", "call_seed", "prompt_seed", "prompt_uniforms", "resolve_sampling", "sample_next"]
 

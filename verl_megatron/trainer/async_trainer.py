@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 
 from verl_megatron.protocol import DataProto
+from verl_megatron.rollout.async_worker import weights_key
 from verl_megatron.rollout.placement import Placement
 from verl_megatron.rollout.weight_sync import WeightSender, isend_object, recv_object
 from verl_megatron.trainer import metrics as M
-from verl_megatron.trainer.async_rollout import weights_key
 from verl_megatron.trainer.ppo_trainer import PPOTrainer
 
 __all__ = ["SAMPLES_FILE", "AsyncPPOTrainer", "StalenessError"]
@@ -180,7 +180,7 @@ def train_async(config: Any, runtime: Any, components: Any, placement: Placement
 
 def run_rollout_ranks(config: Any, placement: Placement) -> dict[str, float]:
     """A rollout rank's run (``train.run`` with ``rollout.placement=separate``)."""
-    from verl_megatron.trainer.async_rollout import run_rollout_worker
+    from verl_megatron.rollout.async_worker import run_rollout_worker
 
     try:
         return run_rollout_worker(config, placement)

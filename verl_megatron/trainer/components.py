@@ -134,7 +134,7 @@ def build_colocated(
 
 
 def _reward_fns(config: PPOConfig, tokenizer: Any) -> tuple[Any, Any]:
-    from verl_megatron.trainer.ppo.reward import load_reward_manager
+    from verl_megatron.reward.loading import load_reward_manager
 
     extra: dict[str, Any] = {}
     if config.reward_model.reward_manager == "dapo":
@@ -213,7 +213,7 @@ def build_components(config: PPOConfig, runtime: Runtime) -> tuple[PPOConfig, Co
 
         rollout = MultiTurnRollout(rollout, config.rollout, tokenizer, environment)
     reward_fn, val_reward_fn = _reward_fns(config, tokenizer)
-    from verl_megatron.trainer.ppo.model_rewards import build_model_rewards
+    from verl_megatron.reward.model_rewards import build_model_rewards
 
     model_rewards = build_model_rewards(config, runtime, tokenizer)
     return config, Components(

@@ -35,13 +35,13 @@ from verl_megatron.data.config import DataConfig
 from verl_megatron.distributed.parallel import ParallelLayout
 from verl_megatron.errors import UserInputError
 from verl_megatron.models.config import ModelConfig
+from verl_megatron.reward.model_config import ModelRewardSettings
+from verl_megatron.reward.scorers.code_exec import CodeSandboxConfig
 from verl_megatron.rollout.config import RolloutConfig
 from verl_megatron.trainer.async_config import AsyncTrainingConfig
 from verl_megatron.trainer.guard import DivergenceGuardConfig
 from verl_megatron.trainer.ppo.rollout_correction_config import RolloutCorrectionConfig
-from verl_megatron.utils.reward_score.code_exec import CodeSandboxConfig
 from verl_megatron.workers.config import ActorConfig, CriticConfig, RefConfig
-from verl_megatron.workers.reward_model_config import ModelRewardSettings
 
 __all__ = [
     "AlgoConfig",
@@ -527,7 +527,7 @@ def _check_old_log_prob(config: PPOConfig) -> None:
 
 
 def _check_algorithm(config: PPOConfig) -> None:
-    from verl_megatron.trainer.ppo import core_algos
+    from verl_megatron.algos import core_algos
     from verl_megatron.trainer.ppo.rollout_correction import check_rollout_correction
 
     algo = config.algorithm
@@ -662,7 +662,7 @@ def _check_lengths(config: PPOConfig) -> None:
 
 
 def _check_reward(config: PPOConfig) -> None:
-    from verl_megatron.trainer.ppo.reward import resolve_reward_manager_cls
+    from verl_megatron.reward.loading import resolve_reward_manager_cls
 
     try:
         resolve_reward_manager_cls(config.reward_model.reward_manager)
@@ -805,7 +805,7 @@ def validate_config(config: PPOConfig, world_size: int) -> ParallelLayout:
         raise ConfigError("data.train_files is empty; give parquet/jsonl files of verl rows")
     if config.model.path:
         check_model_fits(layout, config.model.path, config.model.sequence_parallel)
-    from verl_megatron.trainer.ppo.model_rewards import check_model_rewards
+    from verl_megatron.reward.model_rewards import check_model_rewards
 
     check_model_rewards(config, world_size)  # reward model checkpoint and layout, combine, judge
     return layout

@@ -28,16 +28,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from verl_megatron.algos import core_algos
 from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.models import routing_replay
 from verl_megatron.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
+from verl_megatron.reward.loading import compute_reward
 from verl_megatron.rollout.layout import gather_replicas, shard_for
 from verl_megatron.trainer import metrics as M
 from verl_megatron.trainer.components import Components, total_training_steps
 from verl_megatron.trainer.config import PPOConfig, to_dict
 from verl_megatron.trainer.guard import DivergenceGuard
-from verl_megatron.trainer.ppo import core_algos
-from verl_megatron.trainer.ppo.reward import compute_reward
 from verl_megatron.trainer.ppo.rollout_correction import apply_rollout_correction
 from verl_megatron.trainer.tracking import Tracking
 

@@ -20,16 +20,16 @@ import functools
 
 import torch
 
+from verl_megatron.algos import core_algos
+from verl_megatron.algos.policy_losses import metrics_on_device
 from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.models.logprobs import vocab_parallel_log_probs
 from verl_megatron.models.megatron_model import attach_schedule_hooks
 from verl_megatron.protocol import DataProto
-from verl_megatron.trainer.ppo import core_algos
-from verl_megatron.trainer.ppo.algos.policy_losses import metrics_on_device
 from verl_megatron.workers import moe
 from verl_megatron.workers.batching import MicroBatch
 from verl_megatron.workers.config import ActorConfig, RefConfig
-from verl_megatron.workers.engine import ModelRunner, StepResult, dp_share
+from verl_megatron.workers.model_runner import ModelRunner, StepResult, dp_share
 
 __all__ = ["MegatronActor", "MegatronRef"]
 

@@ -13,8 +13,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from verl_megatron.algos.core_algos import KL_PENALTY_NAMES, LOSS_AGG_MODES, POLICY_LOSS_REGISTRY
 from verl_megatron.models.routing_replay import RouterReplayConfig
-from verl_megatron.trainer.ppo.core_algos import KL_PENALTY_NAMES, LOSS_AGG_MODES, POLICY_LOSS_REGISTRY
 
 __all__ = ["ActorConfig", "CriticConfig", "OptimConfig", "PolicyLossConfig", "RefConfig"]
 

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import torch
 
+from verl_megatron.algos import core_algos
 from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.models.megatron_model import attach_schedule_hooks
 from verl_megatron.protocol import DataProto
-from verl_megatron.trainer.ppo import core_algos
 from verl_megatron.workers.actor import batch_tensors
 from verl_megatron.workers.batching import MicroBatch
 from verl_megatron.workers.config import CriticConfig
-from verl_megatron.workers.engine import ModelRunner, StepResult, dp_share
+from verl_megatron.workers.model_runner import ModelRunner, StepResult, dp_share
 
 __all__ = ["MegatronCritic"]
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from verl_megatron.algos.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
 from verl_megatron.protocol import DataProto
-from verl_megatron.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
 from verl_megatron.trainer.ppo.rollout_correction_config import (
     RolloutCorrectionConfig,
     RolloutCorrectionConfigError,

@@ -62,7 +62,7 @@ class RolloutCorrectionConfig:
 
     def validate(self) -> None:
         """Raise RolloutCorrectionConfigError naming the key of the first bad value."""
-        from verl_megatron.trainer.ppo import rollout_corr_helper as helper
+        from verl_megatron.algos import rollout_corr_helper as helper
 
         if self.rollout_is is not None and self.rollout_is not in helper.IS_LEVELS:
             raise RolloutCorrectionConfigError(

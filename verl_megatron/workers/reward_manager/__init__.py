@@ -1,29 +1,13 @@
-"""Reward managers: turn a batch of responses into per-token rewards.
+"""verl's import path verl_megatron.workers.reward_manager: the same package as :mod:`verl_megatron.reward.managers`, submodules included (one object
+each, so patches and registries are shared)."""
 
-Pick one by name with :func:`get_reward_manager_cls` ("naive", "dapo",
-"batch", "parallel", "prime"); add your own with ``@register("name")``.
-"""
+import importlib
+import sys
 
-# Imported for their @register side effect; the registry is filled on import.
-from verl_megatron.workers.reward_manager.base import RewardManagerBase
-from verl_megatron.workers.reward_manager.batch import BatchRewardManager
-from verl_megatron.workers.reward_manager.dapo import DAPORewardManager
-from verl_megatron.workers.reward_manager.naive import NaiveRewardManager
-from verl_megatron.workers.reward_manager.parallel import ParallelRewardManager, PrimeRewardManager
-from verl_megatron.workers.reward_manager.registry import (
-    REWARD_MANAGER_REGISTRY,
-    get_reward_manager_cls,
-    register,
-)
+from verl_megatron.reward import managers as _impl
 
-__all__ = [
-    "REWARD_MANAGER_REGISTRY",
-    "BatchRewardManager",
-    "DAPORewardManager",
-    "NaiveRewardManager",
-    "ParallelRewardManager",
-    "PrimeRewardManager",
-    "RewardManagerBase",
-    "get_reward_manager_cls",
-    "register",
-]
+_SUBMODULES = ("base", "batch", "dapo", "naive", "parallel", "registry", "scoring")
+
+for _name in _SUBMODULES:
+    sys.modules[f"{__name__}.{_name}"] = importlib.import_module(f"{_impl.__name__}.{_name}")
+sys.modules[__name__] = _impl

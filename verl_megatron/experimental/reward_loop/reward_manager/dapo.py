@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from verl_megatron.protocol import DataProto
-from verl_megatron.workers.reward_manager.dapo import DAPORewardManager as _BatchDAPO
+from verl_megatron.reward.managers.dapo import DAPORewardManager as _BatchDAPO
 
 __all__ = ["DAPORewardManager"]
 

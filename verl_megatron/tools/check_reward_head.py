@@ -2,7 +2,7 @@
 
 A checkpoint whose config.json names a ``*ForSequenceClassification`` is checked here instead of
 by logits: the same prompts are scored by the megatron reward model
-(:class:`~verl_megatron.workers.reward_model.MegatronRewardModel`, under ``--tp``/``--pp``) and by
+(:class:`~verl_megatron.reward.model.MegatronRewardModel`, under ``--tp``/``--pp``) and by
 ``AutoModelForSequenceClassification`` in float32, and the largest absolute score difference
 is compared with the tolerance (default 1e-4 in float32).
 """
@@ -43,9 +43,9 @@ def hf_scores(path: str, sequences: list[torch.Tensor]) -> torch.Tensor:
 
 def run_reward_check(args: argparse.Namespace, runtime: Runtime, hf_config: Any) -> int:
     """Inside the check's distributed job: score, compare, report; every rank returns the same status."""
-    from verl_megatron.models.check_hf import _prompts
-    from verl_megatron.workers.reward_model import MegatronRewardModel
-    from verl_megatron.workers.reward_model_config import ModelRewardSettings, RewardModelModelConfig
+    from verl_megatron.reward.model import MegatronRewardModel
+    from verl_megatron.reward.model_config import ModelRewardSettings, RewardModelModelConfig
+    from verl_megatron.tools.check_hf import _prompts
 
     settings = ModelRewardSettings(
         enable=True,

@@ -130,7 +130,7 @@ def _launch(argv: list[str], nproc: int) -> int:
         port = s.getsockname()[1]
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-        f"--master-port={port}", "-m", "verl_megatron.models.check_hf", *argv,
+        f"--master-port={port}", "-m", "verl_megatron.tools.check_hf", *argv,
     ]  # fmt: skip
     return subprocess.call(cmd)
 
@@ -208,7 +208,7 @@ def run_check(args: argparse.Namespace) -> int:
     """Inside a distributed job: build, load, compare. Every rank returns the same status."""
     runtime = init_runtime(_layout(args))
     hf_config = load_hf_config(args.path)
-    from verl_megatron.models.check_reward_head import is_sequence_classification, run_reward_check
+    from verl_megatron.tools.check_reward_head import is_sequence_classification, run_reward_check
 
     if is_sequence_classification(hf_config):  # a reward model: scores, not logits
         return run_reward_check(args, runtime, hf_config)

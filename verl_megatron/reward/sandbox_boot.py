@@ -1,6 +1,6 @@
 """The first process of a sandbox: confines itself, then runs the program.
 
-Run by :mod:`verl_megatron.utils.sandbox` as ``python -I -S -B sandbox_boot.py KEY=VALUE...
+Run by :mod:`verl_megatron.reward.sandbox` as ``python -I -S -B sandbox_boot.py KEY=VALUE...
 -- PROGRAM_ARGV...`` (keys: ``namespaces``, ``workdir``, ``tmpfs_bytes``, ``status_fd``,
 ``no_fork``, ``hide`` (repeated), ``env:NAME``, ``rlimit:RLIMIT_X`` = ``soft,hard``) with an empty environment, in
 a fresh temporary directory, with a status pipe on ``status_fd``. Standard library only and

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from verl_megatron.trainer.ppo.algos.aggregation import agg_loss
+from verl_megatron.algos.aggregation import agg_loss
 from verl_megatron.utils.torch_functional import masked_mean
 
 __all__ = [
@@ -69,7 +69,7 @@ def core_registry(name: str, default: dict) -> dict:
     a new dict; registering and looking up through the module attribute makes the
     rebound dict the one in use. While core_algos is still importing, `default` is it.
     """
-    core = sys.modules.get("verl_megatron.trainer.ppo.core_algos")
+    core = sys.modules.get("verl_megatron.algos.core_algos")
     return getattr(core, name, default) if core is not None else default
 
 

@@ -37,9 +37,7 @@ from typing import Any
 
 import torch
 
-from verl_megatron.utils.reward_score import default_compute_score, is_builtin_scorer
-from verl_megatron.utils.reward_score.code_exec import map_side_by_side
-from verl_megatron.workers.reward_manager.scoring import (
+from verl_megatron.reward.managers.scoring import (
     DEFAULT_TIMEOUT_S,
     ERROR,
     INVALID,
@@ -49,6 +47,8 @@ from verl_megatron.workers.reward_manager.scoring import (
     ScoreTask,
     call_contained,
 )
+from verl_megatron.reward.scorers import default_compute_score, is_builtin_scorer
+from verl_megatron.reward.scorers.code_exec import map_side_by_side
 
 FAILURE_METRICS = {
     TIMEOUT: "reward/timeout_count",

@@ -5,16 +5,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from verl_megatron.utils.reward_score import batch_default_compute_score
-from verl_megatron.workers.reward_manager.base import RewardManagerBase, Sample
-from verl_megatron.workers.reward_manager.registry import register
-from verl_megatron.workers.reward_manager.scoring import (
+from verl_megatron.reward.managers.base import RewardManagerBase, Sample
+from verl_megatron.reward.managers.registry import register
+from verl_megatron.reward.managers.scoring import (
     ERROR,
     ScoreOutcome,
     ScoreTask,
     call_contained,
     coerce_result,
 )
+from verl_megatron.reward.scorers import batch_default_compute_score
 
 # One call scores the whole batch, so its limit is a batch's worth of the per-sample default.
 DEFAULT_BATCH_TIMEOUT_S = 600.0

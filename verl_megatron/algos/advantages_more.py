@@ -10,8 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from verl_megatron.errors import VerlCompatError
-from verl_megatron.trainer.ppo.algos.advantages import (
+from verl_megatron.algos.advantages import (
     AdvantageEstimator,
     _config_get,
     _group_ids,
@@ -22,6 +21,7 @@ from verl_megatron.trainer.ppo.algos.advantages import (
     compute_grpo_outcome_advantage,
     register_adv_est,
 )
+from verl_megatron.errors import VerlCompatError
 from verl_megatron.utils.torch_functional import masked_whiten
 
 __all__ = [

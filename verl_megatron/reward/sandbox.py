@@ -55,7 +55,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from verl_megatron.utils import sandbox_boot
+from verl_megatron.reward import sandbox_boot
 
 logger = logging.getLogger(__name__)
 

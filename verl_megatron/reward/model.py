@@ -28,9 +28,9 @@ import torch
 from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.errors import UserInputError
 from verl_megatron.protocol import DataProto
+from verl_megatron.reward.model_config import ModelRewardSettings
 from verl_megatron.workers.batching import MicroBatch
-from verl_megatron.workers.engine import ModelRunner, StepResult, dp_share
-from verl_megatron.workers.reward_model_config import ModelRewardSettings
+from verl_megatron.workers.model_runner import ModelRunner, StepResult, dp_share
 
 __all__ = [
     "MegatronRewardModel",

@@ -8,9 +8,9 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from verl_megatron.workers.reward_manager.base import RewardManagerBase
-from verl_megatron.workers.reward_manager.registry import register
-from verl_megatron.workers.reward_manager.scoring import DEFAULT_TIMEOUT_S
+from verl_megatron.reward.managers.base import RewardManagerBase
+from verl_megatron.reward.managers.registry import register
+from verl_megatron.reward.managers.scoring import DEFAULT_TIMEOUT_S
 
 
 @contextlib.contextmanager
@@ -42,7 +42,7 @@ class NaiveRewardManager(RewardManagerBase):
     """Scores samples one after another: a user's scorer in one worker process
     (killed and replaced when a call overruns ``compute_score_timeout``; hung
     calls are waited on side by side), a built-in one in this process. See
-    :mod:`~verl_megatron.workers.reward_manager.base` for ``isolation``.
+    :mod:`~verl_megatron.reward.managers.base` for ``isolation``.
     """
 
     def __init__(

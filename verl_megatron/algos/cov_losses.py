@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from verl_megatron.trainer.ppo.algos.aggregation import agg_loss
-from verl_megatron.trainer.ppo.algos.policy_losses import (
+from verl_megatron.algos.aggregation import agg_loss
+from verl_megatron.algos.policy_losses import (
     _metrics,
     cfg_value,
     check_inputs,

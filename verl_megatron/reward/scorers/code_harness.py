@@ -1,7 +1,7 @@
 """Runs a candidate program on test cases, inside the sandbox (standard library only).
 
 Started as ``python -I -B -X utf8 code_harness.py`` by :mod:`.code_exec` through
-:mod:`verl_megatron.utils.sandbox`. Reads one JSON spec on stdin::
+:mod:`verl_megatron.reward.sandbox`. Reads one JSON spec on stdin::
 
     {"code": str, "fn_name": str | None, "case_timeout_s": float, "case_wall_s": float,
      "max_output_bytes": int,

@@ -6,9 +6,9 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from verl_megatron.workers.reward_manager.base import RewardManagerBase, Sample
-from verl_megatron.workers.reward_manager.registry import register
-from verl_megatron.workers.reward_manager.scoring import DEFAULT_TIMEOUT_S, ScoreOutcome
+from verl_megatron.reward.managers.base import RewardManagerBase, Sample
+from verl_megatron.reward.managers.registry import register
+from verl_megatron.reward.managers.scoring import DEFAULT_TIMEOUT_S, ScoreOutcome
 
 
 @register("parallel")

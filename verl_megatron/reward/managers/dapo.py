@@ -7,9 +7,9 @@ from collections.abc import Callable
 from typing import Any
 
 from verl_megatron.errors import VerlCompatError
-from verl_megatron.workers.reward_manager.base import RewardManagerBase, Sample
-from verl_megatron.workers.reward_manager.registry import register
-from verl_megatron.workers.reward_manager.scoring import DEFAULT_TIMEOUT_S, ScoreOutcome
+from verl_megatron.reward.managers.base import RewardManagerBase, Sample
+from verl_megatron.reward.managers.registry import register
+from verl_megatron.reward.managers.scoring import DEFAULT_TIMEOUT_S, ScoreOutcome
 
 
 def _field(cfg: Any, name: str, default: Any = None) -> Any:

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from verl_megatron.trainer.ppo.algos.aggregation import agg_loss
-from verl_megatron.trainer.ppo.algos.policy_losses import (
+from verl_megatron.algos.aggregation import agg_loss
+from verl_megatron.algos.policy_losses import (
     _metrics,
     _weighted,
     cfg_value,
@@ -75,7 +75,7 @@ def compute_policy_loss_bypass_mode(
     the given `rollout_is_weights` are ignored. loss_type "ppo_clip" (default) is vanilla
     PPO on the rejected mask without IS weights (the ratio already is pi / pi_rollout);
     "reinforce" is REINFORCE with the IS weights. Metrics include ``rollout_corr/*``."""
-    from verl_megatron.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+    from verl_megatron.algos.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
 
     if config is None:
         raise ValueError("bypass_mode: the actor config is required")

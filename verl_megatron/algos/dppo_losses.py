@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from verl_megatron.trainer.ppo.algos.aggregation import agg_loss
-from verl_megatron.trainer.ppo.algos.policy_losses import (
+from verl_megatron.algos.aggregation import agg_loss
+from verl_megatron.algos.policy_losses import (
     _MAX_LOG_RATIO,
     _metrics,
     _weighted,

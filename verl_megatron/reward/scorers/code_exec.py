@@ -17,7 +17,7 @@ The code is taken from the last ```` ```python ```` block of the response (the w
 if there is none), as verl's prime_code does. The score is verl's continuous one: the
 fraction of the first ``max_cases`` (10) cases passed, in [0, 1].
 
-Every run is confined by :mod:`verl_megatron.utils.sandbox`. A sample that does not pass
+Every run is confined by :mod:`verl_megatron.reward.sandbox`. A sample that does not pass
 is counted under one cause, the first failing case's: ``wrong_answer``, ``runtime_error``,
 ``syntax_error``, ``timeout``, ``cpu_limit``, ``memory``, ``output_limit``, ``crash``,
 ``network`` / ``process`` / ``filesystem`` / ``signal`` (the program failed after trying to
@@ -46,8 +46,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from verl_megatron.utils import sandbox
-from verl_megatron.utils.reward_score import code_harness
+from verl_megatron.reward import sandbox
+from verl_megatron.reward.scorers import code_harness
 
 CODE_SOURCES = ("codecontests", "apps", "codeforces", "taco")
 # Float comparison of stdout tokens: numpy.allclose's defaults, as verl's prime_code uses.
@@ -68,7 +68,7 @@ class CodeSandboxConfig:
         file_size_mb: largest file the program may write, in MiB (a case's input included).
         max_processes: processes the program may run, itself included (1: none started).
         max_output_bytes: a case's stdout (or return value's repr) kept; longer fails.
-        isolation: "auto", "namespaces" or "basic" (see :mod:`verl_megatron.utils.sandbox`).
+        isolation: "auto", "namespaces" or "basic" (see :mod:`verl_megatron.reward.sandbox`).
         site_packages: whether the program may import the trainer's third-party packages
             (numpy, ...): their directories go on its sys.path, read-only.
         max_workers: programs run at once by the batch scorer (None: the CPU count).
@@ -346,7 +346,7 @@ def map_side_by_side(
     code data sources run side by side in threads (each only waits on its sandbox), up to
     the bound ``code_sandbox``'s ``max_workers``; every other call runs here, in order
     (the math scorers' own time limits need the main thread)."""
-    from verl_megatron.utils.reward_score import default_compute_score  # it imports this module
+    from verl_megatron.reward.scorers import default_compute_score  # it imports this module
 
     base, bound = fn, {}
     while isinstance(base, functools.partial):

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from verl_megatron.algos.policy_losses import core_registry
 from verl_megatron.errors import VerlCompatError
-from verl_megatron.trainer.ppo.algos.policy_losses import core_registry
 from verl_megatron.utils.torch_functional import masked_whiten
 
 __all__ = [

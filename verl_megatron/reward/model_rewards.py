@@ -20,14 +20,14 @@ import torch
 import torch.distributed as dist
 
 from verl_megatron.protocol import DataProto
-from verl_megatron.trainer.ppo.reward_combine import (
+from verl_megatron.reward.combine import (
     FormulaError,
     compile_formula,
     default_formula,
     place_at_last_token,
 )
-from verl_megatron.workers.reward_judge import CAUSES, RewardJudge, check_judge_config
-from verl_megatron.workers.reward_model_config import TRUNCATION_MODES
+from verl_megatron.reward.judge import CAUSES, RewardJudge, check_judge_config
+from verl_megatron.reward.model_config import TRUNCATION_MODES
 
 __all__ = ["ModelRewards", "build_model_rewards", "check_model_rewards", "judge_count_key"]
 
@@ -44,8 +44,8 @@ def check_model_rewards(config: Any, world_size: int) -> None:
     """Start-up check of ``reward_model``'s model-based part; raises ConfigError naming the key."""
     from verl_megatron.distributed.parallel import ParallelConfigError
     from verl_megatron.models.config import load_hf_config, read_hf_architecture
+    from verl_megatron.reward.model import check_reward_checkpoint
     from verl_megatron.trainer.config import ConfigError
-    from verl_megatron.workers.reward_model import check_reward_checkpoint
 
     section = config.reward_model
     try:
@@ -62,7 +62,7 @@ def check_model_rewards(config: Any, world_size: int) -> None:
         try:
             check_judge_config(section.judge)
             if section.judge.backend == "native" and section.judge.model_path:
-                from verl_megatron.workers.reward_judge_model import check_judge_model_path
+                from verl_megatron.reward.judge_model import check_judge_model_path
 
                 check_judge_model_path(section.judge.model_path)
         except ValueError as err:
@@ -175,7 +175,7 @@ def _response_mask(batch: DataProto) -> torch.Tensor:
 def judge_messages(batch: DataProto, tokenizer: Any, template: str) -> list[str]:
     """The judge's user message of each row: the question (the last user turn of ``raw_prompt``,
     else the decoded prompt), the decoded response and the ground truth, in ``template``."""
-    from verl_megatron.workers.reward_judge import render_prompt
+    from verl_megatron.reward.judge import render_prompt
 
     tensors, non_tensors = batch.batch, batch.non_tensor_batch
     responses = tensors["responses"]
@@ -203,12 +203,12 @@ def build_model_rewards(config: Any, runtime: Any, tokenizer: Any) -> ModelRewar
         return None
     reward_model = None
     if section.enable:
-        from verl_megatron.workers.reward_model import MegatronRewardModel
+        from verl_megatron.reward.model import MegatronRewardModel
 
         reward_model = MegatronRewardModel(runtime, section)
     judge = None
     if section.judge.enable and section.judge.backend == "native" and section.judge.model_path:
-        from verl_megatron.workers.reward_judge_model import build_judge_model
+        from verl_megatron.reward.judge_model import build_judge_model
 
         generate, judge_tokenizer = build_judge_model(config, runtime)
         judge = RewardJudge(section.judge, judge_tokenizer, generate)

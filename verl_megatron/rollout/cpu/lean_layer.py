@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from verl_megatron.rollout.packed_linear import _PackedMatmul, pack_weight, packing_available
+from verl_megatron.rollout.cpu.packed_linear import _PackedMatmul, pack_weight, packing_available
 
 __all__ = ["LeanLayer", "lean_layer"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from verl_megatron.trainer.ppo.algos.aggregation import Count, agg_loss
+from verl_megatron.algos.aggregation import Count, agg_loss
 from verl_megatron.utils.torch_functional import entropy_from_logits, masked_mean
 
 __all__ = ["compute_entropy_loss", "compute_value_loss"]

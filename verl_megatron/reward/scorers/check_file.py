@@ -1,7 +1,7 @@
 """Check a user's scorer file in a throw-away interpreter: it imports and defines the function.
 
 Run as ``python -c <this file's source> PATH NAME`` by
-:func:`verl_megatron.trainer.ppo.reward.check_reward_config`: importing a file executes its
+:func:`verl_megatron.reward.loading.check_reward_config`: importing a file executes its
 top level, which may call ``sys.exit``, crash or hang, so the trainer does it in a child
 process. Standard library only (the child starts in milliseconds). The last stdout line
 that starts with ``MARKER`` carries the result as JSON: ``{"ok": true}`` or

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from verl_megatron.workers.reward_model_config import JUDGE_BACKENDS, JudgeConfig
+from verl_megatron.reward.model_config import JUDGE_BACKENDS, JudgeConfig
 
 __all__ = [
     "CAUSES",

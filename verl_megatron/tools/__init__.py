@@ -1,0 +1,1 @@
+"""Command-line checks: HF <-> megatron logits (check-hf) and reward heads."""

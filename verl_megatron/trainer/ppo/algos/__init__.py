@@ -1,1 +1,0 @@
-"""Implementation modules of `verl_megatron.trainer.ppo.core_algos` (import from there)."""
