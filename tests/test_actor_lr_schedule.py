@@ -6,14 +6,8 @@ import math
 
 import pytest
 
-from verl_megatron.workers.config import (
-    ActorConfig,
-    CriticConfig,
-    OptimConfig,
-    PolicyLossConfig,
-    RefConfig,
-    WorkerConfigError,
-)
+from verl_megatron.errors import WorkerConfigError
+from verl_megatron.workers.config import ActorConfig, CriticConfig, OptimConfig, PolicyLossConfig, RefConfig
 from verl_megatron.workers.lr_schedule import build_lr_scheduler, optim_settings, warmup_steps
 
 

@@ -106,7 +106,8 @@ def critic_job(path: str, pp: int, vpp: int | None) -> dict:
 
 
 def dense_ep_job(path: str) -> str:
-    from verl_megatron.distributed.parallel import ParallelConfigError, ParallelLayout, init_runtime
+    from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
+    from verl_megatron.errors import ParallelConfigError
 
     runtime = init_runtime(ParallelLayout(ep=2), seed=5)
     try:

@@ -120,8 +120,9 @@ def test_console_lines_without_a_terminal_are_plain_with_step_count(tmp_path, ca
 
 
 def test_rollout_log_prob_micro_batch_is_read_by_the_actor():
+    from verl_megatron.errors import ConfigError
     from verl_megatron.trainer.components import resolve_worker_configs
-    from verl_megatron.trainer.config import ConfigError, load_config, validate_config
+    from verl_megatron.trainer.config import load_config, validate_config
 
     config = load_config(QUICKSTART, ["rollout.log_prob_micro_batch_size_per_gpu=16"])
     assert config.actor.ppo_infer_micro_batch_size_per_gpu is None

@@ -286,7 +286,8 @@ def test_counts_reach_the_trainers_reward_metrics(tmp_path, monkeypatch):
 
 
 def test_reward_model_sandbox_keys_reach_the_scorer(tmp_path):
-    from verl_megatron.trainer.config import ConfigError, load_config
+    from verl_megatron.errors import ConfigError
+    from verl_megatron.trainer.config import load_config
     from verl_megatron.trainer.ppo.reward import load_reward_manager
 
     config = load_config(

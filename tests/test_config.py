@@ -7,14 +7,8 @@ import os
 import pytest
 
 from verl_megatron.distributed.parallel import ParallelLayout
-from verl_megatron.trainer.config import (
-    ConfigError,
-    PPOConfig,
-    default_config_path,
-    load_config,
-    to_dict,
-    validate_config,
-)
+from verl_megatron.errors import ConfigError
+from verl_megatron.trainer.config import PPOConfig, default_config_path, load_config, to_dict, validate_config
 from verl_megatron.workers.config import ActorConfig
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")

@@ -106,7 +106,8 @@ def test_cp_needs_packed_thd_rows():
 
 
 def test_engine_on_cpu_says_what_cp_needs():
-    from verl_megatron.distributed.parallel import ParallelConfigError, ParallelLayout, Runtime
+    from verl_megatron.distributed.parallel import ParallelLayout, Runtime
+    from verl_megatron.errors import ParallelConfigError
     from verl_megatron.workers.model_runner import ModelRunner
 
     runtime = Runtime(

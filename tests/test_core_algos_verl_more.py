@@ -265,7 +265,8 @@ def test_pf_ppo_weights_and_resampling() -> None:
 def _config_error(overrides: list[str]) -> str:
     import os
 
-    from verl_megatron.trainer.config import ConfigError, load_config, validate_config
+    from verl_megatron.errors import ConfigError
+    from verl_megatron.trainer.config import load_config, validate_config
 
     path = os.path.join(
         os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "quickstart.yaml"

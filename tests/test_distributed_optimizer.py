@@ -233,8 +233,9 @@ def test_distributed_optimizer_with_vpp_and_dp2_matches_one_process(pool4, refer
 
 
 def test_settings_must_agree_between_wrapping_and_optimizer():
+    from verl_megatron.errors import WorkerConfigError
     from verl_megatron.models.megatron_model import OptimSettings, build_optimizer
-    from verl_megatron.workers.config import OptimConfig, WorkerConfigError
+    from verl_megatron.workers.config import OptimConfig
 
     with pytest.raises(
         WorkerConfigError, match=r"overlap_param_gather=true needs optim.use_distributed_optimizer"

@@ -11,11 +11,11 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from verl_megatron.distributed.parallel import ParallelConfigError, ParallelLayout
+from verl_megatron.distributed.parallel import ParallelLayout
+from verl_megatron.errors import ModelConfigError, ParallelConfigError
 from verl_megatron.models.builder import llama3_inv_freq, padded_vocab_size
 from verl_megatron.models.config import (
     ModelConfig,
-    ModelConfigError,
     RopeSettings,
     hf_to_transformer_config,
     load_hf_config,

@@ -117,7 +117,8 @@ def test_check_hf_runs_moe_models_under_expert_parallelism(pool2, moe_models):
 
 def test_bad_expert_layouts_name_the_problem(moe_models):
     from verl_megatron.distributed.parallel import ParallelLayout
-    from verl_megatron.trainer.config import ConfigError, check_model_fits
+    from verl_megatron.errors import ConfigError
+    from verl_megatron.trainer.config import check_model_fits
 
     path = moe_models["qwen3_moe_norm_topk"]  # 4 experts
     with pytest.raises(ConfigError, match=r"num_experts=4 is not divisible by ep=3"):

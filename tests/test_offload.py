@@ -185,7 +185,8 @@ def test_plain_module_on_cpu_is_left_alone():
 
 def test_actor_param_offload_with_the_native_engine_is_a_config_error():
     from tests.test_config import QUICKSTART
-    from verl_megatron.trainer.config import ConfigError, load_config, validate_config
+    from verl_megatron.errors import ConfigError
+    from verl_megatron.trainer.config import load_config, validate_config
 
     config = load_config(QUICKSTART, ["actor.megatron.param_offload=true"])
     with pytest.raises(

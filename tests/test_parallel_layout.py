@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from verl_megatron.distributed.parallel import ParallelConfigError, ParallelLayout
+from verl_megatron.distributed.parallel import ParallelLayout
+from verl_megatron.errors import ParallelConfigError
 
 
 def test_dp_is_derived_from_world_size():

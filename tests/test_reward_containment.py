@@ -20,7 +20,7 @@ from verl_megatron.workers.reward_manager.scoring import DEFAULT_TIMEOUT_S
 from tests.test_e2e import QUICKSTART, TINY
 from tests.test_reward_managers import make_batch
 from verl_megatron import cli
-from verl_megatron.trainer.config import ConfigError
+from verl_megatron.errors import ConfigError
 from verl_megatron.trainer.ppo.reward import check_reward_config, load_reward_manager
 from verl_megatron.utils.local_assets import build_char_tokenizer
 from verl_megatron.workers.reward_manager import NaiveRewardManager

@@ -11,8 +11,9 @@ import os
 import pytest
 import torch
 
+from verl_megatron.errors import ConfigError
 from verl_megatron.protocol import DataProto
-from verl_megatron.trainer.config import ConfigError, load_config
+from verl_megatron.trainer.config import load_config
 from verl_megatron.trainer.ppo.rollout_correction import apply_rollout_correction
 from verl_megatron.trainer.ppo.rollout_correction_config import RolloutCorrectionConfig
 

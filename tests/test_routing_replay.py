@@ -115,7 +115,8 @@ def test_hook_replays_recorded_rows_and_counts_agreement():
     ],
 )
 def test_replay_without_a_recording_engine_or_moe_model_is_refused(overrides, message):
-    from verl_megatron.trainer.config import ConfigError, default_config_path, load_config, validate_config
+    from verl_megatron.errors import ConfigError
+    from verl_megatron.trainer.config import default_config_path, load_config, validate_config
 
     with pytest.raises(ConfigError) as err:
         validate_config(load_config(default_config_path(), overrides), world_size=1)
@@ -124,7 +125,8 @@ def test_replay_without_a_recording_engine_or_moe_model_is_refused(overrides, me
 
 
 def test_a_dense_checkpoint_is_refused(tmp_path):
-    from verl_megatron.trainer.config import ConfigError, default_config_path, load_config, validate_config
+    from verl_megatron.errors import ConfigError
+    from verl_megatron.trainer.config import default_config_path, load_config, validate_config
     from verl_megatron.utils.local_assets import build_tiny_hf_model
 
     build_tiny_hf_model(tmp_path, "llama", vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4,

@@ -10,8 +10,9 @@ import logging
 import pytest
 import torch
 
+from verl_megatron.errors import ModelConfigError
 from verl_megatron.models import config as model_config
-from verl_megatron.models.config import ModelConfig, ModelConfigError
+from verl_megatron.models.config import ModelConfig
 
 
 def _machine(monkeypatch, cuda: bool, te: bool) -> None:

@@ -13,7 +13,18 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["EXIT_USER_ERROR", "UserInputError", "VerlCompatError", "is_user_error", "report_user_error"]
+__all__ = [
+    "EXIT_USER_ERROR",
+    "ConfigError",
+    "ConfigFileNotFoundError",
+    "ModelConfigError",
+    "ParallelConfigError",
+    "UserInputError",
+    "VerlCompatError",
+    "WorkerConfigError",
+    "is_user_error",
+    "report_user_error",
+]
 
 EXIT_USER_ERROR = 2
 
@@ -30,6 +41,28 @@ class VerlCompatError(ValueError, AssertionError):
     names the problem. Deriving from both keeps either ``except`` clause working. Not a
     UserInputError: raised inside a run it is a bug of the caller and keeps its traceback.
     """
+
+
+class ConfigError(UserInputError):
+    """A config value that cannot work; the message names the key."""
+
+
+class ConfigFileNotFoundError(ConfigError, FileNotFoundError):
+    """The ``--config`` file does not exist."""
+
+
+# The three below are raised by the rooms that own the setting (models/, workers/, distributed/)
+# and named with their key by the config loader, which re-raises them as ConfigError.
+class ModelConfigError(ValueError):
+    """A model or model setting that verl-megatron cannot build."""
+
+
+class WorkerConfigError(ValueError):
+    """An actor/critic/ref setting that cannot work."""
+
+
+class ParallelConfigError(ValueError):
+    """A parallel layout that cannot work for this world size or model."""
 
 
 def is_user_error(err: BaseException) -> bool:

@@ -20,9 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-
-class ParallelConfigError(ValueError):
-    """A parallel layout that cannot work for this world size or model."""
+from verl_megatron.errors import ParallelConfigError
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from verl_megatron.distributed.parallel import ParallelLayout
+from verl_megatron.errors import ModelConfigError
 from verl_megatron.models.moe import (
     MOE_MODEL_TYPES,
     MoEArchitecture,
@@ -35,10 +36,6 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", *MOE_MODEL_TYPES)
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _RECOMPUTE_KEYS = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules")
-
-
-class ModelConfigError(ValueError):
-    """A model or model setting that verl-megatron cannot build."""
 
 
 def transformer_engine_available() -> bool:

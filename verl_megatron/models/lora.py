@@ -39,8 +39,7 @@ from typing import Any
 
 import torch
 
-from verl_megatron.errors import UserInputError
-from verl_megatron.models.config import ModelConfigError
+from verl_megatron.errors import ModelConfigError, UserInputError
 
 __all__ = [
     "HF_TARGETS",

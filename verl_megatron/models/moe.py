@@ -68,7 +68,7 @@ def read_moe_architecture(hf_config: Any, num_layers: int) -> MoEArchitecture | 
     model_type = hf_config.model_type
     if model_type not in MOE_MODEL_TYPES:
         return None
-    from verl_megatron.models.config import ModelConfigError
+    from verl_megatron.errors import ModelConfigError
 
     num_experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
     topk = hf_config.num_experts_per_tok
@@ -135,7 +135,7 @@ def moe_transformer_config(moe: MoEArchitecture, *, use_te: bool, on_gpu: bool) 
 
 def check_dispatcher(config_kwargs: dict[str, Any], on_gpu: bool) -> None:
     """Raise when the chosen token dispatcher cannot run on this machine."""
-    from verl_megatron.models.config import ModelConfigError
+    from verl_megatron.errors import ModelConfigError
 
     dispatcher = config_kwargs.get("moe_token_dispatcher_type")
     if config_kwargs.get("num_moe_experts") and not on_gpu and dispatcher not in CPU_TOKEN_DISPATCHERS:
@@ -201,7 +201,7 @@ def check_trainable(moe: MoEArchitecture | None, tp: int, sequence_parallel: boo
     (``MoELayer.forward``), and sequence parallelism needs Transformer Engine (GPU). Forward
     passes (check-hf, log-probs) are not affected.
     """
-    from verl_megatron.models.config import ModelConfigError
+    from verl_megatron.errors import ModelConfigError
 
     if moe is not None and tp > 1 and not sequence_parallel:
         raise ModelConfigError(

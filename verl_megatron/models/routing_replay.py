@@ -76,7 +76,7 @@ class RouterReplayConfig:
     implemented here."""
 
     def __post_init__(self) -> None:
-        from verl_megatron.workers.config import WorkerConfigError
+        from verl_megatron.errors import WorkerConfigError
 
         if self.mode not in ROUTER_REPLAY_MODES:
             hint = " (R2 is verl's old-log-prob replay, not implemented here)" if self.mode == "R2" else ""
@@ -553,7 +553,7 @@ def for_trainer(config: Any, runtime: Any, actor: Any, rollout: Any) -> RunRoute
 
 def check_config(config: Any) -> None:
     """Start-up checks of the routing-replay keys (raises ConfigError naming the key)."""
-    from verl_megatron.trainer.config import ConfigError
+    from verl_megatron.errors import ConfigError
 
     mode = config.actor.megatron.router_replay.mode
     record = config.rollout.enable_rollout_routing_replay

@@ -164,7 +164,7 @@ def check_reward_config(config: Any) -> None:
     the manager does not take, or when the ``custom_reward_function`` file does not import
     (syntax error with its line, failing import, top-level exit or hang) or lacks the function.
     """
-    from verl_megatron.trainer.config import ConfigError
+    from verl_megatron.errors import ConfigError
 
     reward_model = _get(config, "reward_model")
     name = str(_get(reward_model, "reward_manager", "naive"))

@@ -42,10 +42,9 @@ def _formula_text(section: Any) -> str:
 
 def check_model_rewards(config: Any, world_size: int) -> None:
     """Start-up check of ``reward_model``'s model-based part; raises ConfigError naming the key."""
-    from verl_megatron.distributed.parallel import ParallelConfigError
+    from verl_megatron.errors import ConfigError, ParallelConfigError
     from verl_megatron.models.config import load_hf_config, read_hf_architecture
     from verl_megatron.reward.model import check_reward_checkpoint
-    from verl_megatron.trainer.config import ConfigError
 
     section = config.reward_model
     try:

@@ -79,8 +79,8 @@ class CheckHfArgumentError(UserInputError):
 
 def check_args(args: argparse.Namespace) -> None:
     """The checkpoint folder exists and its model can be split over ``--tp``/``--pp``/``--vpp``."""
-    from verl_megatron.distributed.parallel import ParallelConfigError
-    from verl_megatron.models.config import ModelConfigError, read_hf_architecture
+    from verl_megatron.errors import ModelConfigError, ParallelConfigError
+    from verl_megatron.models.config import read_hf_architecture
 
     if min(args.tp, args.pp, args.ep, args.etp or 1) < 1:
         raise CheckHfArgumentError(

@@ -33,7 +33,7 @@ from omegaconf import MISSING
 
 from verl_megatron.data.config import DataConfig
 from verl_megatron.distributed.parallel import ParallelLayout
-from verl_megatron.errors import UserInputError
+from verl_megatron.errors import ConfigError, ConfigFileNotFoundError
 from verl_megatron.models.config import ModelConfig
 from verl_megatron.reward.model_config import ModelRewardSettings
 from verl_megatron.reward.scorers.code_exec import CodeSandboxConfig
@@ -60,14 +60,6 @@ __all__ = [
     "load_config",
     "to_dict",
 ]
-
-
-class ConfigError(UserInputError):
-    """A config value that cannot work; the message names the key."""
-
-
-class ConfigFileNotFoundError(ConfigError, FileNotFoundError):
-    """The ``--config`` file does not exist."""
 
 
 @dataclass
@@ -697,8 +689,8 @@ def _check_finite(node: Any, prefix: str) -> None:
 
 def check_model_fits(layout: ParallelLayout, model_path: str, sequence_parallel: bool = False) -> None:
     """Parallel sizes against the checkpoint's heads, kv heads, layers and experts (reads config.json only)."""
-    from verl_megatron.distributed.parallel import ParallelConfigError
-    from verl_megatron.models.config import ModelConfigError, load_hf_config, read_hf_architecture
+    from verl_megatron.errors import ModelConfigError, ParallelConfigError
+    from verl_megatron.models.config import load_hf_config, read_hf_architecture
     from verl_megatron.models.moe import check_trainable
 
     if not os.path.exists(os.path.expanduser(model_path)):
@@ -728,8 +720,7 @@ def validate_config(config: PPOConfig, world_size: int) -> ParallelLayout:
     model's shape is checked against the layout when ``model.path`` is set
     (the quickstart checks its own tiny model once it is built).
     """
-    from verl_megatron.distributed.parallel import ParallelConfigError
-    from verl_megatron.models.config import ModelConfigError
+    from verl_megatron.errors import ModelConfigError, ParallelConfigError
     from verl_megatron.rollout.config import (
         RolloutConfigError,
         check_engine_installed,
@@ -779,7 +770,7 @@ def validate_config(config: PPOConfig, world_size: int) -> ParallelLayout:
             config,
             layout.dp,
         )
-    from verl_megatron.workers.config import WorkerConfigError
+    from verl_megatron.errors import WorkerConfigError
 
     # Sections of roles this run uses must be complete; an unused role's section may stay sparse.
     roles = [("actor", config.actor)]

@@ -12,7 +12,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from verl_megatron.trainer.config import ConfigError, load_config, validate_config
+from verl_megatron.errors import ConfigError
+from verl_megatron.trainer.config import load_config, validate_config
 from verl_megatron.trainer.progress import DataSizes
 
 __all__ = ["check_inputs", "prepare_run"]

@@ -28,7 +28,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from verl_megatron.trainer.config import ConfigError, PPOConfig, to_dict
+from verl_megatron.errors import ConfigError
+from verl_megatron.trainer.config import PPOConfig, to_dict
 
 __all__ = [
     "CONFIG_FILE",

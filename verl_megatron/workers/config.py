@@ -14,15 +14,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from verl_megatron.algos.core_algos import KL_PENALTY_NAMES, LOSS_AGG_MODES, POLICY_LOSS_REGISTRY
+from verl_megatron.errors import WorkerConfigError
 from verl_megatron.models.routing_replay import RouterReplayConfig
 
 __all__ = ["ActorConfig", "CriticConfig", "OptimConfig", "PolicyLossConfig", "RefConfig"]
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
-
-
-class WorkerConfigError(ValueError):
-    """An actor/critic/ref setting that cannot work."""
 
 
 @dataclass

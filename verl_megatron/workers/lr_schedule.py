@@ -9,8 +9,9 @@ Like megatron (and verl), step k of a warmup of W steps trains with
 
 from __future__ import annotations
 
+from verl_megatron.errors import WorkerConfigError
 from verl_megatron.models.megatron_model import OptimSettings
-from verl_megatron.workers.config import OptimConfig, WorkerConfigError
+from verl_megatron.workers.config import OptimConfig
 
 __all__ = ["build_lr_scheduler", "optim_settings", "warmup_steps"]
 

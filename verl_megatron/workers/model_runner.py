@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from verl_megatron.distributed.parallel import ParallelConfigError, Runtime
+from verl_megatron.distributed.parallel import Runtime
+from verl_megatron.errors import ParallelConfigError
 from verl_megatron.models.megatron_model import zero_grads
 from verl_megatron.workers import context_parallel, moe, shared_prefix
 from verl_megatron.workers.batching import (
