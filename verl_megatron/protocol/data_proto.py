@@ -1,25 +1,11 @@
-"""The batch container passed between trainer stages, compatible with verl's ``DataProto``.
-
-A ``DataProto`` holds three things about the same ``B`` samples:
-
-- ``batch``: a ``TensorDict`` with ``batch_size == [B]`` (e.g. ``prompts`` [B, Tp], ``responses``
-  [B, Tr], ``attention_mask`` [B, Tp+Tr]) or ``None`` when there are no tensors;
-- ``non_tensor_batch``: a dict of numpy arrays (usually ``dtype=object``) whose first axis has
-  length ``B`` (e.g. ``uid``, ``data_source``, ``reward_model``);
-- ``meta_info``: a plain dict shared by the whole batch (e.g. ``temperature``).
-
-User code written against ``verl.protocol`` ports by changing the import. Unlike verl, bad input
-raises an error naming the offending key and sizes instead of a bare ``assert``; where verl
-asserts, the error is a ``VerlCompatError`` (both ``ValueError`` and ``AssertionError``) so code
-catching either keeps working.
-"""
+"""``DataProto`` and ``DataProtoItem``: the batch container (see the package docstring) and its padding helpers."""
 
 from __future__ import annotations
 
 import copy
 import os
 import pickle
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,117 +14,24 @@ import torch
 from tensordict import TensorDict
 from torch.utils.data import DataLoader
 
-from verl_megatron import protocol_ops
 from verl_megatron.errors import VerlCompatError
-from verl_megatron.protocol_future import DataProtoFuture
-from verl_megatron.protocol_ops import fold_batch_dim, unfold_batch_dim
-from verl_megatron.utils.deep_equal import values_equal
-from verl_megatron.utils.tensor_serde import (
-    deserialize_single_tensor,
-    deserialize_tensordict,
-    serialize_single_tensor,
-    serialize_tensordict,
+from verl_megatron.protocol import ops as protocol_ops
+from verl_megatron.protocol.dicts import (
+    check_keys,
+    merge_meta_info,
+    to_object_array,
+    union_dicts,
+    union_tensor_dict,
 )
+from verl_megatron.utils.tensor_serde import deserialize_tensordict, serialize_tensordict
 
-__all__ = [
-    "DataProto",
-    "DataProtoFuture",
-    "DataProtoItem",
-    "deserialize_single_tensor",
-    "deserialize_tensordict",
-    "fold_batch_dim",
-    "pad_dataproto_to_divisor",
-    "serialize_single_tensor",
-    "serialize_tensordict",
-    "unfold_batch_dim",
-    "union_numpy_dict",
-    "union_tensor_dict",
-    "unpad_dataproto",
-]
+__all__ = ["AUTO_PADDING_KEY", "DataProto", "DataProtoItem", "pad_dataproto_to_divisor", "unpad_dataproto"]
 
 # meta_info key that lets ``chunk`` split into unequal parts (verl's name, so flags set by verl
 # code carry over).
 AUTO_PADDING_KEY = "_verl_auto_padding"
 
 Index = int | np.integer | slice | list | np.ndarray | torch.Tensor
-
-
-def _to_object_array(key: str, values: Any) -> np.ndarray:
-    """Wrap a sequence as a 1-D object array of ``len(values)`` elements.
-
-    ``np.array(list_of_lists, dtype=object)`` would build a 2-D array when the inner lists have
-    equal lengths; filling element by element keeps one entry per sample.
-    """
-    if isinstance(values, np.ndarray):
-        return values
-    if isinstance(values, str | bytes) or not isinstance(values, Sequence):
-        raise TypeError(
-            f"non_tensor '{key}' must be a numpy array or a sequence with one entry per sample, "
-            f"got {type(values).__name__}"
-        )
-    array = np.empty(len(values), dtype=object)
-    for i, value in enumerate(values):
-        array[i] = value
-    return array
-
-
-def union_tensor_dict(tensor_dict1: TensorDict, tensor_dict2: TensorDict) -> TensorDict:
-    """Add the keys of ``tensor_dict2`` to ``tensor_dict1`` in place and return it.
-
-    Raises VerlCompatError when the batch sizes differ or a shared key holds different values.
-    """
-    if tensor_dict1.batch_size != tensor_dict2.batch_size:
-        raise VerlCompatError(
-            f"cannot union batches of different sizes: {list(tensor_dict1.batch_size)} "
-            f"and {list(tensor_dict2.batch_size)}"
-        )
-    # TensorDict iterates over rows, not keys, so go through items() and an explicit key set.
-    existing_keys = set(tensor_dict1.keys())
-    for key, value in tensor_dict2.items():
-        if key not in existing_keys:
-            tensor_dict1[key] = value
-        elif not values_equal(tensor_dict1[key], value):
-            raise VerlCompatError(
-                f"cannot union: batch key '{key}' holds different values in the two DataProtos"
-            )
-    return tensor_dict1
-
-
-def union_numpy_dict(tensor_dict1: dict[str, np.ndarray], tensor_dict2: dict[str, np.ndarray]) -> dict:
-    """Add the arrays of ``tensor_dict2`` to ``tensor_dict1`` in place and return it.
-
-    A key in both must hold equal arrays (NaN equals NaN, object arrays compared element by element).
-    """
-    for key, value in tensor_dict2.items():
-        if key in tensor_dict1:
-            for name, array in (("tensor_dict1", tensor_dict1[key]), ("tensor_dict2", value)):
-                if not isinstance(array, np.ndarray):
-                    raise VerlCompatError(
-                        f"union_numpy_dict: `{key}` in {name} is a {type(array).__name__}, not a numpy array"
-                    )
-            if not values_equal(tensor_dict1[key], value):
-                raise VerlCompatError(f"`{key}` in tensor_dict1 and tensor_dict2 are not the same object.")
-        tensor_dict1[key] = value
-    return tensor_dict1
-
-
-def _union_dicts(name: str, dict1: dict, dict2: dict) -> dict:
-    """Add the entries of ``dict2`` to ``dict1`` in place; a shared key must hold equal values."""
-    for key, value in dict2.items():
-        if key in dict1 and not values_equal(dict1[key], value):
-            raise VerlCompatError(
-                f"cannot union: {name} key '{key}' holds different values in the two DataProtos"
-            )
-        dict1[key] = value
-    return dict1
-
-
-def _check_keys(kind: str, wanted: Iterable[str], available: Iterable[str]) -> list[str]:
-    wanted, available = list(wanted), list(available)
-    missing = [k for k in wanted if k not in available]
-    if missing:
-        raise KeyError(f"{kind} keys {missing} not found; available: {sorted(available)}")
-    return wanted
 
 
 @dataclass
@@ -206,7 +99,7 @@ class DataProto:
                 raise VerlCompatError(
                     f"tensor '{key}' has {tensor.shape[0]} rows but tensor '{pivot_key}' has {batch_size}"
                 )
-        non_tensor_batch = {key: _to_object_array(key, val) for key, val in (non_tensors or {}).items()}
+        non_tensor_batch = {key: to_object_array(key, val) for key, val in (non_tensors or {}).items()}
         batch = TensorDict(source=tensors, batch_size=[batch_size]) if tensors else None
         return cls(batch=batch, non_tensor_batch=non_tensor_batch, meta_info=meta_info)
 
@@ -300,23 +193,7 @@ class DataProto:
 
     def select_idxs(self, idxs: list | np.ndarray | torch.Tensor) -> DataProto:
         """Rows at integer indices, or where a bool mask of length B is True, as a new DataProto."""
-        idxs_np = idxs.detach().cpu().numpy() if isinstance(idxs, torch.Tensor) else np.asarray(idxs)
-        if idxs_np.size == 0:
-            idxs_np = idxs_np.astype(np.int64)
-        if idxs_np.ndim != 1 or idxs_np.dtype.kind not in "biu":
-            raise TypeError(
-                f"DataProto row index must be a 1-D integer or bool array, got {idxs_np.dtype} {idxs_np.shape}"
-            )
-        if idxs_np.dtype == bool and idxs_np.shape[0] != len(self):
-            raise IndexError(
-                f"bool mask has {idxs_np.shape[0]} entries but the DataProto has {len(self)} rows"
-            )
-        if (
-            idxs_np.dtype != bool
-            and idxs_np.size
-            and not (-len(self) <= idxs_np.min() and idxs_np.max() < len(self))
-        ):
-            raise IndexError(f"indices {idxs_np.tolist()} out of range for a DataProto of length {len(self)}")
+        idxs_np = protocol_ops.row_index(idxs, len(self))
         idxs_torch = torch.from_numpy(idxs_np)
         batch = None
         if self.batch is not None:
@@ -344,16 +221,16 @@ class DataProto:
                 raise KeyError(
                     f"select: batch keys {list(batch_keys)} requested but the DataProto has no batch"
                 )
-            batch = batch.select(*_check_keys("batch", batch_keys, batch.keys()))
+            batch = batch.select(*check_keys("batch", batch_keys, batch.keys()))
         elif batch is not None:
             batch = batch.select(*batch.keys())  # a new TensorDict, so adding keys leaves self alone
         non_tensor = self.non_tensor_batch
         if non_tensor_batch_keys is not None:
-            keys = _check_keys("non_tensor_batch", non_tensor_batch_keys, non_tensor.keys())
+            keys = check_keys("non_tensor_batch", non_tensor_batch_keys, non_tensor.keys())
             non_tensor = {key: non_tensor[key] for key in keys}
         meta = self.meta_info
         if meta_info_keys is not None:
-            meta = {key: meta[key] for key in _check_keys("meta_info", meta_info_keys, meta.keys())}
+            meta = {key: meta[key] for key in check_keys("meta_info", meta_info_keys, meta.keys())}
         if deepcopy:
             batch = batch.clone() if batch is not None else None
             non_tensor, meta = copy.deepcopy(non_tensor), copy.deepcopy(meta)
@@ -366,11 +243,11 @@ class DataProto:
         meta_info_keys: Iterable[str] | None = None,
     ) -> DataProto:
         """Remove the given keys from ``self`` and return them as a new DataProto."""
-        batch_keys = _check_keys(
+        batch_keys = check_keys(
             "batch", batch_keys or [], self.batch.keys() if self.batch is not None else []
         )
-        nt_keys = _check_keys("non_tensor_batch", non_tensor_batch_keys or [], self.non_tensor_batch.keys())
-        meta_keys = _check_keys("meta_info", meta_info_keys or [], self.meta_info.keys())
+        nt_keys = check_keys("non_tensor_batch", non_tensor_batch_keys or [], self.non_tensor_batch.keys())
+        meta_keys = check_keys("meta_info", meta_info_keys or [], self.meta_info.keys())
         tensors = {key: self.batch.pop(key) for key in batch_keys}
         non_tensors = {key: self.non_tensor_batch.pop(key) for key in nt_keys}
         meta = {key: self.meta_info.pop(key) for key in meta_keys}
@@ -388,7 +265,7 @@ class DataProto:
             return self
         if self.batch is None:
             raise KeyError(f"rename: keys {old} requested but the DataProto has no batch")
-        _check_keys("batch", old, self.batch.keys())
+        check_keys("batch", old, self.batch.keys())
         kept = set(self.batch.keys()) - set(old)
         clashes = sorted(kept.intersection(new))
         if clashes or len(set(new)) != len(new):
@@ -416,8 +293,8 @@ class DataProto:
             batch = self.batch
         else:
             batch = union_tensor_dict(self.batch, other.batch)
-        non_tensor = _union_dicts("non_tensor_batch", dict(self.non_tensor_batch), other.non_tensor_batch)
-        meta = _union_dicts("meta_info", dict(self.meta_info), other.meta_info)
+        non_tensor = union_dicts("non_tensor_batch", dict(self.non_tensor_batch), other.non_tensor_batch)
+        meta = union_dicts("meta_info", dict(self.meta_info), other.meta_info)
         self.batch, self.non_tensor_batch, self.meta_info = batch, non_tensor, meta
         self.check_consistency()
         return self
@@ -464,49 +341,21 @@ class DataProto:
         """Join along the batch dimension; all parts need the same keys.
 
         ``meta_info`` is merged: every part's keys (equal values where parts share a key) and the
-        parts' ``metrics`` gathered into one dict of lists (see ``protocol_ops.merge_meta_info``).
+        parts' ``metrics`` gathered into one dict of lists (see ``dicts.merge_meta_info``).
         """
-        if not data:
-            raise VerlCompatError("concat: got an empty list of DataProto")
+        protocol_ops.check_concat_keys(data)
         first = data[0]
-        batch_keys = set(first.batch.keys()) if first.batch is not None else None
-        for i, part in enumerate(data[1:], start=1):
-            keys = set(part.batch.keys()) if part.batch is not None else None
-            if keys != batch_keys:
-                raise VerlCompatError(
-                    f"concat: part {i} has batch keys {_sorted(keys)} but part 0 has {_sorted(batch_keys)}"
-                )
-            if part.non_tensor_batch.keys() != first.non_tensor_batch.keys():
-                raise VerlCompatError(
-                    f"concat: part {i} has non_tensor keys {sorted(part.non_tensor_batch)} "
-                    f"but part 0 has {sorted(first.non_tensor_batch)}"
-                )
-        batch = torch.cat([part.batch for part in data], dim=0) if batch_keys is not None else None
+        batch = torch.cat([part.batch for part in data], dim=0) if first.batch is not None else None
         non_tensor = {
             key: np.concatenate([part.non_tensor_batch[key] for part in data], axis=0)
             for key in first.non_tensor_batch
         }
-        meta_info = protocol_ops.merge_meta_info([part.meta_info for part in data])
+        meta_info = merge_meta_info([part.meta_info for part in data])
         return type(first)(batch=batch, non_tensor_batch=non_tensor, meta_info=meta_info)
 
     def repeat(self, repeat_times: int = 2, interleave: bool = True) -> DataProto:
         """Each row ``repeat_times`` times: ``[a, a, b, b]`` when interleaved, else ``[a, b, a, b]``."""
-        if repeat_times <= 0:
-            raise VerlCompatError(f"repeat: repeat_times must be positive, got {repeat_times}")
-        batch = None
-        if self.batch is not None:
-            if interleave:
-                source = {k: t.repeat_interleave(repeat_times, dim=0) for k, t in self.batch.items()}
-            else:
-                source = {k: t.repeat(repeat_times, *([1] * (t.dim() - 1))) for k, t in self.batch.items()}
-            batch = TensorDict(source=source, batch_size=[len(self) * repeat_times], device=self.batch.device)
-        non_tensor = {}
-        for key, val in self.non_tensor_batch.items():
-            if interleave:
-                non_tensor[key] = np.repeat(val, repeat_times, axis=0)
-            else:
-                non_tensor[key] = np.tile(val, (repeat_times,) + (1,) * (val.ndim - 1))
-        return type(self)(batch=batch, non_tensor_batch=non_tensor, meta_info=self.meta_info)
+        return protocol_ops.repeat_rows(self, repeat_times, interleave)
 
     def reorder(self, indices: torch.Tensor | np.ndarray | list[int]) -> None:
         """Reorder rows in place so that new row ``i`` is old row ``indices[i]``."""
@@ -601,10 +450,6 @@ class DataProto:
         if not isinstance(data, DataProto):
             raise TypeError(f"load_from_disk: '{filepath}' holds a {type(data).__name__}, not a DataProto")
         return data
-
-
-def _sorted(keys: set[str] | None) -> list[str] | None:
-    return sorted(keys) if keys is not None else None
 
 
 def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataProto, int]:

@@ -1,12 +1,13 @@
 """Reshaping and conversion helpers behind ``DataProto``'s verl-compatible methods.
 
 Each function takes a ``DataProto`` and builds its result with ``type(data)(...)``, so subclasses
-stay subclasses and this module needs no import of ``protocol``.
+stay subclasses. The functions are typed against ``Rows`` (the three fields a DataProto has), so
+``data_proto`` imports this module and never the other way round.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -15,13 +16,14 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict
 from verl_megatron.errors import VerlCompatError
 from verl_megatron.utils.tensordict_utils import get_tensordict, non_tensor_stack
 
-if TYPE_CHECKING:
-    from verl_megatron.protocol import DataProto
-
 __all__ = [
+    "Rows",
+    "check_concat_keys",
     "describe",
     "fold_batch_dim",
     "from_tensordict",
+    "repeat_rows",
+    "row_index",
     "sample_level_repeat",
     "to_tensordict",
     "unfold_batch_dim",
@@ -29,7 +31,28 @@ __all__ = [
 ]
 
 
-def fold_batch_dim(data: DataProto, new_batch_size: int) -> DataProto:
+class Rows(Protocol):
+    """What the functions here need of a ``DataProto``: the three fields, a length, and a
+    constructor taking them by keyword (``type(data)(batch=..., non_tensor_batch=..., meta_info=...)``)."""
+
+    batch: TensorDict | None
+    non_tensor_batch: dict[str, np.ndarray]
+    meta_info: dict[str, Any]
+
+    def __init__(
+        self,
+        batch: TensorDict | None = ...,
+        non_tensor_batch: dict[str, np.ndarray] = ...,
+        meta_info: dict[str, Any] = ...,
+    ) -> None: ...
+
+    def __len__(self) -> int: ...
+
+
+R = TypeVar("R", bound=Rows)
+
+
+def fold_batch_dim(data: R, new_batch_size: int) -> R:
     """Rows [B, ...] regrouped as [new_batch_size, B // new_batch_size, ...] (consecutive rows
     form a group); the batch size becomes ``new_batch_size``. ``data`` is left unchanged."""
     size = len(data)
@@ -43,7 +66,7 @@ def fold_batch_dim(data: DataProto, new_batch_size: int) -> DataProto:
     return type(data)(batch=batch, non_tensor_batch=non_tensor, meta_info=data.meta_info)
 
 
-def unfold_batch_dim(data: DataProto, batch_dims: int = 2) -> DataProto:
+def unfold_batch_dim(data: R, batch_dims: int = 2) -> R:
     """Inverse of ``fold_batch_dim``: the first ``batch_dims`` dimensions become one batch dimension."""
     batch, size = None, None
     if data.batch is not None:
@@ -63,7 +86,7 @@ def unfold_batch_dim(data: DataProto, batch_dims: int = 2) -> DataProto:
     return type(data)(batch=batch, non_tensor_batch=non_tensor, meta_info=data.meta_info)
 
 
-def sample_level_repeat(data: DataProto, repeat_times: Any) -> DataProto:
+def sample_level_repeat(data: R, repeat_times: Any) -> R:
     """Row ``i`` repeated ``repeat_times[i]`` times, in order (a list, tuple, array or 1-D tensor)."""
     if isinstance(repeat_times, torch.Tensor | np.ndarray) and repeat_times.ndim != 1:
         raise VerlCompatError(
@@ -87,7 +110,70 @@ def sample_level_repeat(data: DataProto, repeat_times: Any) -> DataProto:
     return type(data)(batch=batch, non_tensor_batch=non_tensor, meta_info=data.meta_info)
 
 
-def unfold_column_chunks(data: DataProto, n_split: int, split_keys: list[str] | None = None) -> DataProto:
+def row_index(idxs: list | np.ndarray | torch.Tensor, length: int) -> np.ndarray:
+    """``idxs`` (integer indices or a bool mask over ``length`` rows) as a checked 1-D numpy array."""
+    idxs_np = idxs.detach().cpu().numpy() if isinstance(idxs, torch.Tensor) else np.asarray(idxs)
+    if idxs_np.size == 0:
+        idxs_np = idxs_np.astype(np.int64)
+    if idxs_np.ndim != 1 or idxs_np.dtype.kind not in "biu":
+        raise TypeError(
+            f"DataProto row index must be a 1-D integer or bool array, got {idxs_np.dtype} {idxs_np.shape}"
+        )
+    if idxs_np.dtype == bool and idxs_np.shape[0] != length:
+        raise IndexError(f"bool mask has {idxs_np.shape[0]} entries but the DataProto has {length} rows")
+    if idxs_np.dtype != bool and idxs_np.size and not (-length <= idxs_np.min() and idxs_np.max() < length):
+        raise IndexError(f"indices {idxs_np.tolist()} out of range for a DataProto of length {length}")
+    return idxs_np
+
+
+def repeat_rows(data: R, repeat_times: int, interleave: bool) -> R:
+    """Each row ``repeat_times`` times: ``[a, a, b, b]`` when interleaved, else ``[a, b, a, b]``."""
+    if repeat_times <= 0:
+        raise VerlCompatError(f"repeat: repeat_times must be positive, got {repeat_times}")
+    batch = None
+    if data.batch is not None:
+        if interleave:
+            source = {k: t.repeat_interleave(repeat_times, dim=0) for k, t in data.batch.items()}
+        else:
+            source = {k: t.repeat(repeat_times, *([1] * (t.dim() - 1))) for k, t in data.batch.items()}
+        batch = TensorDict(source=source, batch_size=[len(data) * repeat_times], device=data.batch.device)
+    non_tensor = {}
+    for key, val in data.non_tensor_batch.items():
+        if interleave:
+            non_tensor[key] = np.repeat(val, repeat_times, axis=0)
+        else:
+            non_tensor[key] = np.tile(val, (repeat_times,) + (1,) * (val.ndim - 1))
+    return type(data)(batch=batch, non_tensor_batch=non_tensor, meta_info=data.meta_info)
+
+
+def check_concat_keys(parts: list[Rows]) -> None:
+    """Raise unless every part has part 0's batch keys and non-tensor keys."""
+    if not parts:
+        raise VerlCompatError("concat: got an empty list of DataProto")
+    first = parts[0]
+    batch_keys = _batch_keys(first)
+    for i, part in enumerate(parts[1:], start=1):
+        keys = _batch_keys(part)
+        if keys != batch_keys:
+            raise VerlCompatError(
+                f"concat: part {i} has batch keys {_sorted(keys)} but part 0 has {_sorted(batch_keys)}"
+            )
+        if part.non_tensor_batch.keys() != first.non_tensor_batch.keys():
+            raise VerlCompatError(
+                f"concat: part {i} has non_tensor keys {sorted(part.non_tensor_batch)} "
+                f"but part 0 has {sorted(first.non_tensor_batch)}"
+            )
+
+
+def _batch_keys(data: Rows) -> set[str] | None:
+    return set(data.batch.keys()) if data.batch is not None else None
+
+
+def _sorted(keys: set[str] | None) -> list[str] | None:
+    return sorted(keys) if keys is not None else None
+
+
+def unfold_column_chunks(data: R, n_split: int, split_keys: list[str] | None = None) -> R:
     """Split dim 1 of each key in ``split_keys`` into ``n_split`` chunks laid out as new rows
     ([B, n*C, ...] -> [B*n, C, ...]); other keys repeat each row ``n_split`` times."""
     split = set(split_keys or [])
@@ -133,7 +219,7 @@ def _object_rows_as_columns(key: str, rows: np.ndarray) -> np.ndarray:
     return table
 
 
-def to_tensordict(data: DataProto) -> TensorDict:
+def to_tensordict(data: R) -> TensorDict:
     """One TensorDict: tensors as they are, per-sample objects as ``NonTensorStack``, ``meta_info``
     entries as ``NonTensorData``. ``from_tensordict`` reverses it."""
     tensors: dict[str, Any] = dict(data.batch.items()) if data.batch is not None else {}
@@ -146,8 +232,8 @@ def to_tensordict(data: DataProto) -> TensorDict:
 
 
 def from_tensordict(
-    cls: type[DataProto], tensor_dict: TensorDict, meta_info: dict | None = None, num_batch_dims: int = 1
-) -> DataProto:
+    cls: type[R], tensor_dict: TensorDict, meta_info: dict | None = None, num_batch_dims: int = 1
+) -> R:
     """A DataProto from a TensorDict built like ``to_tensordict``'s output."""
     if num_batch_dims != 1:
         raise VerlCompatError(
@@ -173,7 +259,7 @@ def from_tensordict(
     return cls(batch=batch, non_tensor_batch=non_tensor, meta_info=meta)
 
 
-def describe(data: DataProto) -> str:
+def describe(data: R) -> str:
     """A multi-line listing: each tensor's shape, dtype and device, each array's shape and dtype,
     and a type summary of each ``meta_info`` value (``list[int]``, ``dict[str: float]``, ...)."""
     lines = ["batch"]
@@ -203,49 +289,3 @@ def _type_summary(value: Any) -> str:
     if isinstance(value, np.ndarray):
         return f"ndarray{value.shape} ({value.dtype})"
     return type(value).__name__
-
-
-def merge_meta_info(metas: list[dict]) -> dict:
-    """The ``meta_info`` of a concatenation: every part's keys, ``metrics`` gathered from all parts.
-
-    Each part's ``metrics`` (one dict, or a list of dicts) is collected and turned into one dict of
-    lists, key order from the first dict. Any other key that two parts hold must hold equal values.
-    """
-    from verl_megatron.utils.deep_equal import values_equal
-
-    merged: dict = {}
-    metrics: list[dict] = []
-    for i, meta in enumerate(metas):
-        for key, value in meta.items():
-            if key == "metrics":
-                if value is not None:
-                    metrics.extend(value if isinstance(value, list) else [value])
-            elif key not in merged:
-                merged[key] = value
-            elif not values_equal(merged[key], value):
-                raise VerlCompatError(
-                    f"Conflicting values for meta_info key '{key}': part {i} has {_short(value)}, "
-                    f"an earlier part has {_short(merged[key])}"
-                )
-    if metrics:
-        merged["metrics"] = _dict_of_lists(metrics)
-    return merged
-
-
-def _dict_of_lists(dicts: list[dict]) -> dict[str, list]:
-    out: dict[str, list] = {key: [] for key in dicts[0]}
-    for i, entry in enumerate(dicts):
-        if not isinstance(entry, dict):
-            raise VerlCompatError(f"concat: metrics entry {i} is a {type(entry).__name__}, expected a dict")
-        for key, value in entry.items():
-            if key not in out:
-                raise VerlCompatError(
-                    f"concat: metric '{key}' (entry {i}) is missing from the first metrics dict {sorted(out)}"
-                )
-            out[key].append(value)
-    return out
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from verl_megatron.errors import VerlCompatError
-
-if TYPE_CHECKING:
-    from verl_megatron.protocol import DataProto
+from verl_megatron.protocol.data_proto import DataProto
 
 __all__ = ["DataProtoFuture"]
 
@@ -35,8 +33,6 @@ class DataProtoFuture:
     @staticmethod
     def concat(data: list[Any]) -> DataProtoFuture:
         """A future joining ``data`` (futures of DataProtos) with ``DataProto.concat``."""
-        from verl_megatron.protocol import DataProto
-
         return DataProtoFuture(collect_fn=DataProto.concat, futures=data)
 
     def chunk(self, chunks: int) -> list[DataProtoFuture]:
@@ -50,8 +46,6 @@ class DataProtoFuture:
 
     def get(self) -> DataProto:
         """Wait for every future, join the results and apply ``dispatch_fn``."""
-        from verl_megatron.protocol import DataProto
-
         results = [f.result() if hasattr(f, "result") else f for f in self.futures]
         for i, result in enumerate(results):
             if not isinstance(result, DataProto):
