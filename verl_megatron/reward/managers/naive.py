@@ -5,12 +5,10 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 from verl_megatron.reward.managers.base import RewardManagerBase
 from verl_megatron.reward.managers.registry import register
-from verl_megatron.reward.managers.scoring import DEFAULT_TIMEOUT_S
 
 
 @contextlib.contextmanager
@@ -44,16 +42,3 @@ class NaiveRewardManager(RewardManagerBase):
     calls are waited on side by side), a built-in one in this process. See
     :mod:`~verl_megatron.reward.managers.base` for ``isolation``.
     """
-
-    def __init__(
-        self,
-        tokenizer: Any,
-        num_examine: int,
-        compute_score: Callable[..., Any] | None = None,
-        reward_fn_key: str = "data_source",
-        compute_score_timeout: float | None = DEFAULT_TIMEOUT_S,
-        isolation: str = "auto",
-    ) -> None:
-        super().__init__(
-            tokenizer, num_examine, compute_score, reward_fn_key, compute_score_timeout, isolation
-        )

@@ -20,7 +20,10 @@ class ParallelRewardManager(RewardManagerBase):
     first call and are reused; hung calls do not hold up the others.
     ``mp_start_method`` is "fork" by default (fast, no pickling of the
     scorer); use "spawn" to keep workers clear of the parent's state.
+    ``num_processes=None`` takes ``DEFAULT_NUM_PROCESSES`` (None there: the CPU count, at most 8).
     """
+
+    DEFAULT_NUM_PROCESSES: int | None = None
 
     def __init__(
         self,
@@ -33,7 +36,9 @@ class ParallelRewardManager(RewardManagerBase):
         mp_start_method: str | None = None,
     ) -> None:
         super().__init__(tokenizer, num_examine, compute_score, reward_fn_key, compute_score_timeout)
-        self.num_processes = min(8, os.cpu_count() or 1) if num_processes is None else num_processes
+        if num_processes is None:
+            num_processes = self.DEFAULT_NUM_PROCESSES or min(8, os.cpu_count() or 1)
+        self.num_processes = num_processes
         if self.num_processes < 1:
             raise ValueError(f"{type(self).__name__}: num_processes must be >= 1, got {num_processes}")
         self.mp_start_method = mp_start_method
@@ -45,24 +50,7 @@ class ParallelRewardManager(RewardManagerBase):
 
 @register("prime")
 class PrimeRewardManager(ParallelRewardManager):
-    """verl's name and signature for the process-pool manager (PRIME)."""
+    """verl's name for the process-pool manager (PRIME), with its 64 processes by default."""
 
-    def __init__(
-        self,
-        tokenizer: Any,
-        num_examine: int,
-        compute_score: Callable[..., Any] | None = None,
-        reward_fn_key: str = "data_source",
-        num_processes: int = 64,
-        compute_score_timeout: float | None = DEFAULT_TIMEOUT_S,
-        mp_start_method: str | None = None,
-    ) -> None:
-        super().__init__(
-            tokenizer,
-            num_examine,
-            compute_score,
-            reward_fn_key,
-            num_processes,
-            compute_score_timeout,
-            mp_start_method,
-        )
+    # verl's PRIME scores with 64 processes unless told otherwise.
+    DEFAULT_NUM_PROCESSES = 64
