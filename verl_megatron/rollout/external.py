@@ -14,14 +14,16 @@ the engine as::
 ``ExternalRollout`` does everything that does not need the engine itself: unpadding prompts to
 token-id lists, choosing sampling settings, stop tokens and seeds, turning completions into
 verl's batch keys, and streaming weights. An ``EngineBackend`` (``vllm_engine.py``,
-``sglang_engine.py``) talks to the engine.
+``sglang_engine.py``) talks to the engine. In those two modules, what does not need the engine's
+package (engine and sampling arguments, reading its outputs) is plain functions, unit-tested on
+CPU; the backend class is the thin part that calls the engine.
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -45,6 +47,7 @@ __all__ = [
     "ExternalRollout",
     "GenerationRequest",
     "engine_dtype",
+    "engine_sampling",
     "model_path_of",
 ]
 
@@ -66,6 +69,19 @@ def model_path_of(hf_config: Any) -> str:
             "vllm/sglang rollout needs the model folder: load hf_config with AutoConfig.from_pretrained(path)"
         )
     return str(path)
+
+
+def engine_sampling(request: GenerationRequest) -> dict[str, Any]:
+    """The sampling fields vLLM and SGLang name alike (in both, temperature 0 is greedy and top_k
+    -1 is off); each engine adds its own names for the length, log-probs and seed."""
+    params = request.params
+    return {
+        "temperature": 0.0 if params.greedy else params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k if params.top_k > 0 else -1,
+        "stop_token_ids": list(request.stop_token_ids),
+        "ignore_eos": request.ignore_eos,
+    }
 
 
 @dataclass(frozen=True)
@@ -135,8 +151,12 @@ class ExternalRollout(RolloutEngine):
     Args:
         config, runtime, actor_chunks, tokenizer, hf_config: as for every engine
             (``verl_megatron.rollout.build_rollout``).
-        backend: the engine adapter.
+        backend: the engine adapter; None builds ``backend_cls(config, hf_config, runtime)``
+            (tests pass a fake one).
     """
+
+    # The adapter an engine subclass talks to (VLLMBackend, SGLangBackend).
+    backend_cls: ClassVar[type[EngineBackend] | None] = None
 
     def __init__(
         self,
@@ -145,8 +165,12 @@ class ExternalRollout(RolloutEngine):
         actor_chunks: list[torch.nn.Module],
         tokenizer: Any,
         hf_config: Any,
-        backend: EngineBackend,
+        backend: EngineBackend | None = None,
     ) -> None:
+        if backend is None:
+            if self.backend_cls is None:
+                raise TypeError(f"{type(self).__name__}: no backend given and no backend_cls to build one")
+            backend = self.backend_cls(config, hf_config, runtime)
         self.config = config
         self.runtime = runtime
         self.chunks = actor_chunks

@@ -9,16 +9,11 @@ release and resume the engine's GPU memory (``enable_memory_saver``).
 Sampling: a prompt's n samples are requested as n copies of the prompt; the engine's draws are
 seeded by its ``random_seed`` (SGLang takes no per-request seed), so only the native and vLLM
 engines repeat a call's tokens from the rollout seed.
-
-The pieces that do not need SGLang (engine and sampling arguments, reading its outputs) are
-plain functions, unit-tested on CPU; ``SGLangBackend`` is the thin part that calls SGLang.
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-import torch
 
 from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.rollout.config import RolloutConfig, RolloutConfigError
@@ -27,6 +22,7 @@ from verl_megatron.rollout.external import (
     EngineBackend,
     ExternalRollout,
     GenerationRequest,
+    engine_sampling,
     model_path_of,
 )
 from verl_megatron.rollout.weight_sync import NamedTensor
@@ -69,15 +65,7 @@ def sglang_engine_kwargs(config: RolloutConfig, hf_config: Any, runtime: Runtime
 
 def sglang_sampling_params(request: GenerationRequest) -> dict[str, Any]:
     """SGLang's per-request sampling dict (temperature 0 is greedy, top_k -1 is off)."""
-    params = request.params
-    return {
-        "temperature": 0.0 if params.greedy else params.temperature,
-        "top_p": params.top_p,
-        "top_k": params.top_k if params.top_k > 0 else -1,
-        "max_new_tokens": request.max_tokens,
-        "stop_token_ids": list(request.stop_token_ids),
-        "ignore_eos": request.ignore_eos,
-    }
+    return {**engine_sampling(request), "max_new_tokens": request.max_tokens}
 
 
 def completions_from_sglang(outputs: list[dict[str, Any]], n: int, logprobs: bool) -> list[list[Completion]]:
@@ -133,15 +121,4 @@ class SGLangBackend(EngineBackend):
 class SGLangRollout(ExternalRollout):
     """The rollout interface over SGLang (see the module docstring); ``backend`` replaces SGLang in tests."""
 
-    def __init__(
-        self,
-        config: RolloutConfig,
-        runtime: Runtime,
-        actor_chunks: list[torch.nn.Module],
-        tokenizer: Any,
-        hf_config: Any,
-        backend: EngineBackend | None = None,
-    ) -> None:
-        if backend is None:
-            backend = SGLangBackend(config, hf_config, runtime)
-        super().__init__(config, runtime, actor_chunks, tokenizer, hf_config, backend)
+    backend_cls = SGLangBackend

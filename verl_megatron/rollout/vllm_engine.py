@@ -10,17 +10,12 @@ use vLLM's sleep mode (level 1: weights offloaded to CPU, KV cache freed).
 Log-probs: vLLM is asked for ``processed_logprobs`` (after temperature, so they match
 ``rollout_log_probs`` of the native engine; with top-k / top-p vLLM renormalises over the kept
 tokens, the native engine does not).
-
-The pieces that do not need vLLM (engine and sampling arguments, reading its outputs) are
-plain functions, unit-tested on CPU; ``VLLMBackend`` is the thin part that calls vLLM.
 """
 
 from __future__ import annotations
 
 import os
 from typing import Any
-
-import torch
 
 from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.rollout.config import RolloutConfig, RolloutConfigError
@@ -29,6 +24,7 @@ from verl_megatron.rollout.external import (
     EngineBackend,
     ExternalRollout,
     GenerationRequest,
+    engine_sampling,
     model_path_of,
 )
 from verl_megatron.rollout.weight_sync import NamedTensor
@@ -99,15 +95,10 @@ def vllm_engine_kwargs(config: RolloutConfig, hf_config: Any, runtime: Runtime) 
 def vllm_sampling_kwargs(request: GenerationRequest, seed: int | None = None) -> dict[str, Any]:
     """Keyword arguments for ``vllm.SamplingParams`` (vLLM: temperature 0 is greedy, top_k -1 is off);
     ``seed`` (a prompt's) replaces the call's."""
-    params = request.params
     return {
-        "n": params.n,
-        "temperature": 0.0 if params.greedy else params.temperature,
-        "top_p": params.top_p,
-        "top_k": params.top_k if params.top_k > 0 else -1,
+        "n": request.params.n,
+        **engine_sampling(request),
         "max_tokens": request.max_tokens,
-        "stop_token_ids": list(request.stop_token_ids),
-        "ignore_eos": request.ignore_eos,
         "logprobs": 0 if request.logprobs else None,
         "seed": request.seed if seed is None else seed,
         "detokenize": False,
@@ -192,15 +183,4 @@ class VLLMBackend(EngineBackend):
 class VLLMRollout(ExternalRollout):
     """The rollout interface over vLLM (see the module docstring); ``backend`` replaces vLLM in tests."""
 
-    def __init__(
-        self,
-        config: RolloutConfig,
-        runtime: Runtime,
-        actor_chunks: list[torch.nn.Module],
-        tokenizer: Any,
-        hf_config: Any,
-        backend: EngineBackend | None = None,
-    ) -> None:
-        if backend is None:
-            backend = VLLMBackend(config, hf_config, runtime)
-        super().__init__(config, runtime, actor_chunks, tokenizer, hf_config, backend)
+    backend_cls = VLLMBackend
