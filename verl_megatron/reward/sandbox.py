@@ -52,7 +52,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from verl_megatron.reward import sandbox_boot
@@ -125,10 +125,17 @@ class SandboxLimits:
     open_files: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("cpu_s", "wall_s", "memory_mb", "file_size_mb", "max_processes", "max_output_bytes"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and value > 0):
-                raise ValueError(f"SandboxLimits.{name} must be a positive number, got {value!r}")
+        names = ("cpu_s", "wall_s", "memory_mb", "file_size_mb", "max_processes", "max_output_bytes")
+        require_positive(self, names, "SandboxLimits")
+
+
+def require_positive(owner: object, names: Iterable[str], where: str) -> None:
+    """Raise ValueError naming ``{where}.{name}`` for the first of ``names`` on ``owner`` that is
+    not a positive number."""
+    for name in names:
+        value = getattr(owner, name)
+        if not (isinstance(value, (int, float)) and value > 0):
+            raise ValueError(f"{where}.{name} must be a positive number, got {value!r}")
 
 
 @dataclass
@@ -395,5 +402,6 @@ __all__ = [
     "SandboxLimits",
     "SandboxResult",
     "detect_isolation",
+    "require_positive",
     "run_sandboxed",
 ]

@@ -90,10 +90,8 @@ class CodeSandboxConfig:
 
     def __post_init__(self) -> None:
         where = "reward_model.sandbox"
-        for name in ("case_timeout_s", "case_wall_factor", "max_cases", "memory_mb", "file_size_mb"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and value > 0):
-                raise ValueError(f"{where}.{name} must be a positive number, got {value!r}")
+        names = ("case_timeout_s", "case_wall_factor", "max_cases", "memory_mb", "file_size_mb")
+        sandbox.require_positive(self, names, where)
         for name in ("max_processes", "max_output_bytes"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
                 raise ValueError(f"{where}.{name} must be an integer >= 1, got {getattr(self, name)!r}")
