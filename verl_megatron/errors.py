@@ -15,10 +15,14 @@ import sys
 
 __all__ = [
     "EXIT_USER_ERROR",
+    "AsyncTrainingConfigError",
     "ConfigError",
     "ConfigFileNotFoundError",
     "ModelConfigError",
+    "OutputDirError",
     "ParallelConfigError",
+    "PlacementError",
+    "RolloutConfigError",
     "UserInputError",
     "VerlCompatError",
     "WorkerConfigError",
@@ -51,18 +55,36 @@ class ConfigFileNotFoundError(ConfigError, FileNotFoundError):
     """The ``--config`` file does not exist."""
 
 
-# The three below are raised by the rooms that own the setting (models/, workers/, distributed/)
-# and named with their key by the config loader, which re-raises them as ConfigError.
-class ModelConfigError(ValueError):
+# Config errors raised by the room that owns the setting (models/, workers/, distributed/,
+# rollout/, trainer/): each message names its key, so the loader and validate_config let
+# them through as they are (every one is a ConfigError, hence a user error).
+class ModelConfigError(ConfigError):
     """A model or model setting that verl-megatron cannot build."""
 
 
-class WorkerConfigError(ValueError):
+class WorkerConfigError(ConfigError):
     """An actor/critic/ref setting that cannot work."""
 
 
-class ParallelConfigError(ValueError):
+class ParallelConfigError(ConfigError):
     """A parallel layout that cannot work for this world size or model."""
+
+
+class RolloutConfigError(ConfigError):
+    """A rollout setting that cannot work; the message names the field."""
+
+
+class PlacementError(ConfigError):
+    """A placement or async-training setting that cannot work; the message names the key."""
+
+
+class AsyncTrainingConfigError(ConfigError):
+    """An async-training setting that cannot work; the message names the key."""
+
+
+class OutputDirError(ConfigError):
+    """The output directory cannot take this run: another run holds it, or it holds results
+    that this run would overwrite, or the config changed in a way a resume cannot honour."""
 
 
 def is_user_error(err: BaseException) -> bool:

@@ -12,7 +12,7 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
-from verl_megatron.errors import UserInputError
+from verl_megatron.errors import RolloutConfigError
 
 __all__ = [
     "ENGINE_NAMES",
@@ -28,10 +28,6 @@ __all__ = [
 ENGINE_NAMES = ("native", "vllm", "sglang")
 # engine -> (pip package, verl-megatron extra that installs it); the native engine needs none
 ENGINE_PACKAGES = {"vllm": ("vllm", "gpu"), "sglang": ("sglang", "sglang")}
-
-
-class RolloutConfigError(UserInputError):
-    """A rollout setting that cannot work; the message names the field."""
 
 
 @dataclass

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from verl_megatron.errors import UserInputError
+from verl_megatron.errors import PlacementError
 
 __all__ = ["Placement", "PlacementError", "check_placement", "init_placement"]
 
@@ -30,10 +30,6 @@ TRAINER, ROLLOUT = "trainer", "rollout"
 # Each init_placement of a process gets fresh store keys: every rank calls it equally often, so
 # the n-th call of every rank agrees on the prefix (a second run under the same torchrun store).
 _sessions = 0
-
-
-class PlacementError(UserInputError):
-    """A placement or async-training setting that cannot work; the message names the key."""
 
 
 def check_placement(config: Any, world_size: int) -> int:

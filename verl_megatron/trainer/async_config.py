@@ -9,13 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from verl_megatron.errors import UserInputError
+from verl_megatron.errors import AsyncTrainingConfigError
 
 __all__ = ["AsyncTrainingConfig", "AsyncTrainingConfigError"]
-
-
-class AsyncTrainingConfigError(UserInputError):
-    """An async-training setting that cannot work; the message names the key."""
 
 
 @dataclass

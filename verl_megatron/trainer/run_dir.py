@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from verl_megatron.errors import ConfigError
+from verl_megatron.errors import OutputDirError
 from verl_megatron.trainer.config import PPOConfig, to_dict
 
 __all__ = [
@@ -82,11 +82,6 @@ _DERIVED = (
     "actor.optim.total_training_steps",
     "critic.optim.total_training_steps",
 )
-
-
-class OutputDirError(ConfigError):
-    """The output directory cannot take this run: another run holds it, or it holds results
-    that this run would overwrite, or the config changed in a way a resume cannot honour."""
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

@@ -11,13 +11,21 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from verl_megatron.algos.core_algos import KL_PENALTY_NAMES, LOSS_AGG_MODES, POLICY_LOSS_REGISTRY
 from verl_megatron.errors import WorkerConfigError
 from verl_megatron.models.routing_replay import RouterReplayConfig
 
-__all__ = ["ActorConfig", "CriticConfig", "OptimConfig", "PolicyLossConfig", "RefConfig"]
+__all__ = [
+    "ActorConfig",
+    "CriticConfig",
+    "OptimConfig",
+    "PPOWorkerConfig",
+    "PolicyLossConfig",
+    "PolicyLossSettings",
+    "RefConfig",
+]
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 
@@ -167,8 +175,12 @@ class OffloadConfig:
 
 
 @dataclass
-class ActorConfig:
-    """PPO policy training (verl's ``actor_rollout_ref.actor``)."""
+class PPOWorkerConfig:
+    """What the actor and the critic share: mini/micro batching, epochs, loss aggregation,
+    optimizer and offload (verl's field names; defaults are the actor's, the critic overrides some)."""
+
+    role: ClassVar[str] = "actor"
+    """The YAML section this class reads (named in error messages)."""
 
     strategy: str = "megatron"
     """Training backend; only ``megatron`` here."""
@@ -179,52 +191,25 @@ class ActorConfig:
     ppo_micro_batch_size_per_gpu: int | None = None
     """Sequences per forward/backward micro-batch on one dp rank (when use_dynamic_bsz is false)."""
     ppo_infer_micro_batch_size_per_gpu: int | None = None
-    """Sequences per micro-batch of compute_log_prob; null means ppo_micro_batch_size_per_gpu."""
+    """Sequences per inference micro-batch (log-probs / values); null means ppo_micro_batch_size_per_gpu."""
     use_dynamic_bsz: bool = False
     """Form micro-batches by a token budget instead of a sequence count."""
     ppo_max_token_len_per_gpu: int = 16384
     """Token budget of one training micro-batch with use_dynamic_bsz."""
     ppo_infer_max_token_len_per_gpu: int = 16384
-    """Token budget of one compute_log_prob micro-batch with use_dynamic_bsz."""
+    """Token budget of one inference micro-batch with use_dynamic_bsz."""
     use_remove_padding: bool = True
     """Pack the valid tokens of a micro-batch into one row (THD) instead of a padded [b, T] batch."""
     share_prompt_prefix: bool = True
     """Rows of a micro-batch that share a prompt (GRPO groups) run it once: one model row of
     prompt + responses with attention kept per response (``workers/shared_prefix.py``). Applies
     with the local (SDPA) attention spec without cp/sp/MoE; elsewhere the layout above is used."""
-    clip_ratio: float = 0.2
-    """PPO clip range (default for clip_ratio_low/high)."""
-    clip_ratio_low: float = 0.2
-    """Lower clip range: ratio >= 1 - clip_ratio_low."""
-    clip_ratio_high: float = 0.2
-    """Upper clip range: ratio <= 1 + clip_ratio_high (DAPO's clip-higher)."""
-    clip_ratio_c: float = 3.0
-    """Dual-clip constant for negative advantages (> 1)."""
-    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
-    """Policy loss variant and its knobs."""
     loss_agg_mode: str = "token-mean"
     """How per-token losses become one number (see core_algos.agg_loss)."""
     loss_scale_factor: int | None = None
     """Constant divisor for seq-mean-token-sum-norm; null means the response length."""
-    tau_pos: float = 1.0
-    """SAPO gate temperature for positive advantages."""
-    tau_neg: float = 1.05
-    """SAPO gate temperature for negative advantages."""
-    entropy_coeff: float = 0.0
-    """Entropy bonus: loss -= entropy_coeff * agg(entropy)."""
-    use_kl_loss: bool = False
-    """Add a KL(policy || reference) loss on ``ref_log_prob`` (GRPO)."""
-    kl_loss_coef: float = 0.001
-    """Weight of the KL loss."""
-    kl_loss_type: str = "low_var_kl"
-    """KL estimator of the KL loss (core_algos.kl_penalty names)."""
     ppo_epochs: int = 1
-    """Passes over the batch per update_policy call."""
-    recompute_old_log_prob: bool = True
-    """Compute old_log_probs in a forward pass of their own before the update (verl's way). false,
-    for an on-policy update only (one mini-batch, one epoch; checked at start-up): the update's own
-    log-probs, detached, are the old ones (the ratio is exactly 1, as in verl's actor on-policy and
-    TRL's GRPO with one iteration), and the trainer skips that pass; the gradient is the same."""
+    """Passes over the batch per update call."""
     shuffle: bool = False
     """Shuffle sequences before splitting into mini-batches, per epoch."""
     data_loader_seed: int | None = None
@@ -237,12 +222,13 @@ class ActorConfig:
     """Host-memory offload between stages (GPU only)."""
 
     def __post_init__(self) -> None:
+        where = self.role
         if self.ppo_micro_batch_size is not None:
             raise WorkerConfigError(
-                "actor.ppo_micro_batch_size is deprecated (as in verl); set actor.ppo_micro_batch_size_per_gpu"
+                f"{where}.ppo_micro_batch_size is deprecated (as in verl); set {where}.ppo_micro_batch_size_per_gpu"
             )
         _check_batching(
-            "actor",
+            where,
             self.ppo_mini_batch_size,
             self.ppo_micro_batch_size_per_gpu,
             self.use_dynamic_bsz,
@@ -251,11 +237,63 @@ class ActorConfig:
         )
         if self.loss_agg_mode not in LOSS_AGG_MODES:
             raise WorkerConfigError(
-                f"actor.loss_agg_mode must be one of {LOSS_AGG_MODES}, got {self.loss_agg_mode!r}"
+                f"{where}.loss_agg_mode must be one of {LOSS_AGG_MODES}, got {self.loss_agg_mode!r}"
             )
-        _check_kl_type("actor.kl_loss_type", self.kl_loss_type)
+        self._check_role()
         if self.rollout_n < 1:
-            raise WorkerConfigError(f"actor.rollout_n must be >= 1, got {self.rollout_n}")
+            raise WorkerConfigError(f"{where}.rollout_n must be >= 1, got {self.rollout_n}")
+
+    def _check_role(self) -> None:
+        """The role's own construction checks (between loss_agg_mode and rollout_n, as before)."""
+
+    def _check_strategy(self) -> None:
+        if self.strategy != "megatron":
+            raise WorkerConfigError(f"{self.role}.strategy must be 'megatron', got {self.strategy!r}")
+
+    def validate(self) -> None:
+        """What a role that will train needs set (checked when the worker is built)."""
+        _require_micro_batch(self.role, self.ppo_micro_batch_size_per_gpu, self.use_dynamic_bsz)
+
+    @property
+    def infer_micro_batch_size(self) -> int | None:
+        return self.ppo_infer_micro_batch_size_per_gpu or self.ppo_micro_batch_size_per_gpu
+
+
+@dataclass
+class ActorConfig(PPOWorkerConfig):
+    """PPO policy training (verl's ``actor_rollout_ref.actor``)."""
+
+    role: ClassVar[str] = "actor"
+    clip_ratio: float = 0.2
+    """PPO clip range (default for clip_ratio_low/high)."""
+    clip_ratio_low: float = 0.2
+    """Lower clip range: ratio >= 1 - clip_ratio_low."""
+    clip_ratio_high: float = 0.2
+    """Upper clip range: ratio <= 1 + clip_ratio_high (DAPO's clip-higher)."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip constant for negative advantages (> 1)."""
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    """Policy loss variant and its knobs."""
+    tau_pos: float = 1.0
+    """SAPO gate temperature for positive advantages."""
+    tau_neg: float = 1.05
+    """SAPO gate temperature for negative advantages."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus: loss -= entropy_coeff * agg(entropy)."""
+    use_kl_loss: bool = False
+    """Add a KL(policy || reference) loss on ``ref_log_prob`` (GRPO)."""
+    kl_loss_coef: float = 0.001
+    """Weight of the KL loss."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator of the KL loss (core_algos.kl_penalty names)."""
+    recompute_old_log_prob: bool = True
+    """Compute old_log_probs in a forward pass of their own before the update (verl's way). false,
+    for an on-policy update only (one mini-batch, one epoch; checked at start-up): the update's own
+    log-probs, detached, are the old ones (the ratio is exactly 1, as in verl's actor on-policy and
+    TRL's GRPO with one iteration), and the trainer skips that pass; the gradient is the same."""
+
+    def _check_role(self) -> None:
+        _check_kl_type("actor.kl_loss_type", self.kl_loss_type)
         if self.clip_ratio_c <= 1.0:
             raise WorkerConfigError(f"actor.clip_ratio_c must be > 1 (dual clip), got {self.clip_ratio_c}")
 
@@ -263,13 +301,37 @@ class ActorConfig:
         """What an actor that will train needs set (checked when the worker is built)."""
         # Checked here, not at construction: verl code builds ActorConfig(strategy="fsdp")
         # just to hand its fields to a policy loss.
-        if self.strategy != "megatron":
-            raise WorkerConfigError(f"actor.strategy must be 'megatron', got {self.strategy!r}")
-        _require_micro_batch("actor", self.ppo_micro_batch_size_per_gpu, self.use_dynamic_bsz)
+        self._check_strategy()
+        super().validate()
 
-    @property
-    def infer_micro_batch_size(self) -> int | None:
-        return self.ppo_infer_micro_batch_size_per_gpu or self.ppo_micro_batch_size_per_gpu
+
+@dataclass(frozen=True)
+class PolicyLossSettings:
+    """The numbers a policy loss reads, under verl's actor field names (so a loss written for
+    verl's ActorConfig reads this the same way); the trainer's actor passes this, not its config."""
+
+    clip_ratio: float
+    clip_ratio_low: float
+    clip_ratio_high: float
+    clip_ratio_c: float
+    tau_pos: float
+    tau_neg: float
+    loss_agg_mode: str
+    policy_loss: PolicyLossConfig
+
+    @classmethod
+    def of(cls, config: ActorConfig) -> PolicyLossSettings:
+        """The loss numbers of an actor config (its policy_loss sub-config shared, not copied)."""
+        return cls(
+            clip_ratio=config.clip_ratio,
+            clip_ratio_low=config.clip_ratio_low,
+            clip_ratio_high=config.clip_ratio_high,
+            clip_ratio_c=config.clip_ratio_c,
+            tau_pos=config.tau_pos,
+            tau_neg=config.tau_neg,
+            loss_agg_mode=config.loss_agg_mode,
+            policy_loss=config.policy_loss,
+        )
 
 
 @dataclass
@@ -304,79 +366,25 @@ class RefConfig:
 
 
 @dataclass
-class CriticConfig:
+class CriticConfig(PPOWorkerConfig):
     """Value-model training (verl's ``critic``)."""
 
-    strategy: str = "megatron"
-    """Backend; only ``megatron`` here."""
-    ppo_mini_batch_size: int = 256
-    """Prompts per optimizer step over all dp ranks (times rollout_n sequences)."""
-    ppo_micro_batch_size: int | None = None
-    """Deprecated in verl; must stay null."""
-    ppo_micro_batch_size_per_gpu: int | None = None
-    """Sequences per micro-batch on one dp rank (when use_dynamic_bsz is false)."""
-    ppo_infer_micro_batch_size_per_gpu: int | None = None
-    """Sequences per micro-batch of compute_values; null means ppo_micro_batch_size_per_gpu."""
-    use_dynamic_bsz: bool = False
-    """Form micro-batches by a token budget."""
+    role: ClassVar[str] = "critic"
     ppo_max_token_len_per_gpu: int = 32768
-    """Token budget of one training micro-batch with use_dynamic_bsz."""
     ppo_infer_max_token_len_per_gpu: int = 32768
-    """Token budget of one compute_values micro-batch with use_dynamic_bsz."""
-    use_remove_padding: bool = True
-    """Pack valid tokens (see ActorConfig.use_remove_padding)."""
-    share_prompt_prefix: bool = True
-    """One model row per shared prompt (see ActorConfig.share_prompt_prefix)."""
-    ppo_epochs: int = 1
-    """Passes over the batch per update_critic call."""
     shuffle: bool = True
-    """Shuffle before splitting into mini-batches, per epoch."""
-    data_loader_seed: int | None = None
-    """Seed of that shuffle; null means the runtime seed."""
     cliprange_value: float = 0.5
     """Value clipping: new values stay within old values +- cliprange_value in the loss."""
-    loss_agg_mode: str = "token-mean"
-    """Aggregation of the per-token value loss."""
-    loss_scale_factor: int | None = None
-    """Constant divisor for seq-mean-token-sum-norm; null means the response length."""
-    rollout_n: int = 1
-    """Samples per prompt (the trainer copies rollout.n here)."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     """Optimizer and learning-rate schedule (verl's critic default lr is 1e-5)."""
-    megatron: OffloadConfig = field(default_factory=OffloadConfig)
-    """Host-memory offload between stages (GPU only)."""
 
     def __post_init__(self) -> None:
-        if self.strategy != "megatron":
-            raise WorkerConfigError(f"critic.strategy must be 'megatron', got {self.strategy!r}")
-        if self.ppo_micro_batch_size is not None:
-            raise WorkerConfigError(
-                "critic.ppo_micro_batch_size is deprecated (as in verl); set critic.ppo_micro_batch_size_per_gpu"
-            )
-        _check_batching(
-            "critic",
-            self.ppo_mini_batch_size,
-            self.ppo_micro_batch_size_per_gpu,
-            self.use_dynamic_bsz,
-            self.ppo_max_token_len_per_gpu,
-            self.ppo_epochs,
-        )
-        if self.loss_agg_mode not in LOSS_AGG_MODES:
-            raise WorkerConfigError(
-                f"critic.loss_agg_mode must be one of {LOSS_AGG_MODES}, got {self.loss_agg_mode!r}"
-            )
+        self._check_strategy()
+        super().__post_init__()
+
+    def _check_role(self) -> None:
         if self.cliprange_value < 0:
             raise WorkerConfigError(f"critic.cliprange_value must be >= 0, got {self.cliprange_value}")
-        if self.rollout_n < 1:
-            raise WorkerConfigError(f"critic.rollout_n must be >= 1, got {self.rollout_n}")
-
-    def validate(self) -> None:
-        """What a critic that will train needs set (checked when the worker is built)."""
-        _require_micro_batch("critic", self.ppo_micro_batch_size_per_gpu, self.use_dynamic_bsz)
-
-    @property
-    def infer_micro_batch_size(self) -> int | None:
-        return self.ppo_infer_micro_batch_size_per_gpu or self.ppo_micro_batch_size_per_gpu
 
 
 # verl's module path for these classes (``verl.workers.config.actor``); the import system
