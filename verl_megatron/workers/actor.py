@@ -28,7 +28,7 @@ from verl_megatron.models.megatron_model import attach_schedule_hooks
 from verl_megatron.protocol import DataProto
 from verl_megatron.workers import moe
 from verl_megatron.workers.batching import MicroBatch
-from verl_megatron.workers.config import ActorConfig, RefConfig
+from verl_megatron.workers.config import ActorConfig, PolicyLossSettings, RefConfig
 from verl_megatron.workers.model_runner import ModelRunner, StepResult, dp_share
 
 __all__ = ["MegatronActor", "MegatronRef"]
@@ -233,7 +233,7 @@ class MegatronActor(_PolicyForward):
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.policy_loss_fn = core_algos.get_policy_loss_fn(config.policy_loss.loss_mode)
-        self.loss_config = _trainer_loss_config(config)
+        self.loss_config = PolicyLossSettings.of(_trainer_loss_config(config))  # the loss's numbers only
         self.update_calls = 0
         attach_schedule_hooks(chunks)
         self.moe_stats = moe.MoEStats(runtime, chunks) if moe.is_moe(chunks) else None
