@@ -140,13 +140,6 @@ def _all_ranks(flag: bool) -> bool:
 # ------------------------------------------------------------------- helpers
 
 
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    # Megatron DDP (and Float16Module) keep the model under .module.
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
-
-
 def _model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict[str, Any]:
     # A LoRA model checkpoints its adapters only: the frozen base is the Hugging Face model.
     return {f"chunk{i}": checkpoint_module(c).sharded_state_dict() for i, c in enumerate(chunks)}

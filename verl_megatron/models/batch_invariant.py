@@ -40,6 +40,8 @@ from collections.abc import Sequence
 
 import torch
 
+from verl_megatron.distributed.modules import unwrap
+
 __all__ = ["TILE_ROWS", "attention", "enable", "key_length", "matmul_rows", "self_attention"]
 
 TILE_ROWS = 16
@@ -47,12 +49,6 @@ TILE_ROWS = 16
 run training GEMMs closer to full speed. Both paths must use the same value."""
 
 _KEY_LENGTH_MULTIPLE = 16  # keeps L fixed when sequence parallelism rounds a micro-batch's width up
-
-
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
 
 
 # ------------------------------------------------------------------ matrix products
@@ -339,7 +335,7 @@ def enable(chunks: Sequence[torch.nn.Module], max_sequence_length: int) -> None:
     from megatron.core.transformer.moe.router import TopKRouter
 
     length = round_key_length(max_sequence_length)
-    for chunk in (_unwrap(c) for c in chunks):
+    for chunk in (unwrap(c) for c in chunks):
         _check(chunk)
         for module in chunk.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
@@ -359,4 +355,4 @@ def enable(chunks: Sequence[torch.nn.Module], max_sequence_length: int) -> None:
 
 def key_length(chunks: Sequence[torch.nn.Module]) -> int | None:
     """The fixed key length L of chunks switched by :func:`enable`; None when they are not."""
-    return getattr(_unwrap(chunks[0]), "batch_invariant_key_length", None)
+    return getattr(unwrap(chunks[0]), "batch_invariant_key_length", None)

@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from verl_megatron.distributed.modules import unwrap
 from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.models.config import (
     HFArchitecture,
@@ -87,17 +88,11 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
 
 def model_info(chunks: list[torch.nn.Module]) -> ModelInfo:
     """The ModelInfo of chunks made by :func:`build_gpt_chunks` (DDP-wrapped or not)."""
-    inner = _unwrap(chunks[0])
+    inner = unwrap(chunks[0])
     info = getattr(inner, "verl_model_info", None)
     if info is None:
         raise ValueError(f"{type(inner).__name__} was not built by build_gpt_chunks (no verl_model_info)")
     return info
-
-
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeSettings) -> torch.Tensor:

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from verl_megatron.distributed.modules import unwrap
 from verl_megatron.errors import ModelConfigError, UserInputError
 
 __all__ = [
@@ -347,15 +348,9 @@ class LoraAdapters(torch.nn.Module):
         )
 
 
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
-
-
 def adapter_container(chunk: torch.nn.Module) -> LoraAdapters | None:
     """The chunk's adapters (DDP-wrapped or not), or None without LoRA."""
-    return getattr(_unwrap(chunk), _CONTAINER, None)
+    return getattr(unwrap(chunk), _CONTAINER, None)
 
 
 def has_lora(chunks: Sequence[torch.nn.Module]) -> bool:
@@ -365,7 +360,7 @@ def has_lora(chunks: Sequence[torch.nn.Module]) -> bool:
 def checkpoint_module(chunk: torch.nn.Module) -> torch.nn.Module:
     """What a checkpoint of this chunk holds: the adapters with LoRA (the base is the HF model), else the chunk."""
     container = adapter_container(chunk)
-    return container if container is not None else _unwrap(chunk)
+    return container if container is not None else unwrap(chunk)
 
 
 def lora_signature(chunks: Sequence[torch.nn.Module]) -> dict[str, Any] | None:
@@ -414,7 +409,7 @@ def apply_lora(
     tp = ps.get_tensor_model_parallel_world_size()
     tp_rank = ps.get_tensor_model_parallel_rank()
     for chunk in chunks:
-        inner = _unwrap(chunk)
+        inner = unwrap(chunk)
         if hasattr(inner, "module") or hasattr(chunk, "ddp_config"):
             raise ValueError("apply_lora: pass the bare chunks, before wrap_ddp")
         if getattr(inner, _CONTAINER, None) is not None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from verl_megatron.distributed import cpu_compat
+from verl_megatron.distributed.modules import unwrap
 from verl_megatron.distributed.parallel import Runtime
 
 # make_chunk(pre_process, post_process, vp_stage) -> megatron module
@@ -78,7 +79,7 @@ def attach_schedule_hooks(chunks: list[torch.nn.Module]) -> None:
     from megatron.core.distributed import finalize_model_grads
 
     for chunk in chunks:
-        config = _unwrap(chunk).config
+        config = unwrap(chunk).config
         config.finalize_model_grads_func = finalize_model_grads
         config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
         # As megatron's training loop: the interleaved schedule starts a chunk's reduction early
@@ -89,12 +90,6 @@ def attach_schedule_hooks(chunks: list[torch.nn.Module]) -> None:
             getattr(c, "ddp_config", None) is not None and c.ddp_config.overlap_grad_reduce for c in chunks
         )
         config.grad_sync_func = [c.start_grad_sync for c in chunks] if overlap and len(chunks) > 1 else None
-
-
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
 
 
 @dataclass

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from verl_megatron.distributed.modules import unwrap
+
 logger = logging.getLogger(__name__)
 
 _HOME = "_verl_offload_home"  # attribute: the device a moved tensor returns to
@@ -51,12 +53,6 @@ class OffloadReport:
     """Tensors moved, released or re-allocated."""
     skipped: str | None = None
     """Why nothing was done (no CUDA, already offloaded), None when work was done."""
-
-
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
 
 
 def _ddp_buffers(chunks: list[torch.nn.Module]) -> list:
@@ -79,7 +75,7 @@ def model_tensors(chunks: list[torch.nn.Module]) -> tuple[list, list[torch.nn.Pa
     """
     buffers = _ddp_buffers(chunks)
     in_buffer = {id(p) for b in buffers if getattr(b, "param_data", None) is not None for p in b.params}
-    loose = [p for chunk in chunks for p in _unwrap(chunk).parameters() if id(p) not in in_buffer]
+    loose = [p for chunk in chunks for p in unwrap(chunk).parameters() if id(p) not in in_buffer]
     return buffers, loose
 
 

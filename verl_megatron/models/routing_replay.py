@@ -43,6 +43,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from verl_megatron.distributed.modules import unwrap
+
 __all__ = [
     "ROUTER_REPLAY_MODES",
     "RouteHook",
@@ -148,12 +150,6 @@ class RouteHook:
         # As megatron's replay: the router's own scores at the replayed experts, so the router
         # weights still get a gradient through the gate values.
         return scores.gather(1, chosen), chosen
-
-
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
 
 
 def moe_routers(chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
@@ -451,7 +447,7 @@ class TrainingRoutes:
             "log_prob": torch.zeros(2, dtype=torch.float64),
             "update": torch.zeros(2, dtype=torch.float64),
         }
-        config = _unwrap(chunks[0]).config
+        config = unwrap(chunks[0]).config
         # The routers of a tp rank see 1/tp of the sequence under sequence parallelism.
         self.sp_size = runtime.layout.tp if config.sequence_parallel else 1
 

@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from verl_megatron.distributed.modules import unwrap
+
 _LAYER_RE = re.compile(r"^(?:module\.)*decoder\.layers\.(\d+)\.(.*)$")
 # Routed-expert weights: the local spec's ``local_experts.<i>.`` and Transformer Engine's ``weight<i>``.
 _LOCAL_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
@@ -71,12 +73,6 @@ def _global_expert_name(rest: str, layer: torch.nn.Module) -> str:
     return rest
 
 
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
-
-
 def named_global_parameters(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Parameter]]:
     """Yield (global_name, local_param) for every parameter of this rank's model chunks.
 
@@ -85,7 +81,7 @@ def named_global_parameters(chunks: list[torch.nn.Module]) -> Iterator[tuple[str
     Wrapper prefixes (``module.``) are dropped.
     """
     for chunk in chunks:
-        inner = _unwrap(chunk)
+        inner = unwrap(chunk)
         for name, param in inner.named_parameters():
             match = _LAYER_RE.match(name)
             if match:

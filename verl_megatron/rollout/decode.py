@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from verl_megatron.distributed.modules import unwrap
 from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.models import batch_invariant
 from verl_megatron.rollout.cpu.kernels import decode_kernels
@@ -48,12 +49,6 @@ from verl_megatron.rollout.cpu.packed_linear import packed_linears
 __all__ = ["ChunkDecoder", "inference_mode_for"]
 
 
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
-
-
 @contextlib.contextmanager
 def inference_mode_for(chunks: list[torch.nn.Module]) -> Iterator[list[torch.nn.Module]]:
     """Eval mode, no autograd and no sequence parallelism for the duration; yields the bare chunks.
@@ -61,7 +56,7 @@ def inference_mode_for(chunks: list[torch.nn.Module]) -> Iterator[list[torch.nn.
     Sequence parallelism splits activations along the sequence, which a one-token decoding step
     cannot be; without it the same weights compute the same function.
     """
-    bare = [_unwrap(c) for c in chunks]
+    bare = [unwrap(c) for c in chunks]
     was_training = [m.training for m in bare]
     switched: list[tuple[torch.nn.Module, str]] = []
     for module in (m for chunk in bare for m in chunk.modules()):

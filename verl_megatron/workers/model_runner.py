@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from verl_megatron.distributed.modules import unwrap
 from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.errors import ParallelConfigError
 from verl_megatron.models.megatron_model import zero_grads
@@ -64,12 +65,6 @@ class StepResult:
 
 
 StepFn = Callable[[MicroBatch, torch.Tensor], StepResult]
-
-
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
 
 
 def uses_transformer_engine(chunks: Sequence[torch.nn.Module]) -> bool:
@@ -126,7 +121,7 @@ def _interleaving_plan(num_micro: int, pp: int) -> tuple[int, int]:
 @contextlib.contextmanager
 def _schedule_settings(chunks: Sequence[torch.nn.Module], **settings) -> Iterator[None]:
     """Set TransformerConfig fields that megatron's schedule reads, for one schedule call."""
-    configs = list({id(c): c for c in (_unwrap(chunk).config for chunk in chunks)}.values())
+    configs = list({id(c): c for c in (unwrap(chunk).config for chunk in chunks)}.values())
     saved = [{name: getattr(c, name) for name in settings} for c in configs]
     for config in configs:
         for name, value in settings.items():
@@ -141,7 +136,7 @@ def _schedule_settings(chunks: Sequence[torch.nn.Module], **settings) -> Iterato
 
 def model_vocab_size(chunks: Sequence[torch.nn.Module]) -> int | None:
     """The real vocabulary size recorded by the model builder (None: no padded columns to hide)."""
-    info = getattr(_unwrap(chunks[0]), "verl_model_info", None)
+    info = getattr(unwrap(chunks[0]), "verl_model_info", None)
     return None if info is None else int(info.vocab_size)
 
 
@@ -177,7 +172,7 @@ class ModelRunner:
         self.chunks = chunks
         self.pack = use_remove_padding
         self.thd = uses_transformer_engine(chunks)
-        config = _unwrap(chunks[0]).config
+        config = unwrap(chunks[0]).config
         if self.thd and not self.pack:
             raise ValueError(
                 "Transformer Engine attention applies only the causal mask, so padded rows cannot be "
@@ -333,7 +328,7 @@ class ModelRunner:
             )
             if self.moe:  # the aux loss gets the policy loss's factor: cp / real micro-batches
                 moe.scale_aux_loss(
-                    output, self.cp / len(micro_batches) if real else 0.0, _unwrap(model).config
+                    output, self.cp / len(micro_batches) if real else 0.0, unwrap(model).config
                 )
 
             def loss_func(output_tensor):

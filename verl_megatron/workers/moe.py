@@ -21,19 +21,14 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from verl_megatron.distributed.modules import unwrap
 from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.workers.batching import ModelInputs
 
 
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
-
-
 def is_moe(chunks: Sequence[torch.nn.Module]) -> bool:
     """Whether the chunks are a mixture-of-experts model (megatron's ``num_moe_experts`` set)."""
-    return getattr(_unwrap(chunks[0]).config, "num_moe_experts", None) is not None
+    return getattr(unwrap(chunks[0]).config, "num_moe_experts", None) is not None
 
 
 def model_kwargs(inputs: ModelInputs, device: torch.device) -> dict[str, torch.Tensor]:
@@ -86,13 +81,13 @@ class MoEStats:
         from megatron.core.transformer.moe.router import Router
 
         self.runtime = runtime
-        self.config = _unwrap(chunks[0]).config
+        self.config = unwrap(chunks[0]).config
         self.num_layers = self.config.num_layers
         self.counts = torch.zeros(self.num_layers, self.config.num_moe_experts, dtype=torch.float64)
         self.calls = torch.zeros(self.num_layers, dtype=torch.float64)
         self.moe_layers: set[int] = set()
         for chunk in chunks:
-            for module in _unwrap(chunk).modules():
+            for module in unwrap(chunk).modules():
                 if isinstance(module, Router):
                     self.moe_layers.add(module.layer_number - 1)
                     module.register_forward_hook(self._count, with_kwargs=True)

@@ -25,15 +25,10 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from verl_megatron.distributed.modules import unwrap
 from verl_megatron.workers.batching import ModelInputs
 
 __all__ = ["OutputRowSelector"]
-
-
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
 
 
 def _output_layers(chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Module] | None:
@@ -41,7 +36,7 @@ def _output_layers(chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Module] |
     selecting rows before them would be wrong."""
     layers = []
     for chunk in chunks:
-        model = _unwrap(chunk)
+        model = unwrap(chunk)
         if not getattr(model, "post_process", False):
             continue
         layer = getattr(model, "output_layer", None)

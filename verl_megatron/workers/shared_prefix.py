@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from verl_megatron.workers.output_rows import _unwrap
+from verl_megatron.distributed.modules import unwrap
 
 __all__ = ["SharedPrefix", "attend", "shared_prefix_inputs"]
 
@@ -221,7 +221,7 @@ def unsupported_reason(chunks) -> str | None:
     from verl_megatron.models.sdpa_attention import SDPADotProductAttention
 
     for chunk in chunks:
-        model = _unwrap(chunk)
+        model = unwrap(chunk)
         config = model.config
         if getattr(config, "context_parallel_size", 1) > 1 or getattr(config, "sequence_parallel", False):
             return "context or sequence parallelism splits the sequence"
@@ -252,7 +252,7 @@ class PrefixSharing:
         self.chunks = chunks
         self._rotary = [
             model.rotary_pos_emb
-            for model in map(_unwrap, chunks)
+            for model in map(unwrap, chunks)
             if getattr(model, "position_embedding_type", None) == "rope"
         ]
         self._index: torch.Tensor | None = None
