@@ -27,20 +27,6 @@ from verl_megatron.trainer.guard import DivergenceGuardConfig
 from verl_megatron.trainer.ppo.rollout_correction_config import RolloutCorrectionConfig
 from verl_megatron.workers.config import ActorConfig, CriticConfig, RefConfig
 
-__all__ = [
-    "RESUME_MODES",
-    "AlgoConfig",
-    "AlgorithmConfig",
-    "CustomRewardFunctionConfig",
-    "FilterGroupsConfig",
-    "KLControlConfig",
-    "OverlongBufferConfig",
-    "PPOConfig",
-    "QuickstartConfig",
-    "RewardModelConfig",
-    "TrainerConfig",
-]
-
 
 @dataclass
 class KLControlConfig:

@@ -9,6 +9,7 @@ never rewrites a value.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -322,16 +323,7 @@ class PolicyLossSettings:
     @classmethod
     def of(cls, config: ActorConfig) -> PolicyLossSettings:
         """The loss numbers of an actor config (its policy_loss sub-config shared, not copied)."""
-        return cls(
-            clip_ratio=config.clip_ratio,
-            clip_ratio_low=config.clip_ratio_low,
-            clip_ratio_high=config.clip_ratio_high,
-            clip_ratio_c=config.clip_ratio_c,
-            tau_pos=config.tau_pos,
-            tau_neg=config.tau_neg,
-            loss_agg_mode=config.loss_agg_mode,
-            policy_loss=config.policy_loss,
-        )
+        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
 
 
 @dataclass
