@@ -36,6 +36,9 @@ from verl_megatron.trainer.config_schema import (
     RewardModelConfig,
     TrainerConfig,
 )
+from verl_megatron.trainer.ppo.rollout_correction_config import (
+    VerlRolloutCorrectionConfig as RolloutCorrectionConfig,  # verl's (trainer.config.algorithm below)
+)
 from verl_megatron.trainer.validate import _check_algorithm as _check_algorithm  # tests reach it here
 from verl_megatron.trainer.validate import (
     check_model_fits,
@@ -58,6 +61,7 @@ __all__ = [
     "PPOConfig",
     "QuickstartConfig",
     "RewardModelConfig",
+    "RolloutCorrectionConfig",
     "TrainerConfig",
     "check_model_fits",
     "default_config_path",

@@ -1,0 +1,1 @@
+"""verl's ``trainer.ppo.v1`` import path: only the pieces this project provides (``utils``)."""
