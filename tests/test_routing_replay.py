@@ -48,7 +48,7 @@ def _id_routes(ids, mask) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("pack", [False, True])
 def test_routes_land_where_the_router_sees_their_token(pack):
-    from verl_megatron.models.routing_replay import router_token_targets
+    from verl_megatron.models.routing import router_token_targets
 
     mb, ids, mask = _micro_batch(pack)
     targets = router_token_targets(_id_routes(ids, mask), mb.inputs)
@@ -62,7 +62,7 @@ def test_routes_land_where_the_router_sees_their_token(pack):
 
 
 def test_sequence_parallel_ranks_get_their_slice_and_unrecorded_tokens_are_free():
-    from verl_megatron.models.routing_replay import router_token_targets
+    from verl_megatron.models.routing import router_token_targets
 
     mb, ids, mask = _micro_batch(pack=True, align=2)
     routes = _id_routes(ids, mask)
@@ -75,7 +75,7 @@ def test_sequence_parallel_ranks_get_their_slice_and_unrecorded_tokens_are_free(
 
 
 def test_hook_replays_recorded_rows_and_counts_agreement():
-    from verl_megatron.models.routing_replay import RouteHook
+    from verl_megatron.models.routing import RouteHook
 
     scores = torch.tensor([[0.9, 0.1, 0.5, 0.0], [0.0, 0.8, 0.1, 0.7], [0.3, 0.2, 0.1, 0.0]])
 
@@ -201,7 +201,6 @@ def replay_job(
     ``eos``: stop ids (None: ignore EOS, every row runs the whole response length). ``parity``:
     batch-invariant kernels (``rollout.bitwise_parity``) and every forward replays (R3)."""
     from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
-    from verl_megatron.models import routing_replay
     from verl_megatron.models.megatron_model import build_optimizer
     from verl_megatron.protocol import DataProto
     from verl_megatron.rollout import RolloutConfig, build_rollout
@@ -209,6 +208,7 @@ def replay_job(
     from verl_megatron.workers.actor import MegatronActor
     from verl_megatron.workers.config import ActorConfig, OptimConfig
     from verl_megatron.workers.lr_schedule import build_lr_scheduler, optim_settings
+    from verl_megatron.workers.routes import RunRoutes
 
     runtime = init_runtime(ParallelLayout(tp=tp, pp=pp, ep=ep), seed=3)
     chunks = _moe_chunks(runtime, path)
@@ -221,7 +221,9 @@ def replay_job(
     cfg = ActorConfig(ppo_mini_batch_size=len(PROMPT_LENGTHS), ppo_micro_batch_size_per_gpu=2, rollout_n=N,
                       shuffle=True, optim=OptimConfig(lr=lr, weight_decay=0.0))  # fmt: skip
     optimizer = build_optimizer(chunks, optim_settings(cfg.optim))
-    actor = MegatronActor(runtime, cfg, chunks, optimizer, build_lr_scheduler(optimizer, cfg.optim))
+    routes = RunRoutes(runtime, chunks, replay=False)
+    actor = MegatronActor(runtime, cfg, chunks, optimizer, build_lr_scheduler(optimizer, cfg.optim),
+                          route_replay=routes.training)  # fmt: skip
     rollout_cfg = RolloutConfig(
         prompt_length=PROMPT_LEN,
         response_length=RESPONSE_LEN,
@@ -231,8 +233,8 @@ def replay_job(
         bitwise_parity=parity,
     )
     tokens = SimpleNamespace(pad_token_id=0, eos_token_id=1)
-    rollout = build_rollout(rollout_cfg, runtime, chunks, tokens, SimpleNamespace(eos_token_id=None))
-    routes = routing_replay.RunRoutes(runtime, actor, rollout, replay=False)
+    rollout = build_rollout(rollout_cfg, runtime, chunks, tokens, SimpleNamespace(eos_token_id=None),
+                            route_recorder=routes.recorder)  # fmt: skip
 
     # As the trainer: each dp replica generates its share, keeps its routes, gathers the rest.
     shard = shard_for("native", 1, runtime)

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from verl_megatron.distributed.parallel import Runtime
+from verl_megatron.models.routing import RouteRecorder
 from verl_megatron.protocol import DataProto
 from verl_megatron.rollout.config import RolloutConfig
 
@@ -117,15 +118,23 @@ def build_rollout(
     actor_chunks: list[torch.nn.Module],
     tokenizer: Any,
     hf_config: Any,
+    route_recorder: RouteRecorder | None = None,
 ) -> RolloutEngine:
-    """The engine named by ``config.name``, built on the actor's chunks (vllm/sglang imported only then)."""
+    """The engine named by ``config.name``, built on the actor's chunks (vllm/sglang imported only then).
+
+    ``route_recorder``: MoE routing replay's recorder on ``actor_chunks`` (the native engine only).
+    """
     if config.name not in _ENGINES:
         raise ValueError(f"rollout.name must be one of {list(_ENGINES)}, got {config.name!r}")
     module_name, class_name = _ENGINES[config.name]
     require_package(config.name)
     generation_eos_ids(_model_dir(hf_config))  # a broken generation_config.json fails here, not mid-run
     engine_cls = getattr(importlib.import_module(module_name), class_name)
-    return engine_cls(config, runtime, actor_chunks, tokenizer, hf_config)
+    if route_recorder is None:
+        return engine_cls(config, runtime, actor_chunks, tokenizer, hf_config)
+    if config.name != "native":
+        raise ValueError(f"routing replay: the {class_name} rollout engine cannot record routes")
+    return engine_cls(config, runtime, actor_chunks, tokenizer, hf_config, route_recorder=route_recorder)
 
 
 def prompt_tensors(prompts: DataProto) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

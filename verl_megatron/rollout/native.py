@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 
 from verl_megatron.distributed.parallel import Runtime
-from verl_megatron.models import routing_replay
 from verl_megatron.models.logprobs import vocab_parallel_log_probs
+from verl_megatron.models.routing import NO_RECORDER, RouteRecorder
 from verl_megatron.protocol import DataProto
 from verl_megatron.rollout.base import (
     RolloutEngine,
@@ -67,6 +67,8 @@ class NativeRollout(RolloutEngine):
         actor_chunks: this rank's actor model chunks (DDP-wrapped or bare).
         tokenizer: supplies pad / eos ids when the batch's meta_info does not.
         hf_config: the checkpoint's config (its ``eos_token_id`` also stops generation).
+        route_recorder: MoE routing replay: records each fed token's experts into the output's
+            ``routed_experts`` (``models/routing.py``; built on ``actor_chunks``). None: no routes.
     """
 
     def __init__(
@@ -76,6 +78,7 @@ class NativeRollout(RolloutEngine):
         actor_chunks: list[torch.nn.Module],
         tokenizer: Any,
         hf_config: Any,
+        route_recorder: RouteRecorder | None = None,
     ) -> None:
         if not actor_chunks:
             raise ValueError("NativeRollout: actor_chunks is empty")
@@ -86,8 +89,7 @@ class NativeRollout(RolloutEngine):
         self.hf_config = hf_config
         self.seed = config.seed if config.seed is not None else runtime.seed
         self._calls = 0
-        # MoE routing replay: record each fed token's experts (models/routing_replay.py).
-        self.record_routes, self._routes = False, routing_replay.recorder_for(actor_chunks, 0, 0, False)
+        self._routes = route_recorder if route_recorder is not None else NO_RECORDER
         # Of the last call: decode_steps (forward steps after the prefill), final_cache_rows (rows
         # still decoded at the end), response_tokens, seconds.
         self.stats: dict[str, float] = {}
@@ -112,8 +114,7 @@ class NativeRollout(RolloutEngine):
         )
         start = time.perf_counter()
         rows, width = input_ids.shape[0] * params.n, input_ids.shape[1] + response_length
-        self._routes = routing_replay.recorder_for(self.chunks, rows, width, self.record_routes)
-        with inference_mode_for(self.chunks) as bare, self._routes.recording():
+        with inference_mode_for(self.chunks) as bare, self._routes.recording(rows, width):
             responses, response_mask, log_probs = self._decode(
                 bare,
                 input_ids.to(device),

@@ -44,6 +44,7 @@ class Components:
     train_loader: PromptLoader
     val_loader: PromptLoader | None
     model_rewards: Any = None  # reward model / judge (trainer/ppo/model_rewards.py), or None
+    routes: Any = None  # MoE routing replay (workers/routes.RunRoutes), or None
 
 
 def total_training_steps(config: PPOConfig, batches_per_epoch: int) -> int:
@@ -151,6 +152,18 @@ def _reward_fns(config: PPOConfig, tokenizer: Any) -> tuple[Any, Any]:
     return train, val
 
 
+def _route_replay(config: PPOConfig, runtime: Runtime, actor_chunks: list[torch.nn.Module]) -> Any:
+    """MoE routing replay's pieces on the actor's chunks (workers/routes.RunRoutes), or None when
+    the rollout records no routes."""
+    if not config.rollout.enable_rollout_routing_replay:
+        return None
+    if config.rollout.name != "native":
+        raise ValueError(f"routing replay: the {config.rollout.name} rollout engine cannot record routes")
+    from verl_megatron.workers.routes import RunRoutes
+
+    return RunRoutes(runtime, actor_chunks, replay=config.actor.megatron.router_replay.mode == "R3")
+
+
 def build_components(config: PPOConfig, runtime: Runtime) -> tuple[PPOConfig, Components]:
     """Tokenizer, data loaders, actor (+ reference, critic), rollout engine and reward functions.
 
@@ -174,6 +187,7 @@ def build_components(config: PPOConfig, runtime: Runtime) -> tuple[PPOConfig, Co
     train_loader, val_loader = _loaders(config, tokenizer)
     config = resolve_worker_configs(config, total_training_steps(config, len(train_loader)))
     bf16 = config.model.dtype == "bfloat16"
+    routes: list[Any] = []  # at most one, made on the actor's chunks before the rollout
 
     def build_training() -> tuple[Any, Any, Any]:
         from verl_megatron.models.lora import apply_configured_lora
@@ -181,7 +195,16 @@ def build_components(config: PPOConfig, runtime: Runtime) -> tuple[PPOConfig, Co
         # model.lora_rank > 0: frozen base + adapters, before the optimizer sees the parameters.
         policy = apply_configured_lora(_policy_chunks(config, runtime, hf_config), config.model, runtime.seed)
         actor_chunks, optimizer, scheduler = _trained(policy, config.actor.optim, bf16)
-        actor = MegatronActor(runtime, config.actor, actor_chunks, optimizer, scheduler)
+        replay = _route_replay(config, runtime, actor_chunks)
+        routes.extend([replay] if replay is not None else [])
+        actor = MegatronActor(
+            runtime,
+            config.actor,
+            actor_chunks,
+            optimizer,
+            scheduler,
+            route_replay=replay.training if replay is not None else None,
+        )
         if config.rollout.bitwise_parity:
             from verl_megatron.models import batch_invariant
 
@@ -205,7 +228,12 @@ def build_components(config: PPOConfig, runtime: Runtime) -> tuple[PPOConfig, Co
         config.rollout.name,
         build_training,
         lambda chunks: build_rollout(
-            lora_rollout_config(config.rollout, config.model), runtime, chunks, tokenizer, hf_config
+            lora_rollout_config(config.rollout, config.model),
+            runtime,
+            chunks,
+            tokenizer,
+            hf_config,
+            route_recorder=routes[0].recorder if routes else None,
         ),
     )
     if environment is not None:
@@ -228,4 +256,5 @@ def build_components(config: PPOConfig, runtime: Runtime) -> tuple[PPOConfig, Co
         train_loader=train_loader,
         val_loader=val_loader,
         model_rewards=model_rewards,
+        routes=routes[0] if routes else None,
     )

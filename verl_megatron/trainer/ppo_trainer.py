@@ -30,7 +30,6 @@ import torch.distributed as dist
 
 from verl_megatron.algos import core_algos
 from verl_megatron.distributed.parallel import Runtime
-from verl_megatron.models import routing_replay
 from verl_megatron.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
 from verl_megatron.reward.loading import compute_reward
 from verl_megatron.rollout.layout import gather_replicas, shard_for
@@ -87,7 +86,7 @@ class PPOTrainer:
         self._weights_version, self._synced_version = 0, -1
         self._staged_checkpoint: int | None = None  # step saved but not yet published
         self.guard = DivergenceGuard(config.trainer.divergence_guard, config.actor.optim.lr)
-        self.routes = routing_replay.for_trainer(config, runtime, self.actor, self.rollout)
+        self.routes = components.routes  # MoE routing replay (workers/routes.py), or None
 
     # ------------------------------------------------------------------ the loop
 

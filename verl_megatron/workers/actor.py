@@ -25,11 +25,13 @@ from verl_megatron.algos.policy_losses import metrics_on_device
 from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.models.logprobs import vocab_parallel_log_probs
 from verl_megatron.models.megatron_model import attach_schedule_hooks
+from verl_megatron.models.routing import ROW_ID_KEY
 from verl_megatron.protocol import DataProto
 from verl_megatron.workers import moe
 from verl_megatron.workers.batching import MicroBatch
 from verl_megatron.workers.config import ActorConfig, PolicyLossSettings, RefConfig
 from verl_megatron.workers.model_runner import ModelRunner, StepResult, dp_share
+from verl_megatron.workers.routes import TrainingRoutes
 
 __all__ = ["MegatronActor", "MegatronRef"]
 
@@ -64,8 +66,6 @@ def batch_tensors(data: DataProto, keys: tuple[str, ...], where: str) -> dict[st
 
 def _row_keys(data: DataProto) -> tuple[str, ...]:
     """Per-row [B] keys the micro-batches carry along: MoE routing replay's row ids, when present."""
-    from verl_megatron.models.routing_replay import ROW_ID_KEY
-
     present = data.batch is not None and ROW_ID_KEY in data.batch.keys()  # noqa: SIM118
     return (ROW_ID_KEY,) if present else ()
 
@@ -86,7 +86,12 @@ class _PolicyForward:
     """Forward-only log-probs of the response tokens; shared by the actor and the reference."""
 
     def __init__(
-        self, runtime: Runtime, chunks: list[torch.nn.Module], use_remove_padding: bool, share_prefix: bool
+        self,
+        runtime: Runtime,
+        chunks: list[torch.nn.Module],
+        use_remove_padding: bool,
+        share_prefix: bool,
+        route_replay: TrainingRoutes | None = None,
     ) -> None:
         self.runtime = runtime
         self.chunks = chunks
@@ -97,6 +102,7 @@ class _PolicyForward:
             merges_cp=True,
             select_output_rows=True,
             share_prefix=share_prefix,
+            route_replay=route_replay,
         )
 
     def _log_probs(
@@ -217,17 +223,24 @@ class MegatronActor(_PolicyForward):
     ``chunks`` are DDP-wrapped (``wrap_ddp``); ``optimizer`` is a megatron optimizer over
     them and ``scheduler`` megatron's ``OptimizerParamScheduler`` (see ``lr_schedule``),
     stepped once per ``update_policy`` call. All three stay reachable as attributes for
-    checkpointing.
+    checkpointing. ``route_replay``: MoE routing replay's training side (``workers/routes.py``),
+    built on these chunks, when the rollout records routes.
     """
 
     def __init__(
-        self, runtime: Runtime, config: ActorConfig, chunks: list[torch.nn.Module], optimizer, scheduler
+        self,
+        runtime: Runtime,
+        config: ActorConfig,
+        chunks: list[torch.nn.Module],
+        optimizer,
+        scheduler,
+        route_replay: TrainingRoutes | None = None,
     ) -> None:
         if not all(hasattr(c, "no_sync") for c in chunks):
             raise ValueError(
                 "MegatronActor needs DDP-wrapped chunks (verl_megatron.models.megatron_model.wrap_ddp)"
             )
-        super().__init__(runtime, chunks, config.use_remove_padding, config.share_prompt_prefix)
+        super().__init__(runtime, chunks, config.use_remove_padding, config.share_prompt_prefix, route_replay)
         config.validate()
         self.config = config
         self.optimizer = optimizer

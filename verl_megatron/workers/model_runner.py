@@ -49,6 +49,7 @@ from verl_megatron.workers.batching import (
     mini_batch_rows,
 )
 from verl_megatron.workers.output_rows import OutputRowSelector
+from verl_megatron.workers.routes import TrainingRoutes
 
 __all__ = ["ModelRunner", "StepResult", "dp_share"]
 
@@ -162,6 +163,7 @@ class ModelRunner:
         merges_cp: bool = False,
         select_output_rows: bool = False,
         share_prefix: bool = False,
+        route_replay: TrainingRoutes | None = None,
     ) -> None:
         self.cp = runtime.layout.cp
         if self.cp > 1:
@@ -189,8 +191,8 @@ class ModelRunner:
         self.moe = moe.is_moe(chunks)
         if self.moe:
             moe.reset_aux_loss_tracker()  # a new model: the tracker may hold another model's layer count
-        # Set by the trainer when MoE routing replay is on (models/routing_replay.TrainingRoutes).
-        self.route_replay = None
+        # MoE routing replay (workers/routes.py): the recorded routes each forward replays.
+        self.route_replay = route_replay
         # Rows sharing a prompt run it once (workers/shared_prefix.py) where the model allows.
         self.prefix_sharing = None
         if share_prefix:
