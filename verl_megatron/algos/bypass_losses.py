@@ -12,13 +12,15 @@ import torch
 
 from verl_megatron.algos.aggregation import agg_loss
 from verl_megatron.algos.policy_losses import (
+    LossCall,
+    LossResult,
     _metrics,
     _weighted,
     cfg_value,
     check_inputs,
     compute_policy_loss_vanilla,
     global_batch_kwargs,
-    register_policy_loss,
+    policy_loss,
 )
 from verl_megatron.utils.torch_functional import masked_mean
 
@@ -57,18 +59,8 @@ def _setting(section: Any, name: str, default: Any) -> Any:
     return getattr(section, name, default)
 
 
-@register_policy_loss("bypass_mode")
-def compute_policy_loss_bypass_mode(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Any = None,
-    rollout_is_weights: torch.Tensor | None = None,
-    *,
-    global_batch_info: Mapping[str, Any] | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+@policy_loss("bypass_mode")
+def compute_policy_loss_bypass_mode(c: LossCall) -> LossResult:
     """Bypass mode: `old_log_prob` IS the rollout log-prob. IS weights (pi / pi_rollout)
     and the rejection mask come from config.policy_loss.rollout_correction (rollout_is,
     rollout_is_threshold, rollout_is_batch_normalize, rollout_rs, rollout_rs_threshold);
@@ -77,9 +69,9 @@ def compute_policy_loss_bypass_mode(
     "reinforce" is REINFORCE with the IS weights. Metrics include ``rollout_corr/*``."""
     from verl_megatron.algos.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
 
-    if config is None:
+    if c.config is None:
         raise ValueError("bypass_mode: the actor config is required")
-    corr = cfg_value(cfg_value(config, "policy_loss", None), "rollout_correction", None)
+    corr = cfg_value(cfg_value(c.config, "policy_loss", None), "rollout_correction", None)
     if corr is None:
         raise ValueError(
             "bypass_mode: actor.policy_loss.rollout_correction is not set; "
@@ -90,19 +82,21 @@ def compute_policy_loss_bypass_mode(
         raise ValueError(f"Invalid loss_type: {loss_type}. Must be 'reinforce' or 'ppo_clip'.")
     with torch.no_grad():
         proto, mask, corr_metrics = compute_rollout_correction_and_rejection_mask(
-            old_log_prob=log_prob,
-            rollout_log_prob=old_log_prob,
-            response_mask=response_mask,
+            old_log_prob=c.log_prob,
+            rollout_log_prob=c.old_log_prob,
+            response_mask=c.response_mask,
             rollout_is=_setting(corr, "rollout_is", None),
             rollout_is_threshold=_setting(corr, "rollout_is_threshold", 2.0),
             rollout_is_batch_normalize=_setting(corr, "rollout_is_batch_normalize", False),
             rollout_rs=_setting(corr, "rollout_rs", None),
             rollout_rs_threshold=_setting(corr, "rollout_rs_threshold", None),
         )
-    args = (old_log_prob, log_prob, advantages, mask, loss_agg_mode, config)
+    args = (c.old_log_prob, c.log_prob, c.advantages, mask, c.loss_agg_mode, c.config)
     if loss_type == "reinforce":
         weights = None if proto is None else proto.batch["rollout_is_weights"]
-        pg_loss, metrics = compute_policy_loss_reinforce(*args, weights, global_batch_info=global_batch_info)
+        pg_loss, metrics = compute_policy_loss_reinforce(
+            *args, weights, global_batch_info=c.global_batch_info
+        )
     else:
-        pg_loss, metrics = compute_policy_loss_vanilla(*args, None, global_batch_info=global_batch_info)
+        pg_loss, metrics = compute_policy_loss_vanilla(*args, None, global_batch_info=c.global_batch_info)
     return pg_loss, {**metrics, **corr_metrics}

@@ -8,19 +8,17 @@ the tokens of the local micro-batch, as in verl.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from verl_megatron.algos.aggregation import agg_loss
 from verl_megatron.algos.policy_losses import (
+    LossCall,
+    LossResult,
     _metrics,
     cfg_value,
-    check_inputs,
     clip_ratios,
-    global_batch_kwargs,
-    register_policy_loss,
+    policy_loss,
 )
 from verl_megatron.utils.torch_functional import masked_mean
 
@@ -31,18 +29,8 @@ def _policy_loss_field(config: Any, name: str, default: float) -> float:
     return float(cfg_value(cfg_value(config, "policy_loss", None), name, default))
 
 
-@register_policy_loss("clip_cov")
-def compute_policy_loss_clip_cov(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Any = None,
-    rollout_is_weights: torch.Tensor | None = None,
-    *,
-    global_batch_info: Mapping[str, Any] | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+@policy_loss("clip_cov")
+def compute_policy_loss_clip_cov(c: LossCall) -> LossResult:
     """PPO clip loss with the gradient of a few high-covariance tokens removed.
 
     cov_t = (A_t - mean A) * (log_prob_t - mean log_prob) over unmasked tokens.
@@ -52,55 +40,43 @@ def compute_policy_loss_clip_cov(
     random (torch's global RNG) when there are more, get a loss of 0.
     pg_clipfrac is the fraction of tokens so dropped.
     """
-    check_inputs("clip_cov", old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
-    clip_cov_ratio = _policy_loss_field(config, "clip_cov_ratio", 0.0002)
-    clip_cov_lb = _policy_loss_field(config, "clip_cov_lb", 1.0)
-    clip_cov_ub = _policy_loss_field(config, "clip_cov_ub", 5.0)
+    c.check("clip_cov")
+    clip_cov_ratio = _policy_loss_field(c.config, "clip_cov_ratio", 0.0002)
+    clip_cov_lb = _policy_loss_field(c.config, "clip_cov_lb", 1.0)
+    clip_cov_ub = _policy_loss_field(c.config, "clip_cov_ub", 5.0)
     if clip_cov_ratio <= 0:
         raise ValueError(f"clip_cov: policy_loss.clip_cov_ratio must be > 0, got {clip_cov_ratio}")
-    low, high = clip_ratios(config)
+    low, high = clip_ratios(c.config)
 
-    log_ratio = log_prob - old_log_prob
+    log_ratio = c.log_prob - c.old_log_prob
     ratio = torch.exp(log_ratio)
-    ppo_kl = masked_mean(-log_ratio, response_mask)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1 - low, 1 + high)
-    valid = response_mask.bool()
+    ppo_kl = masked_mean(-log_ratio, c.response_mask)
+    unclipped = -c.advantages * ratio
+    clipped = -c.advantages * torch.clamp(ratio, 1 - low, 1 + high)
+    valid = c.response_mask.bool()
 
     with torch.no_grad():
-        lp = log_prob.detach()
-        cov = (advantages - masked_mean(advantages, response_mask)) * (lp - masked_mean(lp, response_mask))
+        lp = c.log_prob.detach()
+        cov = (c.advantages - masked_mean(c.advantages, c.response_mask)) * (
+            lp - masked_mean(lp, c.response_mask)
+        )
         candidates = valid & ~(clipped > unclipped) & (cov > clip_cov_lb) & (cov < clip_cov_ub)
         candidate_idx = torch.nonzero(candidates)
-        clip_num = max(int(clip_cov_ratio * response_mask.sum().item()), 1)
+        clip_num = max(int(clip_cov_ratio * c.response_mask.sum().item()), 1)
         if len(candidate_idx) > clip_num:
             perm = torch.randperm(len(candidate_idx), device=candidate_idx.device)
             candidate_idx = candidate_idx[perm[:clip_num]]
-        keep = torch.ones_like(advantages)
+        keep = torch.ones_like(c.advantages)
         keep[candidate_idx[:, 0], candidate_idx[:, 1]] = 0
 
-    pg_clipfrac = masked_mean((keep == 0).to(log_prob.dtype), response_mask)
+    pg_clipfrac = masked_mean((keep == 0).to(c.log_prob.dtype), c.response_mask)
     pg_losses = torch.maximum(unclipped, clipped) * keep
-    if rollout_is_weights is not None:
-        pg_losses = pg_losses * rollout_is_weights
-    pg_loss = agg_loss(
-        pg_losses, response_mask, loss_agg_mode, **global_batch_kwargs(config, global_batch_info)
-    )
+    pg_loss = c.aggregate(pg_losses)
     return pg_loss, _metrics(pg_clipfrac=pg_clipfrac, ppo_kl=ppo_kl)
 
 
-@register_policy_loss("kl_cov")
-def compute_policy_loss_kl_cov(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Any = None,
-    rollout_is_weights: torch.Tensor | None = None,
-    *,
-    global_batch_info: Mapping[str, Any] | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+@policy_loss("kl_cov")
+def compute_policy_loss_kl_cov(c: LossCall) -> LossResult:
     """Unclipped PG loss -A * r, plus ppo_kl_coef * |log r| on the top-covariance tokens.
 
     The max(1, int(#tokens * kl_cov_ratio)) unmasked tokens with the largest
@@ -108,32 +84,28 @@ def compute_policy_loss_kl_cov(
     (config.policy_loss.kl_cov_ratio, default 2e-4; ppo_kl_coef, default 1.0).
     The metric actor/ppo_kl is the masked mean of |log r| here, as in verl.
     """
-    check_inputs("kl_cov", old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
-    kl_cov_ratio = _policy_loss_field(config, "kl_cov_ratio", 0.0002)
-    ppo_kl_coef = _policy_loss_field(config, "ppo_kl_coef", 1.0)
+    c.check("kl_cov")
+    kl_cov_ratio = _policy_loss_field(c.config, "kl_cov_ratio", 0.0002)
+    ppo_kl_coef = _policy_loss_field(c.config, "ppo_kl_coef", 1.0)
     if kl_cov_ratio <= 0:
         raise ValueError(f"kl_cov: policy_loss.kl_cov_ratio must be > 0, got {kl_cov_ratio}")
 
-    log_ratio = log_prob - old_log_prob
+    log_ratio = c.log_prob - c.old_log_prob
     abs_kl = log_ratio.abs()
     ratio = torch.exp(log_ratio)
-    pg_losses = -advantages * ratio
-    penalised = torch.zeros_like(response_mask, dtype=torch.bool)
+    pg_losses = -c.advantages * ratio
+    penalised = torch.zeros_like(c.response_mask, dtype=torch.bool)
 
     with torch.no_grad():
-        flat_valid = torch.nonzero(response_mask.reshape(-1).bool(), as_tuple=True)[0]
+        flat_valid = torch.nonzero(c.response_mask.reshape(-1).bool(), as_tuple=True)[0]
         if flat_valid.numel() > 0:
-            adv = advantages.detach().reshape(-1)[flat_valid]
-            lp = log_prob.detach().reshape(-1)[flat_valid]
+            adv = c.advantages.detach().reshape(-1)[flat_valid]
+            lp = c.log_prob.detach().reshape(-1)[flat_valid]
             cov = (adv - adv.mean()) * (lp - lp.mean())
             k = max(1, int(flat_valid.numel() * kl_cov_ratio))
             top = flat_valid[torch.topk(cov, k, largest=True).indices]
             penalised.view(-1)[top] = True
 
     pg_losses = torch.where(penalised, pg_losses + ppo_kl_coef * abs_kl, pg_losses)
-    if rollout_is_weights is not None:
-        pg_losses = pg_losses * rollout_is_weights
-    pg_loss = agg_loss(
-        pg_losses, response_mask, loss_agg_mode, **global_batch_kwargs(config, global_batch_info)
-    )
-    return pg_loss, _metrics(ppo_kl=masked_mean(abs_kl, response_mask))
+    pg_loss = c.aggregate(pg_losses)
+    return pg_loss, _metrics(ppo_kl=masked_mean(abs_kl, c.response_mask))

@@ -5,21 +5,16 @@ losses in `policy_losses`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import torch
 
-from verl_megatron.algos.aggregation import agg_loss
 from verl_megatron.algos.policy_losses import (
     _MAX_LOG_RATIO,
+    LossCall,
+    LossResult,
     _metrics,
-    _weighted,
     cfg_value,
-    check_inputs,
     clip_ratios,
-    global_batch_kwargs,
-    register_policy_loss,
+    policy_loss,
 )
 from verl_megatron.utils.torch_functional import masked_mean
 
@@ -32,114 +27,62 @@ _DPPO_DEFAULT_RATIO_CAP = 20.0
 _BINARY_KL_EPS = 1e-8
 
 
-def _dppo(
-    name: str,
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str,
-    config: Any,
-    rollout_is_weights: torch.Tensor | None,
-    global_batch_info: Mapping[str, Any] | None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """-A * sg(min(r, c)) * log_prob on tokens inside the trust region (others get no gradient).
+def _dppo(name: str, c: LossCall) -> LossResult:
+    """-A * sg(min(r, cap)) * log_prob on tokens inside the trust region (others get no gradient).
 
     The region is on the sampled token's probability p vs old p_old, bounded by
     clip_ratio_low/high (here divergence thresholds, not ratio ranges): for TV,
     p - p_old <= high (A > 0) and p - p_old >= -low (A <= 0); for KL, the binary KL
     between (p_old, 1 - p_old) and (p, 1 - p) <= high (A > 0, or p <= p_old) and
     <= low (A <= 0, or p >= p_old). pg_clipfrac = share of tokens outside;
-    pg_clipfrac_lower = share inside whose ratio exceeds c.
+    pg_clipfrac_lower = share inside whose ratio exceeds the cap (clip_ratio_c).
     """
-    check_inputs(name, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
-    low, high = clip_ratios(config)
-    log_ratio = torch.clamp(log_prob - old_log_prob, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    c.check(name)
+    low, high = clip_ratios(c.config)
+    log_ratio = torch.clamp(c.log_prob - c.old_log_prob, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
-    ppo_kl = masked_mean(-log_ratio, response_mask)
-    cap = float(cfg_value(config, "clip_ratio_c", _DPPO_DEFAULT_RATIO_CAP))
+    ppo_kl = masked_mean(-log_ratio, c.response_mask)
+    cap = float(cfg_value(c.config, "clip_ratio_c", _DPPO_DEFAULT_RATIO_CAP))
     truncated = torch.clamp(ratio, max=cap).detach()
 
-    prob, old_prob = torch.exp(log_prob), torch.exp(old_log_prob)
+    prob, old_prob = torch.exp(c.log_prob), torch.exp(c.old_log_prob)
     if name == "dppo_tv":
         inside_pos = (prob - old_prob) <= high
         inside_neg = (prob - old_prob) >= -low
     else:
-        binary_kl = old_prob * (old_log_prob - log_prob) + (1 - old_prob) * torch.log(
+        binary_kl = old_prob * (c.old_log_prob - c.log_prob) + (1 - old_prob) * torch.log(
             (1.0 - old_prob + _BINARY_KL_EPS) / (1.0 - prob + _BINARY_KL_EPS)
         )
         inside_pos = (binary_kl <= high) | (prob <= old_prob)
         inside_neg = (binary_kl <= low) | (prob >= old_prob)
-    inside = torch.where(advantages > 0, inside_pos, inside_neg).detach().to(log_prob.dtype)
+    inside = torch.where(c.advantages > 0, inside_pos, inside_neg).detach().to(c.log_prob.dtype)
 
-    pg_losses = _weighted(-advantages * truncated * log_prob * inside, rollout_is_weights)
-    pg_loss = agg_loss(
-        pg_losses, response_mask, loss_agg_mode, **global_batch_kwargs(config, global_batch_info)
-    )
-    pg_clipfrac = masked_mean(1.0 - inside, response_mask)
-    pg_clipfrac_lower = masked_mean((ratio > cap).to(log_prob.dtype) * inside, response_mask)
+    pg_loss = c.aggregate(-c.advantages * truncated * c.log_prob * inside)
+    pg_clipfrac = masked_mean(1.0 - inside, c.response_mask)
+    pg_clipfrac_lower = masked_mean((ratio > cap).to(c.log_prob.dtype) * inside, c.response_mask)
     return pg_loss, _metrics(pg_clipfrac=pg_clipfrac, ppo_kl=ppo_kl, pg_clipfrac_lower=pg_clipfrac_lower)
 
 
-@register_policy_loss("dppo_tv")
-def compute_policy_loss_dppo_tv(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Any = None,
-    rollout_is_weights: torch.Tensor | None = None,
-    *,
-    global_batch_info: Mapping[str, Any] | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+@policy_loss("dppo_tv")
+def compute_policy_loss_dppo_tv(c: LossCall) -> LossResult:
     """DPPO with the binary total-variation trust region (see `_dppo`)."""
-    return _dppo(
-        "dppo_tv", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
-        rollout_is_weights, global_batch_info,
-    )  # fmt: skip
+    return _dppo("dppo_tv", c)
 
 
-@register_policy_loss("dppo_kl")
-def compute_policy_loss_dppo_kl(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Any = None,
-    rollout_is_weights: torch.Tensor | None = None,
-    *,
-    global_batch_info: Mapping[str, Any] | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+@policy_loss("dppo_kl")
+def compute_policy_loss_dppo_kl(c: LossCall) -> LossResult:
     """DPPO with the binary KL trust region (see `_dppo`)."""
-    return _dppo(
-        "dppo_kl", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
-        rollout_is_weights, global_batch_info,
-    )  # fmt: skip
+    return _dppo("dppo_kl", c)
 
 
-@register_policy_loss("dro")
-def compute_policy_loss_dro(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Any = None,
-    rollout_is_weights: torch.Tensor | None = None,
-    *,
-    global_batch_info: Mapping[str, Any] | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+@policy_loss("dro")
+def compute_policy_loss_dro(c: LossCall) -> LossResult:
     """DRO: -(A * log_prob - beta / 2 * (log_prob - old_log_prob)^2) per token, beta =
     config.policy_loss.dro_beta (> 0, required). Metric: actor/ppo_kl only."""
-    check_inputs("dro", old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
-    beta = cfg_value(cfg_value(config, "policy_loss", None), "dro_beta", None)
+    c.check("dro")
+    beta = cfg_value(cfg_value(c.config, "policy_loss", None), "dro_beta", None)
     if beta is None or beta <= 0:
         raise ValueError(f"policy_loss.dro_beta must be a positive value when using DRO, got {beta!r}")
-    log_ratio = log_prob - old_log_prob
-    pg_losses = _weighted(-(log_prob * advantages - 0.5 * beta * log_ratio.square()), rollout_is_weights)
-    pg_loss = agg_loss(
-        pg_losses, response_mask, loss_agg_mode, **global_batch_kwargs(config, global_batch_info)
-    )
-    return pg_loss, _metrics(ppo_kl=masked_mean(-log_ratio, response_mask))
+    log_ratio = c.log_prob - c.old_log_prob
+    pg_loss = c.aggregate(-(c.log_prob * c.advantages - 0.5 * beta * log_ratio.square()))
+    return pg_loss, _metrics(ppo_kl=masked_mean(-log_ratio, c.response_mask))

@@ -22,6 +22,7 @@ import contextlib
 import contextvars
 import sys
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from verl_megatron.utils.torch_functional import masked_mean
 
 __all__ = [
     "POLICY_LOSS_REGISTRY",
+    "LossCall",
     "PolicyLossFn",
     "compute_policy_loss",
     "compute_policy_loss_cispo",
@@ -42,6 +44,7 @@ __all__ = [
     "get_policy_loss_fn",
     "global_batch_kwargs",
     "metrics_on_device",
+    "policy_loss",
     "register_policy_loss",
 ]
 
@@ -202,6 +205,79 @@ def _metrics(**values: torch.Tensor) -> dict[str, float]:
     return {f"actor/{name}": float(value.detach().item()) for name, value in values.items()}
 
 
+@dataclass(frozen=True)
+class LossCall:
+    """One call of a registered policy loss: verl's arguments (tensors [B, T])."""
+
+    old_log_prob: torch.Tensor
+    log_prob: torch.Tensor
+    advantages: torch.Tensor
+    response_mask: torch.Tensor
+    loss_agg_mode: str
+    config: Any
+    rollout_is_weights: torch.Tensor | None
+    global_batch_info: Mapping[str, Any] | None
+
+    def check(self, where: str) -> None:
+        """Every tensor input has the [B, T] shape of response_mask."""
+        check_inputs(
+            where,
+            self.old_log_prob,
+            self.log_prob,
+            self.advantages,
+            self.response_mask,
+            self.rollout_is_weights,
+        )
+
+    def aggregate(self, token_losses: torch.Tensor, loss_agg_mode: str | None = None) -> torch.Tensor:
+        """agg_loss of `token_losses` [B, T] times the rollout IS weights (when given), with the
+        call's global counts; `loss_agg_mode` overrides the call's mode."""
+        return agg_loss(
+            _weighted(token_losses, self.rollout_is_weights),
+            self.response_mask,
+            loss_agg_mode or self.loss_agg_mode,
+            **global_batch_kwargs(self.config, self.global_batch_info),
+        )
+
+
+LossResult = tuple[torch.Tensor, dict[str, Any]]
+
+
+def policy_loss(name: str, default_agg_mode: str = "token-mean") -> Callable[[Callable], PolicyLossFn]:
+    """Register ``body(call: LossCall) -> (loss, metrics)`` under `name` as a loss with verl's call
+    shape (module docstring); the registered function carries the body's name and docstring."""
+
+    def decorator(body: Callable[[LossCall], LossResult]) -> PolicyLossFn:
+        def loss(
+            old_log_prob: torch.Tensor,
+            log_prob: torch.Tensor,
+            advantages: torch.Tensor,
+            response_mask: torch.Tensor,
+            loss_agg_mode: str = default_agg_mode,
+            config: Any = None,
+            rollout_is_weights: torch.Tensor | None = None,
+            *,
+            global_batch_info: Mapping[str, Any] | None = None,
+        ) -> LossResult:
+            call = LossCall(
+                old_log_prob,
+                log_prob,
+                advantages,
+                response_mask,
+                loss_agg_mode,
+                config,
+                rollout_is_weights,
+                global_batch_info,
+            )
+            return body(call)
+
+        loss.__name__ = loss.__qualname__ = body.__name__
+        loss.__doc__, loss.__module__ = body.__doc__, body.__module__
+        return register_policy_loss(name)(loss)
+
+    return decorator
+
+
 def compute_policy_loss(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -233,49 +309,26 @@ def compute_policy_loss(
     return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
 
 
-@register_policy_loss("vanilla")
-def compute_policy_loss_vanilla(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Any = None,
-    rollout_is_weights: torch.Tensor | None = None,
-    *,
-    global_batch_info: Mapping[str, Any] | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+@policy_loss("vanilla")
+def compute_policy_loss_vanilla(c: LossCall) -> LossResult:
     """PPO with clip-higher and dual clip (config: clip_ratio[_low/_high], clip_ratio_c=3.0)."""
-    check_inputs("vanilla", old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
-    low, high = clip_ratios(config)
+    c.check("vanilla")
+    low, high = clip_ratios(c.config)
     token_losses, pg_clipfrac, ppo_kl, pg_clipfrac_lower = _dual_clip_token_losses(
-        old_log_prob,
-        log_prob,
-        advantages,
-        response_mask,
+        c.old_log_prob,
+        c.log_prob,
+        c.advantages,
+        c.response_mask,
         low,
         high,
-        float(cfg_value(config, "clip_ratio_c", 3.0)),
+        float(cfg_value(c.config, "clip_ratio_c", 3.0)),
     )
-    token_losses = _weighted(token_losses, rollout_is_weights)
-    pg_loss = agg_loss(
-        token_losses, response_mask, loss_agg_mode, **global_batch_kwargs(config, global_batch_info)
-    )
+    pg_loss = c.aggregate(token_losses)
     return pg_loss, _metrics(pg_clipfrac=pg_clipfrac, ppo_kl=ppo_kl, pg_clipfrac_lower=pg_clipfrac_lower)
 
 
-@register_policy_loss("gspo")
-def compute_policy_loss_gspo(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "seq-mean-token-mean",
-    config: Any = None,
-    rollout_is_weights: torch.Tensor | None = None,
-    *,
-    global_batch_info: Mapping[str, Any] | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+@policy_loss("gspo", "seq-mean-token-mean")
+def compute_policy_loss_gspo(c: LossCall) -> LossResult:
     """GSPO (arXiv:2507.18071): PPO clipping of the sequence-level ratio.
 
     s_i = exp(mean_t (log_prob - old_log_prob)) per sequence; each token uses
@@ -283,123 +336,71 @@ def compute_policy_loss_gspo(
     log-prob. Aggregated with `loss_agg_mode` as in verl 0.9.1 (the paper uses
     seq-mean-token-mean, the default here; verl <= 0.9.0 always used it).
     """
-    check_inputs("gspo", old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
-    low, high = clip_ratios(config)
-    mask = response_mask.to(log_prob.dtype)
-    log_ratio = log_prob - old_log_prob
+    c.check("gspo")
+    low, high = clip_ratios(c.config)
+    mask = c.response_mask.to(c.log_prob.dtype)
+    log_ratio = c.log_prob - c.old_log_prob
     seq_log_ratio = (log_ratio * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
-    token_log_ratio = log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1)
+    token_log_ratio = c.log_prob - c.log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1)
     seq_ratio = torch.exp(torch.clamp(token_log_ratio, max=_GSPO_MAX_LOG_RATIO))
 
-    unclipped = -advantages * seq_ratio
-    clipped = -advantages * torch.clamp(seq_ratio, 1 - low, 1 + high)
-    pg_losses = _weighted(torch.maximum(unclipped, clipped), rollout_is_weights)
-    pg_loss = agg_loss(
-        pg_losses, response_mask, loss_agg_mode, **global_batch_kwargs(config, global_batch_info)
-    )
-    pg_clipfrac = masked_mean(torch.gt(clipped, unclipped).to(log_prob.dtype), response_mask)
-    ppo_kl = masked_mean(-log_ratio, response_mask)
+    unclipped = -c.advantages * seq_ratio
+    clipped = -c.advantages * torch.clamp(seq_ratio, 1 - low, 1 + high)
+    pg_loss = c.aggregate(torch.maximum(unclipped, clipped))
+    pg_clipfrac = masked_mean(torch.gt(clipped, unclipped).to(c.log_prob.dtype), c.response_mask)
+    ppo_kl = masked_mean(-log_ratio, c.response_mask)
     return pg_loss, _metrics(pg_clipfrac=pg_clipfrac, ppo_kl=ppo_kl, pg_clipfrac_lower=torch.zeros(()))
 
 
-@register_policy_loss("sapo")
-def compute_policy_loss_sapo(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "seq-mean-token-mean",
-    config: Any = None,
-    rollout_is_weights: torch.Tensor | None = None,
-    *,
-    global_batch_info: Mapping[str, Any] | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+@policy_loss("sapo", "seq-mean-token-mean")
+def compute_policy_loss_sapo(c: LossCall) -> LossResult:
     """SAPO (arXiv:2511.20347): a smooth sigmoid gate instead of a hard clip.
 
     Per token -A * sigmoid(tau * (r - 1)) * 4 / tau, tau = config.tau_pos (1.0) when
     A > 0 else config.tau_neg (1.05); r as in vanilla. Aggregated with
     seq-mean-token-mean whatever `loss_agg_mode` says (as in verl).
     """
-    check_inputs("sapo", old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
-    tau_pos = torch.as_tensor(float(cfg_value(config, "tau_pos", 1.0)), dtype=advantages.dtype)
-    tau_neg = torch.as_tensor(float(cfg_value(config, "tau_neg", 1.05)), dtype=advantages.dtype)
-    log_ratio = torch.clamp(log_prob - old_log_prob, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    c.check("sapo")
+    tau_pos = torch.as_tensor(float(cfg_value(c.config, "tau_pos", 1.0)), dtype=c.advantages.dtype)
+    tau_neg = torch.as_tensor(float(cfg_value(c.config, "tau_neg", 1.05)), dtype=c.advantages.dtype)
+    log_ratio = torch.clamp(c.log_prob - c.old_log_prob, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
-    taus = torch.where(advantages > 0, tau_pos.to(advantages.device), tau_neg.to(advantages.device))
+    taus = torch.where(c.advantages > 0, tau_pos.to(c.advantages.device), tau_neg.to(c.advantages.device))
     gates = torch.sigmoid(taus * (ratio - 1.0)) * (4.0 / taus)
-    pg_losses = _weighted(-gates * advantages, rollout_is_weights)
-    pg_loss = agg_loss(
-        pg_losses, response_mask, "seq-mean-token-mean", **global_batch_kwargs(config, global_batch_info)
-    )
+    pg_loss = c.aggregate(-gates * c.advantages, "seq-mean-token-mean")
     zero = torch.zeros(())
-    ppo_kl = masked_mean(-log_ratio, response_mask)
+    ppo_kl = masked_mean(-log_ratio, c.response_mask)
     return pg_loss, _metrics(pg_clipfrac=zero, ppo_kl=ppo_kl, pg_clipfrac_lower=zero)
 
 
-@register_policy_loss("gpg")
-def compute_policy_loss_gpg(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Any = None,
-    rollout_is_weights: torch.Tensor | None = None,
-    *,
-    global_batch_info: Mapping[str, Any] | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+@policy_loss("gpg")
+def compute_policy_loss_gpg(c: LossCall) -> LossResult:
     """GPG: plain policy gradient -A * log_prob (no ratio, no clip); no metrics."""
-    check_inputs("gpg", log_prob, log_prob, advantages, response_mask, rollout_is_weights)
-    pg_losses = _weighted(-log_prob * advantages, rollout_is_weights)
-    pg_loss = agg_loss(
-        pg_losses, response_mask, loss_agg_mode, **global_batch_kwargs(config, global_batch_info)
-    )
+    check_inputs("gpg", c.log_prob, c.log_prob, c.advantages, c.response_mask, c.rollout_is_weights)
+    pg_loss = c.aggregate(-c.log_prob * c.advantages)
     return pg_loss, {}
 
 
-@register_policy_loss("cispo")
-def compute_policy_loss_cispo(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Any = None,
-    rollout_is_weights: torch.Tensor | None = None,
-    *,
-    global_batch_info: Mapping[str, Any] | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+@policy_loss("cispo")
+def compute_policy_loss_cispo(c: LossCall) -> LossResult:
     """CISPO (arXiv:2506.13585): -sg(clip(r, 1 - low, 1 + high)) * A * log_prob.
 
     The clipped ratio is a constant weight, so every token keeps a REINFORCE gradient;
     pg_clipfrac counts tokens whose ratio was clipped.
     """
-    check_inputs("cispo", old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
-    low, high = clip_ratios(config)
-    log_ratio = torch.clamp(log_prob - old_log_prob, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    c.check("cispo")
+    low, high = clip_ratios(c.config)
+    log_ratio = torch.clamp(c.log_prob - c.old_log_prob, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
     clipped_ratio = torch.clamp(ratio, 1 - low, 1 + high)
-    pg_losses = _weighted(-clipped_ratio.detach() * advantages * log_prob, rollout_is_weights)
-    pg_loss = agg_loss(
-        pg_losses, response_mask, loss_agg_mode, **global_batch_kwargs(config, global_batch_info)
-    )
-    pg_clipfrac = masked_mean(torch.ne(ratio, clipped_ratio).to(log_prob.dtype), response_mask)
-    ppo_kl = masked_mean(-log_ratio, response_mask)
+    pg_loss = c.aggregate(-clipped_ratio.detach() * c.advantages * c.log_prob)
+    pg_clipfrac = masked_mean(torch.ne(ratio, clipped_ratio).to(c.log_prob.dtype), c.response_mask)
+    ppo_kl = masked_mean(-log_ratio, c.response_mask)
     return pg_loss, _metrics(pg_clipfrac=pg_clipfrac, ppo_kl=ppo_kl, pg_clipfrac_lower=torch.zeros(()))
 
 
-@register_policy_loss("geo_mean")
-def compute_policy_loss_geo_mean(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Any = None,
-    rollout_is_weights: torch.Tensor | None = None,
-    *,
-    global_batch_info: Mapping[str, Any] | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+@policy_loss("geo_mean")
+def compute_policy_loss_geo_mean(c: LossCall) -> LossResult:
     """GMPO (arXiv:2507.20673): PPO on the geometric mean of token ratios of a sequence.
 
     Each token log-ratio is clipped to [-low, high] on the side that matters for the
@@ -413,26 +414,26 @@ def compute_policy_loss_geo_mean(
     dp_size from the global counts, which makes it layout-invariant.
     Token-level rollout_is_weights enter as their per-sequence geometric mean.
     """
-    check_inputs("geo_mean", old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
-    low, high = clip_ratios(config)
-    mask = response_mask.to(log_prob.dtype)
-    log_ratio = log_prob - old_log_prob
-    ppo_kl = masked_mean(-log_ratio, response_mask)
+    c.check("geo_mean")
+    low, high = clip_ratios(c.config)
+    mask = c.response_mask.to(c.log_prob.dtype)
+    log_ratio = c.log_prob - c.old_log_prob
+    ppo_kl = masked_mean(-log_ratio, c.response_mask)
 
-    sign = torch.sign(advantages)
+    sign = torch.sign(c.advantages)
     clamped = torch.clamp(log_ratio, -low, high)
     # sign * min(sign * x, sign * clip(x)) keeps the pessimistic side for either sign of A.
     token_log_ratio = sign * torch.minimum(sign * log_ratio, sign * clamped)
     tokens = mask.sum(dim=-1)
     seq_ratio = torch.exp((token_log_ratio * mask).sum(dim=-1) / (tokens + 1e-8))
-    seq_advantage = (advantages * mask).sum(dim=-1) / (tokens + 1e-8)
+    seq_advantage = (c.advantages * mask).sum(dim=-1) / (tokens + 1e-8)
     seq_losses = -seq_advantage * seq_ratio
-    if rollout_is_weights is not None:
-        log_w = torch.log(rollout_is_weights + 1e-10)
+    if c.rollout_is_weights is not None:
+        log_w = torch.log(c.rollout_is_weights + 1e-10)
         seq_losses = seq_losses * torch.exp((log_w * mask).sum(dim=-1) / (tokens + 1e-8))
 
-    kwargs = global_batch_kwargs(config, global_batch_info)
-    if cfg_value(cfg_value(config, "policy_loss", None), "geo_mean_valid_rows", False):
+    kwargs = global_batch_kwargs(c.config, c.global_batch_info)
+    if cfg_value(cfg_value(c.config, "policy_loss", None), "geo_mean_valid_rows", False):
         kwargs.pop("batch_num_tokens", None)
         kwargs.pop("loss_scale_factor", None)
         valid = (tokens > 0).unsqueeze(-1)
@@ -441,6 +442,6 @@ def compute_policy_loss_geo_mean(
         pg_loss = seq_losses.mean()
 
     was_clipped = torch.ne(log_ratio, clamped)
-    pg_clipfrac = masked_mean((was_clipped & (advantages > 0)).to(log_prob.dtype), response_mask)
-    pg_clipfrac_lower = masked_mean((was_clipped & (advantages < 0)).to(log_prob.dtype), response_mask)
+    pg_clipfrac = masked_mean((was_clipped & (c.advantages > 0)).to(c.log_prob.dtype), c.response_mask)
+    pg_clipfrac_lower = masked_mean((was_clipped & (c.advantages < 0)).to(c.log_prob.dtype), c.response_mask)
     return pg_loss, _metrics(pg_clipfrac=pg_clipfrac, ppo_kl=ppo_kl, pg_clipfrac_lower=pg_clipfrac_lower)
