@@ -1,0 +1,174 @@
+"""A per-sample reward manager for scorers that call a rate-limited API (LLM judges): verl's
+``RateLimitedRewardManager`` of its reward loop.
+
+Each ``await run_single(data)`` scores the last sample of `data` after passing three limits:
+a request-per-minute bucket (1 token per request), a token-per-minute bucket
+(``estimated_tokens_per_request`` tokens per request) and a concurrency semaphore, then runs
+the scorer under ``timeout`` seconds. A timeout or an exception scores 0 (``acc`` 0, and
+``timeout``/``error`` in the extra info) instead of failing the step.
+
+The limits come from the config's ``reward`` section (``max_concurrent`` 1, ``max_rpm`` and
+``max_tpm`` None = unlimited, ``estimated_tokens_per_request`` 2000, ``timeout`` 300 s). They
+belong to the class, not the instance: an API quota is per process, however many managers
+score against it, so the first `init_class` fixes them (verl's behaviour; a later config with
+other limits is ignored with a warning).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+
+from verl_megatron.reward.rate_limit import AsyncTokenBucket
+from verl_megatron.reward.scorers import default_compute_score
+
+__all__ = ["RateLimitedRewardManager"]
+
+logger = logging.getLogger(__name__)
+
+
+def _section(config: Any) -> Any:
+    section = config.get("reward", None) if hasattr(config, "get") else getattr(config, "reward", None)
+    return section if section is not None else {}
+
+
+def _bucket(per_minute: float | None) -> AsyncTokenBucket | None:
+    """A bucket refilling `per_minute` / 60 per second holding one second's worth, or None."""
+    return None if per_minute is None else AsyncTokenBucket(per_minute / 60.0, per_minute / 60.0)
+
+
+class RateLimitedRewardManager:
+    """``RateLimitedRewardManager(config, tokenizer, compute_score)``; see the module docstring."""
+
+    _class_initialized: ClassVar[bool] = False
+    _semaphore: ClassVar[asyncio.Semaphore | None] = None
+    _max_concurrent: ClassVar[int | None] = None
+    _rpm_limiter: ClassVar[AsyncTokenBucket | None] = None
+    _max_rpm: ClassVar[float | None] = None
+    _tpm_limiter: ClassVar[AsyncTokenBucket | None] = None
+    _max_tpm: ClassVar[float | None] = None
+    _estimated_tokens_per_request: ClassVar[int | None] = None
+
+    @classmethod
+    def init_class(cls, config: Any, tokenizer: Any) -> None:
+        """Create the shared limiters from ``config.reward`` once per process."""
+        del tokenizer
+        section = _section(config)
+        if cls._class_initialized:
+            if (section.get("max_rpm", None), section.get("max_tpm", None)) != (cls._max_rpm, cls._max_tpm):
+                logger.warning(
+                    "RateLimitedRewardManager: the rate limits are shared and already set "
+                    "(max_rpm=%s, max_tpm=%s); the new max_rpm=%s, max_tpm=%s are ignored",
+                    cls._max_rpm,
+                    cls._max_tpm,
+                    section.get("max_rpm", None),
+                    section.get("max_tpm", None),
+                )
+            return
+        cls._max_concurrent = section.get("max_concurrent", 1)
+        cls._semaphore = asyncio.Semaphore(cls._max_concurrent)
+        cls._max_rpm = section.get("max_rpm", None)
+        cls._rpm_limiter = _bucket(cls._max_rpm)
+        cls._max_tpm = section.get("max_tpm", None)
+        cls._tpm_limiter = _bucket(cls._max_tpm)
+        cls._estimated_tokens_per_request = section.get("estimated_tokens_per_request", 2000)
+        cls._class_initialized = True
+
+    def __init__(
+        self,
+        config: Any,
+        tokenizer: Any,
+        compute_score: Callable[..., Any] | None,
+        reward_router_address: str | None = None,
+        reward_model_tokenizer: Any = None,
+        num_examine: int | None = None,  # verl's batch-manager keywords, accepted and unused
+        reward_fn_key: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        del num_examine, reward_fn_key, kwargs
+        if tokenizer is None:
+            raise TypeError("RateLimitedRewardManager requires `tokenizer`.")
+        config = config if config is not None else {"reward": {}}
+        self.config = config
+        self.tokenizer = tokenizer
+        self.compute_score = compute_score or default_compute_score
+        self.is_async_reward_score = inspect.iscoroutinefunction(self.compute_score)
+        self.reward_router_address = reward_router_address
+        self.reward_model_tokenizer = reward_model_tokenizer
+        self.timeout = _section(config).get("timeout", 300.0)
+        type(self).init_class(config, tokenizer)
+
+    async def _call_scorer(self, **kwargs: Any) -> Any:
+        if self.reward_router_address is not None:
+            kwargs.update(reward_router_address=self.reward_router_address)
+            kwargs.update(reward_model_tokenizer=self.reward_model_tokenizer)
+        if self.is_async_reward_score:
+            return await self.compute_score(**kwargs)
+        loop = asyncio.get_running_loop()  # a blocking scorer runs in a worker thread
+        return await loop.run_in_executor(None, functools.partial(self.compute_score, **kwargs))
+
+    async def _limited(self, **kwargs: Any) -> tuple[float, dict[str, Any]]:
+        if self._rpm_limiter is not None:
+            await self._rpm_limiter.acquire(1.0)
+        if self._tpm_limiter is not None:
+            await self._tpm_limiter.acquire(self._estimated_tokens_per_request)
+        async with self._semaphore:
+            try:
+                result = await asyncio.wait_for(self._call_scorer(**kwargs), timeout=self.timeout)
+            except asyncio.TimeoutError:
+                logger.warning(
+                    "reward for data_source=%s timed out after %ss", kwargs["data_source"], self.timeout
+                )
+                return 0.0, {"timeout": True, "acc": 0.0}
+            except Exception as exc:  # one failing API call scores 0 instead of ending the step
+                logger.error("reward for data_source=%s failed: %s", kwargs["data_source"], exc)
+                return 0.0, {"error": str(exc), "acc": 0.0}
+        if isinstance(result, dict):
+            return result["score"], dict(result)
+        return result, {"acc": result}
+
+    async def run_single(self, data: Any) -> dict[str, Any]:
+        """Score the last sample of `data` (a DataProto with ``responses`` [B, Tr] and
+        ``attention_mask`` whose last Tr columns mark the response):
+        {"reward_score": float, "reward_extra_info": dict}."""
+        item = data[len(data) - 1]
+        response = item.batch["responses"]
+        valid = int(item.batch["attention_mask"][-response.shape[-1] :].sum())
+        extra_info = dict(item.non_tensor_batch.get("extra_info", None) or {})
+        extra_info.update(item.non_tensor_batch.get("tool_extra_fields", None) or {})
+        loop = asyncio.get_running_loop()
+        text = await loop.run_in_executor(
+            None, functools.partial(self.tokenizer.decode, response[:valid], skip_special_tokens=True)
+        )
+        score, extra = await self._limited(
+            data_source=item.non_tensor_batch["data_source"],
+            solution_str=text,
+            ground_truth=item.non_tensor_batch["reward_model"]["ground_truth"],
+            extra_info=extra_info,
+        )
+        return {"reward_score": score, "reward_extra_info": extra}
+
+    def __call__(self, data: Any, return_dict: bool = False) -> torch.Tensor | dict[str, Any]:
+        """Score a whole batch (the batch managers' interface): the reward [B, Tr] at each
+        row's last valid response token."""
+
+        async def score_all() -> list[dict[str, Any]]:
+            return await asyncio.gather(*(self.run_single(data[i : i + 1]) for i in range(len(data))))
+
+        results = asyncio.run(score_all())
+        responses = data.batch["responses"]
+        valid = data.batch["attention_mask"][:, -responses.shape[-1] :].sum(-1).long()
+        reward = torch.zeros(responses.shape, dtype=torch.float32)
+        rows = torch.arange(len(data))
+        reward[rows, (valid - 1).clamp(min=0)] = torch.tensor([float(r["reward_score"]) for r in results])
+        if not return_dict:
+            return reward
+        keys = {key for r in results for key in r["reward_extra_info"]}
+        extra = {key: [r["reward_extra_info"].get(key) for r in results] for key in sorted(keys)}
+        return {"reward_tensor": reward, "reward_extra_info": extra}
