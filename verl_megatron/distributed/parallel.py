@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from verl_megatron.distributed import state
 from verl_megatron.errors import ParallelConfigError
 
 
@@ -141,56 +142,56 @@ class Runtime:
     cpu_compat: bool = False
     _owns_process_group: bool = field(default=False, repr=False)
 
-    # Megatron parallel state is global to the process; these accessors keep
-    # call sites from reaching into it directly.
+    # Megatron parallel state is global to the process; these accessors (over
+    # distributed/state.py) keep call sites from reaching into it directly.
     @property
     def tp_rank(self) -> int:
-        from megatron.core import parallel_state as ps
-
-        return ps.get_tensor_model_parallel_rank()
+        return state.tp_rank()
 
     @property
     def pp_rank(self) -> int:
-        from megatron.core import parallel_state as ps
-
-        return ps.get_pipeline_model_parallel_rank()
+        return state.pp_rank()
 
     @property
     def dp_rank(self) -> int:
-        from megatron.core import parallel_state as ps
-
-        return ps.get_data_parallel_rank()
+        return state.dp_rank()
 
     @property
     def cp_rank(self) -> int:
-        from megatron.core import parallel_state as ps
+        return state.cp_rank()
 
-        return ps.get_context_parallel_rank()
+    def tp_group(self) -> dist.ProcessGroup:
+        return state.tp_group()
 
-    def tp_group(self):
-        from megatron.core import parallel_state as ps
+    def pp_group(self) -> dist.ProcessGroup:
+        return state.pp_group()
 
-        return ps.get_tensor_model_parallel_group()
+    def dp_group(self, with_cp: bool = False) -> dist.ProcessGroup:
+        return state.dp_group(with_cp)
 
-    def pp_group(self):
-        from megatron.core import parallel_state as ps
+    def cp_group(self) -> dist.ProcessGroup:
+        return state.cp_group()
 
-        return ps.get_pipeline_model_parallel_group()
+    def mp_group(self) -> dist.ProcessGroup:
+        return state.mp_group()
 
-    def dp_group(self, with_cp: bool = False):
-        from megatron.core import parallel_state as ps
+    def etp_ep_group(self) -> dist.ProcessGroup:
+        """The ranks that meet in the MoE layers: expert tensor x expert parallel."""
+        return state.etp_ep_group()
 
-        return ps.get_data_parallel_group(with_context_parallel=with_cp)
+    def tp_src_rank(self) -> int:
+        """Global rank of tp rank 0 of this rank's tensor-parallel group."""
+        return state.tp_src_rank()
 
-    def cp_group(self):
-        from megatron.core import parallel_state as ps
+    def pp_last_rank(self) -> int:
+        """Global rank of the last stage of this rank's pipeline."""
+        return state.pp_last_rank()
 
-        return ps.get_context_parallel_group()
+    def pp_next_rank(self) -> int:
+        return state.pp_next_rank()
 
-    def mp_group(self):
-        from megatron.core import parallel_state as ps
-
-        return ps.get_model_parallel_group()
+    def pp_prev_rank(self) -> int:
+        return state.pp_prev_rank()
 
     @property
     def is_pp_first(self) -> bool:

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from verl_megatron.distributed import state
 from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.models.builder import ModelInfo, model_info
 from verl_megatron.models.config import ModelConfig, read_hf_architecture
@@ -282,9 +283,7 @@ def _check_same_model(info: ModelInfo, hf_config: Any) -> None:
 
 def _ordered_entries(local: dict[str, torch.nn.Parameter], runtime: Runtime) -> list[tuple]:
     """(name, owner pp rank, owner ep rank, whole shape, dtype) of every exported parameter, in HF order."""
-    from megatron.core import parallel_state as ps
-
-    ep_rank = ps.get_expert_model_parallel_rank()
+    ep_rank = state.ep_rank()
     mine = [
         (name, runtime.pp_rank, ep_rank, whole_shape(p, tp_placement(name)[1]), p.dtype)
         for name, p in local.items()
@@ -292,7 +291,7 @@ def _ordered_entries(local: dict[str, torch.nn.Parameter], runtime: Runtime) -> 
     if runtime.layout.ep > 1:
         # Every ep rank holds the same dense parameters and its own experts.
         peers: list[list[tuple]] = [None] * runtime.layout.ep  # type: ignore[list-item]
-        dist.all_gather_object(peers, mine, group=ps.get_expert_model_parallel_group())
+        dist.all_gather_object(peers, mine, group=state.ep_group())
         seen: set[str] = set()
         mine = [e for peer in peers for e in peer if not (e[0] in seen or seen.add(e[0]))]
     stages: list[list[tuple]] = [mine]
@@ -324,8 +323,6 @@ def iter_hf_weights(
     describe the built model. With LoRA adapters the weights are base + adapter (merged in
     float32), unless ``merge_lora=False`` (the frozen base alone).
     """
-    from megatron.core import parallel_state as ps
-
     from verl_megatron.models.lora_export import lora_merger
 
     info = model_info(chunks)
@@ -340,7 +337,7 @@ def iter_hf_weights(
         else:
             whole = torch.empty(shape, dtype=dtype, device=runtime.device)
         if runtime.layout.ep > 1 and is_expert_parameter(name):
-            dist.broadcast(whole, group=ps.get_expert_model_parallel_group(), group_src=ep_owner)
+            dist.broadcast(whole, group=state.ep_group(), group_src=ep_owner)
         if runtime.layout.pp > 1:
             dist.broadcast(whole, group=runtime.pp_group(), group_src=owner)
         mapping = hf_mapping(name, info)

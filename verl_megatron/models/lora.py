@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from verl_megatron.distributed import state
 from verl_megatron.distributed.modules import unwrap
 from verl_megatron.errors import ModelConfigError, UserInputError
 
@@ -333,18 +334,17 @@ class LoraAdapters(torch.nn.Module):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
         """megatron dist-checkpointing entries: sharded tensors along each parameter's tp dim."""
-        from megatron.core import parallel_state as ps
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-        state = self.state_dict(prefix="", keep_vars=True)
+        tensors = self.state_dict(prefix="", keep_vars=True)
         axis = {name: int(p.partition_dim) for name, p in self.named_parameters() if p.tensor_model_parallel}
         return make_sharded_tensors_for_checkpoint(
-            state,
+            tensors,
             prefix,
             axis,
             sharded_offsets,
-            tp_group=ps.get_tensor_model_parallel_group(),
-            dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True),
+            tp_group=state.tp_group(),
+            dp_cp_group=state.dp_group(with_cp=True),
         )
 
 
@@ -404,10 +404,8 @@ def apply_lora(
     Call after the base weights are loaded and before DDP wrapping and the optimizer, which then
     see only the adapters as trainable. Returns ``chunks`` (modified in place).
     """
-    from megatron.core import parallel_state as ps
-
-    tp = ps.get_tensor_model_parallel_world_size()
-    tp_rank = ps.get_tensor_model_parallel_rank()
+    tp = state.tp_size()
+    tp_rank = state.tp_rank()
     for chunk in chunks:
         inner = unwrap(chunk)
         if hasattr(inner, "module") or hasattr(chunk, "ddp_config"):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verl_megatron.distributed import cpu_compat
+from verl_megatron.distributed import cpu_compat, state
 from verl_megatron.distributed.modules import unwrap
 from verl_megatron.distributed.parallel import Runtime
 
@@ -24,14 +24,12 @@ ChunkFactory = Callable[[bool, bool, "int | None"], torch.nn.Module]
 
 def build_chunks(runtime: Runtime, make_chunk: ChunkFactory) -> list[torch.nn.Module]:
     """One module per virtual pipeline stage held by this rank (one without vpp)."""
-    from megatron.core import parallel_state as ps
-
     vpp = runtime.layout.vpp if (runtime.layout.vpp or 1) > 1 else None
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
-        pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
-        post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
+        pre = state.is_pp_first_stage(stage)
+        post = state.is_pp_last_stage(stage)
         chunk = make_chunk(pre, post, stage)
         cpu_compat.configure_model(chunk.config)
         chunks.append(chunk)

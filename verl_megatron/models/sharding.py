@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from verl_megatron.distributed import state
 from verl_megatron.distributed.modules import unwrap
 
 _LAYER_RE = re.compile(r"^(?:module\.)*decoder\.layers\.(\d+)\.(.*)$")
@@ -41,19 +42,9 @@ def is_expert_parameter(name: str) -> bool:
 def tp_placement(name: str) -> tuple[object, int, int]:
     """(group, size, rank) of the tensor-parallel split of parameter ``name``: expert weights are
     split over the expert tensor-parallel group, everything else over the tensor-parallel group."""
-    from megatron.core import parallel_state as ps
-
     if is_expert_parameter(name):
-        return (
-            ps.get_expert_tensor_parallel_group(),
-            ps.get_expert_tensor_parallel_world_size(),
-            ps.get_expert_tensor_parallel_rank(),
-        )
-    return (
-        ps.get_tensor_model_parallel_group(),
-        ps.get_tensor_model_parallel_world_size(),
-        ps.get_tensor_model_parallel_rank(),
-    )
+        return state.etp_group(), state.etp_size(), state.etp_rank()
+    return state.tp_group(), state.tp_size(), state.tp_rank()
 
 
 def _global_expert_name(rest: str, layer: torch.nn.Module) -> str:
@@ -64,11 +55,9 @@ def _global_expert_name(rest: str, layer: torch.nn.Module) -> str:
     ):
         match = pattern.match(rest)
         if match:
-            from megatron.core import parallel_state as ps
-
             local = int(match.group(1) if pattern is _LOCAL_EXPERT_RE else match.group(2))
             tail = match.group(2) if pattern is _LOCAL_EXPERT_RE else match.group(1)
-            offset = ps.get_expert_model_parallel_rank() * layer.mlp.experts.num_local_experts
+            offset = state.ep_rank() * layer.mlp.experts.num_local_experts
             return fmt.format(index=offset + local, tail=tail)
     return rest
 
@@ -130,8 +119,6 @@ def gather_full_state(
     expert-parallel groups: every rank gets every expert). Ranks other than tp rank 0
     return an empty dict when ``only_tp_rank0`` (results are identical there).
     """
-    from megatron.core import parallel_state as ps
-
     out: dict[str, torch.Tensor] = {}
     for name, param in named_global_parameters(chunks):
         value = param.main_grad if grads and hasattr(param, "main_grad") else (param.grad if grads else param)
@@ -139,13 +126,13 @@ def gather_full_state(
             value = torch.zeros_like(param)
         group, size, _ = tp_placement(name)
         out[name] = gather_tp(value, param, group, size).cpu()
-    if ps.get_expert_model_parallel_world_size() > 1:
+    if state.ep_size() > 1:
         experts = {name: t for name, t in out.items() if is_expert_parameter(name)}
-        parts: list[dict[str, torch.Tensor]] = [{} for _ in range(ps.get_expert_model_parallel_world_size())]
-        dist.all_gather_object(parts, experts, group=ps.get_expert_model_parallel_group())
+        parts: list[dict[str, torch.Tensor]] = [{} for _ in range(state.ep_size())]
+        dist.all_gather_object(parts, experts, group=state.ep_group())
         for part in parts:
             out.update(part)
-    if only_tp_rank0 and ps.get_tensor_model_parallel_rank() != 0:
+    if only_tp_rank0 and state.tp_rank() != 0:
         return {}
     return out
 

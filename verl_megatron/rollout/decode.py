@@ -384,15 +384,9 @@ class ChunkDecoder:
         return logits[-1].float()
 
     def _send(self, hidden: torch.Tensor) -> None:
-        from megatron.core import parallel_state as ps
-
-        dist.send(
-            hidden.contiguous(), ps.get_pipeline_model_parallel_next_rank(), group=self.runtime.pp_group()
-        )
+        dist.send(hidden.contiguous(), self.runtime.pp_next_rank(), group=self.runtime.pp_group())
 
     def _recv(self, s: int, batch: int) -> torch.Tensor:
-        from megatron.core import parallel_state as ps
-
         hidden = torch.empty(s, batch, self.hidden_size, dtype=self.dtype, device=self.device)
-        dist.recv(hidden, ps.get_pipeline_model_parallel_prev_rank(), group=self.runtime.pp_group())
+        dist.recv(hidden, self.runtime.pp_prev_rank(), group=self.runtime.pp_group())
         return hidden

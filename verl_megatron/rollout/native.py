@@ -219,10 +219,8 @@ class NativeRollout(RolloutEngine):
         layout = self.runtime.layout
         if layout.ep == 1 and layout.expert_tp <= layout.tp:
             return local
-        from megatron.core import parallel_state as ps
-
         flag = torch.tensor([int(local)], dtype=torch.int32, device=self.runtime.device)
-        group = ps.get_expert_tensor_and_model_parallel_group()
+        group = self.runtime.etp_ep_group()
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
         return bool(flag.item())
 
@@ -244,8 +242,6 @@ class NativeRollout(RolloutEngine):
         for bit or tp > 1 (the broadcast draw may differ from this rank's); otherwise the sampler's
         own log-probabilities serve (equal up to rounding; one pass over the vocabulary, not two).
         """
-        from megatron.core import parallel_state as ps
-
         device = self.runtime.device
         tp = self.runtime.layout.tp
         # float64 holds token ids exactly and float32 log-probs without rounding: one message.
@@ -253,10 +249,10 @@ class NativeRollout(RolloutEngine):
         if logits is not None:
             tokens, token_log_probs = sample_next(logits[:, :vocab], params, uniform=uniform)
             if tp > 1:
-                dist.broadcast(tokens, ps.get_tensor_model_parallel_src_rank(), group=self.runtime.tp_group())
+                dist.broadcast(tokens, self.runtime.tp_src_rank(), group=self.runtime.tp_group())
             if parity or tp > 1:
                 width = logits.shape[-1] // tp
-                start = ps.get_tensor_model_parallel_rank() * width
+                start = self.runtime.tp_rank * width
                 token_log_probs, _ = vocab_parallel_log_probs(
                     logits[:, start : start + width].contiguous(),
                     tokens,
@@ -267,5 +263,5 @@ class NativeRollout(RolloutEngine):
                 )
             packed[0], packed[1] = tokens, token_log_probs
         if self.runtime.layout.pp > 1:
-            dist.broadcast(packed, ps.get_pipeline_model_parallel_last_rank(), group=self.runtime.pp_group())
+            dist.broadcast(packed, self.runtime.pp_last_rank(), group=self.runtime.pp_group())
         return packed[0].long(), packed[1].float()

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from verl_megatron.distributed import state
 from verl_megatron.distributed.parallel import ParallelLayout, Runtime, init_runtime
 from verl_megatron.errors import UserInputError, report_user_error
 from verl_megatron.models.builder import build_gpt_chunks, model_info
@@ -157,7 +158,6 @@ def megatron_logits(
 
     Collective over the model replica; returns the list on the last pipeline stage, else None.
     """
-    from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     vocab = model_info(chunks).vocab_size
@@ -189,7 +189,7 @@ def megatron_logits(
         micro_batch_size=1,
         forward_only=True,
     )
-    if not ps.is_pipeline_last_stage(ignore_virtual=True):
+    if not state.is_pp_last_rank():
         return None
     return [r["logits"] for r in results[: len(sequences)]]
 

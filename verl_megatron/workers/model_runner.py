@@ -393,9 +393,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ moving results
     def _last_stage_rank(self) -> int:
-        from megatron.core import parallel_state as ps
-
-        return ps.get_pipeline_model_parallel_last_rank()
+        return self.runtime.pp_last_rank()
 
     def _broadcast_pp(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.runtime.layout.pp == 1:
