@@ -142,6 +142,19 @@ def _outcome(
     return scores, _group_ids(index, scores.shape[0], where)
 
 
+def _grpo(scores: torch.Tensor, gid: torch.Tensor, epsilon: float, normalise: bool) -> torch.Tensor:
+    """GRPO's per-sequence advantage [B]: s_i - mean_g, divided by (std_g + epsilon) when normalising."""
+    _, mean, std = _group_stats(scores, gid)
+    advantage = scores - mean
+    return advantage / (std + epsilon) if normalise else advantage
+
+
+def _leave_one_out(scores: torch.Tensor, gid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(group size, s_i minus the mean of the other scores of its group), [B] each."""
+    count = _group_sum(torch.ones_like(scores), gid)
+    return count, (count * scores - _group_sum(scores, gid)) / (count - 1).clamp(min=1)
+
+
 def _spread(per_seq: torch.Tensor, response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     advantages = per_seq.unsqueeze(-1) * response_mask.to(per_seq.dtype)
     return advantages, advantages
@@ -202,11 +215,7 @@ def compute_grpo_outcome_advantage(
     """GRPO: (s_i - mean_g) / (std_g + epsilon), std unbiased; without std if
     `norm_adv_by_std_in_grpo` is False (Dr.GRPO). Broadcast over unmasked tokens."""
     scores, gid = _outcome("compute_grpo_outcome_advantage", token_level_rewards, response_mask, index)
-    _, mean, std = _group_stats(scores, gid)
-    advantage = scores - mean
-    if norm_adv_by_std_in_grpo:
-        advantage = advantage / (std + epsilon)
-    return _spread(advantage, response_mask)
+    return _spread(_grpo(scores, gid, epsilon, norm_adv_by_std_in_grpo), response_mask)
 
 
 @register_adv_est(AdvantageEstimator.GRPO_PASSK)
@@ -256,8 +265,7 @@ def compute_rloo_outcome_advantage(
     """RLOO (arXiv:2402.14740): s_i minus the mean of the OTHER scores of its group,
     i.e. (n s_i - sum_g) / (n - 1); a singleton keeps its score (baseline 0)."""
     scores, gid = _outcome("compute_rloo_outcome_advantage", token_level_rewards, response_mask, index)
-    count = _group_sum(torch.ones_like(scores), gid)
-    loo = (count * scores - _group_sum(scores, gid)) / (count - 1).clamp(min=1)
+    count, loo = _leave_one_out(scores, gid)
     return _spread(torch.where(count > 1, loo, scores), response_mask)
 
 

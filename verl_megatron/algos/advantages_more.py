@@ -14,8 +14,8 @@ from verl_megatron.algos.advantages import (
     AdvantageEstimator,
     _config_get,
     _group_ids,
-    _group_stats,
-    _group_sum,
+    _grpo,
+    _leave_one_out,
     _outcome,
     _spread,
     compute_grpo_outcome_advantage,
@@ -47,10 +47,7 @@ def compute_grpo_vectorized_outcome_advantage(
     scores, gid = _outcome(
         "compute_grpo_vectorized_outcome_advantage", token_level_rewards, response_mask, index
     )
-    _, mean, std = _group_stats(scores.float(), gid)
-    advantage = scores.float() - mean
-    if norm_adv_by_std_in_grpo:
-        advantage = advantage / (std + epsilon)
+    advantage = _grpo(scores.float(), gid, epsilon, norm_adv_by_std_in_grpo)
     return _spread(advantage.to(token_level_rewards.dtype), response_mask)
 
 
@@ -68,8 +65,7 @@ def compute_rloo_vectorized_outcome_advantage(
     scores, gid = _outcome(
         "compute_rloo_vectorized_outcome_advantage", token_level_rewards, response_mask, index
     )
-    count = _group_sum(torch.ones_like(scores), gid)
-    loo = (count * scores - _group_sum(scores, gid)) / (count - 1).clamp(min=1)
+    count, loo = _leave_one_out(scores, gid)
     return _spread(loo * (count > 1).to(scores.dtype), response_mask)
 
 
@@ -176,59 +172,54 @@ def _groups(index: Any, keep: torch.Tensor) -> dict[int, list[int]]:
     return groups
 
 
-@register_adv_est(AdvantageEstimator.OPTIMAL_TOKEN_BASELINE)
-@torch.no_grad()
-def compute_optimal_token_baseline_advantage(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    index: np.ndarray,
-    old_log_probs: torch.Tensor,
-    sum_pi_squared: torch.Tensor,
-    rollout_is_weights: torch.Tensor | None = None,
-    handle_zero_tail: bool = True,
-    epsilon: float = 1e-8,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Optimal token baseline: per group and position t, B_t = sum_i G_t W_t / (sum_i W_t + eps)
-    over the group's rows (masked), A = (G - B) * mask; returns = reward-to-go G.
-
-    `sum_pi_squared` [B, T] is sum_v pi_v^2 of the old policy at each position. Singleton
-    groups have baseline 0. Positions are aligned by absolute index t."""
-    returns, w_cum = _otb_inputs(
-        token_level_rewards, response_mask, old_log_probs, sum_pi_squared, rollout_is_weights
-    )
-    mask = response_mask.to(returns.dtype)
-    baselines = torch.zeros_like(returns)
-    for rows in _groups(index, torch.ones(mask.shape[0], dtype=torch.bool)).values():
+def _group_baselines(
+    g: torch.Tensor,
+    w: torch.Tensor,
+    m: torch.Tensor | None,
+    groups: dict[int, list[int]],
+    lengths: torch.Tensor,
+    handle_zero_tail: bool,
+    epsilon: float,
+) -> torch.Tensor:
+    """Per group of >= 2 rows and step t: B_t = sum_i g w m / (sum_i w m + epsilon) ([B, T], m None:
+    no mask); singleton groups 0. `lengths` [B] are the rows' step counts (for the zero tail)."""
+    baselines = torch.zeros_like(g)
+    for rows in groups.values():
         if len(rows) == 1:
             continue
-        idx = torch.tensor(rows, device=returns.device)
-        g, w, m = returns[idx], w_cum[idx], mask[idx]
-        baselines[idx] = ((g * w * m).sum(dim=0) / ((w * m).sum(dim=0) + epsilon)).expand(len(rows), -1)
+        idx = torch.tensor(rows, device=g.device)
+        gw, ww = g[idx] * w[idx], w[idx]
+        if m is not None:
+            gw, ww = gw * m[idx], ww * m[idx]
+        baselines[idx] = gw.sum(dim=0) / (ww.sum(dim=0) + epsilon)
         if handle_zero_tail:
-            _zero_tail(baselines, rows, m.sum(dim=-1))
-    return (returns - baselines) * mask, returns
+            _zero_tail(baselines, rows, lengths[idx])
+    return baselines
 
 
-@register_adv_est(AdvantageEstimator.TIR_OPTIMAL_TOKEN_BASELINE)
-@torch.no_grad()
-def compute_multi_turn_optimal_token_baseline_advantage(
-    token_level_rewards: torch.Tensor,
+def _otb_by_position(
+    returns: torch.Tensor,
+    w_cum: torch.Tensor,
     response_mask: torch.Tensor,
-    index: np.ndarray,
-    old_log_probs: torch.Tensor,
-    sum_pi_squared: torch.Tensor,
-    rollout_is_weights: torch.Tensor | None = None,
-    handle_zero_tail: bool = True,
-    epsilon: float = 1e-8,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """OTB for multi-turn (tool-integrated) responses: like `optimal_token_baseline`, but
-    steps are aligned by their rank among each row's unmasked tokens (observation spans
-    removed), so the k-th generated token of every sample shares a baseline."""
-    returns, w_cum = _otb_inputs(
-        token_level_rewards, response_mask, old_log_probs, sum_pi_squared, rollout_is_weights
-    )
+    index: Any,
+    zero_tail: bool,
+    eps: float,
+) -> torch.Tensor:
+    mask = response_mask.to(returns.dtype)
+    groups = _groups(index, torch.ones(mask.shape[0], dtype=torch.bool))
+    baselines = _group_baselines(returns, w_cum, mask, groups, mask.sum(dim=-1), zero_tail, eps)
+    return (returns - baselines) * mask
+
+
+def _otb_by_rank(
+    returns: torch.Tensor,
+    w_cum: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any,
+    zero_tail: bool,
+    eps: float,
+) -> torch.Tensor:
+    """Each row's unmasked steps packed to the left, baselines over the packed steps, unpacked."""
     keep = response_mask.bool()
     lengths = keep.sum(dim=-1)
     width = int(lengths.max()) if lengths.numel() else 0
@@ -238,19 +229,58 @@ def compute_multi_turn_optimal_token_baseline_advantage(
         n = int(lengths[row])
         packed_w[row, :n] = w_cum[row, keep[row]]
         packed_g[row, :n] = returns[row, keep[row]]
-    baselines = torch.zeros_like(packed_g)
-    for rows in _groups(index, lengths > 0).values():
-        if len(rows) == 1:
-            continue
-        idx = torch.tensor(rows, device=returns.device)
-        b = (packed_g[idx] * packed_w[idx]).sum(dim=0) / (packed_w[idx].sum(dim=0) + epsilon)
-        baselines[idx] = b.to(baselines.dtype)
-        if handle_zero_tail:
-            _zero_tail(baselines, rows, lengths[idx])
-    packed_adv = packed_g - baselines
+    groups = _groups(index, lengths > 0)
+    packed_adv = packed_g - _group_baselines(packed_g, packed_w, None, groups, lengths, zero_tail, eps)
     advantages = torch.zeros_like(returns)
     for row in range(keep.shape[0]):
         n = int(lengths[row])
         if n:
             advantages[row, keep[row]] = packed_adv[row, :n]
-    return advantages * response_mask.to(advantages.dtype), returns
+    return advantages * response_mask.to(advantages.dtype)
+
+
+def _otb_estimator(name: AdvantageEstimator, aligned_by_rank: bool, fn_name: str, doc: str) -> Any:
+    """Register an OTB estimator under `name` with verl's signature; a group's steps align by
+    absolute position or by rank among each row's unmasked tokens."""
+
+    def estimator(
+        token_level_rewards: torch.Tensor,
+        response_mask: torch.Tensor,
+        index: np.ndarray,
+        old_log_probs: torch.Tensor,
+        sum_pi_squared: torch.Tensor,
+        rollout_is_weights: torch.Tensor | None = None,
+        handle_zero_tail: bool = True,
+        epsilon: float = 1e-8,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        returns, w_cum = _otb_inputs(
+            token_level_rewards, response_mask, old_log_probs, sum_pi_squared, rollout_is_weights
+        )
+        otb = _otb_by_rank if aligned_by_rank else _otb_by_position
+        return otb(returns, w_cum, response_mask, index, handle_zero_tail, epsilon), returns
+
+    estimator.__name__ = estimator.__qualname__ = fn_name
+    estimator.__doc__ = doc
+    return register_adv_est(name)(torch.no_grad()(estimator))
+
+
+compute_optimal_token_baseline_advantage = _otb_estimator(
+    AdvantageEstimator.OPTIMAL_TOKEN_BASELINE,
+    False,
+    "compute_optimal_token_baseline_advantage",
+    """Optimal token baseline: per group and position t, B_t = sum_i G_t W_t / (sum_i W_t + eps)
+    over the group's rows (masked), A = (G - B) * mask; returns = reward-to-go G.
+
+    `sum_pi_squared` [B, T] is sum_v pi_v^2 of the old policy at each position. Singleton
+    groups have baseline 0. Positions are aligned by absolute index t.""",
+)
+
+compute_multi_turn_optimal_token_baseline_advantage = _otb_estimator(
+    AdvantageEstimator.TIR_OPTIMAL_TOKEN_BASELINE,
+    True,
+    "compute_multi_turn_optimal_token_baseline_advantage",
+    """OTB for multi-turn (tool-integrated) responses: like `optimal_token_baseline`, but
+    steps are aligned by their rank among each row's unmasked tokens (observation spans
+    removed), so the k-th generated token of every sample shares a baseline.""",
+)
