@@ -1,4 +1,5 @@
-"""Shared fixtures: persistent pools of torch.distributed workers (see verl_megatron.distributed.dist_pool)."""
+"""Shared fixtures: persistent pools of torch.distributed workers (see verl_megatron.distributed.dist_pool),
+and ``no_runtime`` for the tests of errors that must be raised before any process group starts."""
 
 from __future__ import annotations
 
@@ -29,3 +30,16 @@ def pool2():
     pool = DistPool(2)
     yield pool
     pool.close()
+
+
+@pytest.fixture
+def no_runtime(monkeypatch):
+    """Fail the test if training gets as far as starting the process group."""
+    import verl_megatron.distributed.parallel as parallel
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("init_runtime reached: the error was not caught before the expensive work")
+
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(parallel, "init_runtime", refuse)

@@ -27,18 +27,6 @@ CASES = [
 ]  # fmt: skip
 
 
-@pytest.fixture
-def no_runtime(monkeypatch):
-    import verl_megatron.distributed.parallel as parallel
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("init_runtime reached: the error was not caught before the expensive work")
-
-    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.setattr(parallel, "init_runtime", refuse)
-
-
 @pytest.mark.parametrize(("case", "overrides", "expected"), CASES, ids=[c[0] for c in CASES])
 def test_bad_lora_settings_are_one_named_line(case, overrides, expected, tmp_path, capsys, no_runtime):
     rc = cli.main(["train", f"trainer.default_local_dir={tmp_path}", *overrides])

@@ -17,6 +17,8 @@ import sys
 import pytest
 import torch
 
+from tests.helpers import hf_reference_logits, save_tiny_models
+
 LLAMA3_ROPE = {
     "rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0,
     "high_freq_factor": 2.0, "original_max_position_embeddings": 64,
@@ -56,19 +58,12 @@ def make_tiny_model(out_dir: str, spec: dict, seed: int = 0):
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("tiny_hf")
-    paths = {}
-    for name, spec in CASES.items():
-        paths[name] = str(root / name)
-        make_tiny_model(paths[name], spec)
-    return paths
+    return save_tiny_models(tmp_path_factory.mktemp("tiny_hf"), CASES, make_tiny_model)
 
 
 @pytest.fixture(scope="module")
 def hf_reference(tiny_models) -> dict[str, list[torch.Tensor]]:
-    from verl_megatron.tools.check_hf import hf_logits
-
-    return {name: hf_logits(path, SEQUENCES, torch.device("cpu")) for name, path in tiny_models.items()}
+    return hf_reference_logits(tiny_models, SEQUENCES)
 
 
 def parity_job(paths: dict[str, str], tp: int, pp: int, sequences: list[torch.Tensor]) -> dict:

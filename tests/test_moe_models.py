@@ -14,6 +14,7 @@ import os
 import pytest
 import torch
 
+from tests.helpers import hf_reference_logits, save_tiny_models
 from tests.test_models_parity import SEQUENCES, make_tiny_model
 
 MOE_CASES: dict[str, dict] = {
@@ -29,19 +30,12 @@ MOE_CASES: dict[str, dict] = {
 
 @pytest.fixture(scope="module")
 def moe_models(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("tiny_moe")
-    paths = {}
-    for name, spec in MOE_CASES.items():
-        paths[name] = str(root / name)
-        make_tiny_model(paths[name], spec)
-    return paths
+    return save_tiny_models(tmp_path_factory.mktemp("tiny_moe"), MOE_CASES, make_tiny_model)
 
 
 @pytest.fixture(scope="module")
 def moe_reference(moe_models) -> dict[str, list[torch.Tensor]]:
-    from verl_megatron.tools.check_hf import hf_logits
-
-    return {name: hf_logits(path, SEQUENCES, torch.device("cpu")) for name, path in moe_models.items()}
+    return hf_reference_logits(moe_models, SEQUENCES)
 
 
 def moe_parity_job(paths: dict[str, str], layout: dict, export_dir: str | None = None) -> dict:

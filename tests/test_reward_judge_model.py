@@ -13,6 +13,8 @@ import os
 import pytest
 import torch
 
+from tests.helpers import SMALL_MODEL
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESSAGES = ["12", "345", "6", "7890"]
 MAX_TOKENS = 3
@@ -50,16 +52,7 @@ def judge_path(tmp_path_factory) -> str:
 
     path = str(tmp_path_factory.mktemp("judge_model"))
     tokenizer = build_char_tokenizer(path, alphabet=DIGITS)
-    build_tiny_hf_model(
-        path,
-        "llama",
-        tokenizer=tokenizer,
-        hidden_size=32,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=64,
-        seed=1,
-    )
+    build_tiny_hf_model(path, "llama", tokenizer=tokenizer, **SMALL_MODEL, seed=1)
     return path
 
 

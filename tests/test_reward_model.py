@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.closeness import assert_close_report
+from tests.helpers import SMALL_MODEL
 
 # Measured max abs diff against one process, float32, scores up to 10: tp=2 1.4e-6, dp=2 9.5e-7, pp=2 0.
 LAYOUT_ATOL = 1e-5
@@ -78,16 +79,7 @@ def rm_path(tmp_path_factory) -> str:
 
     path = str(tmp_path_factory.mktemp("tiny_rm"))
     tokenizer = build_char_tokenizer(path)
-    build_tiny_reward_model(
-        path,
-        "llama",
-        tokenizer=tokenizer,
-        hidden_size=32,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=64,
-        seed=1,
-    )
+    build_tiny_reward_model(path, "llama", tokenizer=tokenizer, **SMALL_MODEL, seed=1)
     return path
 
 
@@ -156,16 +148,7 @@ def qwen2_rm_path(tmp_path_factory) -> str:
 
     path = str(tmp_path_factory.mktemp("tiny_qwen2_rm"))
     tokenizer = build_bpe_tokenizer(path, vocab_size=300)
-    build_tiny_reward_model(
-        path,
-        "qwen2",
-        tokenizer=tokenizer,
-        hidden_size=32,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=64,
-        seed=2,
-    )
+    build_tiny_reward_model(path, "qwen2", tokenizer=tokenizer, **SMALL_MODEL, seed=2)
     return path
 
 

@@ -12,6 +12,8 @@ import os
 
 import torch
 
+from tests.helpers import SMALL_MODEL
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -86,15 +88,7 @@ def test_rm_and_native_judge_scores_reach_token_level_scores(pool1, tmp_path):
 
     rm_path = str(tmp_path / "rm")
     tokenizer = build_char_tokenizer(rm_path, alphabet=DIGITS)  # the quickstart actor's vocabulary
-    build_tiny_reward_model(
-        rm_path,
-        "llama",
-        tokenizer=tokenizer,
-        hidden_size=32,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=64,
-    )
+    build_tiny_reward_model(rm_path, "llama", tokenizer=tokenizer, **SMALL_MODEL)
     (out,) = pool1.run(f"{__name__}:rm_step_job", out_dir=str(tmp_path / "run"), rm_path=rm_path)
 
     model = AutoModelForSequenceClassification.from_pretrained(rm_path, dtype=torch.float32).eval()

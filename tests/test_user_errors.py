@@ -73,19 +73,6 @@ def _base(assets: dict[str, str]) -> list[str]:
     ]
 
 
-@pytest.fixture
-def no_runtime(monkeypatch):
-    """Fail the test if training gets as far as starting the process group."""
-    import verl_megatron.distributed.parallel as parallel
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("init_runtime reached: the error was not caught before the expensive work")
-
-    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.setattr(parallel, "init_runtime", refuse)
-
-
 def _one_error_line(rc: int, capsys) -> str:
     captured = capsys.readouterr()
     lines = [line for line in captured.err.splitlines() if line.strip()]

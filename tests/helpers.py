@@ -1,0 +1,47 @@
+"""Small pieces several test modules share: the tiny models they build on the spot and their references."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# The small scoring models of the reward tests (reward models and the native judge): hidden 32,
+# 4 attention heads over 2 key/value groups, FFN 64. Passed as ``**SMALL_MODEL`` to
+# ``build_tiny_hf_model`` / ``build_tiny_reward_model``.
+SMALL_MODEL = {"hidden_size": 32, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 64}
+
+
+def save_tiny_models(root: Path, cases: dict[str, dict], make: Callable[[str, dict], Any]) -> dict[str, str]:
+    """``make(path, spec)`` for every case, each in its own folder under ``root``; name -> path."""
+    paths = {}
+    for name, spec in cases.items():
+        paths[name] = str(root / name)
+        make(paths[name], spec)
+    return paths
+
+
+def hf_reference_logits(
+    paths: dict[str, str], sequences: list[torch.Tensor]
+) -> dict[str, list[torch.Tensor]]:
+    """transformers' float32 logits on CPU for each checkpoint: name -> one [T, V] tensor per sequence."""
+    from verl_megatron.tools.check_hf import hf_logits
+
+    return {name: hf_logits(path, sequences, torch.device("cpu")) for name, path in paths.items()}
+
+
+def save_tiny_llama(
+    path: str | Path, *, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int,
+    init_std: float, seed: int = 3, eos: int = 1, pad: int = 0,
+) -> None:  # fmt: skip
+    """A random Llama saved to ``path``: no BOS, token ``eos`` ends and ``pad`` pads. A large
+    ``init_std`` makes next-token distributions peaked (greedy choices far from ties)."""
+    from verl_megatron.utils.local_assets import build_tiny_hf_model
+
+    build_tiny_hf_model(
+        path, "llama", vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads,
+        num_kv_heads=kv_heads, intermediate_size=ffn, seed=seed, initializer_range=init_std,
+        bos_token_id=None, eos_token_id=eos, pad_token_id=pad,
+    )  # fmt: skip
