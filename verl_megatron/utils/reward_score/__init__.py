@@ -14,6 +14,8 @@ _SUBMODULES = (
     "gsm8k",
     "math_dapo",
     "math_verify_score",
+    "sandbox_fusion",
+    "sandbox_fusion.utils",
     "synthetic",
 )
 
