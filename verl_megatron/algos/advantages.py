@@ -22,21 +22,7 @@ from verl_megatron.algos.policy_losses import core_registry
 from verl_megatron.errors import VerlCompatError
 from verl_megatron.utils.torch_functional import masked_whiten
 
-__all__ = [
-    "ADV_ESTIMATOR_REGISTRY",
-    "AdvantageEstimator",
-    "compute_gae_advantage_return",
-    "compute_gpg_outcome_advantage",
-    "compute_grpo_outcome_advantage",
-    "compute_grpo_passk_outcome_advantage",
-    "compute_opo_outcome_advantage",
-    "compute_reinforce_plus_plus_baseline_outcome_advantage",
-    "compute_reinforce_plus_plus_outcome_advantage",
-    "compute_remax_outcome_advantage",
-    "compute_rloo_outcome_advantage",
-    "get_adv_estimator_fn",
-    "register_adv_est",
-]
+# The public names are listed once, in core_algos (verl's import path).
 
 
 class AdvantageEstimator(str, Enum):
@@ -388,3 +374,106 @@ def compute_remax_outcome_advantage(
     returns = (token_level_rewards * mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
     advantages = returns - reward_baselines.unsqueeze(-1).to(returns.dtype) * mask
     return advantages, returns
+
+
+@register_adv_est(AdvantageEstimator.GRPO_VECTORIZED)
+@torch.no_grad()
+def compute_grpo_vectorized_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+    config: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO computed with float32 group sums (verl's `grpo_vectorized`); same numbers as grpo."""
+    scores, gid = _outcome(
+        "compute_grpo_vectorized_outcome_advantage", token_level_rewards, response_mask, index
+    )
+    advantage = _grpo(scores.float(), gid, epsilon, norm_adv_by_std_in_grpo)
+    return _spread(advantage.to(token_level_rewards.dtype), response_mask)
+
+
+@register_adv_est(AdvantageEstimator.RLOO_VECTORIZED)
+@torch.no_grad()
+def compute_rloo_vectorized_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+    epsilon: float = 1e-6,
+    config: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO, (n s_i - sum_g) / (n - 1); unlike `rloo`, a singleton group gets 0 (as verl's)."""
+    scores, gid = _outcome(
+        "compute_rloo_vectorized_outcome_advantage", token_level_rewards, response_mask, index
+    )
+    count, loo = _leave_one_out(scores, gid)
+    return _spread(loo * (count > 1).to(scores.dtype), response_mask)
+
+
+def _gdpo_components(config: Any, non_tensor_batch: Any, batch: Any, response_mask: torch.Tensor) -> list:
+    """One [B, T] reward tensor per `config.gdpo_reward_keys` entry, the value at each
+    response's last valid token (found from batch's prompts and attention_mask)."""
+    keys = _config_get(config, "gdpo_reward_keys", None)
+    if not keys:
+        raise VerlCompatError(
+            "GDPO needs algorithm.gdpo_reward_keys: the reward component keys compute_score returns "
+            "(e.g. ['format_reward', 'accuracy_reward'])"
+        )
+    prompt_len = batch["prompts"].size(1)
+    last = (batch["attention_mask"][:, prompt_len:].sum(dim=1) - 1).to(response_mask.device)
+    rows = torch.arange(response_mask.shape[0], device=response_mask.device)
+    components = []
+    for key in keys:
+        if key not in non_tensor_batch:
+            raise VerlCompatError(
+                f"GDPO reward key {key!r} is not in non_tensor_batch (has {sorted(non_tensor_batch)}); "
+                "compute_score must return a dict with it"
+            )
+        values = torch.tensor(
+            np.asarray(non_tensor_batch[key], dtype=np.float32), device=response_mask.device
+        )
+        scores = torch.zeros_like(response_mask, dtype=torch.float32)
+        scores[rows, last] = values
+        components.append(scores)
+    return components
+
+
+@register_adv_est(AdvantageEstimator.GDPO)
+@torch.no_grad()
+def compute_gdpo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+    config: Any = None,
+    non_tensor_batch: dict | None = None,
+    batch: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPO (arXiv:2601.05242): GRPO-normalise each reward component within its group,
+    sum them with `config.gdpo_reward_weights` (default 1 each), then whiten over the
+    batch's unmasked tokens. Without config, non_tensor_batch and batch the single
+    component is `token_level_rewards`."""
+    if config is not None and non_tensor_batch is not None and batch is not None:
+        components = _gdpo_components(config, non_tensor_batch, batch, response_mask)
+        weights = _config_get(config, "gdpo_reward_weights", None)
+    else:
+        components, weights = [token_level_rewards], None
+    if weights is None:
+        weights = [1.0] * len(components)
+    if len(weights) != len(components):
+        raise VerlCompatError(
+            f"GDPO: {len(weights)} gdpo_reward_weights for {len(components)} gdpo_reward_keys"
+        )
+    total = torch.zeros_like(response_mask, dtype=torch.float32)
+    for weight, component in zip(weights, components):
+        normalised, _ = compute_grpo_outcome_advantage(
+            component, response_mask, index, epsilon, norm_adv_by_std_in_grpo, config
+        )
+        total = total + float(weight) * normalised
+    mask = response_mask.to(total.dtype)
+    advantages = masked_whiten(total, mask) * mask
+    return advantages, advantages

@@ -28,23 +28,19 @@ from verl_megatron.algos.advantages import (
     ADV_ESTIMATOR_REGISTRY,
     AdvantageEstimator,
     compute_gae_advantage_return,
+    compute_gdpo_outcome_advantage,
     compute_gpg_outcome_advantage,
     compute_grpo_outcome_advantage,
     compute_grpo_passk_outcome_advantage,
+    compute_grpo_vectorized_outcome_advantage,
     compute_opo_outcome_advantage,
     compute_reinforce_plus_plus_baseline_outcome_advantage,
     compute_reinforce_plus_plus_outcome_advantage,
     compute_remax_outcome_advantage,
     compute_rloo_outcome_advantage,
+    compute_rloo_vectorized_outcome_advantage,
     get_adv_estimator_fn,
     register_adv_est,
-)
-from verl_megatron.algos.advantages_more import (
-    compute_gdpo_outcome_advantage,
-    compute_grpo_vectorized_outcome_advantage,
-    compute_multi_turn_optimal_token_baseline_advantage,
-    compute_optimal_token_baseline_advantage,
-    compute_rloo_vectorized_outcome_advantage,
 )
 from verl_megatron.algos.aggregation import LOSS_AGG_MODES, agg_loss, megatron_microbatch_loss
 from verl_megatron.algos.bypass_losses import (
@@ -84,6 +80,10 @@ from verl_megatron.algos.policy_losses import (
     compute_policy_loss_vanilla,
     get_policy_loss_fn,
     register_policy_loss,
+)
+from verl_megatron.algos.token_baselines import (
+    compute_multi_turn_optimal_token_baseline_advantage,
+    compute_optimal_token_baseline_advantage,
 )
 from verl_megatron.utils.torch_functional import (
     entropy_from_logits,
