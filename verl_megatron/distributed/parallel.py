@@ -10,11 +10,14 @@ RNG. Everything downstream receives the returned :class:`Runtime`.
 from __future__ import annotations
 
 import datetime
+import functools
 import gc
 import os
 import random
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal, cast
 
 import numpy as np
 import torch
@@ -128,6 +131,26 @@ class ParallelLayout:
             )
 
 
+class _AxisRank:
+    """``runtime.<axis>_rank``: this process's rank along one parallel axis (megatron's state)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.axis = cast(state.Axis, name.removesuffix("_rank"))
+
+    def __get__(self, runtime: object, owner: type | None = None) -> int:
+        return state.rank(self.axis)
+
+
+class _AxisGroup:
+    """``runtime.<axis>_group(with_cp=False)``: this process's group along one parallel axis."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.axis = cast(state.Axis, name.removesuffix("_group"))
+
+    def __get__(self, runtime: object, owner: type | None = None) -> Callable[..., dist.ProcessGroup]:
+        return functools.partial(state.group, self.axis)
+
+
 @dataclass
 class Runtime:
     """The process's place in the job; created once by :func:`init_runtime`."""
@@ -144,54 +167,29 @@ class Runtime:
 
     # Megatron parallel state is global to the process; these accessors (over
     # distributed/state.py) keep call sites from reaching into it directly.
-    @property
-    def tp_rank(self) -> int:
-        return state.tp_rank()
-
-    @property
-    def pp_rank(self) -> int:
-        return state.pp_rank()
-
-    @property
-    def dp_rank(self) -> int:
-        return state.dp_rank()
-
-    @property
-    def cp_rank(self) -> int:
-        return state.cp_rank()
-
-    def tp_group(self) -> dist.ProcessGroup:
-        return state.tp_group()
-
-    def pp_group(self) -> dist.ProcessGroup:
-        return state.pp_group()
-
-    def dp_group(self, with_cp: bool = False) -> dist.ProcessGroup:
-        return state.dp_group(with_cp)
-
-    def cp_group(self) -> dist.ProcessGroup:
-        return state.cp_group()
+    tp_rank = _AxisRank()
+    pp_rank = _AxisRank()
+    dp_rank = _AxisRank()
+    cp_rank = _AxisRank()
+    tp_group = _AxisGroup()
+    pp_group = _AxisGroup()
+    dp_group = _AxisGroup()  # dp_group(with_cp=True): the data x context-parallel group
+    cp_group = _AxisGroup()
 
     def mp_group(self) -> dist.ProcessGroup:
-        return state.mp_group()
+        return state.model_parallel_group()
 
-    def etp_ep_group(self) -> dist.ProcessGroup:
+    def expert_group(self) -> dist.ProcessGroup:
         """The ranks that meet in the MoE layers: expert tensor x expert parallel."""
-        return state.etp_ep_group()
+        return state.expert_group()
 
     def tp_src_rank(self) -> int:
         """Global rank of tp rank 0 of this rank's tensor-parallel group."""
         return state.tp_src_rank()
 
-    def pp_last_rank(self) -> int:
-        """Global rank of the last stage of this rank's pipeline."""
-        return state.pp_last_rank()
-
-    def pp_next_rank(self) -> int:
-        return state.pp_next_rank()
-
-    def pp_prev_rank(self) -> int:
-        return state.pp_prev_rank()
+    def pp_peer_rank(self, which: Literal["last", "next", "prev"]) -> int:
+        """Global rank of this pipeline's last stage, or of the next / previous stage."""
+        return state.pp_peer_rank(which)
 
     @property
     def is_pp_first(self) -> bool:
@@ -217,9 +215,7 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    from megatron.core import parallel_state as ps
-
-    if ps.model_parallel_is_initialized():
+    if state.is_initialized():
         from megatron.core import tensor_parallel
 
         tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)

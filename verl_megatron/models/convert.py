@@ -283,7 +283,7 @@ def _check_same_model(info: ModelInfo, hf_config: Any) -> None:
 
 def _ordered_entries(local: dict[str, torch.nn.Parameter], runtime: Runtime) -> list[tuple]:
     """(name, owner pp rank, owner ep rank, whole shape, dtype) of every exported parameter, in HF order."""
-    ep_rank = state.ep_rank()
+    ep_rank = state.rank("ep")
     mine = [
         (name, runtime.pp_rank, ep_rank, whole_shape(p, tp_placement(name)[1]), p.dtype)
         for name, p in local.items()
@@ -291,7 +291,7 @@ def _ordered_entries(local: dict[str, torch.nn.Parameter], runtime: Runtime) -> 
     if runtime.layout.ep > 1:
         # Every ep rank holds the same dense parameters and its own experts.
         peers: list[list[tuple]] = [None] * runtime.layout.ep  # type: ignore[list-item]
-        dist.all_gather_object(peers, mine, group=state.ep_group())
+        dist.all_gather_object(peers, mine, group=state.group("ep"))
         seen: set[str] = set()
         mine = [e for peer in peers for e in peer if not (e[0] in seen or seen.add(e[0]))]
     stages: list[list[tuple]] = [mine]
@@ -337,7 +337,7 @@ def iter_hf_weights(
         else:
             whole = torch.empty(shape, dtype=dtype, device=runtime.device)
         if runtime.layout.ep > 1 and is_expert_parameter(name):
-            dist.broadcast(whole, group=state.ep_group(), group_src=ep_owner)
+            dist.broadcast(whole, group=state.group("ep"), group_src=ep_owner)
         if runtime.layout.pp > 1:
             dist.broadcast(whole, group=runtime.pp_group(), group_src=owner)
         mapping = hf_mapping(name, info)

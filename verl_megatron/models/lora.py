@@ -343,8 +343,8 @@ class LoraAdapters(torch.nn.Module):
             prefix,
             axis,
             sharded_offsets,
-            tp_group=state.tp_group(),
-            dp_cp_group=state.dp_group(with_cp=True),
+            tp_group=state.group("tp"),
+            dp_cp_group=state.group("dp", with_cp=True),
         )
 
 
@@ -404,8 +404,8 @@ def apply_lora(
     Call after the base weights are loaded and before DDP wrapping and the optimizer, which then
     see only the adapters as trainable. Returns ``chunks`` (modified in place).
     """
-    tp = state.tp_size()
-    tp_rank = state.tp_rank()
+    tp = state.size("tp")
+    tp_rank = state.rank("tp")
     for chunk in chunks:
         inner = unwrap(chunk)
         if hasattr(inner, "module") or hasattr(chunk, "ddp_config"):

@@ -43,8 +43,8 @@ def tp_placement(name: str) -> tuple[object, int, int]:
     """(group, size, rank) of the tensor-parallel split of parameter ``name``: expert weights are
     split over the expert tensor-parallel group, everything else over the tensor-parallel group."""
     if is_expert_parameter(name):
-        return state.etp_group(), state.etp_size(), state.etp_rank()
-    return state.tp_group(), state.tp_size(), state.tp_rank()
+        return state.group("etp"), state.size("etp"), state.rank("etp")
+    return state.group("tp"), state.size("tp"), state.rank("tp")
 
 
 def _global_expert_name(rest: str, layer: torch.nn.Module) -> str:
@@ -57,7 +57,7 @@ def _global_expert_name(rest: str, layer: torch.nn.Module) -> str:
         if match:
             local = int(match.group(1) if pattern is _LOCAL_EXPERT_RE else match.group(2))
             tail = match.group(2) if pattern is _LOCAL_EXPERT_RE else match.group(1)
-            offset = state.ep_rank() * layer.mlp.experts.num_local_experts
+            offset = state.rank("ep") * layer.mlp.experts.num_local_experts
             return fmt.format(index=offset + local, tail=tail)
     return rest
 
@@ -126,13 +126,13 @@ def gather_full_state(
             value = torch.zeros_like(param)
         group, size, _ = tp_placement(name)
         out[name] = gather_tp(value, param, group, size).cpu()
-    if state.ep_size() > 1:
+    if state.size("ep") > 1:
         experts = {name: t for name, t in out.items() if is_expert_parameter(name)}
-        parts: list[dict[str, torch.Tensor]] = [{} for _ in range(state.ep_size())]
-        dist.all_gather_object(parts, experts, group=state.ep_group())
+        parts: list[dict[str, torch.Tensor]] = [{} for _ in range(state.size("ep"))]
+        dist.all_gather_object(parts, experts, group=state.group("ep"))
         for part in parts:
             out.update(part)
-    if only_tp_rank0 and state.tp_rank() != 0:
+    if only_tp_rank0 and state.rank("tp") != 0:
         return {}
     return out
 

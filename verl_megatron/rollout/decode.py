@@ -384,9 +384,9 @@ class ChunkDecoder:
         return logits[-1].float()
 
     def _send(self, hidden: torch.Tensor) -> None:
-        dist.send(hidden.contiguous(), self.runtime.pp_next_rank(), group=self.runtime.pp_group())
+        dist.send(hidden.contiguous(), self.runtime.pp_peer_rank("next"), group=self.runtime.pp_group())
 
     def _recv(self, s: int, batch: int) -> torch.Tensor:
         hidden = torch.empty(s, batch, self.hidden_size, dtype=self.dtype, device=self.device)
-        dist.recv(hidden, self.runtime.pp_prev_rank(), group=self.runtime.pp_group())
+        dist.recv(hidden, self.runtime.pp_peer_rank("prev"), group=self.runtime.pp_group())
         return hidden

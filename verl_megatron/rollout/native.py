@@ -220,7 +220,7 @@ class NativeRollout(RolloutEngine):
         if layout.ep == 1 and layout.expert_tp <= layout.tp:
             return local
         flag = torch.tensor([int(local)], dtype=torch.int32, device=self.runtime.device)
-        group = self.runtime.etp_ep_group()
+        group = self.runtime.expert_group()
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
         return bool(flag.item())
 
@@ -263,5 +263,5 @@ class NativeRollout(RolloutEngine):
                 )
             packed[0], packed[1] = tokens, token_log_probs
         if self.runtime.layout.pp > 1:
-            dist.broadcast(packed, self.runtime.pp_last_rank(), group=self.runtime.pp_group())
+            dist.broadcast(packed, self.runtime.pp_peer_rank("last"), group=self.runtime.pp_group())
         return packed[0].long(), packed[1].float()

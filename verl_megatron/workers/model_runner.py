@@ -393,7 +393,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ moving results
     def _last_stage_rank(self) -> int:
-        return self.runtime.pp_last_rank()
+        return self.runtime.pp_peer_rank("last")
 
     def _broadcast_pp(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.runtime.layout.pp == 1:
