@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.tiny_gpt import make_gpt
+from tests.tiny_gpt import make_gpt, run_schedule
 
 VOCAB, SEQ, HIDDEN, LAYERS, HEADS, GROUPS, FFN = 64, 8, 32, 4, 4, 2, 48
 BATCH, MICRO = 4, 2
@@ -88,7 +88,6 @@ def _setup(
 def _train_step(runtime, chunks, optimizer, scheduler, step: int) -> float:
     """One optimizer step on batch ``step``; returns the summed token loss over the whole job."""
     from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from verl_megatron.models.megatron_model import zero_grads
 
@@ -110,15 +109,7 @@ def _train_step(runtime, chunks, optimizer, scheduler, step: int) -> float:
         return out, lambda per_token: (per_token.mean(), {"sum": per_token.sum().detach()})
 
     zero_grads(chunks, optimizer)
-    out = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=[micro_batches() for _ in chunks] if len(chunks) > 1 else micro_batches(),
-        model=chunks if len(chunks) > 1 else chunks[0],
-        num_microbatches=num_micro,
-        seq_length=SEQ,
-        micro_batch_size=MICRO,
-        forward_only=False,
-    )
+    out = run_schedule(chunks, micro_batches, forward_step, num_micro, seq=SEQ, micro_batch=MICRO)
     ok, _, _ = optimizer.step()
     assert ok
     scheduler.step(1)

@@ -13,6 +13,8 @@ and step pins the double reduction down too (item 4).
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -28,7 +30,7 @@ from tests.test_layout_equality import (
     _make_gpt,
     _merge,
 )
-from tests.tiny_gpt import token_mean_schedule
+from tests.tiny_gpt import global_token_loss, run_schedule, seeded_chunks, token_mean_schedule
 
 
 def _gather_grad_shards(chunks, dp_group) -> None:
@@ -64,24 +66,21 @@ def _distopt_steps(
 ) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
+    from verl_megatron.distributed.parallel import ParallelLayout
     from verl_megatron.models.megatron_model import (
         OptimSettings,
         attach_schedule_hooks,
-        build_chunks,
         build_optimizer,
         gather_updated_params,
         wrap_ddp,
         zero_grads,
     )
-    from verl_megatron.models.sharding import gather_full_state, load_full_state, seeded_tensor
+    from verl_megatron.models.sharding import gather_full_state
 
-    runtime = init_runtime(ParallelLayout(tp=tp, pp=pp, vpp=vpp), seed=7)
-    runtime.layout.check_model(num_layers=LAYERS, num_attention_heads=HEADS, num_query_groups=GROUPS)
-    chunks = build_chunks(runtime, lambda pre, post, vp: _make_gpt(pre, post, vp, dtype))
-    load_full_state(chunks, lambda name, shape: seeded_tensor(name, shape, seed=3))
+    layout = ParallelLayout(tp=tp, pp=pp, vpp=vpp)
+    make = functools.partial(_make_gpt, dtype=dtype)
+    runtime, chunks = seeded_chunks(layout, make, layers=LAYERS, heads=HEADS, groups=GROUPS)
     fp64 = dtype == torch.float64
     optim = OptimSettings(lr=1e-2, weight_decay=0.0, clip_grad=0.05, grad_reduce_in_fp32=not fp64, **settings)
     chunks = wrap_ddp(chunks, optim)
@@ -110,15 +109,8 @@ def _distopt_steps(
         for step in range(num_steps):
             zero_grads(chunks, optimizer)
             reductions.clear()
-            iterators = [micro_batches() for _ in chunks] if len(chunks) > 1 else micro_batches()
-            out = get_forward_backward_func()(
-                forward_step_func=forward_step,
-                data_iterator=iterators,
-                model=chunks if len(chunks) > 1 else chunks[0],
-                num_microbatches=num_micro,
-                seq_length=SEQ,
-                micro_batch_size=MICRO_BATCH,
-                forward_only=False,
+            out = run_schedule(
+                chunks, micro_batches, forward_step, num_micro, seq=SEQ, micro_batch=MICRO_BATCH
             )
             counts.append(sorted({reductions.count(g) for g in reductions}))
             if step == 0:
@@ -132,11 +124,7 @@ def _distopt_steps(
                         b.grad_data.copy_(data)
             ok, grad_norm, _ = optimizer.step()
             assert ok
-            local = torch.tensor(sum(float(o["token_sum"]) for o in out) if out else 0.0, dtype=torch.float64)
-            if ps.get_tensor_model_parallel_rank() != 0:
-                local.zero_()
-            torch.distributed.all_reduce(local)
-            losses.append(float(local) / float(total_tokens))
+            losses.append(global_token_loss(runtime, out, total_tokens))
             grad_norms.append(float(grad_norm))
     finally:
         _ParamAndGradBucketGroup.start_grad_sync = original

@@ -24,7 +24,14 @@ import pytest
 import torch
 
 from tests.closeness import assert_close_report
-from tests.tiny_gpt import make_gpt, token_mean_schedule
+from tests.tiny_gpt import (
+    global_token_loss,
+    make_gpt,
+    run_schedule,
+    seeded_chunks,
+    token_mean_schedule,
+    uneven_batch,
+)
 
 VOCAB, SEQ, HIDDEN, LAYERS, HEADS, GROUPS, FFN = 64, 16, 32, 4, 4, 2, 64
 GLOBAL_BATCH, MICRO_BATCH = 8, 1
@@ -32,12 +39,7 @@ NUM_STEPS, LR = 2, 1e-2
 
 
 def _global_batch(seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
-    # Uneven valid lengths so token-count normalisation matters.
-    lengths = torch.randint(SEQ // 2, SEQ + 1, (GLOBAL_BATCH,), generator=g)
-    mask = (torch.arange(SEQ)[None, :] < lengths[:, None]).float()
-    return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": mask}
+    return uneven_batch(VOCAB, GLOBAL_BATCH, SEQ, seed)
 
 
 def _make_gpt(pre: bool, post: bool, vp_stage, dtype: torch.dtype = torch.float64):
@@ -60,23 +62,19 @@ def train_step_job(tp: int, pp: int, vpp: int | None) -> dict:
 
 def _train_steps(tp: int, pp: int, vpp: int | None) -> dict:
     from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
+    from verl_megatron.distributed.parallel import ParallelLayout
     from verl_megatron.models.megatron_model import (
         OptimSettings,
         attach_schedule_hooks,
-        build_chunks,
         build_optimizer,
         wrap_ddp,
         zero_grads,
     )
-    from verl_megatron.models.sharding import gather_full_state, load_full_state, seeded_tensor
+    from verl_megatron.models.sharding import gather_full_state
 
-    runtime = init_runtime(ParallelLayout(tp=tp, pp=pp, vpp=vpp), seed=7)
-    runtime.layout.check_model(num_layers=LAYERS, num_attention_heads=HEADS, num_query_groups=GROUPS)
-    chunks = build_chunks(runtime, _make_gpt)
-    load_full_state(chunks, lambda name, shape: seeded_tensor(name, shape, seed=3))
+    layout = ParallelLayout(tp=tp, pp=pp, vpp=vpp)
+    runtime, chunks = seeded_chunks(layout, _make_gpt, layers=LAYERS, heads=HEADS, groups=GROUPS)
     # clip_grad is small enough that clipping really scales the gradients; grads are not
     # reduced in float32, so the float64 gradients stay float64.
     settings = OptimSettings(lr=LR, weight_decay=0.0, clip_grad=0.05, grad_reduce_in_fp32=False)
@@ -93,26 +91,12 @@ def _train_steps(tp: int, pp: int, vpp: int | None) -> dict:
     losses, grad_norms, first_grads = [], [], {}
     for step in range(NUM_STEPS):
         zero_grads(chunks, optimizer)
-        iterators = [micro_batches() for _ in chunks] if len(chunks) > 1 else micro_batches()
-        out = get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iterators,
-            model=chunks if len(chunks) > 1 else chunks[0],
-            num_microbatches=num_micro,
-            seq_length=SEQ,
-            micro_batch_size=MICRO_BATCH,
-            forward_only=False,
-        )
+        out = run_schedule(chunks, micro_batches, forward_step, num_micro, seq=SEQ, micro_batch=MICRO_BATCH)
         if step == 0:
             first_grads = gather_full_state(chunks, grads=True)
         ok, grad_norm, _ = optimizer.step()
         assert ok
-        local = torch.tensor(sum(float(o["token_sum"]) for o in out) if out else 0.0, dtype=torch.float64)
-        # Loss lives on the last pipeline stage of each dp replica; sum it over everyone.
-        if ps.get_tensor_model_parallel_rank() != 0:
-            local.zero_()
-        torch.distributed.all_reduce(local)
-        losses.append(float(local) / float(total_tokens))
+        losses.append(global_token_loss(runtime, out, total_tokens))
         grad_norms.append(float(grad_norm))
     weights = gather_full_state(chunks)
     if ps.get_data_parallel_rank() != 0:

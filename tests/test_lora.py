@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.closeness import assert_close_report
-from tests.tiny_gpt import make_gpt, token_mean_schedule
+from tests.tiny_gpt import global_token_loss, make_gpt, run_schedule, token_mean_schedule, uneven_batch
 
 VOCAB, SEQ, HIDDEN, LAYERS, HEADS, GROUPS, FFN = 64, 12, 32, 2, 8, 4, 48
 GLOBAL_BATCH, MICRO_BATCH, NUM_STEPS, LR = 4, 1, 2, 1e-2
@@ -21,11 +21,7 @@ RANK, ALPHA = 4, 8.0
 
 
 def _batch(seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
-    lengths = torch.randint(SEQ // 2, SEQ + 1, (GLOBAL_BATCH,), generator=g)
-    mask = (torch.arange(SEQ)[None, :] < lengths[:, None]).double()
-    return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": mask}
+    return uneven_batch(VOCAB, GLOBAL_BATCH, SEQ, seed, mask_dtype=torch.float64)
 
 
 def _make_gpt(pre: bool, post: bool, vp_stage):
@@ -58,7 +54,6 @@ def lora_train_job(
 
 def _lora_steps(tp, pp, targets, steps, save_dir, load_dir) -> dict:
     from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
     from verl_megatron.models.lora import LoraSettings, apply_lora
@@ -102,22 +97,10 @@ def _lora_steps(tp, pp, targets, steps, save_dir, load_dir) -> dict:
     losses, grad_norms = [], []
     for _ in range(steps):
         zero_grads(chunks, optimizer)
-        out = get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=micro_batches(),
-            model=chunks[0],
-            num_microbatches=num_micro,
-            seq_length=SEQ,
-            micro_batch_size=MICRO_BATCH,
-            forward_only=False,
-        )
+        out = run_schedule(chunks, micro_batches, forward_step, num_micro, seq=SEQ, micro_batch=MICRO_BATCH)
         ok, grad_norm, _ = optimizer.step()
         assert ok
-        local = torch.tensor(sum(float(o["token_sum"]) for o in out) if out else 0.0, dtype=torch.float64)
-        if ps.get_tensor_model_parallel_rank() != 0:
-            local.zero_()
-        torch.distributed.all_reduce(local)
-        losses.append(float(local / total_tokens))
+        losses.append(global_token_loss(runtime, out, total_tokens))
         grad_norms.append(float(grad_norm))
     if save_dir is not None:
         from verl_megatron.checkpoint.manager import save_checkpoint

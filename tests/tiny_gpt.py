@@ -1,4 +1,4 @@
-"""The tiny megatron GPTModel and token-mean training schedule shared by the layout-equality tests.
+"""The tiny megatron GPTModel, its batches and token-mean training schedule, shared by the layout tests.
 
 ``make_gpt`` builds one model chunk with the local layer spec (RoPE, RMSNorm, no biases, no
 dropout unless asked) under whatever tp/pp/vpp the megatron state holds; ``token_mean_schedule``
@@ -107,3 +107,60 @@ def token_mean_schedule(
         return model(mb["input_ids"], positions, None), loss_func
 
     return micro_batches, forward_step, num_micro
+
+
+def uneven_batch(
+    vocab: int, rows: int, seq: int, seed: int = 0, mask_dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """A global batch of random tokens: ``input_ids`` / ``labels`` [rows, seq] (labels shifted by
+    one) and a ``loss_mask`` [rows, seq] of ``mask_dtype`` whose valid lengths run from seq // 2
+    to seq, so the token-count normalisation matters."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (rows, seq + 1), generator=g)
+    lengths = torch.randint(seq // 2, seq + 1, (rows,), generator=g)
+    mask = (torch.arange(seq)[None, :] < lengths[:, None]).to(mask_dtype)
+    return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": mask}
+
+
+def seeded_chunks(layout: Any, make: Callable, *, layers: int, heads: int, groups: int) -> tuple[Any, list]:
+    """(runtime, model chunks) under ``layout`` (a ParallelLayout), every weight set from its
+    global name (``seeded_tensor``, seed 3): the same model whatever the sharding."""
+    from verl_megatron.distributed.parallel import init_runtime
+    from verl_megatron.models.megatron_model import build_chunks
+    from verl_megatron.models.sharding import load_full_state, seeded_tensor
+
+    runtime = init_runtime(layout, seed=7)
+    runtime.layout.check_model(num_layers=layers, num_attention_heads=heads, num_query_groups=groups)
+    chunks = build_chunks(runtime, make)
+    load_full_state(chunks, lambda name, shape: seeded_tensor(name, shape, seed=3))
+    return runtime, chunks
+
+
+def run_schedule(
+    chunks: list, micro_batches: Callable[[], Iterator], forward_step: Callable, num_micro: int, *, seq: int,
+    micro_batch: int,
+) -> list[dict]:  # fmt: skip
+    """megatron's forward_backward_func over ``chunks`` (one data iterator per virtual stage);
+    returns what each micro-batch's loss function reported (on the last pipeline stage)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=[micro_batches() for _ in chunks] if len(chunks) > 1 else micro_batches(),
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=num_micro,
+        seq_length=seq,
+        micro_batch_size=micro_batch,
+        forward_only=False,
+    )
+
+
+def global_token_loss(runtime: Any, out: list[dict], total_tokens: torch.Tensor) -> float:
+    """The step's global token-mean loss from ``token_mean_schedule``'s reports: the token sums
+    live on the last pipeline stage of each dp replica (and again on every tp rank, counted once
+    here), summed over all ranks and divided by the global token count."""
+    local = torch.tensor(sum(float(o["token_sum"]) for o in out) if out else 0.0, dtype=torch.float64)
+    if runtime.tp_rank != 0:
+        local.zero_()
+    torch.distributed.all_reduce(local)
+    return float(local) / float(total_tokens)
