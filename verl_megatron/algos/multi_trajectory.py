@@ -17,7 +17,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from verl_megatron.algos.advantages import AdvantageEstimator, get_adv_estimator_fn
+from verl_megatron.algos.advantages import (
+    AdvantageEstimator,
+    compute_gae_advantage_return,
+    compute_grpo_outcome_advantage,
+    get_adv_estimator_fn,
+)
 from verl_megatron.algos.pf_ppo import compute_pf_ppo_reweight_data
 from verl_megatron.protocol import DataProto
 
@@ -67,7 +72,12 @@ def compute_advantage(
     }
     for key in ("sum_pi_squared", "old_log_probs", "rollout_is_weights"):
         inputs[key] = tensors[key] if key in present else None
-    estimator = get_adv_estimator_fn(name)
+    # gae and grpo are called directly, as verl does: they work whatever the registry holds.
+    direct = {
+        AdvantageEstimator.GAE.value: compute_gae_advantage_return,
+        AdvantageEstimator.GRPO.value: compute_grpo_outcome_advantage,
+    }
+    estimator = direct.get(name) or get_adv_estimator_fn(name)
     wanted = inspect.signature(estimator).parameters
     tensors["advantages"], tensors["returns"] = estimator(
         **{key: value for key, value in inputs.items() if key in wanted and value is not None}
