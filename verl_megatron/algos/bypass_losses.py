@@ -16,7 +16,6 @@ from verl_megatron.algos.policy_losses import (
     LossResult,
     _metrics,
     _weighted,
-    cfg_value,
     check_inputs,
     compute_policy_loss_vanilla,
     global_batch_kwargs,
@@ -71,7 +70,7 @@ def compute_policy_loss_bypass_mode(c: LossCall) -> LossResult:
 
     if c.config is None:
         raise ValueError("bypass_mode: the actor config is required")
-    corr = cfg_value(cfg_value(c.config, "policy_loss", None), "rollout_correction", None)
+    corr = c.loss_setting("rollout_correction", None)
     if corr is None:
         raise ValueError(
             "bypass_mode: actor.policy_loss.rollout_correction is not set; "

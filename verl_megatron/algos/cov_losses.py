@@ -8,25 +8,17 @@ the tokens of the local micro-batch, as in verl.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from verl_megatron.algos.policy_losses import (
     LossCall,
     LossResult,
     _metrics,
-    cfg_value,
-    clip_ratios,
     policy_loss,
 )
 from verl_megatron.utils.torch_functional import masked_mean
 
 __all__ = ["compute_policy_loss_clip_cov", "compute_policy_loss_kl_cov"]
-
-
-def _policy_loss_field(config: Any, name: str, default: float) -> float:
-    return float(cfg_value(cfg_value(config, "policy_loss", None), name, default))
 
 
 @policy_loss("clip_cov")
@@ -41,12 +33,12 @@ def compute_policy_loss_clip_cov(c: LossCall) -> LossResult:
     pg_clipfrac is the fraction of tokens so dropped.
     """
     c.check("clip_cov")
-    clip_cov_ratio = _policy_loss_field(c.config, "clip_cov_ratio", 0.0002)
-    clip_cov_lb = _policy_loss_field(c.config, "clip_cov_lb", 1.0)
-    clip_cov_ub = _policy_loss_field(c.config, "clip_cov_ub", 5.0)
+    clip_cov_ratio = float(c.loss_setting("clip_cov_ratio", 0.0002))
+    clip_cov_lb = float(c.loss_setting("clip_cov_lb", 1.0))
+    clip_cov_ub = float(c.loss_setting("clip_cov_ub", 5.0))
     if clip_cov_ratio <= 0:
         raise ValueError(f"clip_cov: policy_loss.clip_cov_ratio must be > 0, got {clip_cov_ratio}")
-    low, high = clip_ratios(c.config)
+    low, high = c.clip_ratios()
 
     log_ratio = c.log_prob - c.old_log_prob
     ratio = torch.exp(log_ratio)
@@ -85,8 +77,8 @@ def compute_policy_loss_kl_cov(c: LossCall) -> LossResult:
     The metric actor/ppo_kl is the masked mean of |log r| here, as in verl.
     """
     c.check("kl_cov")
-    kl_cov_ratio = _policy_loss_field(c.config, "kl_cov_ratio", 0.0002)
-    ppo_kl_coef = _policy_loss_field(c.config, "ppo_kl_coef", 1.0)
+    kl_cov_ratio = float(c.loss_setting("kl_cov_ratio", 0.0002))
+    ppo_kl_coef = float(c.loss_setting("ppo_kl_coef", 1.0))
     if kl_cov_ratio <= 0:
         raise ValueError(f"kl_cov: policy_loss.kl_cov_ratio must be > 0, got {kl_cov_ratio}")
 

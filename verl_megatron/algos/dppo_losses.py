@@ -12,8 +12,6 @@ from verl_megatron.algos.policy_losses import (
     LossCall,
     LossResult,
     _metrics,
-    cfg_value,
-    clip_ratios,
     policy_loss,
 )
 from verl_megatron.utils.torch_functional import masked_mean
@@ -38,11 +36,11 @@ def _dppo(name: str, c: LossCall) -> LossResult:
     pg_clipfrac_lower = share inside whose ratio exceeds the cap (clip_ratio_c).
     """
     c.check(name)
-    low, high = clip_ratios(c.config)
+    low, high = c.clip_ratios()
     log_ratio = torch.clamp(c.log_prob - c.old_log_prob, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
     ppo_kl = masked_mean(-log_ratio, c.response_mask)
-    cap = float(cfg_value(c.config, "clip_ratio_c", _DPPO_DEFAULT_RATIO_CAP))
+    cap = float(c.setting("clip_ratio_c", _DPPO_DEFAULT_RATIO_CAP))
     truncated = torch.clamp(ratio, max=cap).detach()
 
     prob, old_prob = torch.exp(c.log_prob), torch.exp(c.old_log_prob)
@@ -80,7 +78,7 @@ def compute_policy_loss_dro(c: LossCall) -> LossResult:
     """DRO: -(A * log_prob - beta / 2 * (log_prob - old_log_prob)^2) per token, beta =
     config.policy_loss.dro_beta (> 0, required). Metric: actor/ppo_kl only."""
     c.check("dro")
-    beta = cfg_value(cfg_value(c.config, "policy_loss", None), "dro_beta", None)
+    beta = c.loss_setting("dro_beta", None)
     if beta is None or beta <= 0:
         raise ValueError(f"policy_loss.dro_beta must be a positive value when using DRO, got {beta!r}")
     log_ratio = c.log_prob - c.old_log_prob

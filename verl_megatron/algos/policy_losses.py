@@ -229,6 +229,18 @@ class LossCall:
             self.rollout_is_weights,
         )
 
+    def setting(self, name: str, default: Any) -> Any:
+        """`config.name` (verl's actor field), `default` when unset."""
+        return cfg_value(self.config, name, default)
+
+    def loss_setting(self, name: str, default: Any) -> Any:
+        """`config.policy_loss.name` (the loss's own knobs), `default` when unset."""
+        return cfg_value(cfg_value(self.config, "policy_loss", None), name, default)
+
+    def clip_ratios(self) -> tuple[float, float]:
+        """(low, high) clip ranges (see `clip_ratios`)."""
+        return clip_ratios(self.config)
+
     def aggregate(self, token_losses: torch.Tensor, loss_agg_mode: str | None = None) -> torch.Tensor:
         """agg_loss of `token_losses` [B, T] times the rollout IS weights (when given), with the
         call's global counts; `loss_agg_mode` overrides the call's mode."""
@@ -313,7 +325,7 @@ def compute_policy_loss(
 def compute_policy_loss_vanilla(c: LossCall) -> LossResult:
     """PPO with clip-higher and dual clip (config: clip_ratio[_low/_high], clip_ratio_c=3.0)."""
     c.check("vanilla")
-    low, high = clip_ratios(c.config)
+    low, high = c.clip_ratios()
     token_losses, pg_clipfrac, ppo_kl, pg_clipfrac_lower = _dual_clip_token_losses(
         c.old_log_prob,
         c.log_prob,
@@ -321,7 +333,7 @@ def compute_policy_loss_vanilla(c: LossCall) -> LossResult:
         c.response_mask,
         low,
         high,
-        float(cfg_value(c.config, "clip_ratio_c", 3.0)),
+        float(c.setting("clip_ratio_c", 3.0)),
     )
     pg_loss = c.aggregate(token_losses)
     return pg_loss, _metrics(pg_clipfrac=pg_clipfrac, ppo_kl=ppo_kl, pg_clipfrac_lower=pg_clipfrac_lower)
@@ -337,7 +349,7 @@ def compute_policy_loss_gspo(c: LossCall) -> LossResult:
     seq-mean-token-mean, the default here; verl <= 0.9.0 always used it).
     """
     c.check("gspo")
-    low, high = clip_ratios(c.config)
+    low, high = c.clip_ratios()
     mask = c.response_mask.to(c.log_prob.dtype)
     log_ratio = c.log_prob - c.old_log_prob
     seq_log_ratio = (log_ratio * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
@@ -361,8 +373,8 @@ def compute_policy_loss_sapo(c: LossCall) -> LossResult:
     seq-mean-token-mean whatever `loss_agg_mode` says (as in verl).
     """
     c.check("sapo")
-    tau_pos = torch.as_tensor(float(cfg_value(c.config, "tau_pos", 1.0)), dtype=c.advantages.dtype)
-    tau_neg = torch.as_tensor(float(cfg_value(c.config, "tau_neg", 1.05)), dtype=c.advantages.dtype)
+    tau_pos = torch.as_tensor(float(c.setting("tau_pos", 1.0)), dtype=c.advantages.dtype)
+    tau_neg = torch.as_tensor(float(c.setting("tau_neg", 1.05)), dtype=c.advantages.dtype)
     log_ratio = torch.clamp(c.log_prob - c.old_log_prob, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
     taus = torch.where(c.advantages > 0, tau_pos.to(c.advantages.device), tau_neg.to(c.advantages.device))
@@ -389,7 +401,7 @@ def compute_policy_loss_cispo(c: LossCall) -> LossResult:
     pg_clipfrac counts tokens whose ratio was clipped.
     """
     c.check("cispo")
-    low, high = clip_ratios(c.config)
+    low, high = c.clip_ratios()
     log_ratio = torch.clamp(c.log_prob - c.old_log_prob, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
     clipped_ratio = torch.clamp(ratio, 1 - low, 1 + high)
@@ -415,7 +427,7 @@ def compute_policy_loss_geo_mean(c: LossCall) -> LossResult:
     Token-level rollout_is_weights enter as their per-sequence geometric mean.
     """
     c.check("geo_mean")
-    low, high = clip_ratios(c.config)
+    low, high = c.clip_ratios()
     mask = c.response_mask.to(c.log_prob.dtype)
     log_ratio = c.log_prob - c.old_log_prob
     ppo_kl = masked_mean(-log_ratio, c.response_mask)
@@ -433,7 +445,7 @@ def compute_policy_loss_geo_mean(c: LossCall) -> LossResult:
         seq_losses = seq_losses * torch.exp((log_w * mask).sum(dim=-1) / (tokens + 1e-8))
 
     kwargs = global_batch_kwargs(c.config, c.global_batch_info)
-    if cfg_value(cfg_value(c.config, "policy_loss", None), "geo_mean_valid_rows", False):
+    if c.loss_setting("geo_mean_valid_rows", False):
         kwargs.pop("batch_num_tokens", None)
         kwargs.pop("loss_scale_factor", None)
         valid = (tokens > 0).unsqueeze(-1)
