@@ -23,41 +23,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from bench_grpo_step import QUICK as GRPO_QUICK
 from bench_grpo_step import GRPOBenchConfig, _ours_config
-from common import (
-    QUICK_SHAPE,
-    ModelShape,
-    Section,
-    build_assets,
-    error_text,
-    ratio,
-    run_alone,
-    shape_text,
-)
+from common import SMALL_SHAPE, Section, build_assets, error_text, ratio, run_alone, shape_text
 
 FULL = GRPOBenchConfig(
-    shape=ModelShape(
-        vocab_size=2048, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=352
-    ),
-    prompts=4,
-    group=4,
-    prompt_len=32,
-    response_len=64,
-    micro_batch=8,
-    steps=2,
-    warmup=1,
+    SMALL_SHAPE, prompts=4, group=4, prompt_len=32, response_len=64, micro_batch=8, steps=2, warmup=1
 )
-QUICK = replace(
-    FULL,
-    shape=QUICK_SHAPE,
-    prompts=2,
-    group=2,
-    prompt_len=8,
-    response_len=8,
-    micro_batch=2,
-    steps=1,
-    warmup=0,
-)
+# bench_grpo_step's smoke sizes; rounds as FULL's (this benchmark runs each variant once anyway).
+QUICK = replace(GRPO_QUICK, rounds=FULL.rounds)
 
 VARIANTS = {"off": (False, False), "parity": (True, False), "parity+bypass": (True, True)}
 STAGES = ("gen", "old_log_prob", "update_actor")

@@ -54,10 +54,13 @@ class GenerateBenchConfig:
     shape: ModelShape
     batch: int = 64
     prompt_len: int = 64
+    """the longest prompt; prompt lengths run from prompt_len / 2 (left-padded)"""
     new_tokens: int = 128
+    """tokens generated per row (EOS ignored)"""
     repeats: int = 3
     check_rows: int = 4
     check_tokens: int = 16
+    """the greedy check before timing: ``check_rows`` prompts, ``check_tokens`` tokens, both sides"""
     seed: int = 0
     static_cache: bool = True
     """also time HF with a static KV cache, eager and under torch.compile (inductor on CPU)"""
@@ -68,15 +71,16 @@ FULL = GenerateBenchConfig(
         vocab_size=32000, hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=2, intermediate_size=1376
     )
 )
+# static_cache off: compiling takes minutes, the full run only.
 QUICK = GenerateBenchConfig(
-    shape=QUICK_SHAPE,
+    QUICK_SHAPE,
     batch=4,
     prompt_len=8,
     new_tokens=8,
     repeats=1,
     check_rows=2,
     check_tokens=4,
-    static_cache=False,  # compiling takes minutes: the full run only
+    static_cache=False,
 )
 
 

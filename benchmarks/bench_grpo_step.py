@@ -46,8 +46,10 @@ class GRPOBenchConfig:
     shape: ModelShape
     prompts: int = 8
     group: int = 8
+    """responses sampled per prompt"""
     prompt_len: int = 64
     response_len: int = 128
+    """response tokens, always all of them (EOS ignored)"""
     micro_batch: int = 16
     lr: float = 1e-6
     steps: int = 2
@@ -73,15 +75,7 @@ FULL = GRPOBenchConfig(
     )
 )
 QUICK = GRPOBenchConfig(
-    shape=QUICK_SHAPE,
-    prompts=2,
-    group=2,
-    prompt_len=8,
-    response_len=8,
-    micro_batch=2,
-    steps=1,
-    warmup=0,
-    rounds=1,
+    QUICK_SHAPE, prompts=2, group=2, prompt_len=8, response_len=8, micro_batch=2, steps=1, warmup=0, rounds=1
 )
 
 

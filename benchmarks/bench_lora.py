@@ -19,16 +19,8 @@ from typing import Any
 import torch
 from bench_update import FULL as UPDATE_FULL
 from bench_update import QUICK as UPDATE_QUICK
-from bench_update import UpdateBenchConfig, make_update_batch
-from common import (
-    Section,
-    build_assets,
-    error_text,
-    ratio,
-    run_alone,
-    shape_text,
-    time_interleaved,
-)
+from bench_update import UpdateBenchConfig, build_update_actor, make_update_batch, update_policy
+from common import Section, build_assets, error_text, ratio, run_alone, shape_text, time_interleaved
 
 
 @dataclass(frozen=True)
@@ -61,40 +53,9 @@ def optimizer_state_bytes(optimizer) -> int:
     return total
 
 
-def build_actor(model_dir: str, cfg: UpdateBenchConfig, lora: tuple[int, float] | None):
-    """``MegatronActor`` on the checkpoint (tp=1, this process, float32), with adapters when ``lora``."""
-    from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
-    from verl_megatron.models.builder import build_gpt_chunks
-    from verl_megatron.models.config import ModelConfig, load_hf_config
-    from verl_megatron.models.convert import load_hf_weights
-    from verl_megatron.models.lora import apply_configured_lora
-    from verl_megatron.models.megatron_model import build_optimizer, wrap_ddp
-    from verl_megatron.workers.actor import MegatronActor
-    from verl_megatron.workers.config import ActorConfig, OptimConfig
-    from verl_megatron.workers.lr_schedule import build_lr_scheduler, optim_settings
-
-    runtime = init_runtime(ParallelLayout(), cfg.seed)
-    rank, alpha = lora or (0, 16.0)
-    model_cfg = ModelConfig(path=model_dir, dtype="float32", use_te=False, lora_rank=rank, lora_alpha=alpha)
-    chunks = build_gpt_chunks(load_hf_config(model_dir), runtime, model_cfg)
-    load_hf_weights(chunks, model_dir, runtime)
-    chunks = wrap_ddp(apply_configured_lora(chunks, model_cfg, cfg.seed))
-    optim = OptimConfig(lr=cfg.lr, weight_decay=0.01, clip_grad=1.0)
-    optimizer = build_optimizer(chunks, optim_settings(optim))
-    config = ActorConfig(
-        ppo_mini_batch_size=cfg.batch,
-        ppo_micro_batch_size_per_gpu=cfg.micro_batch,
-        use_remove_padding=False,
-        optim=optim,
-    )
-    return MegatronActor(runtime, config, chunks, optimizer, build_lr_scheduler(optimizer, optim))
-
-
 def measure(actor, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
     """One update (so Adam's moments exist), then the sizes of what training holds."""
-    from verl_megatron.protocol import DataProto
-
-    actor.update_policy(DataProto.from_dict(tensors=batch, meta_info={"temperature": 1.0}))
+    update_policy(actor, batch)
     params = [p for c in actor.chunks for p in c.module.parameters()]
     trainable = sum(p.numel() for p in params if p.requires_grad)
     grad_bytes = sum(
@@ -111,8 +72,6 @@ def measure(actor, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
 
 def run(cfg: LoraBenchConfig, workdir: Path) -> Section:
     """Full vs LoRA: trainable parameters, optimizer-state and gradient-buffer bytes, update time."""
-    from verl_megatron.protocol import DataProto
-
     upd = cfg.update
     model_dir, _ = build_assets(workdir / "lora_model", upd.shape, upd.seed)
     batch = make_update_batch(upd)
@@ -139,15 +98,13 @@ def run(cfg: LoraBenchConfig, workdir: Path) -> Section:
     updates = {}
     for impl, lora in (("full", None), (f"LoRA r={cfg.rank}", (cfg.rank, cfg.alpha))):
         try:
-            actor = build_actor(model_dir, upd, lora)
+            actor = build_update_actor(model_dir, upd, lora)
             row = {"impl": impl, **measure(actor, batch)}
         except Exception as exc:
             section.errors[impl] = error_text(exc)
             continue
         section.rows.append(row)
-        updates[impl] = lambda actor=actor: actor.update_policy(
-            DataProto.from_dict(tensors=batch, meta_info={"temperature": 1.0})
-        )
+        updates[impl] = lambda actor=actor: update_policy(actor, batch)
     timings = time_interleaved(updates, upd.repeats, warmup=0) if updates else {}
     for row in section.rows:
         if row["impl"] in timings:

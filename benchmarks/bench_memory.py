@@ -26,20 +26,22 @@ import re
 import resource
 import subprocess
 import sys
-import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from common import (
-    HEADLINE_THREADS,
+    QUICK_SHAPE,
+    BatchSizes,
     ModelShape,
     Section,
+    alone_parser,
     build_assets,
     child_env,
     error_text,
-    machine_info,
+    full_length_batch,
+    run_and_print,
     shape_text,
 )
 
@@ -52,19 +54,8 @@ IMPLS = {
 
 
 @dataclass(frozen=True)
-class MemoryBenchConfig:
+class MemoryBenchConfig(BatchSizes):
     """Sizes of the log-prob stage whose memory is measured."""
-
-    shape: ModelShape
-    batch: int = 16
-    prompt_len: int = 32
-    response_len: int = 224
-    micro_batch: int = 2
-    seed: int = 0
-
-    @property
-    def seq_len(self) -> int:
-        return self.prompt_len + self.response_len
 
     def logits_bytes(self, rows: int) -> int:
         """float32 logits [rows, T, V]."""
@@ -75,16 +66,15 @@ class MemoryBenchConfig:
 FULL = MemoryBenchConfig(
     shape=ModelShape(
         vocab_size=65536, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=704
-    )
-)
-QUICK = MemoryBenchConfig(
-    shape=ModelShape(
-        vocab_size=8192, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128
     ),
-    batch=4,
-    prompt_len=8,
-    response_len=56,
+    batch=16,
+    prompt_len=32,
+    response_len=224,
     micro_batch=2,
+)
+# The quick model's sizes with a larger vocabulary, so the logits still dominate.
+QUICK = MemoryBenchConfig(
+    shape=replace(QUICK_SHAPE, vocab_size=8192), batch=4, prompt_len=8, response_len=56, micro_batch=2
 )
 
 
@@ -110,17 +100,7 @@ def _reset_high_water_mark() -> bool:
 
 
 def _batch(cfg: MemoryBenchConfig) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(cfg.seed)
-    b, tp, tr = cfg.batch, cfg.prompt_len, cfg.response_len
-    input_ids = torch.randint(3, cfg.shape.vocab_size, (b, tp + tr), generator=gen)
-    return {
-        "prompts": input_ids[:, :tp],
-        "responses": input_ids[:, tp:],
-        "input_ids": input_ids,
-        "attention_mask": torch.ones(b, tp + tr, dtype=torch.long),
-        "position_ids": torch.arange(tp + tr).expand(b, -1).contiguous(),
-        "response_mask": torch.ones(b, tr, dtype=torch.long),
-    }
+    return full_length_batch(cfg, torch.Generator().manual_seed(cfg.seed))
 
 
 def _hf_log_probs(model_dir: str, cfg: MemoryBenchConfig, micro_batch: int | None = None):
@@ -278,8 +258,7 @@ def run(cfg: MemoryBenchConfig, workdir: Path) -> Section:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
+    parser = alone_parser(__doc__)
     parser.add_argument("--child", choices=list(IMPLS), help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--cfg", help=argparse.SUPPRESS)
@@ -290,11 +269,7 @@ def main() -> None:
         cfg = MemoryBenchConfig(**{**raw, "shape": ModelShape(**raw["shape"])})
         Path(args.json).write_text(json.dumps(child_main(args.child, args.model_dir, cfg)))
         return
-    torch.set_num_threads(HEADLINE_THREADS)
-    with tempfile.TemporaryDirectory() as tmp:
-        section = run(QUICK if args.quick else FULL, Path(tmp))
-    print(machine_info())
-    print(section.to_markdown())
+    run_and_print(run, QUICK if args.quick else FULL, args.threads)
 
 
 if __name__ == "__main__":

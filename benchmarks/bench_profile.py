@@ -30,8 +30,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_update import FULL, QUICK, HFPPOUpdate, UpdateBenchConfig, build_actor, make_update_batch
-from common import Section, build_assets, run_alone, shape_text
+from bench_update import (
+    FULL,
+    QUICK,
+    HFPPOUpdate,
+    UpdateBenchConfig,
+    build_update_actor,
+    make_update_batch,
+    update_policy,
+    update_section_config,
+)
+from common import Section, build_assets, run_alone
 
 STAGES = (
     "forward (model)",
@@ -115,9 +124,10 @@ def _common_patches(clock: StageClock) -> Iterator[None]:
 def _ours_patches(actor, clock: StageClock) -> Iterator[None]:
     from megatron.core.pipeline_parallel import schedules
 
+    from verl_megatron.distributed.modules import unwrap
     from verl_megatron.workers import model_runner as engine
 
-    config = engine._unwrap(actor.chunks[0]).config
+    config = unwrap(actor.chunks[0]).config
     with contextlib.ExitStack() as stack:
         for chunk in actor.chunks:
             stack.enter_context(_patched(chunk, "forward", clock, "forward (model)"))
@@ -140,24 +150,15 @@ def _profile_rows(clock: StageClock, total: float) -> dict[str, float]:
 
 def run(cfg: UpdateBenchConfig, workdir: Path) -> Section:
     """Profile both updates; a row per stage with seconds and share of the update."""
-    from verl_megatron.protocol import DataProto
-
     model_dir, _ = build_assets(workdir / "profile_model", cfg.shape, cfg.seed)
     batch = make_update_batch(cfg)
-    actor = build_actor(
-        model_dir,
-        mini_batch=cfg.batch,
-        micro_batch=cfg.micro_batch,
-        lr=cfg.lr,
-        clip_ratio=cfg.clip_ratio,
-        seed=cfg.seed,
-    )
+    actor = build_update_actor(model_dir, cfg)
     peer = HFPPOUpdate(model_dir, cfg)
     clocks = {"ours": StageClock(), "peer": StageClock()}
     peer.clock = clocks["peer"]
 
     def ours_update() -> None:
-        actor.update_policy(DataProto.from_dict(tensors=batch, meta_info={"temperature": 1.0}))
+        update_policy(actor, batch)
 
     def peer_update() -> None:
         with _common_patches(clocks["peer"]):
@@ -181,14 +182,7 @@ def run(cfg: UpdateBenchConfig, workdir: Path) -> Section:
         name="profile",
         title="Update profile: seconds per stage (fastest repeat), verl-megatron vs plain PyTorch",
         columns=["stage", "ours s", "ours %", "peer s", "peer %"],
-        config={
-            "model": shape_text(cfg.shape),
-            "batch": cfg.batch,
-            "seq_len": f"{cfg.prompt_len}+{cfg.response_len}",
-            "micro_batch": cfg.micro_batch,
-            "threads": torch.get_num_threads(),
-            "repeats": cfg.repeats,
-        },
+        config=update_section_config(cfg),
     )
     (ours_total, ours, ours_syncs), (peer_total, theirs, peer_syncs) = best["ours"], best["peer"]
     for stage in STAGES:

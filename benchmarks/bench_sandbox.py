@@ -17,7 +17,6 @@ Both sides must give every sample the same score; the run fails otherwise.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import resource
@@ -29,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from common import Section, machine_info, ratio
+from common import Section, ratio, run_alone
 
 from verl_megatron.reward import sandbox
 from verl_megatron.reward.scorers import code_exec, code_harness
@@ -196,13 +195,7 @@ def run(cfg: SandboxBenchConfig, workdir: Path) -> Section:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        section = run(QUICK if args.quick else FULL, Path(tmp))
-    print(machine_info())
-    print(section.to_markdown())
+    run_alone(__doc__, run, FULL, QUICK)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from bench_grpo_step import GRPOBenchConfig, run_ours
 from common import (
     HEADLINE_THREADS,
     QUICK_SHAPE,
+    SMALL_SHAPE,
     ModelShape,
     Section,
     build_assets,
@@ -39,35 +40,27 @@ class ScalingBenchConfig:
 
     shape: ModelShape
     response_lens: tuple[int, ...] = (64, 128, 256, 512, 1024)
+    """sweep 1: the response lengths, at ``batch_for_lengths`` sequences per step"""
     batch_for_lengths: int = 8
     batch_sizes: tuple[int, ...] = (4, 8, 16, 32)
+    """sweep 2: the sequences per step, at ``response_len_for_batches`` response tokens"""
     response_len_for_batches: int = 128
     group: int = 4
+    """responses per prompt: a step of B sequences has B / group prompts"""
     prompt_len: int = 32
     micro_batch: int = 8
     warmup: int = 1
+    """untimed steps first at each point"""
     steps: int = 2
     """timed steps per point; the fastest counts (a shared machine's load comes in bursts)"""
     seed: int = 0
 
 
-FULL = ScalingBenchConfig(
-    shape=ModelShape(
-        vocab_size=2048, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=352
-    )
-)
+FULL = ScalingBenchConfig(shape=SMALL_SHAPE)
 QUICK = ScalingBenchConfig(
-    shape=QUICK_SHAPE,
-    response_lens=(8, 16),
-    batch_for_lengths=4,
-    batch_sizes=(2, 4),
-    response_len_for_batches=8,
-    group=2,
-    prompt_len=8,
-    micro_batch=4,
-    warmup=0,
-    steps=1,
-)
+    QUICK_SHAPE, response_lens=(8, 16), batch_for_lengths=4, batch_sizes=(2, 4), response_len_for_batches=8,
+    group=2, prompt_len=8, micro_batch=4, warmup=0, steps=1,
+)  # fmt: skip
 
 
 def _point(cfg: ScalingBenchConfig, batch: int, response_len: int) -> GRPOBenchConfig:

@@ -29,11 +29,13 @@ from common import (
     FLOPS_FORMULA_TRAIN,
     QUICK_SHAPE,
     SHARED_HEAP_NOTE,
+    BatchSizes,
     ModelShape,
     Section,
     best_peak,
     build_assets,
     error_text,
+    full_length_batch,
     measure_matmul_peak,
     ratio,
     run_alone,
@@ -46,38 +48,20 @@ from verl_megatron.algos.core_algos import compute_policy_loss
 
 
 @dataclass(frozen=True)
-class UpdateBenchConfig:
-    """Sizes of the benchmarked PPO update."""
+class UpdateBenchConfig(BatchSizes):
+    """Sizes of the benchmarked PPO update, its learning rate and clip range, and timed repeats."""
 
-    shape: ModelShape
-    batch: int = 16
-    prompt_len: int = 64
-    response_len: int = 192
-    micro_batch: int = 4
     lr: float = 1e-6
     clip_ratio: float = 0.2
     repeats: int = 3
-    seed: int = 0
-
-    @property
-    def seq_len(self) -> int:
-        return self.prompt_len + self.response_len
 
 
 # The size the megatron-on-cpu notes timed decoding at: 4 layers, hidden 512, GQA 8/2, vocab 32k.
-FULL = UpdateBenchConfig(
-    shape=ModelShape(
-        vocab_size=32000, hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=2, intermediate_size=1408
-    )
+FULL_SHAPE = ModelShape(
+    vocab_size=32000, hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=2, intermediate_size=1408
 )
-QUICK = UpdateBenchConfig(
-    shape=QUICK_SHAPE,
-    batch=4,
-    prompt_len=8,
-    response_len=8,
-    micro_batch=2,
-    repeats=1,
-)
+FULL = UpdateBenchConfig(shape=FULL_SHAPE, batch=16, prompt_len=64, response_len=192, micro_batch=4)
+QUICK = UpdateBenchConfig(shape=QUICK_SHAPE, batch=4, prompt_len=8, response_len=8, micro_batch=2, repeats=1)
 
 
 def make_update_batch(cfg: UpdateBenchConfig) -> dict[str, torch.Tensor]:
@@ -87,22 +71,13 @@ def make_update_batch(cfg: UpdateBenchConfig) -> dict[str, torch.Tensor]:
     tokens clip; advantages are standard normal per sequence, as GRPO's are.
     """
     gen = torch.Generator().manual_seed(cfg.seed)
-    b, tp, tr, v = cfg.batch, cfg.prompt_len, cfg.response_len, cfg.shape.vocab_size
-    input_ids = torch.randint(3, v, (b, tp + tr), generator=gen)
+    b, tr, v = cfg.batch, cfg.response_len, cfg.shape.vocab_size
+    batch = full_length_batch(cfg, gen)
     advantages = torch.randn(b, 1, generator=gen).expand(b, tr).contiguous()
     old = torch.full((b, tr), -torch.log(torch.tensor(float(v))).item()) + 0.05 * torch.randn(
         b, tr, generator=gen
     )
-    return {
-        "prompts": input_ids[:, :tp],
-        "responses": input_ids[:, tp:],
-        "input_ids": input_ids,
-        "attention_mask": torch.ones(b, tp + tr, dtype=torch.long),
-        "position_ids": torch.arange(tp + tr).expand(b, -1).contiguous(),
-        "response_mask": torch.ones(b, tr, dtype=torch.long),
-        "old_log_probs": old,
-        "advantages": advantages,
-    }
+    return {**batch, "old_log_probs": old, "advantages": advantages}
 
 
 # ----------------------------------------------------------------------------- peer
@@ -176,8 +151,10 @@ def build_actor(
     lr: float = 1e-6,
     clip_ratio: float = 0.2,
     seed: int = 0,
+    lora: tuple[int, float] | None = None,
 ):
-    """``MegatronActor`` on the HF checkpoint, tp=1 in this process, float32, local layer spec.
+    """``MegatronActor`` on the HF checkpoint, tp=1 in this process, float32, local layer spec;
+    with ``lora`` = (rank, alpha), adapters on every projection and the base weights frozen.
 
     Padded micro-batches (``use_remove_padding=False``): on CPU the local spec would pack rows
     behind a block-causal mask over all tokens of a micro-batch, and these rows carry no padding.
@@ -186,16 +163,18 @@ def build_actor(
     from verl_megatron.models.builder import build_gpt_chunks
     from verl_megatron.models.config import ModelConfig, load_hf_config
     from verl_megatron.models.convert import load_hf_weights
+    from verl_megatron.models.lora import apply_configured_lora
     from verl_megatron.models.megatron_model import build_optimizer, wrap_ddp
     from verl_megatron.workers.actor import MegatronActor
     from verl_megatron.workers.config import ActorConfig, OptimConfig
     from verl_megatron.workers.lr_schedule import build_lr_scheduler, optim_settings
 
     runtime = init_runtime(ParallelLayout(), seed)
-    model_cfg = ModelConfig(path=model_dir, dtype="float32", use_te=False)
+    rank, alpha = lora or (0, 16.0)  # rank 0: no adapters (ModelConfig's defaults)
+    model_cfg = ModelConfig(path=model_dir, dtype="float32", use_te=False, lora_rank=rank, lora_alpha=alpha)
     chunks = build_gpt_chunks(load_hf_config(model_dir), runtime, model_cfg)
     load_hf_weights(chunks, model_dir, runtime)
-    chunks = wrap_ddp(chunks)
+    chunks = wrap_ddp(apply_configured_lora(chunks, model_cfg, seed))
     optim = OptimConfig(lr=lr, weight_decay=0.01, clip_grad=1.0)
     optimizer = build_optimizer(chunks, optim_settings(optim))
     config = ActorConfig(
@@ -210,27 +189,45 @@ def build_actor(
     return MegatronActor(runtime, config, chunks, optimizer, build_lr_scheduler(optimizer, optim))
 
 
-def build_ours(model_dir: str, cfg: UpdateBenchConfig) -> Callable[[dict], Any]:
-    """Our actor's ``update_policy`` on the same checkpoint and batch."""
-    from verl_megatron.protocol import DataProto
-
-    actor = build_actor(
+def build_update_actor(model_dir: str, cfg: UpdateBenchConfig, lora: tuple[int, float] | None = None):
+    """:func:`build_actor` with the benchmark's sizes, learning rate, clip range and seed."""
+    return build_actor(
         model_dir,
         mini_batch=cfg.batch,
         micro_batch=cfg.micro_batch,
         lr=cfg.lr,
         clip_ratio=cfg.clip_ratio,
         seed=cfg.seed,
+        lora=lora,
     )
 
-    def update(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
-        data = DataProto.from_dict(tensors=batch, meta_info={"temperature": 1.0})
-        return actor.update_policy(data)
 
-    return update
+def update_policy(actor, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """One ``actor.update_policy`` on ``batch`` (a dict of tensors in verl's keys), at temperature 1."""
+    from verl_megatron.protocol import DataProto
+
+    return actor.update_policy(DataProto.from_dict(tensors=batch, meta_info={"temperature": 1.0}))
+
+
+def build_ours(model_dir: str, cfg: UpdateBenchConfig) -> Callable[[dict], Any]:
+    """Our actor's ``update_policy`` on the same checkpoint and batch."""
+    actor = build_update_actor(model_dir, cfg)
+    return lambda batch: update_policy(actor, batch)
 
 
 # ----------------------------------------------------------------------------- section
+
+
+def update_section_config(cfg: UpdateBenchConfig) -> dict[str, Any]:
+    """What a result table of this update states about its run: model, sizes, threads, repeats."""
+    return {
+        "model": shape_text(cfg.shape),
+        "batch": cfg.batch,
+        "seq_len": f"{cfg.prompt_len}+{cfg.response_len}",
+        "micro_batch": cfg.micro_batch,
+        "threads": torch.get_num_threads(),
+        "repeats": cfg.repeats,
+    }
 
 
 def run(cfg: UpdateBenchConfig, workdir: Path) -> Section:
@@ -246,13 +243,9 @@ def run(cfg: UpdateBenchConfig, workdir: Path) -> Section:
         title="Actor update (forward + backward + AdamW): verl-megatron vs plain PyTorch on the HF model",
         columns=["impl", "tokens/s (best)", "tokens/s (median)", "step_s (best)", "GFLOP/s", "CPU MFU %"],
         config={
-            "model": shape_text(cfg.shape),
+            "model": shape_text(cfg.shape),  # first, as in update_section_config (it is set again there)
             "matmul params": cfg.shape.matmul_params,
-            "batch": cfg.batch,
-            "seq_len": f"{cfg.prompt_len}+{cfg.response_len}",
-            "micro_batch": cfg.micro_batch,
-            "threads": torch.get_num_threads(),
-            "repeats": cfg.repeats,
+            **update_section_config(cfg),
         },
     )
     section.notes.append(SHARED_HEAP_NOTE)

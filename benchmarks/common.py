@@ -254,6 +254,10 @@ class ModelShape:
 QUICK_SHAPE = ModelShape(
     vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128
 )
+# The full-run model of the sections that time many whole GRPO steps (scaling sweeps, bypass).
+SMALL_SHAPE = ModelShape(
+    vocab_size=2048, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=352
+)
 
 
 def train_flops_per_token(shape: ModelShape, seq_len: int) -> float:
@@ -312,19 +316,45 @@ def build_assets(out_dir: Path, shape: ModelShape, seed: int = 0) -> tuple[str, 
 
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = build_char_tokenizer(out_dir / "tokenizer")
-    build_tiny_hf_model(
-        out_dir,
-        "llama",
-        vocab_size=shape.vocab_size,
-        hidden_size=shape.hidden_size,
-        num_layers=shape.num_layers,
-        num_heads=shape.num_heads,
-        num_kv_heads=shape.num_kv_heads,
-        intermediate_size=shape.intermediate_size,
-        seed=seed,
-        tokenizer=tokenizer,
-    )
+    # ModelShape's fields are build_tiny_hf_model's size arguments, name for name.
+    build_tiny_hf_model(out_dir, "llama", **asdict(shape), seed=seed, tokenizer=tokenizer)
     return str(out_dir), tokenizer
+
+
+@dataclass(frozen=True)
+class BatchSizes:
+    """One stage's batch: ``batch`` rows of ``prompt_len + response_len`` tokens, no padding, run
+    in micro-batches of ``micro_batch`` rows on a llama of ``shape``; ``seed`` fixes its tokens."""
+
+    shape: ModelShape
+    batch: int
+    prompt_len: int
+    response_len: int
+    micro_batch: int
+    seed: int = 0
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.response_len
+
+
+def full_length_batch(sizes: BatchSizes, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Random prompts and responses of ``sizes`` in verl's keys, every row full length.
+
+    Returns ``prompts`` [B, Tp], ``responses`` [B, Tr], ``input_ids`` / ``attention_mask`` /
+    ``position_ids`` [B, Tp + Tr] and ``response_mask`` [B, Tr]; token ids are drawn from
+    ``[3, vocab)`` (never pad / bos / eos) with ``gen``.
+    """
+    b, tp, tr = sizes.batch, sizes.prompt_len, sizes.response_len
+    input_ids = torch.randint(3, sizes.shape.vocab_size, (b, tp + tr), generator=gen)
+    return {
+        "prompts": input_ids[:, :tp],
+        "responses": input_ids[:, tp:],
+        "input_ids": input_ids,
+        "attention_mask": torch.ones(b, tp + tr, dtype=torch.long),
+        "position_ids": torch.arange(tp + tr).expand(b, -1).contiguous(),
+        "response_mask": torch.ones(b, tr, dtype=torch.long),
+    }
 
 
 def shape_text(shape: ModelShape) -> str:
@@ -426,15 +456,27 @@ def fit_exponent(xs: Sequence[float], ys: Sequence[float]) -> float | None:
     return sum((p[0] - mx) * (p[1] - my) for p in pts) / sxx
 
 
-def run_alone(doc: str, run: Callable[[Any, Path], Section], full: Any, quick: Any) -> None:
-    """The command line of a ``bench_<name>.py`` run by itself: ``--quick`` (smoke sizes) and
-    ``--threads`` (headline: 2); prints the machine and the section's table, writes nothing."""
+def alone_parser(doc: str) -> argparse.ArgumentParser:
+    """The options every ``bench_<name>.py`` run by itself takes: ``--quick`` (smoke sizes) and
+    ``--threads`` (headline: 2); a script adds its own to it."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat: checks the script runs")
     parser.add_argument("--threads", type=int, default=HEADLINE_THREADS, help="torch threads (headline: 2)")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    return parser
+
+
+def run_and_print(run: Callable[[Any, Path], Section], cfg: Any, threads: int) -> Section:
+    """Run one section in a temporary folder with ``threads`` torch threads; print the machine and
+    the section's table (nothing is written)."""
+    torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory(prefix="verl_megatron_bench_") as tmp:
-        section = run(quick if args.quick else full, Path(tmp))
+        section = run(cfg, Path(tmp))
     print(machine_line(machine_info()))
     print(section.to_markdown())
+    return section
+
+
+def run_alone(doc: str, run: Callable[[Any, Path], Section], full: Any, quick: Any) -> None:
+    """The command line of a ``bench_<name>.py`` run by itself (see :func:`alone_parser`)."""
+    args = alone_parser(doc).parse_args()
+    run_and_print(run, quick if args.quick else full, args.threads)
