@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.test_rollout_native import EOS, FFN, HEADS, HIDDEN, KV_HEADS, LAYERS, PAD, VOCAB, prompt_batch
+from tests.test_rollout_native import EOS, PAD, prompt_batch, save_peaked_llama
 
 RESPONSE_LENGTH = 12
 
@@ -27,14 +27,8 @@ def _write_generation_config(path, eos_token_id) -> None:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    from verl_megatron.utils.local_assets import build_tiny_hf_model
-
     path = tmp_path_factory.mktemp("eos_llama") / "model"
-    build_tiny_hf_model(
-        path, "llama", vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, num_heads=HEADS,
-        num_kv_heads=KV_HEADS, intermediate_size=FFN, seed=3, initializer_range=0.3,
-        bos_token_id=None, eos_token_id=EOS, pad_token_id=PAD,
-    )  # fmt: skip
+    save_peaked_llama(path)
     return str(path)
 
 

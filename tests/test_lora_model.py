@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.closeness import assert_close_report
+from tests.helpers import save_tiny_llama
 
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 96, 64, 2, 8, 4, 96
 TARGETS = ("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -27,14 +28,10 @@ RANK, ALPHA = 4, 8.0
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    from verl_megatron.utils.local_assets import build_tiny_hf_model
-
     path = tmp_path_factory.mktemp("lora_llama")
-    build_tiny_hf_model(
-        path, "llama", vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, num_heads=HEADS,
-        num_kv_heads=KV_HEADS, intermediate_size=FFN, seed=3, initializer_range=0.2,
-        bos_token_id=None, eos_token_id=1, pad_token_id=0,
-    )  # fmt: skip
+    save_tiny_llama(
+        path, vocab=VOCAB, hidden=HIDDEN, layers=LAYERS, heads=HEADS, kv_heads=KV_HEADS, ffn=FFN, init_std=0.2
+    )
     return str(path)
 
 

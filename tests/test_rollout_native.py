@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from tests.closeness import assert_close_report, max_abs_diff
+from tests.helpers import save_tiny_llama
 
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 96, 64, 4, 4, 2, 128
 PAD, EOS = 0, 1
@@ -29,15 +30,17 @@ RESPONSE_LENGTH = 12
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    from verl_megatron.utils.local_assets import build_tiny_hf_model
-
     path = tmp_path_factory.mktemp("rollout_llama")
-    build_tiny_hf_model(
-        path, "llama", vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, num_heads=HEADS,
-        num_kv_heads=KV_HEADS, intermediate_size=FFN, seed=3, initializer_range=0.3,
-        bos_token_id=None, eos_token_id=EOS, pad_token_id=PAD,
-    )  # fmt: skip
+    save_peaked_llama(path)
     return str(path)
+
+
+def save_peaked_llama(path) -> None:
+    """The tiny peaked Llama of this module (and of test_generation_eos)."""
+    save_tiny_llama(
+        path, vocab=VOCAB, hidden=HIDDEN, layers=LAYERS, heads=HEADS, kv_heads=KV_HEADS, ffn=FFN, init_std=0.3,
+        eos=EOS, pad=PAD,
+    )  # fmt: skip
 
 
 def prompt_batch(lengths: list[int] = PROMPT_LENGTHS, seed: int = 0, meta: dict | None = None):
