@@ -36,9 +36,11 @@ import torch
 import torch.distributed as dist
 
 from verl_megatron.distributed import state
+from verl_megatron.distributed.collective import raise_on_any_rank
 from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.models.builder import ModelInfo, model_info
 from verl_megatron.models.config import ModelConfig, read_hf_architecture
+from verl_megatron.models.export_io import publish_folder
 from verl_megatron.models.moe import expert_index, hf_moe_names
 from verl_megatron.models.sharding import (
     gather_tp,
@@ -454,17 +456,6 @@ def _write_checkpoint(
         tokenizer.save_pretrained(tmp_dir)
 
 
-def _publish(tmp_dir: str, out_dir: str) -> None:
-    """Move the finished folder into place; a previous ``out_dir`` is replaced, never half-written."""
-    if os.path.exists(out_dir):
-        old = f"{out_dir}.old-{os.getpid()}"
-        os.rename(out_dir, old)
-        os.rename(tmp_dir, out_dir)
-        shutil.rmtree(old)
-    else:
-        os.rename(tmp_dir, out_dir)
-
-
 def export_hf_weights(
     chunks: list[torch.nn.Module],
     runtime: Runtime,
@@ -492,12 +483,7 @@ def export_hf_weights(
         if (runtime.dp_rank == 0 and runtime.cp_rank == 0) or runtime.layout.ep > 1:
             _write_checkpoint(chunks, runtime, tmp_dir, hf_config, tokenizer, max_shard_bytes)
         if tmp_dir:
-            _publish(tmp_dir, out_dir)
+            publish_folder(tmp_dir, out_dir)
     except Exception as err:  # every rank must reach the status broadcast below
         error = err
-    status = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=runtime.device)
-    dist.all_reduce(status, op=dist.ReduceOp.MAX)
-    if error is not None:
-        raise error
-    if int(status.item()) != 0:
-        raise RuntimeError(f"export to '{out_dir}' failed on another rank (see its log)")
+    raise_on_any_rank(error, runtime.device, f"export to '{out_dir}' failed on another rank (see its log)")

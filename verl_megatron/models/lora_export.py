@@ -17,7 +17,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from verl_megatron.distributed.collective import raise_on_any_rank
 from verl_megatron.distributed.parallel import Runtime
+from verl_megatron.models.export_io import publish_folder
 from verl_megatron.models.lora import adapter_container, has_lora, named_adapter_parameters
 from verl_megatron.models.sharding import gather_tp
 
@@ -118,9 +120,7 @@ def _write(out_dir: str, tensors: dict[str, torch.Tensor], config: dict[str, Any
     )
     with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
-    from verl_megatron.models.convert import _publish
-
-    _publish(tmp, out_dir)  # the same replace-never-half-written move as the merged HF export
+    publish_folder(tmp, out_dir)  # the same replace-never-half-written move as the merged HF export
 
 
 def export_peft_adapter(
@@ -145,12 +145,8 @@ def export_peft_adapter(
             _write(out_dir, tensors, peft_config(chunks, base_model))
         except Exception as err:  # every rank must reach the status exchange below
             error = err
-    status = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=runtime.device)
-    dist.all_reduce(status, op=dist.ReduceOp.MAX)
-    if error is not None:
-        raise error
-    if int(status.item()) != 0:
-        raise RuntimeError(f"writing the LoRA adapter to '{out_dir}' failed on rank 0 (see its log)")
+    message = f"writing the LoRA adapter to '{out_dir}' failed on rank 0 (see its log)"
+    raise_on_any_rank(error, runtime.device, message)
 
 
 def export_final_adapter(

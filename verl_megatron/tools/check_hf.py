@@ -20,17 +20,14 @@ import torch
 import torch.distributed as dist
 
 from verl_megatron.distributed import state
+from verl_megatron.distributed.collective import max_over_ranks
 from verl_megatron.distributed.parallel import ParallelLayout, Runtime, init_runtime
 from verl_megatron.errors import UserInputError, report_user_error
 from verl_megatron.models.builder import build_gpt_chunks, model_info
 from verl_megatron.models.config import ModelConfig, load_hf_config
 from verl_megatron.models.convert import load_hf_weights
+from verl_megatron.tools.prompts import check_prompts
 
-PROMPTS = (
-    "The capital of France is",
-    "Question: what is 12 + 35? Answer:",
-    "def fibonacci(n):\n    ",
-)
 DEFAULT_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.25}
 
 
@@ -136,20 +133,6 @@ def _launch(argv: list[str], nproc: int) -> int:
     return subprocess.call(cmd)
 
 
-def _prompts(path: str, vocab_size: int, seed: int) -> list[torch.Tensor]:
-    """Token ids [T] of the built-in prompts, or random ids when the folder has no tokenizer."""
-    has_tokenizer = any(
-        os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")
-    )
-    if has_tokenizer:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        return [torch.tensor(tokenizer(p)["input_ids"], dtype=torch.long) for p in PROMPTS]
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab_size, (length,), generator=generator) for length in (7, 12, 5)]
-
-
 @torch.no_grad()
 def megatron_logits(
     chunks: list[torch.nn.Module], runtime: Runtime, sequences: list[torch.Tensor]
@@ -215,15 +198,15 @@ def run_check(args: argparse.Namespace) -> int:
     model_cfg = ModelConfig(path=args.path, dtype=args.dtype)
     chunks = build_gpt_chunks(hf_config, runtime, model_cfg)
     load_hf_weights(chunks, args.path, runtime)
-    sequences = _prompts(args.path, hf_config.vocab_size, args.seed)
+    sequences = check_prompts(args.path, hf_config.vocab_size, args.seed)
     logits = megatron_logits(chunks, runtime, sequences)
     # One rank holding megatron's logits runs the reference, so only it loads the HF model.
     reporter = logits is not None and runtime.tp_rank == 0 and runtime.dp_rank == 0
-    max_diff = torch.zeros((), dtype=torch.float64, device=runtime.device)
+    local_diff = 0.0
     if reporter:
         reference = hf_logits(args.path, sequences, runtime.device)
-        max_diff.fill_(max(float((m - r).abs().max()) for m, r in zip(logits, reference)))
-    dist.all_reduce(max_diff, op=dist.ReduceOp.MAX)
+        local_diff = max(float((m - r).abs().max()) for m, r in zip(logits, reference))
+    max_diff = max_over_ranks(local_diff, runtime.device)
     tolerance = DEFAULT_TOLERANCE[args.dtype] if args.tolerance is None else args.tolerance
     ok = float(max_diff) <= tolerance
     if reporter:

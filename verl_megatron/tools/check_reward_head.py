@@ -13,9 +13,10 @@ import argparse
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from verl_megatron.distributed.collective import max_over_ranks
 from verl_megatron.distributed.parallel import Runtime
+from verl_megatron.tools.prompts import check_prompts
 
 __all__ = ["DEFAULT_SCORE_TOLERANCE", "hf_scores", "is_sequence_classification", "run_reward_check"]
 
@@ -45,7 +46,6 @@ def run_reward_check(args: argparse.Namespace, runtime: Runtime, hf_config: Any)
     """Inside the check's distributed job: score, compare, report; every rank returns the same status."""
     from verl_megatron.reward.model import MegatronRewardModel
     from verl_megatron.reward.model_config import ModelRewardSettings, RewardModelModelConfig
-    from verl_megatron.tools.check_hf import _prompts
 
     settings = ModelRewardSettings(
         enable=True,
@@ -55,15 +55,13 @@ def run_reward_check(args: argparse.Namespace, runtime: Runtime, hf_config: Any)
     )
     reward_model = MegatronRewardModel(runtime, settings)
     try:
-        sequences = _prompts(args.path, hf_config.vocab_size, args.seed)
+        sequences = check_prompts(args.path, hf_config.vocab_size, args.seed)
         scores = reward_model.score_sequences([s.tolist() for s in sequences])
     finally:
         reward_model.close()
-    max_diff = torch.zeros((), dtype=torch.float64, device=runtime.device)
     reporter = runtime.rank == 0
-    if reporter:
-        max_diff.fill_(float((scores - hf_scores(args.path, sequences)).abs().max()))
-    dist.all_reduce(max_diff, op=dist.ReduceOp.MAX)
+    local_diff = float((scores - hf_scores(args.path, sequences)).abs().max()) if reporter else 0.0
+    max_diff = max_over_ranks(local_diff, runtime.device)
     tolerance = DEFAULT_SCORE_TOLERANCE[args.dtype] if args.tolerance is None else args.tolerance
     ok = float(max_diff) <= tolerance
     if reporter:
