@@ -28,6 +28,10 @@ from verl_megatron.protocol import DataProto
 
 __all__ = ["compute_advantage", "compute_advantage_for_multi_trajectories"]
 
+# Batch columns an estimator receives when the batch has them (gae: values; remax:
+# reward_baselines; the optimal-token baselines: the last three).
+_OPTIONAL_INPUTS = ("values", "reward_baselines", "sum_pi_squared", "old_log_probs", "rollout_is_weights")
+
 
 def _option(config: Any, name: str, default: Any) -> Any:
     if config is None:
@@ -56,12 +60,9 @@ def compute_advantage(
         width = tensors["responses"].shape[-1]
         tensors["response_mask"] = tensors["attention_mask"][:, -width:]
     name = adv_estimator.value if isinstance(adv_estimator, AdvantageEstimator) else str(adv_estimator)
-    present = set(tensors.keys())
     inputs = {
         "token_level_rewards": tensors["token_level_rewards"],
         "response_mask": tensors["response_mask"],
-        "values": tensors["values"] if "values" in present else None,
-        "reward_baselines": tensors["reward_baselines"] if "reward_baselines" in present else None,
         "index": data.non_tensor_batch.get("uid"),
         "gamma": gamma,
         "lam": lam,
@@ -70,8 +71,7 @@ def compute_advantage(
         "non_tensor_batch": data.non_tensor_batch,
         "batch": tensors,
     }
-    for key in ("sum_pi_squared", "old_log_probs", "rollout_is_weights"):
-        inputs[key] = tensors[key] if key in present else None
+    inputs.update({key: tensors[key] for key in _OPTIONAL_INPUTS if key in tensors.keys()})  # noqa: SIM118
     # gae and grpo are called directly, as verl does: they work whatever the registry holds.
     direct = {
         AdvantageEstimator.GAE.value: compute_gae_advantage_return,
@@ -107,38 +107,22 @@ def _final_outputs(batch_keys: Sequence[str]) -> tuple[list[int], list[int]]:
 
 
 def compute_advantage_for_multi_trajectories(
-    data: DataProto,
-    batch_keys: list[str],
-    adv_estimator: AdvantageEstimator | str,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    num_repeat: int = 1,
-    norm_adv_by_std_in_grpo: bool = True,
-    config: Any = None,
+    data: DataProto, batch_keys: list[str], adv_estimator: AdvantageEstimator | str, *args: Any, **kwargs: Any
 ) -> DataProto:
     """GRPO over each session's final output, broadcast to all outputs of the session:
     every row gets the scalar advantage of its session's final output (read at that output's
     first response token) times its own ``response_mask``; returns equal advantages. Other
-    estimators: `compute_advantage` of the whole batch, unchanged."""
+    estimators: `compute_advantage` of the whole batch, unchanged. The remaining arguments
+    (gamma, lam, num_repeat, norm_adv_by_std_in_grpo, config) are `compute_advantage`'s."""
     name = adv_estimator.value if isinstance(adv_estimator, AdvantageEstimator) else str(adv_estimator)
-    kwargs = {"gamma": gamma, "lam": lam, "num_repeat": num_repeat, "config": config}
     if name != AdvantageEstimator.GRPO.value:
-        return compute_advantage(
-            data, adv_estimator, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, **kwargs
-        )
+        return compute_advantage(data, adv_estimator, *args, **kwargs)
     if len(batch_keys) != len(data):
         raise ValueError(f"batch_keys has {len(batch_keys)} keys for {len(data)} rows")
     final_rows, session_of_row = _final_outputs(batch_keys)
-    finals = compute_advantage(
-        data.select_idxs(np.asarray(final_rows)),
-        adv_estimator,
-        norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
-        **kwargs,
-    )
-    final_adv = finals.batch["advantages"]
+    finals = compute_advantage(data.select_idxs(np.asarray(final_rows)), adv_estimator, *args, **kwargs)
     first_token = finals.batch["response_mask"].argmax(dim=1)  # 0 for an empty response
-    per_session = final_adv[torch.arange(len(final_rows)), first_token]  # [sessions]
-    mask = data.batch["response_mask"]
-    advantages = per_session[torch.as_tensor(session_of_row)].unsqueeze(-1) * mask
+    per_session = finals.batch["advantages"][torch.arange(len(final_rows)), first_token]  # [sessions]
+    advantages = per_session[torch.as_tensor(session_of_row)].unsqueeze(-1) * data.batch["response_mask"]
     data.batch["advantages"], data.batch["returns"] = advantages, advantages.clone()
     return data

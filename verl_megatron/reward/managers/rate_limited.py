@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from verl_megatron.reward.managers.loop import RewardLoopManager
 from verl_megatron.reward.rate_limit import AsyncTokenBucket
 from verl_megatron.reward.scorers import default_compute_score
 
@@ -43,7 +44,7 @@ def _bucket(per_minute: float | None) -> AsyncTokenBucket | None:
     return None if per_minute is None else AsyncTokenBucket(per_minute / 60.0, per_minute / 60.0)
 
 
-class RateLimitedRewardManager:
+class RateLimitedRewardManager(RewardLoopManager):
     """``RateLimitedRewardManager(config, tokenizer, compute_score)``; see the module docstring."""
 
     _class_initialized: ClassVar[bool] = False
@@ -81,26 +82,17 @@ class RateLimitedRewardManager:
         cls._class_initialized = True
 
     def __init__(
-        self,
-        config: Any,
-        tokenizer: Any,
-        compute_score: Callable[..., Any] | None,
-        reward_router_address: str | None = None,
-        reward_model_tokenizer: Any = None,
-        num_examine: int | None = None,  # verl's batch-manager keywords, accepted and unused
-        reward_fn_key: str | None = None,
-        **kwargs: Any,
-    ) -> None:
-        del num_examine, reward_fn_key, kwargs
+        self, config: Any, tokenizer: Any, compute_score: Callable[..., Any] | None, *args: Any, **kwargs: Any
+    ):
+        """`RewardLoopManager`'s arguments; verl's batch-manager keywords (num_examine,
+        reward_fn_key) are accepted and unused. A missing config means no limits."""
+        kwargs.pop("num_examine", None)
+        kwargs.pop("reward_fn_key", None)
         if tokenizer is None:
             raise TypeError("RateLimitedRewardManager requires `tokenizer`.")
         config = config if config is not None else {"reward": {}}
-        self.config = config
-        self.tokenizer = tokenizer
-        self.compute_score = compute_score or default_compute_score
+        super().__init__(config, tokenizer, compute_score or default_compute_score, *args, **kwargs)
         self.is_async_reward_score = inspect.iscoroutinefunction(self.compute_score)
-        self.reward_router_address = reward_router_address
-        self.reward_model_tokenizer = reward_model_tokenizer
         self.timeout = _section(config).get("timeout", 300.0)
         type(self).init_class(config, tokenizer)
 

@@ -7,11 +7,11 @@ penalty, the checks) is `workers.reward_manager.dapo.DAPORewardManager`'s.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from typing import Any
 
 from verl_megatron.protocol import DataProto
 from verl_megatron.reward.managers.dapo import DAPORewardManager as _BatchDAPO
+from verl_megatron.reward.managers.loop import RewardLoopManager
 
 __all__ = ["DAPORewardManager"]
 
@@ -21,31 +21,24 @@ def _reward_kwargs(config: Any) -> Any:
     return reward.get("reward_kwargs", {}) if hasattr(reward, "get") else getattr(reward, "reward_kwargs", {})
 
 
-class DAPORewardManager:
+class DAPORewardManager(RewardLoopManager):
     """verl reward-loop DAPO manager: ``await run_single(data)`` -> {"reward_score",
     "reward_extra_info"} for the last sample of `data` (a DataProto)."""
 
-    def __init__(
-        self,
-        config: Any,
-        tokenizer: Any,
-        compute_score: Callable[..., Any] | None,
-        reward_router_address: str | None = None,
-        reward_model_tokenizer: Any = None,
-    ) -> None:
-        if reward_router_address is not None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """`RewardLoopManager`'s arguments (config, tokenizer, compute_score, ...)."""
+        super().__init__(*args, **kwargs)
+        if self.reward_router_address is not None:
             raise ValueError(
                 "DAPORewardManager: a reward model router (reward_router_address) is not supported"
             )
-        kwargs = _reward_kwargs(config)
-        self.config = config
-        self.tokenizer = tokenizer
-        self.max_resp_len = kwargs.get("max_resp_len", None)
-        self.overlong_buffer_cfg = kwargs.get("overlong_buffer_cfg", None)
+        reward_kwargs = _reward_kwargs(self.config)
+        self.max_resp_len = reward_kwargs.get("max_resp_len", None)
+        self.overlong_buffer_cfg = reward_kwargs.get("overlong_buffer_cfg", None)
         self._manager = _BatchDAPO(
-            tokenizer,
+            self.tokenizer,
             num_examine=0,
-            compute_score=compute_score,
+            compute_score=self.compute_score,
             max_resp_len=self.max_resp_len,
             overlong_buffer_cfg=self.overlong_buffer_cfg,
         )
