@@ -23,13 +23,14 @@ import argparse
 import functools
 import json
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from common import (
     HEADLINE_THREADS,
+    MEDIUM_SHAPE,
     QUICK_SHAPE,
     SHARED_HEAP_NOTE,
     ModelShape,
@@ -48,6 +49,15 @@ HF_COMPILED = "HF generate, static cache + torch.compile"
 
 
 @dataclass(frozen=True)
+class GreedyCheck:
+    """The check before timing: ``rows`` prompts decoded greedily for ``tokens`` tokens on both
+    sides must agree token for token (the same model, not just the same sizes)."""
+
+    rows: int = 4
+    tokens: int = 16
+
+
+@dataclass(frozen=True)
 class GenerateBenchConfig:
     """Sizes of the benchmarked generation."""
 
@@ -58,29 +68,16 @@ class GenerateBenchConfig:
     new_tokens: int = 128
     """tokens generated per row (EOS ignored)"""
     repeats: int = 3
-    check_rows: int = 4
-    check_tokens: int = 16
-    """the greedy check before timing: ``check_rows`` prompts, ``check_tokens`` tokens, both sides"""
+    check: GreedyCheck = GreedyCheck()
     seed: int = 0
     static_cache: bool = True
     """also time HF with a static KV cache, eager and under torch.compile (inductor on CPU)"""
 
 
-FULL = GenerateBenchConfig(
-    shape=ModelShape(
-        vocab_size=32000, hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=2, intermediate_size=1376
-    )
-)
+FULL = GenerateBenchConfig(replace(MEDIUM_SHAPE, intermediate_size=1376))
 # static_cache off: compiling takes minutes, the full run only.
 QUICK = GenerateBenchConfig(
-    QUICK_SHAPE,
-    batch=4,
-    prompt_len=8,
-    new_tokens=8,
-    repeats=1,
-    check_rows=2,
-    check_tokens=4,
-    static_cache=False,
+    QUICK_SHAPE, batch=4, prompt_len=8, new_tokens=8, repeats=1, check=GreedyCheck(2, 4), static_cache=False
 )
 
 
@@ -173,9 +170,9 @@ def run(cfg: GenerateBenchConfig, workdir: Path) -> Section:
     pad = tokenizer.pad_token_id
     ids, mask = make_prompts(cfg, pad)
 
-    rows = slice(0, cfg.check_rows)
-    ours = _native_call(engine, ids[rows], mask[rows], cfg.check_tokens, greedy=True)
-    theirs = _hf_call(hf, ids[rows], mask[rows], cfg.check_tokens, pad, greedy=True)
+    rows = slice(0, cfg.check.rows)
+    ours = _native_call(engine, ids[rows], mask[rows], cfg.check.tokens, greedy=True)
+    theirs = _hf_call(hf, ids[rows], mask[rows], cfg.check.tokens, pad, greedy=True)
     agree = bool(torch.equal(ours, theirs))
     # Warm-up on a small batch: thread pools, allocator, lazy imports.
     _native_call(engine, ids[rows], mask[rows], 2)
@@ -243,7 +240,7 @@ def run(cfg: GenerateBenchConfig, workdir: Path) -> Section:
         )
     section.notes.append(SHARED_HEAP_NOTE)
     section.notes.append(
-        f"greedy check ({cfg.check_rows} prompts x {cfg.check_tokens} tokens): "
+        f"greedy check ({cfg.check.rows} prompts x {cfg.check.tokens} tokens): "
         + ("identical tokens on both sides" if agree else "TOKENS DIFFER between the two sides")
     )
     section.extra["greedy_check_identical"] = agree

@@ -187,12 +187,7 @@ def run_trl(model_dir: str, tokenizer, cfg: GRPOBenchConfig, out_dir: str) -> di
     clock = _StepClock()
     threads = torch.get_num_threads()
     trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=reward,
-        args=args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        callbacks=[clock],
+        model, reward, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[clock]
     )
     with contextlib.redirect_stdout(io.StringIO()):  # TRL prints a log dict per step
         trainer.train()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,6 @@ from common import (
     HEADLINE_THREADS,
     QUICK_SHAPE,
     SMALL_SHAPE,
-    ModelShape,
     Section,
     build_assets,
     error_text,
@@ -36,45 +35,33 @@ from common import (
 
 @dataclass(frozen=True)
 class ScalingBenchConfig:
-    """The two sweeps; batch = prompts x group sequences per step."""
+    """The two sweeps of one GRPO step; batch = prompts x group sequences per step."""
 
-    shape: ModelShape
+    step: GRPOBenchConfig
+    """the step measured at every point: its model, group, prompt length, micro-batch (at most the
+    point's batch), warm-up and timed steps (the fastest counts: a shared machine's load comes in
+    bursts) and seed; each point sets its own prompts and response length"""
     response_lens: tuple[int, ...] = (64, 128, 256, 512, 1024)
     """sweep 1: the response lengths, at ``batch_for_lengths`` sequences per step"""
     batch_for_lengths: int = 8
     batch_sizes: tuple[int, ...] = (4, 8, 16, 32)
     """sweep 2: the sequences per step, at ``response_len_for_batches`` response tokens"""
     response_len_for_batches: int = 128
-    group: int = 4
-    """responses per prompt: a step of B sequences has B / group prompts"""
-    prompt_len: int = 32
-    micro_batch: int = 8
-    warmup: int = 1
-    """untimed steps first at each point"""
-    steps: int = 2
-    """timed steps per point; the fastest counts (a shared machine's load comes in bursts)"""
-    seed: int = 0
 
 
-FULL = ScalingBenchConfig(shape=SMALL_SHAPE)
+FULL = ScalingBenchConfig(
+    GRPOBenchConfig(SMALL_SHAPE, prompts=0, group=4, prompt_len=32, response_len=0, micro_batch=8, steps=2)
+)
 QUICK = ScalingBenchConfig(
-    QUICK_SHAPE, response_lens=(8, 16), batch_for_lengths=4, batch_sizes=(2, 4), response_len_for_batches=8,
-    group=2, prompt_len=8, micro_batch=4, warmup=0, steps=1,
+    GRPOBenchConfig(QUICK_SHAPE, prompts=0, group=2, prompt_len=8, response_len=0, micro_batch=4, steps=1, warmup=0),
+    response_lens=(8, 16), batch_for_lengths=4, batch_sizes=(2, 4), response_len_for_batches=8,
 )  # fmt: skip
 
 
 def _point(cfg: ScalingBenchConfig, batch: int, response_len: int) -> GRPOBenchConfig:
-    return GRPOBenchConfig(
-        shape=cfg.shape,
-        prompts=batch // cfg.group,
-        group=cfg.group,
-        prompt_len=cfg.prompt_len,
-        response_len=response_len,
-        micro_batch=min(cfg.micro_batch, batch),
-        steps=cfg.steps,
-        warmup=cfg.warmup,
-        seed=cfg.seed,
-    )
+    step = cfg.step
+    micro_batch = min(step.micro_batch, batch)
+    return replace(step, prompts=batch // step.group, response_len=response_len, micro_batch=micro_batch)
 
 
 def _sweep(
@@ -145,7 +132,8 @@ def _plot(rows_len: list[dict], rows_batch: list[dict], path: Path) -> None:
 
 def run(cfg: ScalingBenchConfig, workdir: Path) -> Section:
     """Both sweeps, the fitted exponents per stage, and the plot (``extra['plot_png']``)."""
-    model = build_assets(workdir / "scaling_model", cfg.shape, cfg.seed)
+    step = cfg.step
+    model = build_assets(workdir / "scaling_model", step.shape, step.seed)
     len_points = [_point(cfg, cfg.batch_for_lengths, n) for n in cfg.response_lens]
     batch_points = [_point(cfg, b, cfg.response_len_for_batches) for b in cfg.batch_sizes]
     done: dict[tuple[int, int], dict[str, Any]] = {}
@@ -160,10 +148,10 @@ def run(cfg: ScalingBenchConfig, workdir: Path) -> Section:
         rows=rows,
         errors={**err_len, **err_batch},
         config={
-            "model": shape_text(cfg.shape),
-            "prompt_len": cfg.prompt_len,
-            "group": cfg.group,
-            "micro_batch": cfg.micro_batch,
+            "model": shape_text(step.shape),
+            "prompt_len": step.prompt_len,
+            "group": step.group,
+            "micro_batch": step.micro_batch,
             "threads": torch.get_num_threads(),
         },
     )
@@ -177,7 +165,7 @@ def run(cfg: ScalingBenchConfig, workdir: Path) -> Section:
         text = ", ".join(f"{stage} {k:.2f}" for stage, k in per_stage.items() if k is not None)
         section.notes.append(f"exponents vs {kind} per stage: {text or 'n/a'}")
     section.notes.append(
-        f"each point: a fresh trainer, {cfg.warmup} warm-up step(s), then the fastest of {cfg.steps} timed steps; "
+        f"each point: a fresh trainer, {step.warmup} warm-up step(s), then the fastest of {step.steps} timed steps; "
         "EOS ignored so every response is full length"
     )
     plot = workdir / "scaling.png"

@@ -27,10 +27,10 @@ from typing import Any
 import torch
 from common import (
     FLOPS_FORMULA_TRAIN,
+    MEDIUM_SHAPE,
     QUICK_SHAPE,
     SHARED_HEAP_NOTE,
     BatchSizes,
-    ModelShape,
     Section,
     best_peak,
     build_assets,
@@ -56,11 +56,7 @@ class UpdateBenchConfig(BatchSizes):
     repeats: int = 3
 
 
-# The size the megatron-on-cpu notes timed decoding at: 4 layers, hidden 512, GQA 8/2, vocab 32k.
-FULL_SHAPE = ModelShape(
-    vocab_size=32000, hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=2, intermediate_size=1408
-)
-FULL = UpdateBenchConfig(shape=FULL_SHAPE, batch=16, prompt_len=64, response_len=192, micro_batch=4)
+FULL = UpdateBenchConfig(shape=MEDIUM_SHAPE, batch=16, prompt_len=64, response_len=192, micro_batch=4)
 QUICK = UpdateBenchConfig(shape=QUICK_SHAPE, batch=4, prompt_len=8, response_len=8, micro_batch=2, repeats=1)
 
 

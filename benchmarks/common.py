@@ -254,6 +254,11 @@ class ModelShape:
 QUICK_SHAPE = ModelShape(
     vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128
 )
+# The full-run model of the update sections, the size the megatron-on-cpu notes timed decoding at:
+# 4 layers, hidden 512, GQA 8/2, vocabulary 32k.
+MEDIUM_SHAPE = ModelShape(
+    vocab_size=32000, hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=2, intermediate_size=1408
+)
 # The full-run model of the sections that time many whole GRPO steps (scaling sweeps, bypass).
 SMALL_SHAPE = ModelShape(
     vocab_size=2048, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=352
