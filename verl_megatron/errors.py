@@ -6,6 +6,15 @@ packages are the user's to fix: the command line prints their message as one
 ``error: ...`` line on stderr and exits with status 2, with no traceback. Anything else
 is a bug and keeps its traceback.
 
+The tree::
+
+    UserInputError (ValueError)
+        ConfigError: a config key; ConfigFileNotFoundError, and one subclass per room that
+            owns settings: ModelConfigError, WorkerConfigError, ParallelConfigError,
+            RolloutConfigError, PlacementError, AsyncTrainingConfigError, OutputDirError
+        (data, checkpoint and tool errors derive from UserInputError in their own modules)
+    VerlCompatError (ValueError, AssertionError): bad input to a verl-compatible function
+
 This module imports nothing heavy: the command line uses it before torch is loaded.
 """
 
