@@ -45,3 +45,10 @@ def save_tiny_llama(
         num_kv_heads=kv_heads, intermediate_size=ffn, seed=seed, initializer_range=init_std,
         bos_token_id=None, eos_token_id=eos, pad_token_id=pad,
     )  # fmt: skip
+
+
+def saved_model(tmp_path_factory: Any, name: str, build: Callable[[str], Any]) -> str:
+    """``build(path)`` into a fresh temporary folder named after ``name``; the folder's path."""
+    path = str(tmp_path_factory.mktemp(name))
+    build(path)
+    return path

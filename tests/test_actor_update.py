@@ -13,11 +13,14 @@ hand-computed values (first-step ppo_kl and clipfrac exactly 0, the k3 KL loss).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 
 from tests.closeness import assert_adam_weights_close, assert_close_report
+from tests.helpers import saved_model
 
 VOCAB, TP_LEN, TR_LEN, BATCH = 63, 6, 5, 8
 TEMPERATURE, KL_SHIFT, LR = 0.8, 0.3, 1e-2
@@ -95,48 +98,75 @@ VARIANTS = {
 }
 
 
-def actor_config(variant: str):
+def kl_actor_config(**settings):
+    """The actor settings the update tests share: mini-batches of 4 rows, entropy bonus 0.01, the
+    k3 ("low_var_kl") KL loss at 0.1, Adam at LR without weight decay, clipping at 1.0; ``settings``
+    on top."""
     from verl_megatron.workers.config import ActorConfig, OptimConfig
 
-    return ActorConfig(
-        ppo_mini_batch_size=4,
-        ppo_micro_batch_size_per_gpu=2,
-        entropy_coeff=0.01,
-        use_kl_loss=True,
-        kl_loss_coef=0.1,
-        kl_loss_type="low_var_kl",
-        optim=OptimConfig(lr=LR, weight_decay=0.0, clip_grad=1.0),
-        **VARIANTS[variant],
-    )
+    shared = {
+        "ppo_mini_batch_size": 4,
+        "entropy_coeff": 0.01,
+        "use_kl_loss": True,
+        "kl_loss_coef": 0.1,
+        "kl_loss_type": "low_var_kl",
+        "optim": OptimConfig(lr=LR, weight_decay=0.0, clip_grad=1.0),
+    }
+    return ActorConfig(**{**shared, **settings})
+
+
+def actor_config(variant: str):
+    return kl_actor_config(ppo_micro_batch_size_per_gpu=2, **VARIANTS[variant])
+
+
+def build_actor(runtime, path: str, cfg) -> tuple[list, Any]:
+    """(chunks, MegatronActor) on the checkpoint at ``path``, with its optimizer and LR schedule."""
+    from verl_megatron.models.megatron_model import build_optimizer
+    from verl_megatron.workers.actor import MegatronActor
+    from verl_megatron.workers.lr_schedule import build_lr_scheduler, optim_settings
+
+    chunks = build_model(runtime, path)
+    optimizer = build_optimizer(chunks, optim_settings(cfg.optim))
+    return chunks, MegatronActor(runtime, cfg, chunks, optimizer, build_lr_scheduler(optimizer, cfg.optim))
+
+
+def kl_update(actor, spoil: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """make_batch()'s log-probs and entropies [B, Tr] at TEMPERATURE, then update_policy with the
+    reference log-probs KL_SHIFT below them (``spoil(data)`` first, where given): metrics."""
+    from verl_megatron.protocol import DataProto
+
+    data = DataProto.from_dict(make_batch(), meta_info={"temperature": TEMPERATURE})
+    old_log_probs, entropy = actor.compute_log_prob(data, calculate_entropy=True)
+    data.batch["old_log_probs"] = old_log_probs
+    data.batch["ref_log_prob"] = old_log_probs - KL_SHIFT * data.batch["response_mask"]
+    if spoil is not None:
+        spoil(data)
+    return old_log_probs, entropy, actor.update_policy(data)
+
+
+def kl_update_record(runtime, chunks, actor, spoil: Callable | None = None) -> dict:
+    """:func:`kl_update`'s log-probs, entropies and metrics, and the updated weights."""
+    old_log_probs, entropy, metrics = kl_update(actor, spoil)
+    return {
+        "old_log_probs": old_log_probs,
+        "entropy": entropy,
+        "metrics": metrics,
+        "weights": full_weights(chunks, runtime),
+    }
+
+
+def _nan_advantage(data) -> None:
+    data.batch["advantages"][0, 1] = float("nan")  # in the first mini-batch only
 
 
 def actor_job(path: str, tp: int, pp: int, variants: list[str]) -> dict:
     from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
-    from verl_megatron.models.megatron_model import build_optimizer
-    from verl_megatron.protocol import DataProto
-    from verl_megatron.workers.actor import MegatronActor
-    from verl_megatron.workers.lr_schedule import build_lr_scheduler, optim_settings
 
     runtime = init_runtime(ParallelLayout(tp=tp, pp=pp), seed=5)
     out = {}
     for variant in variants:
-        cfg = actor_config(variant)
-        chunks = build_model(runtime, path)
-        optimizer = build_optimizer(chunks, optim_settings(cfg.optim))
-        actor = MegatronActor(runtime, cfg, chunks, optimizer, build_lr_scheduler(optimizer, cfg.optim))
-        data = DataProto.from_dict(make_batch(), meta_info={"temperature": TEMPERATURE})
-        old_log_probs, entropy = actor.compute_log_prob(data, calculate_entropy=True)
-        data.batch["old_log_probs"] = old_log_probs
-        data.batch["ref_log_prob"] = old_log_probs - KL_SHIFT * data.batch["response_mask"]
-        if variant == "nan":
-            data.batch["advantages"][0, 1] = float("nan")  # in the first mini-batch only
-        metrics = actor.update_policy(data)
-        out[variant] = {
-            "old_log_probs": old_log_probs,
-            "entropy": entropy,
-            "metrics": metrics,
-            "weights": full_weights(chunks, runtime),
-        }
+        chunks, actor = build_actor(runtime, path, actor_config(variant))
+        out[variant] = kl_update_record(runtime, chunks, actor, _nan_advantage if variant == "nan" else None)
     return out
 
 
@@ -171,9 +201,7 @@ def merge(results: list[dict]) -> dict:
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("tiny_llama"))
-    build_hf_model(path)
-    return path
+    return saved_model(tmp_path_factory, "tiny_llama", build_hf_model)
 
 
 @pytest.fixture(scope="module")

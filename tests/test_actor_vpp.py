@@ -17,13 +17,14 @@ import pytest
 
 from tests.closeness import assert_close_report
 from tests.test_actor_update import (
-    KL_SHIFT,
     LR,
-    TEMPERATURE,
     VOCAB,
     _assert_same_update,
+    build_actor,
     build_model,
     full_weights,
+    kl_actor_config,
+    kl_update_record,
     make_batch,
     merge,
 )
@@ -44,38 +45,12 @@ VARIANTS = {
 
 def actor_job(path: str, pp: int, vpp: int | None) -> dict:
     from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
-    from verl_megatron.models.megatron_model import build_optimizer
-    from verl_megatron.protocol import DataProto
-    from verl_megatron.workers.actor import MegatronActor
-    from verl_megatron.workers.config import ActorConfig, OptimConfig
-    from verl_megatron.workers.lr_schedule import build_lr_scheduler, optim_settings
 
     runtime = init_runtime(ParallelLayout(pp=pp, vpp=vpp), seed=5)
     out = {}
     for variant, settings in VARIANTS.items():
-        cfg = ActorConfig(
-            ppo_mini_batch_size=4,
-            entropy_coeff=0.01,
-            use_kl_loss=True,
-            kl_loss_coef=0.1,
-            kl_loss_type="low_var_kl",
-            optim=OptimConfig(lr=LR, weight_decay=0.0, clip_grad=1.0),
-            **settings,
-        )
-        chunks = build_model(runtime, path)
-        optimizer = build_optimizer(chunks, optim_settings(cfg.optim))
-        actor = MegatronActor(runtime, cfg, chunks, optimizer, build_lr_scheduler(optimizer, cfg.optim))
-        data = DataProto.from_dict(make_batch(), meta_info={"temperature": TEMPERATURE})
-        old_log_probs, entropy = actor.compute_log_prob(data, calculate_entropy=True)
-        data.batch["old_log_probs"] = old_log_probs
-        data.batch["ref_log_prob"] = old_log_probs - KL_SHIFT * data.batch["response_mask"]
-        metrics = actor.update_policy(data)
-        out[variant] = {
-            "old_log_probs": old_log_probs,
-            "entropy": entropy,
-            "metrics": metrics,
-            "weights": full_weights(chunks, runtime),
-        }
+        chunks, actor = build_actor(runtime, path, kl_actor_config(**settings))
+        out[variant] = kl_update_record(runtime, chunks, actor)
     return out
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tests.closeness import assert_close_report
-from tests.test_actor_update import KL_SHIFT, TEMPERATURE, _assert_same_update, make_batch
+from tests.test_actor_update import _assert_same_update, kl_actor_config, kl_update, make_batch
 from tests.test_context_parallel import _runtime, _tokenwise_gpt
 from tests.test_critic_update import RETURN_SHIFT
 from tests.test_critic_update import _assert_same_update as _same_critic
@@ -31,7 +31,7 @@ def job(cp: int) -> dict:
     from verl_megatron.protocol import DataProto
     from verl_megatron.workers import model_runner as engine
     from verl_megatron.workers.actor import MegatronActor
-    from verl_megatron.workers.config import ActorConfig, CriticConfig, OptimConfig
+    from verl_megatron.workers.config import CriticConfig, OptimConfig
     from verl_megatron.workers.critic import MegatronCritic
     from verl_megatron.workers.lr_schedule import build_lr_scheduler, optim_settings
 
@@ -41,25 +41,13 @@ def job(cp: int) -> dict:
         engine.cp_attention_available = engine.uses_transformer_engine = lambda chunks: True
     try:
         optim = OptimConfig(lr=1e-2, weight_decay=0.0, clip_grad=1.0)
-        cfg = ActorConfig(
-            ppo_mini_batch_size=4,
-            ppo_micro_batch_size_per_gpu=3,
-            entropy_coeff=0.01,
-            use_kl_loss=True,
-            kl_loss_coef=0.1,
-            kl_loss_type="low_var_kl",
-            loss_agg_mode="seq-mean-token-mean",
-            use_remove_padding=cp > 1,
-            optim=optim,
+        cfg = kl_actor_config(
+            ppo_micro_batch_size_per_gpu=3, loss_agg_mode="seq-mean-token-mean", use_remove_padding=cp > 1
         )
         chunks = _build(runtime, False)
         opt = build_optimizer(chunks, optim_settings(optim))
         actor = MegatronActor(runtime, cfg, chunks, opt, build_lr_scheduler(opt, optim))
-        data = DataProto.from_dict(make_batch(), meta_info={"temperature": TEMPERATURE})
-        old, ent = actor.compute_log_prob(data, calculate_entropy=True)
-        data.batch["old_log_probs"] = old
-        data.batch["ref_log_prob"] = old - KL_SHIFT * data.batch["response_mask"]
-        metrics = actor.update_policy(data)
+        old, ent, metrics = kl_update(actor)
         w = gather_full_state(chunks)
         out = {"actor": {"old_log_probs": old, "entropy": ent, "metrics": metrics, "weights": w}}
         ccfg = CriticConfig(

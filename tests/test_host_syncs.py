@@ -17,7 +17,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.test_actor_update import TEMPERATURE, build_hf_model, build_model, make_batch
+from tests.helpers import saved_model
+from tests.test_actor_update import TEMPERATURE, build_actor, build_hf_model, make_batch
 
 _SYNCS = ("item", "tolist", "__float__", "__int__", "__bool__")
 _HOST_SIDE = ("verl_megatron/workers/batching.py",)
@@ -62,11 +63,8 @@ def counting_syncs(counts: Counter):
 
 def sync_job(path: str, micro_batch_sizes: list[int]) -> dict:
     from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
-    from verl_megatron.models.megatron_model import build_optimizer
     from verl_megatron.protocol import DataProto
-    from verl_megatron.workers.actor import MegatronActor
     from verl_megatron.workers.config import ActorConfig, OptimConfig
-    from verl_megatron.workers.lr_schedule import build_lr_scheduler, optim_settings
 
     runtime = init_runtime(ParallelLayout(), seed=5)
     out = {}
@@ -79,9 +77,7 @@ def sync_job(path: str, micro_batch_sizes: list[int]) -> dict:
             kl_loss_coef=0.1,
             optim=OptimConfig(lr=1e-2, weight_decay=0.0, clip_grad=1.0),
         )
-        chunks = build_model(runtime, path)
-        optimizer = build_optimizer(chunks, optim_settings(cfg.optim))
-        actor = MegatronActor(runtime, cfg, chunks, optimizer, build_lr_scheduler(optimizer, cfg.optim))
+        _, actor = build_actor(runtime, path, cfg)
         data = DataProto.from_dict(make_batch(), meta_info={"temperature": TEMPERATURE})
         data.batch["old_log_probs"], _ = actor.compute_log_prob(data)
         data.batch["ref_log_prob"] = data.batch["old_log_probs"] - 0.3 * data.batch["response_mask"]
@@ -94,9 +90,7 @@ def sync_job(path: str, micro_batch_sizes: list[int]) -> dict:
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("sync_llama")
-    build_hf_model(str(path))
-    return str(path)
+    return saved_model(tmp_path_factory, "sync_llama", build_hf_model)
 
 
 def test_actor_update_syncs_do_not_grow_with_micro_batches(pool1, model_path):

@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_actor_update import KL_SHIFT, TEMPERATURE, build_hf_model, full_weights, make_batch
+from tests.helpers import saved_model
+from tests.test_actor_update import build_hf_model, full_weights, kl_actor_config, kl_update, make_batch
 
 LR = 1e-2
 # Allowed difference, as a multiple of the spread measured from rounding the weights to bf16
@@ -74,7 +75,6 @@ def build_actor(path: str, tp: int, dtype: str, round_weights: bool = False):
     from verl_megatron.models.convert import load_hf_weights
     from verl_megatron.models.megatron_model import build_optimizer, wrap_ddp
     from verl_megatron.workers.actor import MegatronActor
-    from verl_megatron.workers.config import ActorConfig, OptimConfig
     from verl_megatron.workers.lr_schedule import build_lr_scheduler, optim_settings
 
     runtime = init_runtime(ParallelLayout(tp=tp, pp=1), seed=5)
@@ -86,29 +86,10 @@ def build_actor(path: str, tp: int, dtype: str, round_weights: bool = False):
             for param in (p for c in chunks for p in c.parameters()):
                 param.copy_(param.to(torch.bfloat16))
     chunks = wrap_ddp(chunks)
-    cfg = ActorConfig(
-        ppo_mini_batch_size=4,
-        ppo_micro_batch_size_per_gpu=2,
-        entropy_coeff=0.01,
-        use_kl_loss=True,
-        kl_loss_coef=0.1,
-        kl_loss_type="low_var_kl",
-        optim=OptimConfig(lr=LR, weight_decay=0.0, clip_grad=1.0),
-    )
+    cfg = kl_actor_config(ppo_micro_batch_size_per_gpu=2)
     optimizer = build_optimizer(chunks, optim_settings(cfg.optim, bf16=dtype == "bfloat16"))
     actor = MegatronActor(runtime, cfg, chunks, optimizer, build_lr_scheduler(optimizer, cfg.optim))
     return runtime, chunks, optimizer, actor
-
-
-def update(actor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Log-probs and entropies [B, Tr] of the batch, then two updates (two mini-batches): metrics."""
-    from verl_megatron.protocol import DataProto
-
-    data = DataProto.from_dict(make_batch(), meta_info={"temperature": TEMPERATURE})
-    log_probs, entropy = actor.compute_log_prob(data, calculate_entropy=True)
-    data.batch["old_log_probs"] = log_probs
-    data.batch["ref_log_prob"] = log_probs - KL_SHIFT * data.batch["response_mask"]
-    return log_probs, entropy, actor.update_policy(data)
 
 
 def update_job(path: str, tp: int, dtype: str, round_weights: bool = False) -> dict:
@@ -116,7 +97,7 @@ def update_job(path: str, tp: int, dtype: str, round_weights: bool = False) -> d
     runtime, chunks, optimizer, actor = build_actor(path, tp, dtype, round_weights)
     bf16 = dtype == "bfloat16"
     start = full_weights(chunks, runtime)
-    log_probs, entropy, metrics = update(actor)
+    log_probs, entropy, metrics = kl_update(actor)  # two updates (two mini-batches)
     return {
         "log_probs": log_probs,
         "entropy": entropy,
@@ -148,12 +129,12 @@ def checkpoint_job(path: str, ckpt_dir: str) -> dict:
     from verl_megatron.checkpoint.manager import load_checkpoint, save_checkpoint
 
     runtime, chunks, optimizer, actor = build_actor(path, 1, "bfloat16")
-    update(actor)
+    kl_update(actor)
     saved = _training_state(chunks, optimizer)
     save_checkpoint(ckpt_dir, 1, chunks=chunks, optimizer=optimizer, runtime=runtime, name="actor")
     runtime, chunks, optimizer, actor = build_actor(path, 1, "bfloat16")
     for _ in range(2):  # twice the saved actor's steps: every piece of state differs from it
-        update(actor)
+        kl_update(actor)
     before = _training_state(chunks, optimizer)
     load_checkpoint(ckpt_dir, chunks=chunks, optimizer=optimizer, runtime=runtime, name="actor")
     loaded = _training_state(chunks, optimizer)
@@ -174,9 +155,7 @@ def merge(results: list[dict]) -> dict:
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("tiny_llama_bf16"))
-    build_hf_model(path)
-    return path
+    return saved_model(tmp_path_factory, "tiny_llama_bf16", build_hf_model)
 
 
 def _quantities(run: dict) -> dict[str, torch.Tensor]:

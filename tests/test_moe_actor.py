@@ -22,10 +22,12 @@ import pytest
 import torch
 
 from tests.closeness import assert_close_report
+from tests.helpers import saved_model
 from tests.test_actor_update import (
     TEMPERATURE,
     _assert_same_update,
     actor_config,
+    build_actor,
     build_model,
     full_weights,
     make_batch,
@@ -47,16 +49,11 @@ def build_moe_model(path: str) -> None:
 
 def moe_actor_job(path: str, layout: dict) -> dict:
     from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
-    from verl_megatron.models.megatron_model import build_optimizer
     from verl_megatron.protocol import DataProto
-    from verl_megatron.workers.actor import MegatronActor
-    from verl_megatron.workers.lr_schedule import build_lr_scheduler, optim_settings
 
     runtime = init_runtime(ParallelLayout(**layout), seed=5)
     cfg = actor_config("padded")
-    chunks = build_model(runtime, path)
-    optimizer = build_optimizer(chunks, optim_settings(cfg.optim))
-    actor = MegatronActor(runtime, cfg, chunks, optimizer, build_lr_scheduler(optimizer, cfg.optim))
+    chunks, actor = build_actor(runtime, path, cfg)
     # share_prompt_prefix is on by default; routing (replay, token counts) keeps every row's prompt
     assert cfg.share_prompt_prefix and actor.runner.prefix_sharing is None
     data = DataProto.from_dict(make_batch(), meta_info={"temperature": TEMPERATURE})
@@ -71,9 +68,7 @@ def moe_actor_job(path: str, layout: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def moe_path(tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("tiny_qwen3_moe"))
-    build_moe_model(path)
-    return path
+    return saved_model(tmp_path_factory, "tiny_qwen3_moe", build_moe_model)
 
 
 @pytest.fixture(scope="module")

@@ -12,16 +12,13 @@ from __future__ import annotations
 import torch
 
 from tests.closeness import assert_adam_weights_close, assert_close_report
-from tests.test_actor_update import TEMPERATURE, build_hf_model, build_model, make_batch
+from tests.test_actor_update import TEMPERATURE, build_actor, build_hf_model, make_batch
 
 
 def rows_job(path: str) -> dict:
     from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
-    from verl_megatron.models.megatron_model import build_optimizer
     from verl_megatron.protocol import DataProto
-    from verl_megatron.workers.actor import MegatronActor
     from verl_megatron.workers.config import ActorConfig, OptimConfig
-    from verl_megatron.workers.lr_schedule import build_lr_scheduler, optim_settings
 
     runtime = init_runtime(ParallelLayout(), seed=3)
     out = {}
@@ -34,9 +31,7 @@ def rows_job(path: str) -> dict:
                 entropy_coeff=0.01,
                 optim=OptimConfig(lr=1e-2, weight_decay=0.0, clip_grad=1.0),
             )
-            chunks = build_model(runtime, path)
-            optimizer = build_optimizer(chunks, optim_settings(cfg.optim))
-            actor = MegatronActor(runtime, cfg, chunks, optimizer, build_lr_scheduler(optimizer, cfg.optim))
+            chunks, actor = build_actor(runtime, path, cfg)
             shapes = []
             if select:
                 assert actor.runner.row_selector is not None
