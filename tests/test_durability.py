@@ -139,6 +139,14 @@ def _copy(src, tmp_path):
     return dst
 
 
+def _rerun(two_steps, tmp_path, total_steps: int, *overrides: str) -> tuple:
+    """(copy of the two-step run, its metrics file as it was, the process of training the copy
+    again to ``total_steps`` with ``overrides``)."""
+    out = _copy(two_steps, tmp_path)
+    before = (out / "metrics.jsonl").read_text()
+    return out, before, _train(out, f"trainer.total_training_steps={total_steps}", *overrides)
+
+
 def _flip_a_byte(part) -> str:
     shard = sorted(p for p in os.listdir(part) if p.endswith(".distcp"))[0]
     path = os.path.join(part, shard)
@@ -177,9 +185,7 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_resumed(two_s
 
 
 def test_a_changed_learning_rate_is_applied_and_said_a_changed_batch_size_refused(two_steps, tmp_path):
-    out = _copy(two_steps, tmp_path)
-    before = (out / "metrics.jsonl").read_text()
-    proc = _train(out, "trainer.total_training_steps=3", "data.train_batch_size=16")
+    out, before, proc = _rerun(two_steps, tmp_path, 3, "data.train_batch_size=16")
     assert proc.returncode == 2, proc.stderr[-3000:]
     (line,) = _error_lines(proc)
     assert line.startswith(
@@ -216,9 +222,7 @@ def test_a_changed_fixed_kl_coefficient_is_applied_on_resume(tmp_path):
 
 
 def test_a_rerun_never_overwrites_an_earlier_run(two_steps, tmp_path):
-    out = _copy(two_steps, tmp_path)
-    before = (out / "metrics.jsonl").read_text()
-    proc = _train(out, "trainer.total_training_steps=2", "trainer.resume_mode=disable")
+    out, before, proc = _rerun(two_steps, tmp_path, 2, "trainer.resume_mode=disable")
     assert proc.returncode == 2, proc.stderr[-3000:]
     (line,) = _error_lines(proc)
     assert line.startswith(f"error: trainer.default_local_dir={out} holds checkpoints up to global_step_2")
