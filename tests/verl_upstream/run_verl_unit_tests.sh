@@ -9,7 +9,9 @@
 #   tests/verl_upstream/run_verl_unit_tests.sh ~/verl/.git release/v0.9.0
 # verl's async tests need pytest-asyncio; VERL_TEST_DEPS names a folder holding it (e.g.
 # `pip install --no-deps --target /tmp/verl_test_deps pytest-asyncio`), kept out of the venv.
-# Extra arguments after the third go to pytest.
+# verl's rate-limited reward manager tests load ~/models/Qwen/Qwen2.5-0.5B-Instruct's tokenizer;
+# with VERL_STANDIN_TOKENIZER=1 a byte-level BPE stand-in is saved there under a scratch HOME
+# (they only encode and decode text). Extra arguments after the third go to pytest.
 set -euo pipefail
 GIT_DIR=${1:?usage: $0 <verl git dir> [rev] [scratch dir]}
 REV=${2:-release/v0.9.0}
@@ -49,5 +51,9 @@ find "$OUT" -name '*.py' -print0 | xargs -0 sed -i -E \
   -e 's/"verl\./"verl_megatron./g' \
   -e 's/(import|from) verl( |$)/\1 verl_megatron\2/g'
 cd "$OUT"
+if [ "${VERL_STANDIN_TOKENIZER:-0}" = 1 ]; then
+  export HOME="$OUT/home"
+  python -c "from verl_megatron.utils.local_assets import build_bpe_tokenizer as b; b('$HOME/models/Qwen/Qwen2.5-0.5B-Instruct')"
+fi
 PYTHONPATH="${VERL_TEST_DEPS:-}${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} python -m pytest -q -p no:cacheprovider --continue-on-collection-errors \
   -o addopts="" tests "${@:4}"
