@@ -311,7 +311,7 @@ def _damage(src: Path, dst: Path, how: str) -> Path:
 def bad_input_job(root: str) -> dict:
     """Every failed load names the problem, and leaves model, optimizer and scheduler as they were."""
     from verl_megatron.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-    from verl_megatron.checkpoint.manager import _has_state
+    from verl_megatron.checkpoint.optimizer_state import has_state as _has_state
 
     root = Path(root)
     runtime, chunks, optimizer, scheduler = _setup(1, 1, None, init_seed=3)
@@ -463,7 +463,7 @@ def multi_part_job(root: str) -> dict:
         load_checkpoint,
         save_checkpoint,
     )
-    from verl_megatron.checkpoint.manager import _has_state
+    from verl_megatron.checkpoint.optimizer_state import has_state as _has_state
 
     runtime = _runtime(1, 1, None)
     actor, critic = _build(runtime, init_seed=3), _build(runtime, init_seed=4)
