@@ -1,5 +1,6 @@
 """Shared fixtures: persistent pools of torch.distributed workers (see verl_megatron.distributed.dist_pool),
-and ``no_runtime`` for the tests of errors that must be raised before any process group starts."""
+``no_runtime`` for the tests of errors that must be raised before any process group starts, and
+``model_path``, the tiny Llama of the actor / critic update tests (a module may define its own)."""
 
 from __future__ import annotations
 
@@ -43,3 +44,12 @@ def no_runtime(monkeypatch):
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setattr(parallel, "init_runtime", refuse)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> str:
+    """The tiny Llama of tests/test_actor_update.py (``build_hf_model``), saved once per module."""
+    from tests.helpers import saved_model
+    from tests.test_actor_update import build_hf_model
+
+    return saved_model(tmp_path_factory, "tiny_llama", build_hf_model)

@@ -20,7 +20,6 @@ import pytest
 import torch
 
 from tests.closeness import assert_adam_weights_close, assert_close_report
-from tests.helpers import saved_model
 
 VOCAB, TP_LEN, TR_LEN, BATCH = 63, 6, 5, 8
 TEMPERATURE, KL_SHIFT, LR = 0.8, 0.3, 1e-2
@@ -197,11 +196,6 @@ def merge(results: list[dict]) -> dict:
             weights.update(r[variant]["weights"])
         merged[variant] = {**first, "weights": weights}
     return merged
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory) -> str:
-    return saved_model(tmp_path_factory, "tiny_llama", build_hf_model)
 
 
 @pytest.fixture(scope="module")

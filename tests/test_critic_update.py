@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from tests.closeness import assert_adam_weights_close, assert_close_report
-from tests.helpers import saved_model
-from tests.test_actor_update import TP_LEN, build_hf_model, build_model, full_weights, make_batch, merge
+from tests.test_actor_update import TP_LEN, build_model, full_weights, make_batch, merge
 
 RETURN_SHIFT, LR = 0.5, 1e-2
 
@@ -65,11 +64,6 @@ def critic_job(path: str, tp: int, pp: int, variants: list[str]) -> dict:
             "start": start,
         }
     return out
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory) -> str:
-    return saved_model(tmp_path_factory, "tiny_llama_critic", build_hf_model)
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.helpers import saved_model
-from tests.test_actor_update import TEMPERATURE, build_actor, build_hf_model, make_batch
+from tests.test_actor_update import TEMPERATURE, build_actor, make_batch
 
 _SYNCS = ("item", "tolist", "__float__", "__int__", "__bool__")
 _HOST_SIDE = ("verl_megatron/workers/batching.py",)
@@ -86,11 +85,6 @@ def sync_job(path: str, micro_batch_sizes: list[int]) -> dict:
             metrics = actor.update_policy(data)
         out[micro] = {"counts": dict(counts), "metrics": metrics}
     return out
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory) -> str:
-    return saved_model(tmp_path_factory, "sync_llama", build_hf_model)
 
 
 def test_actor_update_syncs_do_not_grow_with_micro_batches(pool1, model_path):

@@ -14,8 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import saved_model
-from tests.test_actor_update import build_hf_model, full_weights, kl_actor_config, kl_update, make_batch
+from tests.test_actor_update import full_weights, kl_actor_config, kl_update, make_batch
 
 LR = 1e-2
 # Allowed difference, as a multiple of the spread measured from rounding the weights to bf16
@@ -151,11 +150,6 @@ def merge(results: list[dict]) -> dict:
     for key in ("start", "weights", "main"):
         out[key] = {k: v for r in results for k, v in r[key].items()}
     return out
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory) -> str:
-    return saved_model(tmp_path_factory, "tiny_llama_bf16", build_hf_model)
 
 
 def _quantities(run: dict) -> dict[str, torch.Tensor]:
