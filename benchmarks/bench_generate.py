@@ -59,16 +59,16 @@ class GreedyCheck:
 
 @dataclass(frozen=True)
 class GenerateBenchConfig:
-    """Sizes of the benchmarked generation."""
+    """Sizes of the benchmarked generation, and the greedy check that both sides run the same model."""
 
     shape: ModelShape
+    check: GreedyCheck = GreedyCheck()
     batch: int = 64
     prompt_len: int = 64
     """the longest prompt; prompt lengths run from prompt_len / 2 (left-padded)"""
     new_tokens: int = 128
     """tokens generated per row (EOS ignored)"""
     repeats: int = 3
-    check: GreedyCheck = GreedyCheck()
     seed: int = 0
     static_cache: bool = True
     """also time HF with a static KV cache, eager and under torch.compile (inductor on CPU)"""
