@@ -52,3 +52,12 @@ def saved_model(tmp_path_factory: Any, name: str, build: Callable[[str], Any]) -
     path = str(tmp_path_factory.mktemp(name))
     build(path)
     return path
+
+
+def run_per_variant(pool: Any, job: str, folder: Callable[[], Path], variants: dict[Any, list[str]]) -> dict:
+    """``job`` on ``pool`` once per variant, each with its overrides and a ``run`` folder under a
+    fresh ``folder()``; variant -> the first rank's result."""
+    return {
+        key: pool.run(job, out_dir=str(folder() / "run"), overrides=overrides)[0]
+        for key, overrides in variants.items()
+    }

@@ -9,8 +9,11 @@ start-up.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
+from tests.helpers import run_per_variant
 from tests.test_rollout_parity import trainer_job  # noqa: F401  (the pool imports it from here)
 
 ONE_MINI_BATCH = ["actor.ppo_mini_batch_size=4"]  # = data.train_batch_size of the parity quickstart
@@ -18,14 +21,9 @@ ONE_MINI_BATCH = ["actor.ppo_mini_batch_size=4"]  # = data.train_batch_size of t
 
 @pytest.fixture(scope="module")
 def runs(pool1, tmp_path_factory) -> dict:
-    return {
-        recompute: pool1.run(
-            f"{__name__}:trainer_job",
-            out_dir=str(tmp_path_factory.mktemp("on_policy") / "run"),
-            overrides=[*ONE_MINI_BATCH, f"actor.recompute_old_log_prob={str(recompute).lower()}"],
-        )[0]
-        for recompute in (True, False)
-    }
+    variants = {r: [*ONE_MINI_BATCH, f"actor.recompute_old_log_prob={str(r).lower()}"] for r in (True, False)}
+    folder = functools.partial(tmp_path_factory.mktemp, "on_policy")
+    return run_per_variant(pool1, f"{__name__}:trainer_job", folder, variants)
 
 
 def test_skipping_the_pass_trains_bit_for_bit_the_same(runs):
