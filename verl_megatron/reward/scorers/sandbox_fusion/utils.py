@@ -13,7 +13,8 @@ a 504) or, with ``sandbox_fusion_url="local"``, to this project's own sandbox
 
 With ``fn_name`` (LeetCode style) the program is wrapped: each stdin line is a JSON argument,
 the function (or ``Solution().<fn_name>``) is called, and its result printed (JSON for
-containers, bools and None). An ``assert_case`` entry is appended to the program of its case.
+containers, bools and None); a failing call prints its traceback to stderr and nothing
+else. An ``assert_case`` entry is appended to the program of its case.
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ API_TIMEOUT_S = 10  # on top of the compile and run timeouts
 
 def _run_local(code: str, stdin: str | None, run_timeout: float, memory_limit_mb: int) -> dict[str, Any]:
     """Run Python `code` in the project's sandbox; the result in SandboxFusion's format."""
+    # SandboxFusion's run timeout is wall time; one more second covers the interpreter's start.
     limits = sandbox.SandboxLimits(
-        cpu_s=run_timeout, wall_s=run_timeout * 2 + 1.0, memory_mb=int(memory_limit_mb)
+        cpu_s=run_timeout, wall_s=run_timeout + 1.0, memory_mb=int(memory_limit_mb)
     )
     argv = [sys.executable, "-I", "-B", "-c", code]
     run = sandbox.run_sandboxed(argv, (stdin or "").encode(), limits)
@@ -145,11 +147,17 @@ def _call_{fn_name}():
     return target(*args)
 
 
-_result = _call_{fn_name}()
-if _result is None or isinstance(_result, (bool, dict, list, tuple)):
-    print(_json.dumps(_result))
+try:
+    _result = _call_{fn_name}()
+except Exception:  # reported on stderr; the case then fails on its (missing) output, as in verl
+    import traceback as _traceback
+
+    _traceback.print_exc()
 else:
-    print(_result)
+    if _result is None or isinstance(_result, (bool, dict, list, tuple)):
+        print(_json.dumps(_result))
+    else:
+        print(_result)
 """
 
 # A function-call program sees these names unqualified, as LeetCode-style solutions assume.
