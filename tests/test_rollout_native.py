@@ -202,14 +202,15 @@ def test_tp2_sampling_matches_tp1(pool2, single, model_dir):
     runs = pool2.run(
         f"{__name__}:generate_job", model_dir=model_dir, tp=2, pp=1, vpp=None, config=SAMPLING, meta={}
     )
+    _assert_runs_match(runs, single["sampled"])
+
+
+def _assert_runs_match(runs: list[dict], reference: dict) -> None:
+    """Every rank's responses equal ``reference``'s, and its rollout log-probs to 1e-4."""
     for run in runs:
-        assert torch.equal(run["responses"], single["sampled"]["responses"])
+        assert torch.equal(run["responses"], reference["responses"])
         assert_close_report(
-            run["rollout_log_probs"],
-            single["sampled"]["rollout_log_probs"],
-            rtol=0,
-            atol=1e-4,
-            what="log-probs",
+            run["rollout_log_probs"], reference["rollout_log_probs"], rtol=0, atol=1e-4, what="log-probs"
         )
 
 
@@ -217,15 +218,7 @@ def test_tp2_sampling_matches_tp1(pool2, single, model_dir):
 def test_pp2_greedy_matches_pp1(pool2, single, model_dir, vpp):
     runs = pool2.run(f"{__name__}:generate_job", model_dir=model_dir, tp=1, pp=2, vpp=vpp,
                      config={"ignore_eos": True}, meta={"do_sample": False})  # fmt: skip
-    for run in runs:
-        assert torch.equal(run["responses"], single["greedy"]["responses"])
-        assert_close_report(
-            run["rollout_log_probs"],
-            single["greedy"]["rollout_log_probs"],
-            rtol=0,
-            atol=1e-4,
-            what="log-probs",
-        )
+    _assert_runs_match(runs, single["greedy"])
 
 
 def eos_job(model_dir: str, tp: int = 1, pp: int = 1) -> dict:
