@@ -42,16 +42,16 @@ OFF_POLICY = [
 
 def main(out: str) -> None:
     from verl_megatron.train import run
-    from verl_megatron.trainer.async_trainer import AsyncPPOTrainer
+    from verl_megatron.trainer.ppo_trainer import PPOTrainer  # the trainer ranks run its loop
 
-    train_step = AsyncPPOTrainer.train_step
+    train_step = PPOTrainer.train_step
 
     def dies_at_step_3(self, step: int):
         if step == 3:
             raise Interrupted(f"interrupted at step {step}")
         return train_step(self, step)
 
-    AsyncPPOTrainer.train_step = dies_at_step_3
+    PPOTrainer.train_step = dies_at_step_3
     try:
         run(QUICKSTART, [*common(out, "resumed"), *OFF_POLICY])
         raise AssertionError("the interrupted run finished")
@@ -60,7 +60,7 @@ def main(out: str) -> None:
     except RuntimeError as err:  # the rollout rank: its peer shut the transfer group down
         if "Connection closed by peer" not in str(err) and "Connection reset" not in str(err):
             raise
-    AsyncPPOTrainer.train_step = train_step
+    PPOTrainer.train_step = train_step
     run(QUICKSTART, [*common(out, "resumed"), *OFF_POLICY])
     run(QUICKSTART, [*common(out, "straight"), *OFF_POLICY])
 

@@ -11,22 +11,42 @@ steps the trainer will run (it sends where to start: step, data-loader position,
 
 The sampling call number of step s is fixed (``s * CALLS_PER_STEP`` + segment), so a resumed
 run draws the same tokens as an uninterrupted one given the same weights.
+
+The trainer layer hands this module what it builds (``RolloutModel``: tokenizer, model config,
+prompt loader, the model copy) and the plain settings it reads (``AheadSettings``); nothing here
+knows the trainer's config.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from verl_megatron.data import PromptLoader
+from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
+from verl_megatron.rollout.config import RolloutConfig
 from verl_megatron.rollout.placement import Placement
-from verl_megatron.rollout.weight_sync import isend_object, receive_weights, recv_object
+from verl_megatron.rollout.weight_sync import Message, isend_object, receive_weights, recv_object
 
-__all__ = ["CALLS_PER_STEP", "ChunkWeights", "RolloutWorker", "run_rollout_worker", "weights_key"]
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+__all__ = [
+    "CALLS_PER_STEP",
+    "AheadSettings",
+    "ChunkWeights",
+    "RolloutModel",
+    "RolloutWorker",
+    "run_rollout_worker",
+    "weights_key",
+]
 
 CALLS_PER_STEP = 1024
 
@@ -79,27 +99,46 @@ class ChunkWeights:
         self.loaded.clear()
 
 
+@dataclass
+class RolloutModel:
+    """What a rollout rank generates with, built by the trainer layer for this rank."""
+
+    tokenizer: PreTrainedTokenizerBase
+    hf_config: PretrainedConfig
+    loader: PromptLoader
+    """The training prompt loader, the same data and order as the trainer's."""
+    chunks: list[torch.nn.Module]
+    """This rank's whole model copy (tp=pp=1), loaded with the starting weights."""
+
+
+@dataclass(frozen=True)
+class AheadSettings:
+    """How far generation runs ahead (``async_training``) and how it decodes (``rollout``)."""
+
+    rollout: RolloutConfig
+    max_staleness: int
+    """Most weight versions a batch may lag behind the step that trains it."""
+    segment: int
+    """Tokens decoded between two checks for new weights (the whole response: one segment)."""
+
+
 class RolloutWorker:
     """One rollout rank (see the module docstring)."""
 
-    def __init__(self, config: Any, runtime: Any, placement: Placement) -> None:
-        from verl_megatron.models.config import load_hf_config
+    def __init__(
+        self, settings: AheadSettings, runtime: Runtime, placement: Placement, model: RolloutModel
+    ) -> None:
         from verl_megatron.rollout.base import stop_token_ids
         from verl_megatron.rollout.native import NativeRollout
-        from verl_megatron.trainer.components import _loaders, _policy_chunks
-        from verl_megatron.utils.tokenizer import hf_tokenizer
 
-        self.config, self.runtime, self.placement = config, runtime, placement
-        self.tokenizer = hf_tokenizer(config.model.tokenizer_path or config.model.path)
-        hf_config = load_hf_config(config.model.path)
-        self.loader, _ = _loaders(config, self.tokenizer)
-        chunks = _policy_chunks(config, runtime, hf_config)
-        for chunk in chunks:
+        self.settings, self.runtime, self.placement = settings, runtime, placement
+        self.tokenizer, self.loader = model.tokenizer, model.loader
+        for chunk in model.chunks:
             chunk.requires_grad_(False)
-        self.weights = ChunkWeights(chunks)
-        self.engine = NativeRollout(config.rollout, runtime, chunks, self.tokenizer, hf_config)
+        self.weights = ChunkWeights(model.chunks)
+        self.engine = NativeRollout(settings.rollout, runtime, model.chunks, self.tokenizer, model.hf_config)
         meta = {"eos_token_id": self.tokenizer.eos_token_id, "pad_token_id": self.tokenizer.pad_token_id}
-        self.stops = stop_token_ids(config.rollout, meta, self.tokenizer, hf_config)
+        self.stops = stop_token_ids(settings.rollout, meta, self.tokenizer, model.hf_config)
         self.version = -1
         self.wait_s = 0.0  # blocked waiting for weights
 
@@ -118,7 +157,7 @@ class RolloutWorker:
     def _generate(self, prompts: DataProto, step: int) -> DataProto:
         from verl_megatron.rollout.partial import generate_with_versions
 
-        cfg, asyn = self.config.rollout, self.config.async_training
+        cfg = self.settings.rollout
         ranks, rank = dist.get_world_size(), dist.get_rank()
         padded, pad = pad_dataproto_to_divisor(prompts, ranks)
         local = padded.chunk(ranks)[rank]
@@ -128,8 +167,7 @@ class RolloutWorker:
         )  # fmt: skip
         self.engine.load_state_dict({"calls": step * CALLS_PER_STEP})
         output = generate_with_versions(
-            self.engine, local, response_length=cfg.response_length,
-            segment=asyn.partial_rollout_segment if asyn.partial_rollout else cfg.response_length,
+            self.engine, local, response_length=cfg.response_length, segment=self.settings.segment,
             stops=self.stops, pad=self.tokenizer.pad_token_id,
             version=lambda: self.version, refresh=self._refresh,
         )  # fmt: skip
@@ -147,18 +185,15 @@ class RolloutWorker:
         start = recv_object(placement.transfer, 0)
         self.loader.load_state_dict(start["loader"])
         self._receive()  # the weights of step start
-        staleness = self.config.async_training.max_staleness
-        sends: list[tuple[int, list[tuple[Any, torch.Tensor]]]] = []  # (step, its batch's messages)
+        staleness = self.settings.max_staleness
+        sends: list[tuple[int, list[Message]]] = []  # (step, its batch's messages)
         for step in range(start["step"] + 1, start["total_steps"] + 1):
             began = time.perf_counter()
             while self.version < max(start["step"], step - 1 - staleness):
                 self._receive()
             waited = time.perf_counter() - began
             # Weights of step s-1-k came after the trainer took batch s-1-k: those buffers can go.
-            for _, works in [item for item in sends if item[0] <= step - 1 - staleness]:
-                for work, _ in works:
-                    work.wait()
-            sends = [item for item in sends if item[0] > step - 1 - staleness]
+            sends = _complete_sends(sends, up_to=step - 1 - staleness)
             prompts = self.loader.next_batch()
             prompts.non_tensor_batch["uid"] = np.array(
                 [f"{step}-1-{i}" for i in range(len(prompts))], dtype=object
@@ -173,19 +208,29 @@ class RolloutWorker:
         # The trainer sends every version but its last step's: take them so its sends complete.
         while self.version < start["total_steps"] - 1:
             self._receive()
-        for _, works in sends:
-            for work, _ in works:
-                work.wait()
+        _complete_sends(sends, up_to=start["total_steps"])
 
 
-def run_rollout_worker(config: Any, placement: Placement) -> dict[str, float]:
-    """Main of a rollout rank: wait for the trainer's assets, build the model copy, generate."""
+def _complete_sends(sends: list[tuple[int, list[Message]]], up_to: int) -> list[tuple[int, list[Message]]]:
+    """Wait for the sends of the batches of steps <= ``up_to``; return the others (still in flight)."""
+    for _, works in [item for item in sends if item[0] <= up_to]:
+        for work, _ in works:
+            work.wait()
+    return [item for item in sends if item[0] > up_to]
+
+
+def run_rollout_worker(
+    placement: Placement, seed: int, settings: AheadSettings, build: Callable[[Runtime], RolloutModel]
+) -> dict[str, float]:
+    """Main of a rollout rank: wait for the trainer's assets, build the model copy, generate.
+
+    ``build`` makes this rank's ``RolloutModel`` once the runtime exists (it reads the files the
+    trainer ranks have written before the first barrier).
+    """
     from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
-    from verl_megatron.trainer.quickstart import prepare_quickstart_assets
 
     placement.barrier()  # the trainer ranks have written the quickstart's model and data
-    runtime = init_runtime(ParallelLayout(), seed=config.trainer.seed)
-    config = prepare_quickstart_assets(config, rank=-1)  # built by the trainer: only read here
-    RolloutWorker(config, runtime, placement).run()
+    runtime = init_runtime(ParallelLayout(), seed=seed)
+    RolloutWorker(settings, runtime, placement, build(runtime)).run()
     placement.barrier()  # the trainer has every batch and its weight sends are complete
     return {}

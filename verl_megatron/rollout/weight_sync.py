@@ -22,8 +22,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 __all__ = [
+    "Message",
     "SyncStats",
     "WeightSender",
     "isend_object",
@@ -39,6 +41,8 @@ __all__ = [
 ]
 
 NamedTensor = tuple[str, torch.Tensor]
+Message = tuple[dist.Work, torch.Tensor]
+"""A send in flight and the buffer it reads (kept alive until the send completes)."""
 
 
 def megabytes(mb: int | float) -> int:
@@ -173,10 +177,10 @@ class WeightSender:
     the next ``send`` (or ``wait``) has seen them delivered.
     """
 
-    def __init__(self, group: Any, dst_ranks: list[int], bucket_megabytes: int | float) -> None:
+    def __init__(self, group: dist.ProcessGroup, dst_ranks: list[int], bucket_megabytes: int | float) -> None:
         self.group, self.dst_ranks = group, list(dst_ranks)
         self.max_bytes = megabytes(bucket_megabytes)
-        self._pending: list[tuple[Any, torch.Tensor]] = []
+        self._pending: list[Message] = []
 
     def wait(self) -> None:
         """Block until every message sent so far has been received."""
@@ -204,12 +208,12 @@ class WeightSender:
         return stats
 
 
-def _recv(group: Any, tensor: torch.Tensor, src: int, tag: int) -> torch.Tensor:
+def _recv(group: dist.ProcessGroup, tensor: torch.Tensor, src: int, tag: int) -> torch.Tensor:
     group.recv([tensor], src, tag).wait()
     return tensor
 
 
-def receive_weights(group: Any, src: int, load: Callable[[list[NamedTensor]], None]) -> int:
+def receive_weights(group: dist.ProcessGroup, src: int, load: Callable[[list[NamedTensor]], None]) -> int:
     """Receive one version from ``src`` (see WeightSender), calling ``load`` per bucket; its number."""
     while True:
         version, header_len, payload_len, last = _recv(
@@ -222,14 +226,15 @@ def receive_weights(group: Any, src: int, load: Callable[[list[NamedTensor]], No
             return int(version)
 
 
-def isend_object(group: Any, obj: Any, dst: int) -> list[tuple[Any, torch.Tensor]]:
+def isend_object(group: dist.ProcessGroup, obj: object, dst: int) -> list[Message]:
     """Send a picklable object without blocking; keep the returned (work, buffer) pairs until done."""
     data = _as_bytes(pickle.dumps(obj))
     size = torch.tensor([data.numel()], dtype=torch.int64)
     return [(group.send([t], dst, OBJECT_TAG), t) for t in (size, data)]
 
 
-def recv_object(group: Any, src: int) -> Any:
+def recv_object(group: dist.ProcessGroup, src: int) -> Any:
+    """The object ``isend_object`` sent from ``src`` (its type is the sender's)."""
     size = _recv(group, torch.empty(1, dtype=torch.int64), src, OBJECT_TAG)
     data = _recv(group, torch.empty(int(size), dtype=torch.uint8), src, OBJECT_TAG)
     return pickle.loads(data.numpy().tobytes())

@@ -1,16 +1,18 @@
 """The trainer ranks of a ``rollout.placement=separate`` job: PPO steps on batches generated ahead.
 
-Same step as ``PPOTrainer.train_step``, two stages differ:
+``PPOTrainer``'s own loop, with ``AsyncRolloutLink`` as its rollout source
+(``trainer/rollout_source.py``); two of the step's stages differ from a colocated run:
 
-- collecting the batch: received from the rollout ranks (``timing_s/wait_rollout`` is the time
-  spent waiting for it) instead of generated here. The trainer draws the same prompts from its
-  own loader and checks them against the batch, so its loader position (checkpointed) always
+- the batch (``next_batch``): received from the rollout ranks (``timing_s/wait_rollout`` is the
+  time spent waiting for it) instead of generated here. The trainer draws the same prompts from
+  its own loader and checks them against the batch, so its loader position (checkpointed) always
   says which prompts have been *trained on*: a resumed run regenerates every batch that was
   generated but not trained, and none twice. Each sample's staleness (step - 1 - the oldest
   weight version among its tokens) is checked against ``async_training.max_staleness``; the
   rollout correction (``algorithm.rollout_correction``) then weights or rejects stale tokens.
-- after the update: the new weights go to the rollout ranks (bucketed, ``WeightSender``), except
-  after the last step. Validation generates here, with the trainer's own weights.
+- after the update (``after_update``): the new weights go to the rollout ranks (bucketed,
+  ``WeightSender``), except after the last step. Validation generates here, with the trainer's
+  own weights.
 
 Per-step metrics ``async/*``: staleness mean/max, fraction of samples that span several
 weight versions (partial rollout), the rollout's wait for weights and generation time.
@@ -20,20 +22,30 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from verl_megatron.data import PromptLoader
+from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.protocol import DataProto
 from verl_megatron.rollout.async_worker import weights_key
 from verl_megatron.rollout.placement import Placement
 from verl_megatron.rollout.weight_sync import WeightSender, isend_object, recv_object
 from verl_megatron.trainer import metrics as M
+from verl_megatron.trainer.components import Components, build_rollout_model, total_training_steps
+from verl_megatron.trainer.config import PPOConfig
 from verl_megatron.trainer.ppo_trainer import PPOTrainer
+from verl_megatron.trainer.rollout_source import ScoreFn
+from verl_megatron.trainer.scoring import BatchScorer
 
-__all__ = ["SAMPLES_FILE", "AsyncPPOTrainer", "StalenessError"]
+if TYPE_CHECKING:
+    from verl_megatron.rollout.async_worker import RolloutModel
+    from verl_megatron.workers.actor import MegatronActor
+
+__all__ = ["SAMPLES_FILE", "AsyncRolloutLink", "StalenessError", "run_rollout_ranks", "train_async"]
 
 SAMPLES_FILE = "samples.jsonl"
 
@@ -42,38 +54,62 @@ class StalenessError(RuntimeError):
     """A batch holds samples older than async_training.max_staleness allows."""
 
 
-class AsyncPPOTrainer(PPOTrainer):
-    """PPOTrainer whose batches come from the rollout ranks (see the module docstring)."""
+class AsyncRolloutLink:
+    """A trainer rank's rollout source: batches from the rollout ranks, weights back to them.
 
-    def __init__(self, config: Any, runtime: Any, components: Any, placement: Placement) -> None:
-        super().__init__(config, runtime, components)
-        self.placement = placement
+    Args:
+        config: the run's config (``rollout.n``, ``async_training.max_staleness``, the bucket
+            size of the weight sends, the output dir of ``samples.jsonl``).
+        runtime: this trainer rank's runtime.
+        placement: the roles of the job and the group that joins them.
+        loader: the trainer's prompt loader (drawn in step with the rollout's).
+        actor: the trained actor, whose weights are sent.
+        score: scores a received batch in place (``trainer/scoring.py``'s ``BatchScorer``).
+        total_steps: the run's last step (no weights are sent after it).
+    """
+
+    def __init__(
+        self,
+        config: PPOConfig,
+        runtime: Runtime,
+        placement: Placement,
+        loader: PromptLoader,
+        actor: MegatronActor,
+        score: ScoreFn,
+        total_steps: int,
+    ) -> None:
+        self.runtime, self.placement = runtime, placement
+        self.loader, self.actor, self.score = loader, actor, score
+        self.n, self.total_steps = config.rollout.n, total_steps
         self.max_staleness = config.async_training.max_staleness
+        self.samples_path = os.path.join(config.trainer.default_local_dir, SAMPLES_FILE)
         self.sender = WeightSender(
             placement.transfer, placement.rollout_ranks, config.rollout.update_weights_bucket_megabytes
         )
 
-    def fit(self) -> dict[str, float]:
-        summary = super().fit()
-        self.sender.wait()  # on an error the transfer group is shut down instead (train_async)
-        return summary
+    # ------------------------------------------------------------------ start, weights, end
 
-    # ------------------------------------------------------------------ start and weights
-
-    def _resume(self) -> int:
-        start = super()._resume()
+    def start(self, step: int) -> None:
+        """Tell the rollout ranks where to start (step, loader position), then send the weights."""
         if self.runtime.is_main:
             start_message = {
-                "step": start,
+                "step": step,
                 "total_steps": self.total_steps,
-                "loader": self.train_loader.state_dict(),
+                "loader": self.loader.state_dict(),
             }
             for rank in self.placement.rollout_ranks:
                 for work, _ in isend_object(self.placement.transfer, start_message, rank):
                     work.wait()
-            self._truncate_samples(start)
-        self._send_weights(start)
-        return start
+            self._truncate_samples(step)
+        self._send_weights(step)
+
+    def after_update(self, step: int, timing: dict[str, float]) -> None:
+        if step < self.total_steps:
+            with M.timed("send_weights", timing):
+                self._send_weights(step)
+
+    def finish(self) -> None:
+        self.sender.wait()  # on an error the transfer group is shut down instead (train_async)
 
     def _send_weights(self, version: int) -> None:
         from verl_megatron.models.convert import iter_hf_weights
@@ -86,12 +122,27 @@ class AsyncPPOTrainer(PPOTrainer):
             for _ in weights:
                 pass
 
-    def _after_update(self, step: int, timing: dict[str, float]) -> None:
-        if step < self.total_steps:
-            with M.timed("send_weights", timing):
-                self._send_weights(step)
-
     # ------------------------------------------------------------------ the batch
+
+    def next_batch(self, step: int, timing: dict[str, float]) -> tuple[DataProto, dict[str, float]]:
+        with M.timed("wait_rollout", timing):
+            batch = self._receive_batch()
+        info = batch.meta_info.pop("async")
+        prompts = self.loader.next_batch()
+        expected = np.repeat(np.asarray(prompts.non_tensor_batch["index"]), self.n)
+        got = np.asarray(batch.non_tensor_batch["index"])
+        if info["step"] != step or not np.array_equal(expected, got):
+            raise RuntimeError(
+                f"async step {step}: the rollout sent the batch of step {info['step']} with prompts "
+                f"{got[:: self.n][:8].tolist()}, the trainer's loader drew {expected[:: self.n][:8].tolist()}"
+            )
+        metrics = self._staleness(batch, step)
+        metrics["async/rollout_wait_weights_s"] = float(info["rollout_wait_weights_s"])
+        metrics["async/rollout_gen_s"] = float(info["rollout_gen_s"])
+        with M.timed("reward", timing):
+            metrics.update(self.score(batch))
+        self._log_samples(step, batch)
+        return batch, metrics
 
     def _receive_batch(self) -> DataProto:
         payload: list[Any] = [None]
@@ -100,27 +151,6 @@ class AsyncPPOTrainer(PPOTrainer):
         if self.runtime.world_size > 1:
             dist.broadcast_object_list(payload, src=0)
         return payload[0]
-
-    def _collect_batch(self, step: int, timing: dict[str, float]) -> tuple[DataProto, dict[str, float]]:
-        with M.timed("wait_rollout", timing):
-            batch = self._receive_batch()
-        info = batch.meta_info.pop("async")
-        prompts = self.train_loader.next_batch()
-        n = self.config.rollout.n
-        expected = np.repeat(np.asarray(prompts.non_tensor_batch["index"]), n)
-        got = np.asarray(batch.non_tensor_batch["index"])
-        if info["step"] != step or not np.array_equal(expected, got):
-            raise RuntimeError(
-                f"async step {step}: the rollout sent the batch of step {info['step']} with prompts "
-                f"{got[::n][:8].tolist()}, the trainer's loader drew {expected[::n][:8].tolist()}"
-            )
-        metrics = self._staleness(batch, step)
-        metrics["async/rollout_wait_weights_s"] = float(info["rollout_wait_weights_s"])
-        metrics["async/rollout_gen_s"] = float(info["rollout_gen_s"])
-        with M.timed("reward", timing):
-            metrics.update(self._score(batch, self.reward_fn))
-        self._log_samples(step, batch)
-        return batch, metrics
 
     def _staleness(self, batch: DataProto, step: int) -> dict[str, float]:
         """Per sample: step - 1 - oldest weight version among its tokens; the bound is enforced."""
@@ -143,46 +173,57 @@ class AsyncPPOTrainer(PPOTrainer):
 
     # ------------------------------------------------------------------ which samples were trained
 
-    def _samples_path(self) -> str:
-        return os.path.join(self.config.trainer.default_local_dir, SAMPLES_FILE)
-
     def _log_samples(self, step: int, batch: DataProto) -> None:
         """One line per step: the ids (prompt index / sample number) trained on, main rank only."""
         if not self.runtime.is_main:
             return
-        n = self.config.rollout.n
         index = batch.non_tensor_batch["index"]
-        ids = [f"{index[i]}/{i % n}" for i in range(len(batch))]
+        ids = [f"{index[i]}/{i % self.n}" for i in range(len(batch))]
         versions = batch.batch["weight_version"].tolist()
-        with open(self._samples_path(), "a") as f:
+        with open(self.samples_path, "a") as f:
             f.write(json.dumps({"step": step, "samples": ids, "weight_version": versions}) + "\n")
 
     def _truncate_samples(self, start: int) -> None:
         """A resumed run forgets the lines of steps after its checkpoint (they are trained again)."""
-        path = self._samples_path()
-        if not os.path.exists(path):
+        if not os.path.exists(self.samples_path):
             return
-        with open(path) as f:
+        with open(self.samples_path) as f:
             kept = [line for line in f if line.strip() and json.loads(line)["step"] <= start]
-        with open(path, "w") as f:
+        with open(self.samples_path, "w") as f:
             f.writelines(kept)
 
 
-def train_async(config: Any, runtime: Any, components: Any, placement: Placement) -> dict[str, float]:
+def train_async(
+    config: PPOConfig, runtime: Runtime, components: Components, placement: Placement
+) -> dict[str, float]:
     """A trainer rank's run (``train.run`` with ``rollout.placement=separate``)."""
+    score = BatchScorer(components.reward_fn, runtime, components.model_rewards)
+    total_steps = total_training_steps(config, len(components.train_loader))
     try:
-        summary = AsyncPPOTrainer(config, runtime, components, placement).fit()
+        link = AsyncRolloutLink(
+            config, runtime, placement, components.train_loader, components.actor, score, total_steps
+        )
+        summary = PPOTrainer(config, runtime, components, rollout_source=link).fit()
         placement.barrier()  # the rollout ranks have finished too
         return summary
     finally:
         placement.close()
 
 
-def run_rollout_ranks(config: Any, placement: Placement) -> dict[str, float]:
+def run_rollout_ranks(config: PPOConfig, placement: Placement) -> dict[str, float]:
     """A rollout rank's run (``train.run`` with ``rollout.placement=separate``)."""
-    from verl_megatron.rollout.async_worker import run_rollout_worker
+    from verl_megatron.rollout.async_worker import AheadSettings, run_rollout_worker
+    from verl_megatron.trainer.quickstart import prepare_quickstart_assets
+
+    asyn = config.async_training
+    segment = asyn.partial_rollout_segment if asyn.partial_rollout else config.rollout.response_length
+    settings = AheadSettings(rollout=config.rollout, max_staleness=asyn.max_staleness, segment=segment)
+
+    def build(runtime: Runtime) -> RolloutModel:
+        # The trainer ranks built the quickstart's assets before the worker's first barrier.
+        return build_rollout_model(prepare_quickstart_assets(config, rank=-1), runtime)
 
     try:
-        return run_rollout_worker(config, placement)
+        return run_rollout_worker(placement, config.trainer.seed, settings, build)
     finally:
         placement.close()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,31 +20,52 @@ from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.rollout.config import old_log_prob_micro_batch_size
 from verl_megatron.trainer.config import PPOConfig, use_critic, use_reference
 
+if TYPE_CHECKING:  # the workers and engines import megatron: only for the annotations here
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+    from verl_megatron.reward.model_rewards import ModelRewards
+    from verl_megatron.rollout.async_worker import RolloutModel
+    from verl_megatron.rollout.base import RolloutEngine
+    from verl_megatron.workers.actor import MegatronActor, MegatronRef
+    from verl_megatron.workers.config import OptimConfig
+    from verl_megatron.workers.critic import MegatronCritic
+    from verl_megatron.workers.routes import RunRoutes
+
 __all__ = [
     "Components",
+    "RewardFn",
     "build_colocated",
     "build_components",
+    "build_loaders",
+    "build_rollout_model",
+    "policy_chunks",
     "resolve_worker_configs",
     "total_training_steps",
 ]
+
+RewardFn = Callable[..., Any]
+"""A reward manager: ``reward_fn(batch, return_dict=...)`` (``reward/loading.compute_reward`` calls it)."""
+Training = tuple["MegatronActor", "MegatronRef | None", "MegatronCritic | None"]
 
 
 @dataclass
 class Components:
     """The trainer's collaborators, built for this rank."""
 
-    tokenizer: Any
-    hf_config: Any
-    actor: Any
-    ref: Any | None
-    critic: Any | None
-    rollout: Any
-    reward_fn: Any
-    val_reward_fn: Any
+    tokenizer: PreTrainedTokenizerBase
+    hf_config: PretrainedConfig
+    actor: MegatronActor
+    ref: MegatronRef | None
+    critic: MegatronCritic | None
+    rollout: RolloutEngine
+    reward_fn: RewardFn
+    val_reward_fn: RewardFn
     train_loader: PromptLoader
     val_loader: PromptLoader | None
-    model_rewards: Any = None  # reward model / judge (trainer/ppo/model_rewards.py), or None
-    routes: Any = None  # MoE routing replay (workers/routes.RunRoutes), or None
+    model_rewards: ModelRewards | None = None  # reward model / judge (reward/model_rewards.py)
+    routes: RunRoutes | None = None  # MoE routing replay (workers/routes.py), or None
 
 
 def total_training_steps(config: PPOConfig, batches_per_epoch: int) -> int:
@@ -72,7 +93,10 @@ def resolve_worker_configs(config: PPOConfig, total_steps: int) -> PPOConfig:
     return dataclasses.replace(config, actor=actor, critic=critic)
 
 
-def _loaders(config: PPOConfig, tokenizer: Any) -> tuple[PromptLoader, PromptLoader | None]:
+def build_loaders(
+    config: PPOConfig, tokenizer: PreTrainedTokenizerBase
+) -> tuple[PromptLoader, PromptLoader | None]:
+    """The training prompt loader and the validation one (None without ``data.val_files``)."""
     data = config.data
     seed = data.seed if data.seed is not None else config.trainer.seed
     train_set = RLHFDataset(data.train_files, tokenizer, data)
@@ -95,7 +119,10 @@ def _loaders(config: PPOConfig, tokenizer: Any) -> tuple[PromptLoader, PromptLoa
     return train, val
 
 
-def _policy_chunks(config: PPOConfig, runtime: Runtime, hf_config: Any, value_head: bool = False):
+def policy_chunks(
+    config: PPOConfig, runtime: Runtime, hf_config: PretrainedConfig, value_head: bool = False
+) -> list[torch.nn.Module]:
+    """This rank's model chunks of ``model.path`` (a value head instead of the LM head for critics)."""
     from verl_megatron.models.builder import build_gpt_chunks
     from verl_megatron.models.convert import load_hf_weights
 
@@ -105,7 +132,10 @@ def _policy_chunks(config: PPOConfig, runtime: Runtime, hf_config: Any, value_he
     return chunks
 
 
-def _trained(chunks: list[torch.nn.Module], optim: Any, bf16: bool):
+def _trained(
+    chunks: list[torch.nn.Module], optim: OptimConfig, bf16: bool
+) -> tuple[list[torch.nn.Module], MegatronOptimizer, OptimizerParamScheduler]:
+    """The chunks wrapped for data-parallel training, their optimizer and learning-rate schedule."""
     from verl_megatron.models.megatron_model import build_optimizer, wrap_ddp
     from verl_megatron.workers.lr_schedule import build_lr_scheduler, optim_settings
 
@@ -116,8 +146,10 @@ def _trained(chunks: list[torch.nn.Module], optim: Any, bf16: bool):
 
 
 def build_colocated(
-    engine: str, build_training: Callable[[], tuple[Any, Any, Any]], make_rollout: Callable[[list], Any]
-) -> tuple[tuple[Any, Any, Any], Any]:
+    engine: str,
+    build_training: Callable[[], Training],
+    make_rollout: Callable[[list[torch.nn.Module]], RolloutEngine],
+) -> tuple[Training, RolloutEngine]:
     """((actor, ref, critic), rollout) built in the order a shared GPU needs.
 
     vLLM and SGLang size their KV cache from the GPU memory free when they start, so an external
@@ -134,7 +166,7 @@ def build_colocated(
     return training, rollout
 
 
-def _reward_fns(config: PPOConfig, tokenizer: Any) -> tuple[Any, Any]:
+def _reward_fns(config: PPOConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[RewardFn, RewardFn]:
     from verl_megatron.reward.loading import load_reward_manager
 
     extra: dict[str, Any] = {}
@@ -152,9 +184,10 @@ def _reward_fns(config: PPOConfig, tokenizer: Any) -> tuple[Any, Any]:
     return train, val
 
 
-def _route_replay(config: PPOConfig, runtime: Runtime, actor_chunks: list[torch.nn.Module]) -> Any:
-    """MoE routing replay's pieces on the actor's chunks (workers/routes.RunRoutes), or None when
-    the rollout records no routes."""
+def _route_replay(
+    config: PPOConfig, runtime: Runtime, actor_chunks: list[torch.nn.Module]
+) -> RunRoutes | None:
+    """MoE routing replay's pieces on the actor's chunks, or None when the rollout records no routes."""
     if not config.rollout.enable_rollout_routing_replay:
         return None
     if config.rollout.name != "native":
@@ -164,36 +197,19 @@ def _route_replay(config: PPOConfig, runtime: Runtime, actor_chunks: list[torch.
     return RunRoutes(runtime, actor_chunks, replay=config.actor.megatron.router_replay.mode == "R3")
 
 
-def build_components(config: PPOConfig, runtime: Runtime) -> tuple[PPOConfig, Components]:
-    """Tokenizer, data loaders, actor (+ reference, critic), rollout engine and reward functions.
+def _build_training(
+    config: PPOConfig, runtime: Runtime, hf_config: PretrainedConfig, routes: list[RunRoutes]
+) -> Callable[[], Training]:
+    """The builder of (actor, reference or None, critic or None) for ``build_colocated``; it
+    appends routing replay's pieces, when on, to ``routes`` (the rollout is built after it)."""
 
-    Returns the config with the worker fields the trainer fills in (rollout_n,
-    total_training_steps) and the components.
-    """
-    from verl_megatron.models.config import load_hf_config
-    from verl_megatron.rollout.base import build_rollout
-    from verl_megatron.rollout.lora_sync import lora_rollout_config
-    from verl_megatron.utils.tokenizer import hf_tokenizer
-    from verl_megatron.workers.actor import MegatronActor, MegatronRef
-
-    tokenizer = hf_tokenizer(config.model.tokenizer_path or config.model.path)
-    hf_config = load_hf_config(config.model.path)
-    # User code is imported before any model is built, so a bad path fails fast.
-    environment = None
-    if config.rollout.multi_turn.enable:
-        from verl_megatron.utils.import_utils import load_object
-
-        environment = load_object(config.rollout.multi_turn.environment, "rollout.multi_turn.environment")
-    train_loader, val_loader = _loaders(config, tokenizer)
-    config = resolve_worker_configs(config, total_training_steps(config, len(train_loader)))
-    bf16 = config.model.dtype == "bfloat16"
-    routes: list[Any] = []  # at most one, made on the actor's chunks before the rollout
-
-    def build_training() -> tuple[Any, Any, Any]:
+    def build() -> Training:
         from verl_megatron.models.lora import apply_configured_lora
+        from verl_megatron.workers.actor import MegatronActor, MegatronRef
 
+        bf16 = config.model.dtype == "bfloat16"
         # model.lora_rank > 0: frozen base + adapters, before the optimizer sees the parameters.
-        policy = apply_configured_lora(_policy_chunks(config, runtime, hf_config), config.model, runtime.seed)
+        policy = apply_configured_lora(policy_chunks(config, runtime, hf_config), config.model, runtime.seed)
         actor_chunks, optimizer, scheduler = _trained(policy, config.actor.optim, bf16)
         replay = _route_replay(config, runtime, actor_chunks)
         routes.extend([replay] if replay is not None else [])
@@ -213,20 +229,46 @@ def build_components(config: PPOConfig, runtime: Runtime) -> tuple[PPOConfig, Co
             )
         ref = None
         if use_reference(config):
-            ref = MegatronRef(runtime, config.ref, _policy_chunks(config, runtime, hf_config))
+            ref = MegatronRef(runtime, config.ref, policy_chunks(config, runtime, hf_config))
         critic = None
         if use_critic(config):
             from verl_megatron.workers.critic import MegatronCritic
 
             critic_parts = _trained(
-                _policy_chunks(config, runtime, hf_config, value_head=True), config.critic.optim, bf16
+                policy_chunks(config, runtime, hf_config, value_head=True), config.critic.optim, bf16
             )
             critic = MegatronCritic(runtime, config.critic, *critic_parts)
         return actor, ref, critic
 
+    return build
+
+
+def build_components(config: PPOConfig, runtime: Runtime) -> tuple[PPOConfig, Components]:
+    """Tokenizer, data loaders, actor (+ reference, critic), rollout engine and reward functions.
+
+    Returns the config with the worker fields the trainer fills in (rollout_n,
+    total_training_steps) and the components.
+    """
+    from verl_megatron.models.config import load_hf_config
+    from verl_megatron.reward.model_rewards import build_model_rewards
+    from verl_megatron.rollout.base import build_rollout
+    from verl_megatron.rollout.lora_sync import lora_rollout_config
+    from verl_megatron.utils.tokenizer import hf_tokenizer
+
+    tokenizer = hf_tokenizer(config.model.tokenizer_path or config.model.path)
+    hf_config = load_hf_config(config.model.path)
+    # User code is imported before any model is built, so a bad path fails fast.
+    environment = None
+    if config.rollout.multi_turn.enable:
+        from verl_megatron.utils.import_utils import load_object
+
+        environment = load_object(config.rollout.multi_turn.environment, "rollout.multi_turn.environment")
+    train_loader, val_loader = build_loaders(config, tokenizer)
+    config = resolve_worker_configs(config, total_training_steps(config, len(train_loader)))
+    routes: list[RunRoutes] = []  # at most one, made on the actor's chunks before the rollout
     (actor, ref, critic), rollout = build_colocated(
         config.rollout.name,
-        build_training,
+        _build_training(config, runtime, hf_config, routes),
         lambda chunks: build_rollout(
             lora_rollout_config(config.rollout, config.model),
             runtime,
@@ -241,8 +283,6 @@ def build_components(config: PPOConfig, runtime: Runtime) -> tuple[PPOConfig, Co
 
         rollout = MultiTurnRollout(rollout, config.rollout, tokenizer, environment)
     reward_fn, val_reward_fn = _reward_fns(config, tokenizer)
-    from verl_megatron.reward.model_rewards import build_model_rewards
-
     model_rewards = build_model_rewards(config, runtime, tokenizer)
     return config, Components(
         tokenizer=tokenizer,
@@ -258,3 +298,16 @@ def build_components(config: PPOConfig, runtime: Runtime) -> tuple[PPOConfig, Co
         model_rewards=model_rewards,
         routes=routes[0] if routes else None,
     )
+
+
+def build_rollout_model(config: PPOConfig, runtime: Runtime) -> RolloutModel:
+    """A rollout rank's model copy, tokenizer and training prompt loader (``rollout.placement=separate``)."""
+    from verl_megatron.models.config import load_hf_config
+    from verl_megatron.rollout.async_worker import RolloutModel
+    from verl_megatron.utils.tokenizer import hf_tokenizer
+
+    tokenizer = hf_tokenizer(config.model.tokenizer_path or config.model.path)
+    hf_config = load_hf_config(config.model.path)
+    loader, _ = build_loaders(config, tokenizer)
+    chunks = policy_chunks(config, runtime, hf_config)
+    return RolloutModel(tokenizer=tokenizer, hf_config=hf_config, loader=loader, chunks=chunks)

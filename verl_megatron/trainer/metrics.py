@@ -22,6 +22,7 @@ from verl_megatron.trainer.ppo.metric_utils import validation_metric_dict
 
 __all__ = [
     "VerlValidationMetrics",
+    "actor_mfu",
     "compute_data_metrics",
     "compute_mfu",
     "compute_throughput_metrics",
@@ -214,6 +215,36 @@ def compute_mfu(flops: float, seconds: float, num_devices: int, peak_flops: floa
     if peak_flops is None or seconds <= 0 or num_devices <= 0:
         return None
     return flops / (seconds * num_devices * peak_flops)
+
+
+# training_flops's size arguments and the HF architecture fields they are read from.
+_FLOPS_SIZES = {
+    "hidden_size": "hidden_size",
+    "num_layers": "num_layers",
+    "ffn_hidden_size": "intermediate_size",
+    "num_attention_heads": "num_attention_heads",
+    "num_query_groups": "num_key_value_heads",
+    "vocab_size": "vocab_size",
+}
+
+
+def actor_mfu(
+    batch: DataProto,
+    hf_config: Any,
+    ppo_epochs: int,
+    seconds: float,
+    num_devices: int,
+    peak_flops: float | None,
+) -> dict[str, float]:
+    """``perf/mfu/actor``: the actor update's ``ppo_epochs`` passes over the batch's sequences in
+    ``seconds`` (empty when the peak is unknown)."""
+    from verl_megatron.models.config import read_hf_architecture
+
+    arch = read_hf_architecture(hf_config)
+    lengths = batch.batch["attention_mask"].sum(-1).tolist()
+    sizes = {arg: getattr(arch, field) for arg, field in _FLOPS_SIZES.items()}
+    mfu = compute_mfu(ppo_epochs * training_flops(lengths, **sizes), seconds, num_devices, peak_flops)
+    return {} if mfu is None else {"perf/mfu/actor": mfu}
 
 
 def reduce_metrics(metrics: Mapping[str, Sequence[float] | float]) -> dict[str, float]:

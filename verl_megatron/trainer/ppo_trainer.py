@@ -8,43 +8,74 @@ broadcasts them, so a slow or random scorer cannot split the ranks) and logs.
 
 One step, top to bottom (``train_step``)::
 
-    prompts -> gen -> reward [-> DAPO: repeat until enough groups with reward variance]
+    rollout_source.next_batch: prompts -> gen -> reward [-> DAPO: repeat until enough groups
+                               with reward variance] (async: received from the rollout ranks)
             -> old_log_prob -> ref -> values -> adv -> update_critic -> update_actor
+            -> rollout_source.after_update (async: send the weights to the rollout ranks)
             -> testing (every test_freq) -> save_checkpoint (every save_freq) -> metrics
             -> publish the checkpoint (after the metrics are logged)
+
+The rollout source (``trainer/rollout_source.py``) is this trainer's own generation
+(``LocalRollout``) unless the caller passes another (``async_trainer.train_async``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-import json
 import math
 import os
 import sys
+import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-import torch
-import torch.distributed as dist
 
 from verl_megatron.algos import core_algos
 from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
-from verl_megatron.reward.loading import compute_reward
 from verl_megatron.rollout.layout import gather_replicas, shard_for
 from verl_megatron.trainer import metrics as M
-from verl_megatron.trainer.components import Components, total_training_steps
+from verl_megatron.trainer.components import Components, RewardFn, total_training_steps
 from verl_megatron.trainer.config import PPOConfig, to_dict
 from verl_megatron.trainer.guard import DivergenceGuard
 from verl_megatron.trainer.ppo.rollout_correction import apply_rollout_correction
+from verl_megatron.trainer.rollout_phase import rollout_phase
+from verl_megatron.trainer.rollout_source import RolloutSource
+from verl_megatron.trainer.scoring import Reward, combined_reward, store_scores
 from verl_megatron.trainer.tracking import Tracking
+from verl_megatron.trainer.trainer_checkpoint import load_resume_state, publish_step, save_step
 
-__all__ = ["PPOTrainer"]
+__all__ = ["LocalRollout", "PPOTrainer"]
 
 # Values of algorithm.filter_groups.metric computed from the reward tensor rather than read
 # from the reward manager's extra info.
 _SEQUENCE_SCORE_METRICS = ("score", "seq_reward", "seq_final_reward")
+
+
+class LocalRollout:
+    """The rollout source of a colocated run: the trainer generates and scores each batch itself
+    (``PPOTrainer._collect_batch``); the engine picks up new weights before its next generation."""
+
+    def __init__(self, trainer: PPOTrainer) -> None:
+        # Weak: the trainer owns its source, and a reference back would keep the trainer (its
+        # models and engine) alive after its last use, until a garbage collection.
+        self._trainer = weakref.ref(trainer)
+
+    def start(self, step: int) -> None:
+        pass
+
+    def next_batch(self, step: int, timing: dict[str, float]) -> tuple[DataProto, dict[str, float]]:
+        trainer = self._trainer()
+        assert trainer is not None, "the trainer of this rollout source is gone"
+        return trainer._collect_batch(step, timing)
+
+    def after_update(self, step: int, timing: dict[str, float]) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
 
 
 class PPOTrainer:
@@ -55,9 +86,16 @@ class PPOTrainer:
         runtime: this process's distributed runtime.
         components: tokenizer, workers, rollout, reward functions and data loaders
             (``verl_megatron.trainer.components.build_components``).
+        rollout_source: where the batches come from; None: ``LocalRollout`` (generated here).
     """
 
-    def __init__(self, config: PPOConfig, runtime: Runtime, components: Components) -> None:
+    def __init__(
+        self,
+        config: PPOConfig,
+        runtime: Runtime,
+        components: Components,
+        rollout_source: RolloutSource | None = None,
+    ) -> None:
         self.config = config
         self.runtime = runtime
         self.tokenizer = components.tokenizer
@@ -87,40 +125,33 @@ class PPOTrainer:
         self._staged_checkpoint: int | None = None  # step saved but not yet published
         self.guard = DivergenceGuard(config.trainer.divergence_guard, config.actor.optim.lr)
         self.routes = components.routes  # MoE routing replay (workers/routes.py), or None
+        self.rollout_source: RolloutSource = LocalRollout(self) if rollout_source is None else rollout_source
 
     # ------------------------------------------------------------------ the loop
 
     def fit(self) -> dict[str, float]:
         """Train until ``total_steps``; returns the first and last mean validation score."""
         try:
-            return self._fit()
+            summary = self._fit()
         finally:
-            if self.model_rewards is not None:
-                self.model_rewards.close()
-            # Scorer worker processes end with the run, not at garbage collection.
-            for reward_fn in {
-                id(f): f for f in (self.reward_fn, self.val_reward_fn) if f is not None
-            }.values():
-                close = getattr(reward_fn, "close", None)
-                if callable(close):
-                    close()
+            self._close_rewards()
+        self.rollout_source.finish()
+        return summary
+
+    def _close_rewards(self) -> None:
+        if self.model_rewards is not None:
+            self.model_rewards.close()
+        # Scorer worker processes end with the run, not at garbage collection.
+        for reward_fn in {id(f): f for f in (self.reward_fn, self.val_reward_fn) if f is not None}.values():
+            close = getattr(reward_fn, "close", None)
+            if callable(close):
+                close()
 
     def _fit(self) -> dict[str, float]:
-        trainer = self.config.trainer
         start = self._resume()
-        self.tracker = Tracking(
-            trainer.project_name,
-            trainer.experiment_name,
-            list(trainer.logger),
-            trainer.default_local_dir,
-            config=to_dict(self.config),
-            total_steps=self.total_steps,
-            resume_step=start if start > 0 else None,
-            enabled=self.runtime.is_main,
-        )
-        if start > 0:
-            self.tracker.print(f"resumed from step {start} in {trainer.default_local_dir}")
-        if trainer.val_before_train and start == 0 and self.val_loader is not None:
+        self.rollout_source.start(start)
+        self.tracker = self._start_tracking(start)
+        if self.config.trainer.val_before_train and start == 0 and self.val_loader is not None:
             self.tracker.log(self._validate(0), step=0)
         self.guard.start(self.actor.chunks)
         for step in range(start + 1, self.total_steps + 1):
@@ -133,76 +164,114 @@ class PPOTrainer:
             # metrics are in the log: a run killed in between resumes from the previous
             # checkpoint, so no published step is ever missing from the log.
             if self._staged_checkpoint is not None:
-                self._commit_checkpoint(self._staged_checkpoint)
+                publish_step(self.config, self._staged_checkpoint)
+                self._staged_checkpoint = None
         return self._finish()
+
+    def _start_tracking(self, start: int) -> Tracking:
+        trainer = self.config.trainer
+        tracker = Tracking(
+            trainer.project_name,
+            trainer.experiment_name,
+            list(trainer.logger),
+            trainer.default_local_dir,
+            config=to_dict(self.config),
+            total_steps=self.total_steps,
+            resume_step=start if start > 0 else None,
+            enabled=self.runtime.is_main,
+        )
+        if start > 0:
+            tracker.print(f"resumed from step {start} in {trainer.default_local_dir}")
+        return tracker
 
     def train_step(self, step: int) -> dict[str, float]:
         """One PPO step; returns its metrics (verl's names)."""
-        trainer = self.config.trainer
-        last = step == self.total_steps
         timing: dict[str, float] = {}
         metrics: dict[str, float] = {}
         with M.timed("step", timing):
-            batch, gen_metrics = self._collect_batch(step, timing)
+            batch, gen_metrics = self.rollout_source.next_batch(step, timing)
             metrics.update(gen_metrics)
-            bypass = self.config.algorithm.rollout_correction.bypass_mode
-            recompute = self.config.actor.recompute_old_log_prob
-            if bypass:
-                # Equal bit for bit to a recomputation (bitwise parity, required at start-up).
-                batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
-            elif recompute:
-                with M.timed("old_log_prob", timing):
-                    batch.batch["old_log_probs"], _ = self.actor.compute_log_prob(batch)
-            # else: an on-policy update takes its own log-probs as the old ones (checked at start-up).
-            if not bypass and recompute and "rollout_log_probs" in batch.batch.keys():  # noqa: SIM118
-                metrics.update(
-                    M.rollout_probs_diff_metrics(
-                        batch.batch["rollout_log_probs"],
-                        batch.batch["old_log_probs"],
-                        batch.batch["response_mask"],
-                    )
-                )
+            metrics.update(self._old_log_probs(batch, timing))
             metrics.update(apply_rollout_correction(batch, self.config.algorithm.rollout_correction))
-            if self.ref is not None:
-                with M.timed("ref", timing):
-                    batch.batch["ref_log_prob"], _ = self.ref.compute_log_prob(batch)
-            if self.critic is not None:
-                with M.timed("values", timing):
-                    batch.batch["values"] = self.critic.compute_values(batch)
+            self._reference_and_values(batch, timing)
             with M.timed("adv", timing):
                 metrics.update(self._compute_advantages(batch))
-            if self.critic is not None:
-                with M.timed("update_critic", timing):
-                    metrics.update(self._report_skips("critic", self.critic.update_critic(batch), step))
-            if step > trainer.critic_warmup:
-                with M.timed("update_actor", timing):
-                    metrics.update(self._report_skips("actor", self.actor.update_policy(batch), step))
-                self._weights_version += 1
-            if self.routes is not None:
-                metrics.update(self.routes.end_step())
-            self._after_update(step, timing)
-            if (
-                self.val_loader is not None
-                and trainer.test_freq > 0
-                and (step % trainer.test_freq == 0 or last)
-            ):
-                with M.timed("testing", timing):
-                    metrics.update(self._validate(step))
-            if trainer.save_freq > 0 and (step % trainer.save_freq == 0 or last):
-                with M.timed("save_checkpoint", timing):
-                    self._save_checkpoint(step)
-        metrics.update(
-            M.compute_data_metrics(batch, self.critic is not None, self.config.data.max_response_length)
-        )
-        metrics.update(M.compute_timing_metrics(batch, timing))
-        metrics.update(M.compute_throughput_metrics(batch, timing["step"], self.runtime.world_size))
-        metrics.update(self._mfu(batch, timing))
+            metrics.update(self._update(batch, step, timing))
+            self.rollout_source.after_update(step, timing)
+            metrics.update(self._test_and_save(step, timing))
+        metrics.update(self._batch_metrics(batch, timing))
         metrics["training/global_step"] = float(step)
         metrics["training/epoch"] = float(self.train_loader.epoch)
         return metrics
 
-    def _after_update(self, step: int, timing: dict[str, float]) -> None:
-        """Hook after the step's updates (the async trainer sends the weights to the rollout ranks)."""
+    # ------------------------------------------------------------------ the step's stages
+
+    def _old_log_probs(self, batch: DataProto, timing: dict[str, float]) -> dict[str, float]:
+        """``old_log_probs``: the rollout's (bypass), recomputed by the actor, or (on-policy) none
+        here; with both, how far the rollout's log-probs are from the recomputed ones."""
+        bypass = self.config.algorithm.rollout_correction.bypass_mode
+        recompute = self.config.actor.recompute_old_log_prob
+        if bypass:
+            # Equal bit for bit to a recomputation (bitwise parity, required at start-up).
+            batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
+        elif recompute:
+            with M.timed("old_log_prob", timing):
+                batch.batch["old_log_probs"], _ = self.actor.compute_log_prob(batch)
+        # else: an on-policy update takes its own log-probs as the old ones (checked at start-up).
+        if bypass or not recompute or "rollout_log_probs" not in batch.batch.keys():  # noqa: SIM118
+            return {}
+        return M.rollout_probs_diff_metrics(
+            batch.batch["rollout_log_probs"], batch.batch["old_log_probs"], batch.batch["response_mask"]
+        )
+
+    def _reference_and_values(self, batch: DataProto, timing: dict[str, float]) -> None:
+        if self.ref is not None:
+            with M.timed("ref", timing):
+                batch.batch["ref_log_prob"], _ = self.ref.compute_log_prob(batch)
+        if self.critic is not None:
+            with M.timed("values", timing):
+                batch.batch["values"] = self.critic.compute_values(batch)
+
+    def _update(self, batch: DataProto, step: int, timing: dict[str, float]) -> dict[str, float]:
+        """The critic's update, then the actor's (after ``trainer.critic_warmup`` steps)."""
+        metrics: dict[str, float] = {}
+        if self.critic is not None:
+            with M.timed("update_critic", timing):
+                metrics.update(self._report_skips("critic", self.critic.update_critic(batch), step))
+        if step > self.config.trainer.critic_warmup:
+            with M.timed("update_actor", timing):
+                metrics.update(self._report_skips("actor", self.actor.update_policy(batch), step))
+            self._weights_version += 1
+        if self.routes is not None:
+            metrics.update(self.routes.end_step())
+        return metrics
+
+    def _test_and_save(self, step: int, timing: dict[str, float]) -> dict[str, float]:
+        """Validation every ``trainer.test_freq`` steps and a checkpoint every ``save_freq`` (and at the end)."""
+        trainer = self.config.trainer
+        last = step == self.total_steps
+        metrics: dict[str, float] = {}
+        if self.val_loader is not None and trainer.test_freq > 0 and (step % trainer.test_freq == 0 or last):
+            with M.timed("testing", timing):
+                metrics.update(self._validate(step))
+        if trainer.save_freq > 0 and (step % trainer.save_freq == 0 or last):
+            with M.timed("save_checkpoint", timing):
+                save_step(self.config, step, self._trainer_state(step), self.runtime, self.actor, self.critic)
+                self._staged_checkpoint = step
+        return metrics
+
+    def _batch_metrics(self, batch: DataProto, timing: dict[str, float]) -> dict[str, float]:
+        """The batch's statistics, stage times, throughput and the actor update's MFU."""
+        metrics = M.compute_data_metrics(batch, self.critic is not None, self.config.data.max_response_length)
+        metrics.update(M.compute_timing_metrics(batch, timing))
+        metrics.update(M.compute_throughput_metrics(batch, timing["step"], self.runtime.world_size))
+        if "update_actor" in timing:
+            actor = self.config.actor
+            seconds, devices = timing["update_actor"], self.runtime.world_size
+            metrics.update(
+                M.actor_mfu(batch, self.hf_config, actor.ppo_epochs, seconds, devices, self.peak_flops)
+            )
+        return metrics
 
     # ------------------------------------------------------------------ rollout and reward
 
@@ -286,95 +355,26 @@ class PPOTrainer:
         return output
 
     @contextlib.contextmanager
-    def _rollout_phase(self):
-        """Hand the accelerator to the rollout engine, then take it back.
+    def _rollout_phase(self) -> Iterator[None]:
+        """The engine awake, the training state parked (``trainer/rollout_phase.py``)."""
+        with rollout_phase(
+            self.config, self.rollout, self.actor, self.ref, self.critic, self._sync_rollout_weights
+        ):
+            yield
 
-        Order matters on a GPU: the training state the ``<role>.megatron`` offload switches
-        name is parked first; the engine then takes back its weights' memory and, if the actor
-        changed since the last sync, loads them (the actor's own parameters are still on the
-        GPU for that); only then are the actor's parameters parked and the KV cache allocated.
-        On CPU the offload functions move nothing. The native engine reads the actor in place.
-        """
-        from verl_megatron.models import offload
-
-        restore: list[tuple[Any, Any]] = []
-
-        def park(move: Any, load: Any, target: Any, **kwargs: Any) -> None:
-            move(target, **kwargs)
-            restore.append((load, target))
-
-        actor_off = self.config.actor.megatron
-        if actor_off.optimizer_offload:
-            park(offload.offload_optimizer, offload.load_optimizer, self.actor.optimizer)
-        if self.ref is not None and self.config.ref.megatron.param_offload:
-            park(offload.offload_model, offload.load_model, self.ref.chunks, grads=False)
-        if self.critic is not None:
-            critic_off = self.config.critic.megatron
-            if critic_off.param_offload:
-                park(
-                    offload.offload_model,
-                    offload.load_model,
-                    self.critic.chunks,
-                    grads=critic_off.grad_offload,
-                )
-            if critic_off.optimizer_offload:
-                park(offload.offload_optimizer, offload.load_optimizer, self.critic.optimizer)
-        self.rollout.wake_up_weights()
+    def _sync_rollout_weights(self) -> None:
+        """Load the actor's weights into the engine if they changed since it last took them."""
         if self._synced_version != self._weights_version:
             self.rollout.sync_weights()
             self._synced_version = self._weights_version
-        # The native engine generates with the actor's own parameters: they stay.
-        if actor_off.param_offload and self.config.rollout.name != "native":
-            park(offload.offload_model, offload.load_model, self.actor.chunks, grads=actor_off.grad_offload)
-        if restore:
-            offload.empty_device_cache()
-        self.rollout.wake_up()
-        try:
-            yield
-        finally:
-            self.rollout.sleep()
-            for load, target in reversed(restore):
-                load(target)
 
-    def _reward(self, batch: DataProto, reward_fn: Any) -> tuple[torch.Tensor, dict[str, list[Any]]]:
-        """(reward [B, Tr], extra info): the rule reward, combined with the reward model's and the
-        judge's scores when they are enabled (``reward_model.combine``)."""
-        if self.model_rewards is None:
-            return self._rule_reward(batch, reward_fn)
-        rule = self._rule_reward(batch, reward_fn) if self.model_rewards.uses_rule else None
-        return self.model_rewards.apply(batch, rule)
+    def _reward(self, batch: DataProto, reward_fn: RewardFn) -> Reward:
+        """(reward [B, Tr], extra info) of ``reward_fn`` and the model rewards (``trainer/scoring.py``)."""
+        return combined_reward(batch, reward_fn, self.runtime, self.model_rewards)
 
-    def _rule_reward(self, batch: DataProto, reward_fn: Any) -> tuple[torch.Tensor, dict[str, list[Any]]]:
-        """(reward [B, Tr], extra info) computed on rank 0 and broadcast to every rank."""
-        if self.runtime.world_size == 1:
-            return compute_reward(batch, reward_fn)
-        payload: list[Any] = [None]
-        if self.runtime.is_main:
-            try:
-                payload[0] = ("ok", compute_reward(batch, reward_fn))
-            except Exception as err:  # every rank must leave the broadcast, then raise together
-                payload[0] = ("error", f"{type(err).__name__}: {err}")
-        dist.broadcast_object_list(payload, src=0)
-        status, value = payload[0]
-        if status == "error":
-            raise RuntimeError(f"reward computation failed on rank 0: {value}")
-        return value
-
-    def _score(self, batch: DataProto, reward_fn: Any) -> dict[str, float]:
-        """Put the reward into ``token_level_scores`` and the per-sample extra info into non-tensors.
-
-        Returns the batch's counts of contained scorer failures (``reward/timeout_count``,
-        ``reward/error_count``, ``reward/invalid_count``: per-sample 0/1 in the extra info).
-        """
-        reward, extra = self._reward(batch, reward_fn)
-        batch.batch["token_level_scores"] = reward
-        counts: dict[str, float] = {}
-        for key, values in extra.items():
-            if len(values) == len(batch):
-                batch.non_tensor_batch[key] = np.array(values, dtype=object)
-            if key.startswith("reward/") and key.endswith("_count"):
-                counts[key] = float(np.sum(np.asarray(values, dtype=np.float64)))
-        return counts
+    def _score(self, batch: DataProto, reward_fn: RewardFn) -> dict[str, float]:
+        """Score the batch in place (``token_level_scores``, extra info); the scorer-failure counts."""
+        return store_scores(batch, *self._reward(batch, reward_fn))
 
     def _keep_varied_groups(self, batch: DataProto, metric: str) -> tuple[DataProto, int]:
         """Rows of the groups (same ``uid``) whose ``metric`` differs between samples; and their count."""
@@ -449,25 +449,6 @@ class PPOTrainer:
             )
         return reduced
 
-    def _mfu(self, batch: DataProto, timing: dict[str, float]) -> dict[str, float]:
-        if "update_actor" not in timing:
-            return {}
-        from verl_megatron.models.config import read_hf_architecture
-
-        arch = read_hf_architecture(self.hf_config)
-        lengths = batch.batch["attention_mask"].sum(-1).tolist()
-        flops = self.config.actor.ppo_epochs * M.training_flops(
-            lengths,
-            hidden_size=arch.hidden_size,
-            num_layers=arch.num_layers,
-            ffn_hidden_size=arch.intermediate_size,
-            num_attention_heads=arch.num_attention_heads,
-            num_query_groups=arch.num_key_value_heads,
-            vocab_size=arch.vocab_size,
-        )
-        mfu = M.compute_mfu(flops, timing["update_actor"], self.runtime.world_size, self.peak_flops)
-        return {} if mfu is None else {"perf/mfu/actor": mfu}
-
     # ------------------------------------------------------------------ validation
 
     def _validate(self, step: int) -> dict[str, float]:
@@ -504,63 +485,11 @@ class PPOTrainer:
             "val_history": list(self.val_history),
         }
 
-    def _save_checkpoint(self, step: int) -> None:
-        from verl_megatron.checkpoint import save_checkpoint
-
-        trainer = self.config.trainer
-        state = self._trainer_state(step)
-        common = {"extra_state": state, "runtime": self.runtime}
-        if self.critic is not None:
-            save_checkpoint(
-                trainer.default_local_dir, step, chunks=self.critic.chunks, optimizer=self.critic.optimizer,
-                scheduler=self.critic.scheduler, name="critic", commit=False, **common,
-            )  # fmt: skip
-        save_checkpoint(
-            trainer.default_local_dir, step, chunks=self.actor.chunks, optimizer=self.actor.optimizer,
-            scheduler=self.actor.scheduler, name="actor", commit=False, **common,
-        )  # fmt: skip
-        self._staged_checkpoint = step
-
-    def _commit_checkpoint(self, step: int) -> None:
-        from verl_megatron.checkpoint import commit_checkpoint
-
-        trainer = self.config.trainer
-        config_json = json.dumps(to_dict(self.config), indent=2, default=str)  # compared on resume
-        commit_checkpoint(
-            trainer.default_local_dir, step, max_ckpt_to_keep=trainer.max_actor_ckpt_to_keep,
-            files={"config.json": config_json},
-        )  # fmt: skip
-        self._staged_checkpoint = None
-
     def _resume(self) -> int:
         """Load the checkpoint ``trainer.resume_mode`` points at; return its step (0: fresh start)."""
-        from verl_megatron.checkpoint import load_checkpoint
-        from verl_megatron.checkpoint.resume import load_newest_intact
-
-        trainer = self.config.trainer
-
-        def load(path) -> dict[str, Any]:
-            state = load_checkpoint(
-                path, chunks=self.actor.chunks, optimizer=self.actor.optimizer, scheduler=self.actor.scheduler,
-                runtime=self.runtime, name="actor",
-            )  # fmt: skip
-            if self.critic is not None:
-                load_checkpoint(
-                    path, chunks=self.critic.chunks, optimizer=self.critic.optimizer,
-                    scheduler=self.critic.scheduler, runtime=self.runtime, name="critic",
-                )  # fmt: skip
-            return state
-
-        if trainer.resume_mode == "disable":
+        state = load_resume_state(self.config, self.runtime, self.actor, self.critic, self._warn)
+        if state is None:
             return 0
-        if trainer.resume_mode == "auto":
-            # A damaged newest checkpoint is named and the newest intact one is used.
-            found = load_newest_intact(trainer.default_local_dir, load, self._warn)
-            if found is None:
-                return 0
-            state = found[1]
-        else:
-            state = load(trainer.resume_from_path)
         self.train_loader.load_state_dict(state["train_loader"])
         # A fixed coefficient is config, not state: a resume with a new kl_coef uses it.
         if (

@@ -1,0 +1,41 @@
+"""Where the trainer's batches come from: the step calls its rollout source at two points.
+
+    batch, metrics = source.next_batch(step, timing)   # the step's batch, scored
+    ...old log-probs, reference, values, advantages, critic and actor updates...
+    source.after_update(step, timing)                  # the updated weights are out
+
+plus ``start(step)`` once the run has resumed (0: a fresh start) and ``finish()`` after the last
+step. A colocated run generates on its own ranks (``LocalRollout``, in ``ppo_trainer.py``);
+``rollout.placement=separate`` receives its batches from the rollout ranks and sends them the
+weights (``AsyncRolloutLink``, in ``async_trainer.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from verl_megatron.protocol import DataProto
+
+__all__ = ["RolloutSource", "ScoreFn"]
+
+ScoreFn = Callable[[DataProto], dict[str, float]]
+"""Scores a training batch in place (``token_level_scores`` and the extra info); returns the
+counts of contained scorer failures."""
+
+
+class RolloutSource(Protocol):
+    """The two calls of the step (and the two of the run) that differ between sync and async."""
+
+    def start(self, step: int) -> None:
+        """The run starts after step ``step`` (its checkpoint is loaded; 0: a fresh start)."""
+
+    def next_batch(self, step: int, timing: dict[str, float]) -> tuple[DataProto, dict[str, float]]:
+        """Step ``step``'s scored batch and its generation metrics; stage times go to ``timing``."""
+        ...
+
+    def after_update(self, step: int, timing: dict[str, float]) -> None:
+        """Step ``step``'s updates are done."""
+
+    def finish(self) -> None:
+        """Every step has run (not called when the run fails)."""
