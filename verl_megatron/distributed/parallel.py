@@ -99,6 +99,20 @@ class ParallelLayout:
     def virtual_stages(self) -> int:
         return self.vpp or 1
 
+    def megatron_sizes(self) -> dict[str, int | None]:
+        """The sizes as megatron's ``initialize_model_parallel`` and ``TransformerConfig`` take them.
+
+        The expert tensor-parallel size is not among them: megatron's default (tp) is used unless
+        the caller passes ``expert_tensor_parallel_size``.
+        """
+        return {
+            "tensor_model_parallel_size": self.tp,
+            "pipeline_model_parallel_size": self.pp,
+            "virtual_pipeline_model_parallel_size": self.vpp if self.virtual_stages > 1 else None,
+            "context_parallel_size": self.cp,
+            "expert_model_parallel_size": self.ep,
+        }
+
     def check_model(
         self,
         *,
@@ -294,11 +308,7 @@ def build_megatron_groups(layout: ParallelLayout, timeout_minutes: int = 30) -> 
     destroy_megatron_groups()
     before = _registered_groups()
     ps.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp if (layout.vpp or 1) > 1 else None,
-        context_parallel_size=layout.cp,
-        expert_model_parallel_size=layout.ep,
+        **layout.megatron_sizes(),
         expert_tensor_parallel_size=layout.expert_tp,
         distributed_timeout_minutes=timeout_minutes,
     )

@@ -82,12 +82,7 @@ class ParallelStateSlot:
         _restore(_blank(outer))
         try:
             ps.initialize_model_parallel(
-                tensor_model_parallel_size=self.layout.tp,
-                pipeline_model_parallel_size=self.layout.pp,
-                virtual_pipeline_model_parallel_size=self.layout.vpp if (self.layout.vpp or 1) > 1 else None,
-                context_parallel_size=self.layout.cp,
-                expert_model_parallel_size=self.layout.ep,
-                distributed_timeout_minutes=timeout_minutes,
+                **self.layout.megatron_sizes(), distributed_timeout_minutes=timeout_minutes
             )
             self._state = _snapshot()
         finally:

@@ -337,6 +337,16 @@ def _bias_layout(hf_config: Any) -> tuple[bool, bool]:
     return attention_bias, attention_bias
 
 
+def check_layout(layout: ParallelLayout, arch: HFArchitecture) -> None:
+    """Raise ParallelConfigError when ``layout`` cannot split this model (heads, kv heads, layers, experts)."""
+    layout.check_model(
+        num_layers=arch.num_layers,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_key_value_heads,
+        num_experts=arch.moe.num_experts if arch.moe else None,
+    )
+
+
 def _reject_sliding_window(hf_config: Any) -> None:
     window = getattr(hf_config, "sliding_window", None)
     used = hf_config.model_type in ("mistral", "mixtral") or getattr(hf_config, "use_sliding_window", False)
@@ -357,12 +367,7 @@ def hf_to_transformer_config(hf_config: Any, layout: ParallelLayout, model_cfg: 
     from megatron.core.transformer import TransformerConfig
 
     arch = read_hf_architecture(hf_config)
-    layout.check_model(
-        num_layers=arch.num_layers,
-        num_attention_heads=arch.num_attention_heads,
-        num_query_groups=arch.num_key_value_heads,
-        num_experts=arch.moe.num_experts if arch.moe else None,
-    )
+    check_layout(layout, arch)
     _check_mlp_split(arch, layout)
     model_cfg.validate(layout)
     use_te = model_cfg.resolve_use_te()
@@ -384,10 +389,6 @@ def hf_to_transformer_config(hf_config: Any, layout: ParallelLayout, model_cfg: 
         hidden_dropout=0.0,
         attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0) or 0.0),
         init_method_std=arch.initializer_range,
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp if layout.virtual_stages > 1 else None,
-        context_parallel_size=layout.cp,
         sequence_parallel=model_cfg.sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -403,8 +404,9 @@ def hf_to_transformer_config(hf_config: Any, layout: ParallelLayout, model_cfg: 
         masked_softmax_fusion=use_te,
         apply_rope_fusion=use_te,
     )
-    # megatron marks expert weights as such (not all-reduced over dp) only when the config says ep > 1.
-    kwargs["expert_model_parallel_size"] = layout.ep
+    # The parallel sizes, ep included: megatron marks expert weights as such (not all-reduced
+    # over dp) only when the config says ep > 1.
+    kwargs.update(layout.megatron_sizes())
     if layout.expert_tp != layout.tp:
         kwargs["expert_tensor_parallel_size"] = layout.expert_tp
     if arch.moe is not None:

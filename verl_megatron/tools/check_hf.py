@@ -26,7 +26,7 @@ from verl_megatron.errors import UserInputError, report_user_error
 from verl_megatron.models.builder import build_gpt_chunks, model_info
 from verl_megatron.models.config import ModelConfig, load_hf_config
 from verl_megatron.models.convert import load_hf_weights
-from verl_megatron.tools.prompts import check_prompts
+from verl_megatron.tools.check_common import check_prompts, verdict
 
 DEFAULT_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.25}
 
@@ -78,7 +78,7 @@ class CheckHfArgumentError(UserInputError):
 def check_args(args: argparse.Namespace) -> None:
     """The checkpoint folder exists and its model can be split over ``--tp``/``--pp``/``--vpp``."""
     from verl_megatron.errors import ModelConfigError, ParallelConfigError
-    from verl_megatron.models.config import read_hf_architecture
+    from verl_megatron.models.config import check_layout, read_hf_architecture
 
     if min(args.tp, args.pp, args.ep, args.etp or 1) < 1:
         raise CheckHfArgumentError(
@@ -94,12 +94,7 @@ def check_args(args: argparse.Namespace) -> None:
     try:
         arch = read_hf_architecture(hf_config)
         layout = _layout(args).resolve(int(os.environ.get("WORLD_SIZE", world_size(args))))
-        layout.check_model(
-            num_layers=arch.num_layers,
-            num_attention_heads=arch.num_attention_heads,
-            num_query_groups=arch.num_key_value_heads,
-            num_experts=arch.moe.num_experts if arch.moe else None,
-        )
+        check_layout(layout, arch)
     except (ParallelConfigError, ModelConfigError) as err:
         flags = f"--tp {args.tp} --pp {args.pp}" + (f" --vpp {args.vpp}" if args.vpp else "")
         flags += (f" --ep {args.ep}" if args.ep > 1 else "") + (f" --etp {args.etp}" if args.etp else "")
@@ -208,17 +203,14 @@ def run_check(args: argparse.Namespace) -> int:
         local_diff = max(float((m - r).abs().max()) for m, r in zip(logits, reference))
     max_diff = max_over_ranks(local_diff, runtime.device)
     tolerance = DEFAULT_TOLERANCE[args.dtype] if args.tolerance is None else args.tolerance
-    ok = float(max_diff) <= tolerance
-    if reporter:
-        print(
-            f"check-hf {args.path} tp={args.tp} pp={args.pp} vpp={args.vpp}"
-            + (f" ep={args.ep} etp={args.etp or args.tp}" if args.ep > 1 or args.etp else "")
-            + f" dtype={args.dtype}: "
-            f"max |logit diff| = {float(max_diff):.3e} over {len(sequences)} prompts "
-            f"(tolerance {tolerance:g}): {'OK' if ok else 'FAILED'}",
-            flush=True,
-        )
-    return 0 if ok else 1
+    head = (
+        f"check-hf {args.path} tp={args.tp} pp={args.pp} vpp={args.vpp}"
+        + (f" ep={args.ep} etp={args.etp or args.tp}" if args.ep > 1 or args.etp else "")
+        + f" dtype={args.dtype}"
+    )
+    return verdict(
+        max_diff, tolerance, reporter=reporter, head=head, quantity="logit", prompts=len(sequences)
+    )
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import torch
 
 from verl_megatron.distributed.collective import max_over_ranks
 from verl_megatron.distributed.parallel import Runtime
-from verl_megatron.tools.prompts import check_prompts
+from verl_megatron.tools.check_common import check_prompts, verdict
 
 __all__ = ["DEFAULT_SCORE_TOLERANCE", "hf_scores", "is_sequence_classification", "run_reward_check"]
 
@@ -63,12 +63,7 @@ def run_reward_check(args: argparse.Namespace, runtime: Runtime, hf_config: Any)
     local_diff = float((scores - hf_scores(args.path, sequences)).abs().max()) if reporter else 0.0
     max_diff = max_over_ranks(local_diff, runtime.device)
     tolerance = DEFAULT_SCORE_TOLERANCE[args.dtype] if args.tolerance is None else args.tolerance
-    ok = float(max_diff) <= tolerance
-    if reporter:
-        print(
-            f"check-hf {args.path} (reward model) tp={args.tp} pp={args.pp} vpp={args.vpp} dtype={args.dtype}: "
-            f"max |score diff| = {float(max_diff):.3e} over {len(sequences)} prompts "
-            f"(tolerance {tolerance:g}): {'OK' if ok else 'FAILED'}",
-            flush=True,
-        )
-    return 0 if ok else 1
+    head = f"check-hf {args.path} (reward model) tp={args.tp} pp={args.pp} vpp={args.vpp} dtype={args.dtype}"
+    return verdict(
+        max_diff, tolerance, reporter=reporter, head=head, quantity="score", prompts=len(sequences)
+    )

@@ -21,7 +21,7 @@ from verl_megatron.data.config import TRUNCATION_MODES
 from verl_megatron.distributed.parallel import ParallelLayout
 from verl_megatron.errors import ConfigError, ModelConfigError, ParallelConfigError
 from verl_megatron.models import routing_replay
-from verl_megatron.models.config import load_hf_config, read_hf_architecture
+from verl_megatron.models.config import check_layout, load_hf_config, read_hf_architecture
 from verl_megatron.models.moe import check_trainable
 from verl_megatron.reward.loading import resolve_reward_manager_cls
 from verl_megatron.reward.model_rewards import check_model_rewards
@@ -298,12 +298,7 @@ def check_model_fits(layout: ParallelLayout, model_path: str, sequence_parallel:
         raise ConfigError(f"model.path: {reason}") from None
     try:
         arch = read_hf_architecture(hf_config)
-        layout.check_model(
-            num_layers=arch.num_layers,
-            num_attention_heads=arch.num_attention_heads,
-            num_query_groups=arch.num_key_value_heads,
-            num_experts=arch.moe.num_experts if arch.moe else None,
-        )
+        check_layout(layout, arch)
         check_trainable(arch.moe, layout.tp, sequence_parallel)
     except (ParallelConfigError, ModelConfigError) as err:
         raise ConfigError(f"parallel: {err} (model.path='{model_path}')") from None
