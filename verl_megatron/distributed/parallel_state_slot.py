@@ -16,6 +16,7 @@ a time, on the thread that runs the training loop.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -67,16 +68,8 @@ class ParallelStateSlot:
         from megatron.core import parallel_state as ps
 
         self.layout = layout.resolve(runtime.world_size)
-        self.runtime = Runtime(
-            layout=self.layout,
-            rank=runtime.rank,
-            world_size=runtime.world_size,
-            local_rank=runtime.local_rank,
-            device=runtime.device,
-            backend=runtime.backend,
-            seed=runtime.seed,
-            cpu_compat=runtime.cpu_compat,
-        )
+        # The process group stays the outer runtime's to tear down.
+        self.runtime = dataclasses.replace(runtime, layout=self.layout, _owns_process_group=False)
         outer = _snapshot()
         before = set(dist.distributed_c10d._world.pg_map)
         _restore(_blank(outer))
