@@ -90,7 +90,7 @@ def run(config_path: str | None, overrides: Sequence[str]) -> dict[str, float]:
 
     _quiet_libraries()
     _set_threads()
-    placement = init_placement(config)  # None unless rollout.placement=separate
+    placement = init_placement(config.rollout)  # None unless rollout.placement=separate
     if placement is not None and not placement.is_trainer:
         return run_rollout_ranks(config, placement)
     runtime = init_runtime(config.parallel, seed=config.trainer.seed)

@@ -17,65 +17,19 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from verl_megatron.errors import PlacementError
+from verl_megatron.rollout.config import RolloutConfig
 
-__all__ = ["Placement", "PlacementError", "check_placement", "init_placement"]
+__all__ = ["Placement", "PlacementError", "init_placement"]
 
 TRAINER, ROLLOUT = "trainer", "rollout"
 # Each init_placement of a process gets fresh store keys: every rank calls it equally often, so
 # the n-th call of every rank agrees on the prefix (a second run under the same torchrun store).
 _sessions = 0
-
-
-def check_placement(config: Any, world_size: int) -> int:
-    """Check ``rollout.placement`` / ``rollout.world_size`` / ``async_training`` for a job of
-    ``world_size`` processes; return how many of them train."""
-    rollout, asyn = config.rollout, config.async_training
-    if rollout.placement == "colocated":
-        if rollout.world_size != 0:
-            raise PlacementError(
-                f"rollout.world_size={rollout.world_size} applies only with rollout.placement=separate"
-            )
-        if asyn.max_staleness > 0 or asyn.partial_rollout:
-            raise PlacementError(
-                "async_training (max_staleness > 0 or partial_rollout) needs rollout.placement=separate: "
-                "a colocated rollout generates in turn with training"
-            )
-        return world_size
-    if rollout.name != "native":
-        raise PlacementError(
-            f"rollout.placement=separate sends the weights to the rollout ranks over the process group, "
-            f"which rollout.name={rollout.name!r} cannot receive; use rollout.name=native"
-        )
-    if rollout.world_size < 1:
-        raise PlacementError(
-            f"rollout.placement=separate needs rollout.world_size >= 1 (ranks that generate), got {rollout.world_size}"
-        )
-    if rollout.world_size >= world_size:
-        raise PlacementError(
-            f"rollout.placement=separate with rollout.world_size={rollout.world_size} leaves no trainer rank "
-            f"among the {world_size} processes: start more (torchrun --nproc_per_node) or lower rollout.world_size"
-        )
-    algo = config.algorithm
-    if asyn.max_staleness > 0 and not algo.rollout_correction.enabled:
-        raise PlacementError(
-            f"async_training.max_staleness={asyn.max_staleness} trains on stale samples: set "
-            "algorithm.rollout_correction.rollout_is (e.g. token) or rollout_rs to correct them"
-        )
-    unsupported = {
-        "algorithm.filter_groups.enable=true": algo.filter_groups.enable,
-        "algorithm.adv_estimator=remax": algo.adv_estimator == "remax",
-        "rollout.multi_turn.enable=true": rollout.multi_turn.enable,
-    }
-    for key, on in unsupported.items():
-        if on:
-            raise PlacementError(f"rollout.placement=separate does not support {key} yet")
-    return world_size - rollout.world_size
 
 
 @dataclass
@@ -87,10 +41,10 @@ class Placement:
     """Global rank (trainer ranks come first)."""
     world_size: int
     trainer_world_size: int
-    store: Any
+    store: dist.Store
     """Key-value store shared by all ranks (the rendezvous store, under this session's prefix)."""
-    transfer: Any
-    """gloo ProcessGroup over all ranks, global rank numbering."""
+    transfer: dist.ProcessGroup | None
+    """gloo ProcessGroup over all ranks, global rank numbering (None once closed)."""
 
     @property
     def is_trainer(self) -> bool:
@@ -119,11 +73,12 @@ class Placement:
             dist.destroy_process_group()
 
 
-def init_placement(config: Any, timeout_minutes: int = 30) -> Placement | None:
+def init_placement(rollout: RolloutConfig, timeout_minutes: int = 30) -> Placement | None:
     """Start torch.distributed for ``rollout.placement=separate`` (None when colocated): this
-    role's default group plus the transfer group. Call before ``init_runtime``."""
+    role's default group plus the transfer group. Call before ``init_runtime``. The settings
+    are checked at start-up (``trainer/placement_check.py``)."""
     global _sessions
-    if config.rollout.placement != "separate":
+    if rollout.placement != "separate":
         return None
     if dist.is_initialized():
         raise RuntimeError(
@@ -133,7 +88,7 @@ def init_placement(config: Any, timeout_minutes: int = 30) -> Placement | None:
     store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
     session = dist.PrefixStore(f"verl_megatron/placement{_sessions}", store)
     _sessions += 1
-    trainers = world - config.rollout.world_size
+    trainers = world - rollout.world_size
     role = TRAINER if rank < trainers else ROLLOUT
     role_rank, role_world = (rank, trainers) if role == TRAINER else (rank - trainers, world - trainers)
     backend = "nccl" if torch.cuda.is_available() else "gloo"

@@ -27,8 +27,8 @@ from verl_megatron.reward.loading import resolve_reward_manager_cls
 from verl_megatron.reward.model_rewards import check_model_rewards
 from verl_megatron.rollout.config import check_engine_installed, old_log_prob_micro_batch_size
 from verl_megatron.rollout.lora_sync import check_rollout_lora
-from verl_megatron.rollout.placement import check_placement
 from verl_megatron.trainer.config_schema import RESUME_MODES, PPOConfig
+from verl_megatron.trainer.placement_check import check_placement
 from verl_megatron.trainer.ppo.rollout_correction import check_rollout_correction
 from verl_megatron.trainer.tracking import TRACKING_BACKENDS
 

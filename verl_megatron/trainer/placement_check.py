@@ -1,0 +1,59 @@
+"""Start-up check of ``rollout.placement`` / ``rollout.world_size`` / ``async_training`` against the
+rest of the config (the algorithm's features that a separate rollout cannot serve yet)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from verl_megatron.errors import PlacementError
+
+if TYPE_CHECKING:
+    from verl_megatron.trainer.config_schema import PPOConfig
+
+__all__ = ["check_placement"]
+
+
+def check_placement(config: PPOConfig, world_size: int) -> int:
+    """Check ``rollout.placement`` / ``rollout.world_size`` / ``async_training`` for a job of
+    ``world_size`` processes; return how many of them train."""
+    rollout, asyn = config.rollout, config.async_training
+    if rollout.placement == "colocated":
+        if rollout.world_size != 0:
+            raise PlacementError(
+                f"rollout.world_size={rollout.world_size} applies only with rollout.placement=separate"
+            )
+        if asyn.max_staleness > 0 or asyn.partial_rollout:
+            raise PlacementError(
+                "async_training (max_staleness > 0 or partial_rollout) needs rollout.placement=separate: "
+                "a colocated rollout generates in turn with training"
+            )
+        return world_size
+    if rollout.name != "native":
+        raise PlacementError(
+            f"rollout.placement=separate sends the weights to the rollout ranks over the process group, "
+            f"which rollout.name={rollout.name!r} cannot receive; use rollout.name=native"
+        )
+    if rollout.world_size < 1:
+        raise PlacementError(
+            f"rollout.placement=separate needs rollout.world_size >= 1 (ranks that generate), got {rollout.world_size}"
+        )
+    if rollout.world_size >= world_size:
+        raise PlacementError(
+            f"rollout.placement=separate with rollout.world_size={rollout.world_size} leaves no trainer rank "
+            f"among the {world_size} processes: start more (torchrun --nproc_per_node) or lower rollout.world_size"
+        )
+    algo = config.algorithm
+    if asyn.max_staleness > 0 and not algo.rollout_correction.enabled:
+        raise PlacementError(
+            f"async_training.max_staleness={asyn.max_staleness} trains on stale samples: set "
+            "algorithm.rollout_correction.rollout_is (e.g. token) or rollout_rs to correct them"
+        )
+    unsupported = {
+        "algorithm.filter_groups.enable=true": algo.filter_groups.enable,
+        "algorithm.adv_estimator=remax": algo.adv_estimator == "remax",
+        "rollout.multi_turn.enable=true": rollout.multi_turn.enable,
+    }
+    for key, on in unsupported.items():
+        if on:
+            raise PlacementError(f"rollout.placement=separate does not support {key} yet")
+    return world_size - rollout.world_size
