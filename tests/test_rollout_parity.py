@@ -75,10 +75,11 @@ def _actor(runtime, model_dir: str, layout: str, parity: bool):
         optim=OptimConfig(lr=1e-2, weight_decay=0.0, clip_grad=1.0), **LAYOUTS[layout],
     )  # fmt: skip
     chunks = build_model(runtime, model_dir)
-    if parity:
-        batch_invariant.enable(chunks, PROMPT_LENGTH + RESPONSE_LENGTH)
+    invariance = batch_invariant.enable(chunks, PROMPT_LENGTH + RESPONSE_LENGTH) if parity else None
     optimizer = build_optimizer(chunks, optim_settings(cfg.optim))
-    return MegatronActor(runtime, cfg, chunks, optimizer, build_lr_scheduler(optimizer, cfg.optim))
+    return MegatronActor(
+        runtime, cfg, chunks, optimizer, build_lr_scheduler(optimizer, cfg.optim), batch_invariance=invariance
+    )
 
 
 def _rollout(runtime, actor, model_dir: str, parity: bool):

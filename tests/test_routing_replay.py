@@ -212,10 +212,11 @@ def replay_job(
 
     runtime = init_runtime(ParallelLayout(tp=tp, pp=pp, ep=ep), seed=3)
     chunks = _moe_chunks(runtime, path)
+    invariance = None
     if parity:
         from verl_megatron.models import batch_invariant
 
-        batch_invariant.enable(chunks, PROMPT_LEN + RESPONSE_LEN)
+        invariance = batch_invariant.enable(chunks, PROMPT_LEN + RESPONSE_LEN)
         routers = [m for m in chunks[0].modules() if type(m).__name__ == "TopKRouter"]
         assert routers and all("_router_gating" in repr(m.gating) for m in routers)
     cfg = ActorConfig(ppo_mini_batch_size=len(PROMPT_LENGTHS), ppo_micro_batch_size_per_gpu=2, rollout_n=N,
@@ -223,7 +224,7 @@ def replay_job(
     optimizer = build_optimizer(chunks, optim_settings(cfg.optim))
     routes = RunRoutes(runtime, chunks, replay=False)
     actor = MegatronActor(runtime, cfg, chunks, optimizer, build_lr_scheduler(optimizer, cfg.optim),
-                          route_replay=routes.training)  # fmt: skip
+                          route_replay=routes.training, batch_invariance=invariance)  # fmt: skip
     rollout_cfg = RolloutConfig(
         prompt_length=PROMPT_LEN,
         response_length=RESPONSE_LEN,

@@ -139,7 +139,7 @@ def shared_job(path: str, tp: int, variants: list[str]) -> dict:
         actor = MegatronActor(runtime, cfg, chunks, optimizer, build_lr_scheduler(optimizer, cfg.optim))
         assert (actor.runner.prefix_sharing is not None) == variant.startswith("shared")
         if variant == "shared_no_rotary":  # the rotary re-indexing switched off: must fail the comparison
-            actor.runner.prefix_sharing.prepare = lambda inputs: None
+            actor.runner.prefix_sharing.rotary_index = lambda inputs: None
         shapes = []
         chunks[0].module.embedding.register_forward_hook(lambda m, a, o, s=shapes: s.append(tuple(o.shape)))
         data = DataProto.from_dict(grpo_batch(), meta_info={"temperature": TEMPERATURE})

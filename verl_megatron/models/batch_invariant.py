@@ -17,17 +17,20 @@ differ. Bitwise parity needs every reduction to happen in the same order in both
   Q K^T and P V then run as tiled GEMMs of fixed shape, and the softmax runs over rows of
   length L, so the reduction over keys has the same length and order in the decoder (one query
   per row, KV cache) and in training (all queries of a sequence at once).
-- **rotary positions** restart at 0 in every packed segment (:class:`_PositionRotary`);
-  megatron's rotary embedding otherwise numbers the whole packed row, which gives the same
-  attention mathematically but not bitwise.
+- **rotary positions** restart at 0 in every packed segment (:meth:`BatchInvariance.rotary_positions`,
+  applied per model call by ``models/rotary_positions.py``); megatron's rotary embedding
+  otherwise numbers the whole packed row, which gives the same attention mathematically but
+  not bitwise.
 - **MoE routers** (:func:`_router_gating`): the gating matmul is tiled the same way; the experts
   are column/row-parallel linears.
 - RMSNorm, the activation, softmax and log-softmax work row by row and were measured to give
   the same bits for a row whatever the number of rows; the tensor-parallel all-reduce adds the
   same two partial sums in both paths.
 
-:func:`enable` switches a model's chunks to these kernels (the trainer does it for the actor
-when ``rollout.bitwise_parity`` is set); :func:`key_length` tells the decoder the fixed L.
+The mode is a value, :class:`BatchInvariance` (the fixed L), made once from the config
+(``rollout.bitwise_parity``) and handed to what needs it: :func:`enable` switches a model's
+chunks to these kernels and gives each core attention the object; the model runner and the
+decoder take it as a constructor argument.
 Needs megatron's local layer spec (Transformer Engine kernels cannot be swapped this way).
 Verified in float32 and bfloat16 on CPU (MKL); that a batched GEMM item's result does not depend on the
 number of items is an empirical property of the BLAS, not yet checked on a GPU (cuBLAS).
@@ -37,12 +40,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from verl_megatron.distributed.modules import unwrap
+from verl_megatron.models.sdpa_attention import SDPADotProductAttention
 
-__all__ = ["TILE_ROWS", "attention", "enable", "key_length", "matmul_rows", "self_attention"]
+__all__ = ["TILE_ROWS", "BatchInvariance", "attention", "enable", "matmul_rows", "self_attention"]
 
 TILE_ROWS = 16
 """Rows per GEMM item. Smaller tiles waste less on padding when decoding few rows; larger ones
@@ -244,47 +249,10 @@ def self_attention(
     return out.index_select(0, slot).view(batch, steps, heads * dim).transpose(0, 1).contiguous()
 
 
-# ------------------------------------------------------------------ rotary positions
-
-
-class _PositionRotary:
-    """A rotary embedding's forward that takes the positions of the current call's tokens.
-
-    The chunk's forward pre-hook stores ``position_ids``; packed rows (one row of several
-    sequences) then get each token's position within its own sequence.
-    """
-
-    def __init__(self, rotary: torch.nn.Module) -> None:
-        self.original = rotary.forward
-        self.positions: torch.Tensor | None = None
-
-    def __call__(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None):
-        positions = self.positions
-        if positions is None or offset != 0:
-            return self.original(max_seq_len, offset, packed_seq, cp_group)
-        table = self.original(int(positions.max()) + 1, 0, packed_seq, cp_group)  # [T, 1, 1, D]
-        return table.index_select(0, positions.to(table.device))
-
-
-def _store_positions(rotary: _PositionRotary, module, args, kwargs) -> None:
-    positions = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
-    if positions is None:
-        rotary.positions = None
-        return
-    if positions.dim() != 2 or not bool((positions == positions[:1]).all()):
-        raise ValueError(
-            "batch-invariant model: rows of position_ids differ; rotary positions are shared by the "
-            "rows of a micro-batch (padded rows start at 0, packed rows hold one row)"
-        )
-    rotary.positions = positions[0].long()
-
-
 # ------------------------------------------------------------------ switching a model
 
 
 def _check(chunk: torch.nn.Module) -> None:
-    from verl_megatron.models.sdpa_attention import SDPADotProductAttention
-
     config = chunk.config
     where = "rollout.bitwise_parity"
     cores = [m for m in chunk.modules() if type(m).__name__.endswith("DotProductAttention")]
@@ -325,34 +293,65 @@ def round_key_length(length: int) -> int:
     return -(-length // _KEY_LENGTH_MULTIPLE) * _KEY_LENGTH_MULTIPLE
 
 
-def enable(chunks: Sequence[torch.nn.Module], max_sequence_length: int) -> None:
-    """Switch model chunks (DDP-wrapped or bare) to the batch-invariant kernels, in place.
+@dataclass(frozen=True)
+class BatchInvariance:
+    """The bitwise parity mode: every attention runs over the fixed key length ``key_length`` (L).
+
+    Made once (:meth:`for_sequences`) and passed explicitly to the attention modules
+    (:meth:`switch`), the model runner and the decoder.
+    """
+
+    key_length: int
+
+    @classmethod
+    def for_sequences(cls, max_sequence_length: int) -> BatchInvariance:
+        """The mode for sequences of at most ``max_sequence_length`` tokens (prompt + response)."""
+        return cls(round_key_length(max_sequence_length))
+
+    def self_attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scale: float,
+    ) -> torch.Tensor:
+        """:func:`self_attention` over this mode's L: query [S, b, H, D] -> [S, b, H * D]."""
+        return self_attention(query, key, value, attention_mask, self.key_length, scale)
+
+    def rotary_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """[S] rotary position of each column of a micro-batch's ``position_ids`` [b, S]: a
+        token's position within its own sequence (padded rows start at 0, packed rows hold one row)."""
+        if position_ids.dim() != 2 or not bool((position_ids == position_ids[:1]).all()):
+            raise ValueError(
+                "batch-invariant model: rows of position_ids differ; rotary positions are shared by the "
+                "rows of a micro-batch (padded rows start at 0, packed rows hold one row)"
+            )
+        return position_ids[0].long()
+
+    def switch(self, chunks: Sequence[torch.nn.Module]) -> None:
+        """Switch model chunks (DDP-wrapped or bare) to the batch-invariant kernels, in place."""
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        for chunk in (unwrap(c) for c in chunks):
+            _check(chunk)
+            for module in chunk.modules():
+                if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                    module._forward_impl = _linear_forward_impl
+                elif isinstance(module, SDPADotProductAttention):
+                    module.use_fixed_length_attention(self.self_attention)
+                elif isinstance(module, TopKRouter):
+                    module.gating = functools.partial(_router_gating, module)
+
+
+def enable(chunks: Sequence[torch.nn.Module], max_sequence_length: int) -> BatchInvariance:
+    """Switch model chunks to the batch-invariant kernels; returns the mode to hand to the
+    model runner (``ModelRunner(batch_invariance=...)``) and the decoder.
 
     ``max_sequence_length`` bounds every sequence the model will see (prompt + response); the
     attention's fixed key length L is that rounded up (:func:`round_key_length`).
     """
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    length = round_key_length(max_sequence_length)
-    for chunk in (unwrap(c) for c in chunks):
-        _check(chunk)
-        for module in chunk.modules():
-            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-                module._forward_impl = _linear_forward_impl
-            elif type(module).__name__ == "SDPADotProductAttention":
-                module.batch_invariant_key_length = length
-            elif isinstance(module, TopKRouter):
-                module.gating = functools.partial(_router_gating, module)
-        rotary = getattr(chunk, "rotary_pos_emb", None)
-        if rotary is not None and not isinstance(rotary.forward, _PositionRotary):
-            rotary.forward = _PositionRotary(rotary)
-            chunk.register_forward_pre_hook(
-                functools.partial(_store_positions, rotary.forward), with_kwargs=True
-            )
-        chunk.batch_invariant_key_length = length
-
-
-def key_length(chunks: Sequence[torch.nn.Module]) -> int | None:
-    """The fixed key length L of chunks switched by :func:`enable`; None when they are not."""
-    return getattr(unwrap(chunks[0]), "batch_invariant_key_length", None)
+    mode = BatchInvariance.for_sequences(max_sequence_length)
+    mode.switch(chunks)
+    return mode

@@ -19,7 +19,8 @@ left-padded prompts those layers' token-wise work (norms, linears) runs on the r
 attention alone sees the padded layout. Outside parity mode the rotary embedding uses a fused
 form (:func:`_rotate_fused`) that differs from megatron's by float32 rounding.
 
-Bitwise parity mode (chunks switched by ``models.batch_invariant.enable``): the cache holds
+Bitwise parity mode (``batch_invariance``: the ``models.batch_invariant.BatchInvariance`` the
+chunks were switched to, passed at construction): the cache holds
 each row's keys in canonical columns (column j = the row's j-th token, i.e. its rotary position)
 over the fixed key length L, and attention and the linear layers run through the batch-invariant
 kernels, so each token's logits are bit for bit those of the training forward.
@@ -122,10 +123,17 @@ class ChunkDecoder:
         batch_size: rows B of the cache.
         max_len: columns T_max of the cache (prompt + response length).
         vocab_size: real vocabulary size; logits columns past it are tp padding.
+        batch_invariance: the bitwise parity mode the chunks were switched to (None: off).
     """
 
     def __init__(
-        self, chunks: list[torch.nn.Module], runtime: Runtime, batch_size: int, max_len: int, vocab_size: int
+        self,
+        chunks: list[torch.nn.Module],
+        runtime: Runtime,
+        batch_size: int,
+        max_len: int,
+        vocab_size: int,
+        batch_invariance: batch_invariant.BatchInvariance | None = None,
     ) -> None:
         for chunk in chunks:
             _check_supported(chunk)
@@ -133,7 +141,7 @@ class ChunkDecoder:
         self.runtime = runtime
         self.vocab_size = vocab_size
         # Bitwise parity: canonical cache columns over the model's fixed key length.
-        self.parity_length = batch_invariant.key_length(chunks)
+        self.parity_length = None if batch_invariance is None else batch_invariance.key_length
         if self.parity_length is not None:
             if max_len > self.parity_length:
                 raise ValueError(

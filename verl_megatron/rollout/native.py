@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from verl_megatron.distributed.parallel import Runtime
+from verl_megatron.models.batch_invariant import BatchInvariance
 from verl_megatron.models.logprobs import vocab_parallel_log_probs
 from verl_megatron.models.routing import NO_RECORDER, RouteRecorder
 from verl_megatron.protocol import DataProto
@@ -89,6 +90,13 @@ class NativeRollout(RolloutEngine):
         self.hf_config = hf_config
         self.seed = config.seed if config.seed is not None else runtime.seed
         self._calls = 0
+        # rollout.bitwise_parity: the same mode (a value: the fixed key length) the trainer
+        # switched the actor's chunks to from the same config (models/batch_invariant.py).
+        self.batch_invariance = (
+            BatchInvariance.for_sequences(config.prompt_length + config.response_length)
+            if config.bitwise_parity
+            else None
+        )
         self._routes = route_recorder if route_recorder is not None else NO_RECORDER
         # Of the last call: decode_steps (forward steps after the prefill), final_cache_rows (rows
         # still decoded at the end), response_tokens, seconds.
@@ -157,7 +165,9 @@ class NativeRollout(RolloutEngine):
         n, rows, device = params.n, input_ids.shape[0] * params.n, input_ids.device
         info = getattr(bare[0], "verl_model_info", None)
         vocab = info.vocab_size if info is not None else bare[0].vocab_size
-        decoder = ChunkDecoder(bare, self.runtime, batch, prompt_len + response_length, vocab)
+        decoder = ChunkDecoder(
+            bare, self.runtime, batch, prompt_len + response_length, vocab, self.batch_invariance
+        )
 
         key_valid = torch.ones(batch, prompt_len + response_length, dtype=torch.bool, device=device)
         key_valid[:, :prompt_len] = prompt_valid

@@ -23,6 +23,7 @@ import torch
 from verl_megatron.algos import core_algos
 from verl_megatron.algos.policy_losses import metrics_on_device
 from verl_megatron.distributed.parallel import Runtime
+from verl_megatron.models.batch_invariant import BatchInvariance
 from verl_megatron.models.logprobs import vocab_parallel_log_probs
 from verl_megatron.models.megatron_model import attach_schedule_hooks
 from verl_megatron.models.routing import ROW_ID_KEY
@@ -30,7 +31,7 @@ from verl_megatron.protocol import DataProto
 from verl_megatron.workers import moe
 from verl_megatron.workers.batching import MicroBatch
 from verl_megatron.workers.config import ActorConfig, PolicyLossSettings, RefConfig
-from verl_megatron.workers.model_runner import ModelRunner, StepResult, dp_share
+from verl_megatron.workers.model_runner import ModelRunner, PPOUpdates, StepResult, dp_share
 from verl_megatron.workers.routes import TrainingRoutes
 
 __all__ = ["MegatronActor", "MegatronRef"]
@@ -92,6 +93,7 @@ class _PolicyForward:
         use_remove_padding: bool,
         share_prefix: bool,
         route_replay: TrainingRoutes | None = None,
+        batch_invariance: BatchInvariance | None = None,
     ) -> None:
         self.runtime = runtime
         self.chunks = chunks
@@ -103,6 +105,7 @@ class _PolicyForward:
             select_output_rows=True,
             share_prefix=share_prefix,
             route_replay=route_replay,
+            batch_invariance=batch_invariance,
         )
 
     def _log_probs(
@@ -132,20 +135,26 @@ class _PolicyForward:
             entropy = torch.where(valid, entropy, torch.zeros_like(entropy))
         return log_probs, entropy
 
-    def _forward_log_probs(
-        self,
-        data: DataProto,
-        *,
-        micro_batch_size: int | None,
-        use_dynamic_bsz: bool,
-        max_token_len: int,
-        calculate_entropy: bool,
+    def _log_prob_batching(self) -> tuple[int | None, bool, int]:
+        """(micro_batch_size, use_dynamic_bsz, max_token_len) of log-prob passes, from the config."""
+        raise NotImplementedError
+
+    def compute_log_prob(
+        self, data: DataProto, calculate_entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(log_probs [B, Tr], entropy [B, Tr] or None) of the response tokens; forward only.
+
+        Micro-batching follows ``meta_info`` (``micro_batch_size``, ``use_dynamic_bsz``,
+        ``max_token_len``, verl's keys) when given, else the config's (the actor's
+        ``ppo_infer_*``, the reference's ``log_prob_*``). Positions where ``attention_mask``
+        is 0 hold 0.
+        """
         where = f"{type(self).__name__}.compute_log_prob"
         temperature = temperature_of(data, where)
         row_keys = _row_keys(data)
         batch = batch_tensors(data, _MODEL_KEYS + row_keys, where)
         meta = data.meta_info
+        micro_batch_size, use_dynamic_bsz, max_token_len = self._log_prob_batching()
         micro_batch_size = meta.get("micro_batch_size", micro_batch_size)
         use_dynamic_bsz = meta.get("use_dynamic_bsz", use_dynamic_bsz)
         max_token_len = meta.get("max_token_len", max_token_len)
@@ -191,16 +200,12 @@ class MegatronRef(_PolicyForward):
         for chunk in chunks:
             chunk.requires_grad_(False)
 
-    def compute_log_prob(
-        self, data: DataProto, calculate_entropy: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(log_probs [B, Tr], entropy [B, Tr] or None) of the response tokens under the reference."""
-        return self._forward_log_probs(
-            data,
-            micro_batch_size=self.config.log_prob_micro_batch_size_per_gpu,
-            use_dynamic_bsz=self.config.log_prob_use_dynamic_bsz,
-            max_token_len=self.config.log_prob_max_token_len_per_gpu,
-            calculate_entropy=calculate_entropy,
+    def _log_prob_batching(self) -> tuple[int | None, bool, int]:
+        cfg = self.config
+        return (
+            cfg.log_prob_micro_batch_size_per_gpu,
+            cfg.log_prob_use_dynamic_bsz,
+            cfg.log_prob_max_token_len_per_gpu,
         )
 
 
@@ -217,14 +222,15 @@ def _trainer_loss_config(config: ActorConfig) -> ActorConfig:
     return loss_config
 
 
-class MegatronActor(_PolicyForward):
+class MegatronActor(_PolicyForward, PPOUpdates):
     """PPO policy: log-probs for the batch and PPO updates with megatron's optimizer.
 
     ``chunks`` are DDP-wrapped (``wrap_ddp``); ``optimizer`` is a megatron optimizer over
     them and ``scheduler`` megatron's ``OptimizerParamScheduler`` (see ``lr_schedule``),
     stepped once per ``update_policy`` call. All three stay reachable as attributes for
     checkpointing. ``route_replay``: MoE routing replay's training side (``workers/routes.py``),
-    built on these chunks, when the rollout records routes.
+    built on these chunks, when the rollout records routes. ``batch_invariance``: the bitwise
+    parity mode the chunks were switched to (``models.batch_invariant.enable``), if any.
     """
 
     def __init__(
@@ -235,12 +241,20 @@ class MegatronActor(_PolicyForward):
         optimizer,
         scheduler,
         route_replay: TrainingRoutes | None = None,
+        batch_invariance: BatchInvariance | None = None,
     ) -> None:
         if not all(hasattr(c, "no_sync") for c in chunks):
             raise ValueError(
                 "MegatronActor needs DDP-wrapped chunks (verl_megatron.models.megatron_model.wrap_ddp)"
             )
-        super().__init__(runtime, chunks, config.use_remove_padding, config.share_prompt_prefix, route_replay)
+        super().__init__(
+            runtime,
+            chunks,
+            config.use_remove_padding,
+            config.share_prompt_prefix,
+            route_replay,
+            batch_invariance,
+        )
         config.validate()
         self.config = config
         self.optimizer = optimizer
@@ -251,22 +265,9 @@ class MegatronActor(_PolicyForward):
         attach_schedule_hooks(chunks)
         self.moe_stats = moe.MoEStats(runtime, chunks) if moe.is_moe(chunks) else None
 
-    def compute_log_prob(
-        self, data: DataProto, calculate_entropy: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(log_probs [B, Tr], entropy [B, Tr] or None) of the response tokens; forward only.
-
-        Micro-batching follows ``meta_info`` (``micro_batch_size``, ``use_dynamic_bsz``,
-        ``max_token_len``, verl's keys) when given, else the config's ``ppo_infer_*``.
-        Positions where ``attention_mask`` is 0 hold 0.
-        """
-        return self._forward_log_probs(
-            data,
-            micro_batch_size=self.config.infer_micro_batch_size,
-            use_dynamic_bsz=self.config.use_dynamic_bsz,
-            max_token_len=self.config.ppo_infer_max_token_len_per_gpu,
-            calculate_entropy=calculate_entropy,
-        )
+    def _log_prob_batching(self) -> tuple[int | None, bool, int]:
+        cfg = self.config
+        return cfg.infer_micro_batch_size, cfg.use_dynamic_bsz, cfg.ppo_infer_max_token_len_per_gpu
 
     def _keys(self, data: DataProto) -> tuple[str, ...]:
         keys = (*_MODEL_KEYS, "response_mask", "advantages")
@@ -291,27 +292,17 @@ class MegatronActor(_PolicyForward):
         temperature = temperature_of(data, "MegatronActor.update_policy")
         keys = self._keys(data)
         batch = batch_tensors(data, keys, "MegatronActor.update_policy")
-        seed = cfg.data_loader_seed if cfg.data_loader_seed is not None else self.runtime.seed
-        lr = float(self.optimizer.param_groups[0]["lr"])
-        history, skipped = self.runner.ppo_epochs(
+        metrics = self._ppo_update(
             batch,
-            self.optimizer,
-            cfg=cfg,
-            seed=seed + 7919 * self.update_calls,
+            prefix="actor",
             tensor_keys=[k for k in keys if k not in _MODEL_KEYS],
             loss_step=functools.partial(self._policy_step, temperature=temperature),
             metric_names=_POLICY_METRICS,
-            prefix="actor",
         )
-        self.scheduler.step(1)
-        self.update_calls += 1
-        metrics: dict[str, float | list[float]] = dict(history)
         if not cfg.use_kl_loss:
             metrics.pop("actor/kl_loss")
         else:
             metrics["actor/kl_coef"] = cfg.kl_loss_coef
-        metrics["actor/lr"] = lr
-        metrics["actor/skipped_steps"] = float(skipped)
         if self.moe_stats is not None:  # expert load and aux loss of this update's steps
             metrics.update(self.moe_stats.collect("actor"))
         return metrics

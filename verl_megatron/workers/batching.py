@@ -40,6 +40,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from verl_megatron.workers import shared_prefix
+from verl_megatron.workers.model_inputs import PAD_ID, ModelInputs, response_columns
+
 __all__ = [
     "MicroBatch",
     "ModelInputs",
@@ -48,76 +51,6 @@ __all__ = [
     "fixed_size_partition",
     "mini_batch_rows",
 ]
-
-# Token id written into padding slots; any id works because those outputs are never read.
-_PAD_ID = 0
-
-
-@dataclass
-class ModelInputs:
-    """What one micro-batch feeds a megatron GPTModel chunk.
-
-    Attributes:
-        input_ids: [b, S] padded rows or [1, N] one packed row.
-        position_ids: same shape; 0-based positions within each sequence.
-        attention_mask: None (the layer's causal mask) or [1, 1, N, N] bool, True = masked
-            (block-diagonal causal, for packed rows without THD support).
-        packed_seq_params: megatron PackedSeqParams (qkv_format="thd") or None.
-        gather_index: [r, Tr] flat index into the output's b*S (or N) positions of the
-            position that predicts each response token (0 where the token is padding).
-            With context parallelism: [K], the response positions this cp rank holds.
-        response_valid: [r, Tr] bool, response positions holding a real token.
-        labels: [r, Tr] the response token ids ([K] with context parallelism).
-        held_index: None, or with context parallelism [K] flat indices into the r * Tr
-            response positions of those this cp rank holds (``context_parallel.slice_inputs``).
-        cp_group: the context-parallel group when ``held_index`` is set.
-        padding: same shape as ``input_ids``, True at filler positions (no token of the
-            batch); mixture-of-experts routers leave them out of the load-balancing loss
-            and expert counts (under context parallelism: this rank's positions).
-
-    Per-token results are computed on what :meth:`gather` returns and brought to
-    [r, Tr] by :meth:`merge_cp`, the same code with or without context parallelism::
-
-        log_probs, _ = vocab_parallel_log_probs(inputs.gather(logits), inputs.labels, ...)
-        log_probs = inputs.merge_cp(log_probs)  # [r, Tr] on every cp rank
-    """
-
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
-    attention_mask: torch.Tensor | None
-    packed_seq_params: object | None
-    gather_index: torch.Tensor
-    response_valid: torch.Tensor
-    labels: torch.Tensor
-    held_index: torch.Tensor | None = None
-    cp_group: object | None = None
-    output_rows_selected: bool = False
-    """The model's output holds only the gather_index positions, in order ([1, K, ...]):
-    ``workers.output_rows`` ran the LM head on those rows alone."""
-    padding: torch.Tensor | None = None
-    shared_prefix: object | None = None
-    """``workers.shared_prefix.SharedPrefix`` where rows sharing a prompt share one model row."""
-
-    def gather(self, output: torch.Tensor) -> torch.Tensor:
-        """Model output [b, S, ...] (or [1, N, ...]) at the response positions: [r, Tr, ...] ([K, ...] under cp)."""
-        if self.output_rows_selected:
-            return output.reshape(*self.gather_index.shape, *output.shape[2:])
-        flat = output.reshape(-1, *output.shape[2:])
-        picked = flat.index_select(0, self.gather_index.reshape(-1).to(output.device))
-        return picked.view(*self.gather_index.shape, *output.shape[2:])
-
-    def merge_cp(self, values: torch.Tensor) -> torch.Tensor:
-        """Per-position results of :meth:`gather`'s positions -> [r, Tr, ...] on every cp rank.
-
-        Without context parallelism ``values`` already are [r, Tr, ...] and come back
-        unchanged. Under cp the gradient reaches only this rank's positions (see
-        ``verl_megatron.workers.context_parallel``).
-        """
-        if self.held_index is None:
-            return values
-        from verl_megatron.workers.context_parallel import merge_held
-
-        return merge_held(values, self.held_index, tuple(self.response_valid.shape), self.cp_group)
 
 
 @dataclass
@@ -238,29 +171,6 @@ def balanced_token_partition(lengths: Sequence[int], max_tokens: int, dp_group=N
     return _greedy_bins(lengths, agreed)[0]
 
 
-def _compact_columns(attention_mask: torch.Tensor) -> torch.Tensor:
-    """[b, T] column of each valid token once the row's valid tokens are moved to the front."""
-    mask = attention_mask.long()
-    return mask.cumsum(dim=-1) - 1
-
-
-def _response_columns(
-    attention_mask: torch.Tensor, response_length: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(compact columns [b, T], response columns [b, Tr], response valid [b, Tr])."""
-    columns = _compact_columns(attention_mask)
-    resp_cols = columns[:, -response_length:]
-    resp_valid = attention_mask[:, -response_length:].bool()
-    bad = resp_valid & (resp_cols < 1)
-    if bad.any():
-        row = int(bad.any(dim=-1).nonzero()[0])
-        raise ValueError(
-            f"row {row}: a response token has no valid token before it (empty prompt in attention_mask); "
-            "the model needs at least one prompt token to predict the first response token"
-        )
-    return columns, resp_cols, resp_valid
-
-
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -269,19 +179,34 @@ def _padded_inputs(
     input_ids: torch.Tensor, attention_mask: torch.Tensor, responses: torch.Tensor, shape: tuple[int, int]
 ) -> ModelInputs:
     rows, width = shape
-    columns, resp_cols, resp_valid = _response_columns(attention_mask, responses.shape[1])
+    columns, resp_cols, resp_valid = response_columns(attention_mask, responses.shape[1])
     valid = attention_mask.bool()
-    ids = torch.full((rows, width), _PAD_ID, dtype=input_ids.dtype)
+    ids = torch.full((rows, width), PAD_ID, dtype=input_ids.dtype)
     row_of = torch.arange(input_ids.shape[0]).unsqueeze(-1).expand_as(input_ids)
     ids[row_of[valid], columns[valid]] = input_ids[valid]
     padding = torch.ones((rows, width), dtype=torch.bool)
     padding[row_of[valid], columns[valid]] = False
     gather = torch.arange(input_ids.shape[0]).unsqueeze(-1) * width + resp_cols - 1
+    positions = torch.arange(width).unsqueeze(0).expand(rows, -1).contiguous()
+    return _laid_out(ids, positions, padding, gather, resp_valid, responses)
+
+
+def _laid_out(
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    padding: torch.Tensor,
+    gather: torch.Tensor,
+    resp_valid: torch.Tensor,
+    responses: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    packed_seq_params=None,
+) -> ModelInputs:
+    """ModelInputs of a padded or packed layout; ``gather`` [r, Tr] is zeroed at padding responses."""
     return ModelInputs(
         input_ids=ids,
-        position_ids=torch.arange(width).unsqueeze(0).expand(rows, -1).contiguous(),
-        attention_mask=None,
-        packed_seq_params=None,
+        position_ids=positions,
+        attention_mask=attention_mask,
+        packed_seq_params=packed_seq_params,
         gather_index=torch.where(resp_valid, gather, torch.zeros_like(gather)),
         response_valid=resp_valid,
         labels=responses,
@@ -336,13 +261,13 @@ def _packed_inputs(
     thd: bool,
     cp_size: int = 1,
 ) -> ModelInputs:
-    columns, resp_cols, resp_valid = _response_columns(attention_mask, responses.shape[1])
+    columns, resp_cols, resp_valid = response_columns(attention_mask, responses.shape[1])
     valid = attention_mask.bool()
     lengths = valid.sum(dim=-1)
     slots = _slot_lengths(lengths, cp_size)
     offsets = slots.cumsum(0) - slots
     used = int(slots.sum())
-    ids = torch.full((1, total), _PAD_ID, dtype=input_ids.dtype)
+    ids = torch.full((1, total), PAD_ID, dtype=input_ids.dtype)
     positions = torch.zeros((1, total), dtype=torch.long)
     # Where each valid token goes: its sequence's offset plus its column within the sequence.
     row_of = torch.arange(input_ids.shape[0]).unsqueeze(-1).expand_as(input_ids)
@@ -359,16 +284,7 @@ def _packed_inputs(
         packed = _thd_params(segments, cp_size)
     else:
         attention = _block_causal_mask(segments)
-    return ModelInputs(
-        input_ids=ids,
-        position_ids=positions,
-        attention_mask=attention,
-        packed_seq_params=packed,
-        gather_index=torch.where(resp_valid, gather, torch.zeros_like(gather)),
-        response_valid=resp_valid,
-        labels=responses,
-        padding=padding,
-    )
+    return _laid_out(ids, positions, padding, gather, resp_valid, responses, attention, packed)
 
 
 def _model_shape(attention_mask: torch.Tensor, pack: bool, align: int, cp_size: int) -> tuple[int, int]:
@@ -430,9 +346,7 @@ def build_micro_batches(
         ids, mask, resp = (batch[k][rows] for k in ("input_ids", "attention_mask", "responses"))
         inputs = None
         if share_prefix and not uniform and not thd and cp_size == 1 and align == 1:
-            from verl_megatron.workers.shared_prefix import shared_prefix_inputs
-
-            inputs = shared_prefix_inputs(ids, mask, resp, _model_shape(mask, False, 1, 1)[1])
+            inputs = shared_prefix.shared_prefix_inputs(ids, mask, resp, _model_shape(mask, False, 1, 1)[1])
         if inputs is None and pack:
             inputs = _packed_inputs(ids, mask, resp, width, thd, cp_size)
         elif inputs is None:

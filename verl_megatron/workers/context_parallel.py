@@ -24,9 +24,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
-from verl_megatron.workers.batching import ModelInputs
+from verl_megatron.workers.model_inputs import ModelInputs, merge_held
 
 __all__ = ["held_positions", "merge_held", "pad_lengths", "slice_inputs"]
 
@@ -97,42 +96,3 @@ def slice_inputs(inputs: ModelInputs, cp_size: int, cp_rank: int, cp_group) -> M
         cp_group=cp_group,
         padding=None if inputs.padding is None else inputs.padding[:, held],
     )
-
-
-class _SumOverRanks(torch.autograd.Function):
-    """All-reduce SUM forward; identity backward.
-
-    Each cp rank contributes zeros except at the positions it holds, and every rank then
-    computes the same loss from the sum. Passing the gradient through unchanged sends each
-    rank's (identical) loss gradient to the positions it holds and nowhere else.
-    """
-
-    @staticmethod
-    def forward(ctx, tensor, group):
-        out = tensor.clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-def merge_held(
-    values: torch.Tensor, held_index: torch.Tensor, shape: tuple[int, int], cp_group
-) -> torch.Tensor:
-    """Per-position values of the held response positions [K, ...] -> [r, Tr, ...] on every cp rank.
-
-    ``held_index`` [K] are flat indices into the r * Tr response positions; every position
-    is held by at most one cp rank. Positions no rank holds (padding) are 0. Differentiable:
-    the gradient reaches ``values`` for the positions this rank holds.
-    """
-    if values.shape[0] != held_index.numel():
-        raise ValueError(
-            f"merge_held: {values.shape[0]} values for {held_index.numel()} held positions; pass the "
-            "per-position results of ModelInputs.gather"
-        )
-    flat = values.new_zeros((shape[0] * shape[1], *values.shape[1:]))
-    flat = flat.index_put((held_index.to(values.device),), values)
-    merged = _SumOverRanks.apply(flat, cp_group)
-    return merged.view(*shape, *values.shape[1:])

@@ -21,7 +21,7 @@ from verl_megatron.protocol import DataProto
 from verl_megatron.workers.actor import batch_tensors
 from verl_megatron.workers.batching import MicroBatch
 from verl_megatron.workers.config import CriticConfig
-from verl_megatron.workers.model_runner import ModelRunner, StepResult, dp_share
+from verl_megatron.workers.model_runner import ModelRunner, PPOUpdates, StepResult, dp_share
 
 __all__ = ["MegatronCritic"]
 
@@ -29,7 +29,7 @@ _MODEL_KEYS = ("input_ids", "attention_mask", "responses", "response_mask")
 _CRITIC_METRICS = ("vf_loss", "vf_clipfrac", "vpred_mean")
 
 
-class MegatronCritic:
+class MegatronCritic(PPOUpdates):
     """Value model: values for the batch and clipped value-loss updates.
 
     ``chunks`` are DDP-wrapped chunks whose last stage outputs [b, S, 1] values (built with
@@ -103,26 +103,14 @@ class MegatronCritic:
         over the whole mini-batch) and critic/grad_norm, plus critic/lr and
         critic/skipped_steps (steps dropped for a non-finite gradient norm).
         """
-        cfg = self.config
         batch = batch_tensors(data, (*_MODEL_KEYS, "values", "returns"), "MegatronCritic.update_critic")
-        seed = cfg.data_loader_seed if cfg.data_loader_seed is not None else self.runtime.seed
-        lr = float(self.optimizer.param_groups[0]["lr"])
-        history, skipped = self.runner.ppo_epochs(
+        return self._ppo_update(
             batch,
-            self.optimizer,
-            cfg=cfg,
-            seed=seed + 7919 * self.update_calls,
+            prefix="critic",
             tensor_keys=("response_mask", "values", "returns"),
             loss_step=self._value_step,
             metric_names=_CRITIC_METRICS,
-            prefix="critic",
         )
-        self.scheduler.step(1)
-        self.update_calls += 1
-        metrics: dict[str, float | list[float]] = dict(history)
-        metrics["critic/lr"] = lr
-        metrics["critic/skipped_steps"] = float(skipped)
-        return metrics
 
     def _value_step(
         self, mb: MicroBatch, output: torch.Tensor, *, counts: dict, num_micro: int

@@ -32,6 +32,7 @@ import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,10 +40,14 @@ import torch.distributed as dist
 from verl_megatron.distributed.modules import unwrap
 from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.errors import ParallelConfigError
+from verl_megatron.models.batch_invariant import BatchInvariance
 from verl_megatron.models.megatron_model import zero_grads
+from verl_megatron.models.rotary_positions import rotary_positions
+from verl_megatron.models.shared_prefix_attention import SharedPrefixParams
 from verl_megatron.workers import context_parallel, moe, shared_prefix
 from verl_megatron.workers.batching import (
     MicroBatch,
+    ModelInputs,
     balanced_token_partition,
     build_micro_batches,
     fixed_size_partition,
@@ -51,7 +56,7 @@ from verl_megatron.workers.batching import (
 from verl_megatron.workers.output_rows import OutputRowSelector
 from verl_megatron.workers.routes import TrainingRoutes
 
-__all__ = ["ModelRunner", "StepResult", "dp_share"]
+__all__ = ["ModelRunner", "PPOUpdates", "StepResult", "dp_share"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -164,6 +169,7 @@ class ModelRunner:
         select_output_rows: bool = False,
         share_prefix: bool = False,
         route_replay: TrainingRoutes | None = None,
+        batch_invariance: BatchInvariance | None = None,
     ) -> None:
         self.cp = runtime.layout.cp
         if self.cp > 1:
@@ -193,21 +199,25 @@ class ModelRunner:
             moe.reset_aux_loss_tracker()  # a new model: the tracker may hold another model's layer count
         # MoE routing replay (workers/routes.py): the recorded routes each forward replays.
         self.route_replay = route_replay
-        # Rows sharing a prompt run it once (workers/shared_prefix.py) where the model allows.
+        # The bitwise parity mode the chunks were switched to (models/batch_invariant.py).
+        self.batch_invariance = batch_invariance
+        # Rows sharing a prompt run it once (workers/shared_prefix.py) where the model allows;
+        # never under the parity kernels, whose attention takes each sequence alone.
         self.prefix_sharing = None
-        if share_prefix:
-            reason = (
-                "Transformer Engine attention, context or sequence parallelism"
-                if self.thd or self.cp > 1 or self.align > 1
-                else shared_prefix.unsupported_reason(chunks)
+        if share_prefix and self._prefix_sharing_applies(chunks):
+            self.prefix_sharing = shared_prefix.PrefixSharing()
+
+    def _prefix_sharing_applies(self, chunks: list[torch.nn.Module]) -> bool:
+        reason = (
+            "Transformer Engine attention, context or sequence parallelism"
+            if self.thd or self.cp > 1 or self.align > 1
+            else shared_prefix.unsupported_reason(chunks)
+        )
+        if reason is not None:
+            _LOG.info(
+                "share_prompt_prefix does not apply to this model (%s): rows keep their own prompt", reason
             )
-            if reason is None:
-                self.prefix_sharing = shared_prefix.PrefixSharing(chunks)
-            else:
-                _LOG.info(
-                    "share_prompt_prefix does not apply to this model (%s): rows keep their own prompt",
-                    reason,
-                )
+        return reason is None and self.batch_invariance is None
 
     # ------------------------------------------------------------------ micro-batches
     def split(
@@ -241,7 +251,7 @@ class ModelRunner:
             uniform=self.runtime.layout.pp > 1,
             tensor_keys=tensor_keys,
             cp_size=self.cp,
-            share_prefix=self.prefix_sharing is not None and not self.prefix_sharing.batch_invariant(),
+            share_prefix=self.prefix_sharing is not None,
         )
         if self.cp > 1:
             rank, group = self.runtime.cp_rank, self.runtime.cp_group()
@@ -293,19 +303,7 @@ class ModelRunner:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         results: list[StepResult] = []
-        device = self.runtime.device
-        settings: dict[str, object] = {
-            # Every micro-batch of one call has the shape passed below (``uniform`` in split), so
-            # stages need not exchange shapes. megatron sends that exchange as one batched p2p
-            # call, which gloo mismatches under the interleaved schedule with pp=2 (the
-            # previous and next stage are the same peer).
-            "variable_seq_lengths": False
-        }
-        queue = [(mb, True) for mb in micro_batches]
-        if len(self.chunks) > 1:
-            padding, group = _interleaving_plan(len(micro_batches), self.runtime.layout.pp)
-            queue += [(micro_batches[-1], False)] * padding
-            settings["microbatch_group_size_per_vp_stage"] = group
+        queue, settings = self._schedule_queue(micro_batches)
         loss_scale = len(queue) / len(micro_batches)
 
         replay = self.route_replay
@@ -319,15 +317,7 @@ class ModelRunner:
             inputs = mb.inputs
             if self.row_selector is not None:
                 mb = dataclasses.replace(mb, inputs=self.row_selector.prepare(inputs))
-            if self.prefix_sharing is not None:
-                self.prefix_sharing.prepare(inputs)
-            output = model(
-                inputs.input_ids.to(device),
-                inputs.position_ids.to(device),
-                _mask_to(inputs, device),
-                packed_seq_params=_to_device(inputs.packed_seq_params, device),
-                **(moe.model_kwargs(inputs, device) if self.moe else {}),
-            )
+            output = self._forward(model, inputs)
             if self.moe:  # the aux loss gets the policy loss's factor: cp / real micro-batches
                 moe.scale_aux_loss(
                     output, self.cp / len(micro_batches) if real else 0.0, unwrap(model).config
@@ -350,12 +340,10 @@ class ModelRunner:
         for chunk in self.chunks:
             chunk.train(not forward_only)
         selecting = self.row_selector.installed() if self.row_selector else contextlib.nullcontext()
-        sharing = self.prefix_sharing.installed() if self.prefix_sharing else contextlib.nullcontext()
         with (
             torch.set_grad_enabled(not forward_only),
             _schedule_settings(self.chunks, **settings),
             selecting,
-            sharing,
             replay.running() if replay is not None else contextlib.nullcontext(),
         ):
             get_forward_backward_func()(
@@ -369,6 +357,45 @@ class ModelRunner:
                 forward_only=forward_only,
             )
         return results
+
+    def _schedule_queue(
+        self, micro_batches: list[MicroBatch]
+    ) -> tuple[list[tuple[MicroBatch, bool]], dict[str, object]]:
+        """(micro-batches to run, each with whether it is real, TransformerConfig settings for the call)."""
+        settings: dict[str, object] = {
+            # Every micro-batch of one call has the shape passed below (``uniform`` in split), so
+            # stages need not exchange shapes. megatron sends that exchange as one batched p2p
+            # call, which gloo mismatches under the interleaved schedule with pp=2 (the
+            # previous and next stage are the same peer).
+            "variable_seq_lengths": False
+        }
+        queue = [(mb, True) for mb in micro_batches]
+        if len(self.chunks) > 1:
+            padding, group = _interleaving_plan(len(micro_batches), self.runtime.layout.pp)
+            queue += [(micro_batches[-1], False)] * padding
+            settings["microbatch_group_size_per_vp_stage"] = group
+        return queue, settings
+
+    def _forward(self, model: torch.nn.Module, inputs: ModelInputs) -> torch.Tensor:
+        """One micro-batch through one chunk; the layout's features go in as explicit arguments
+        (the shared-prompt layout as ``packed_seq_params``, rotary positions for this call only)."""
+        device = self.runtime.device
+        with rotary_positions(model, self._rotary_index(inputs)):
+            return model(
+                inputs.input_ids.to(device),
+                inputs.position_ids.to(device),
+                None if inputs.attention_mask is None else inputs.attention_mask.to(device),
+                packed_seq_params=_packed_params(inputs, device),
+                **(moe.model_kwargs(inputs, device) if self.moe else {}),
+            )
+
+    def _rotary_index(self, inputs: ModelInputs) -> torch.Tensor | None:
+        """[S] rotary position of each model column where it is not the column index, else None."""
+        if self.prefix_sharing is not None and inputs.shared_prefix is not None:
+            return self.prefix_sharing.rotary_index(inputs)
+        if self.batch_invariance is not None:
+            return self.batch_invariance.rotary_positions(inputs.position_ids)
+        return None
 
     def train_step(
         self, optimizer, micro_batches: list[MicroBatch], step_fn: StepFn
@@ -491,6 +518,37 @@ class ModelRunner:
         return dict(zip(names, totals.tolist()))
 
 
+class PPOUpdates:
+    """The update call the actor and the critic share: PPO epochs of one optimizer step per
+    mini-batch through ``runner``, then one scheduler step. ``update_calls`` counts the calls
+    (it seeds the mini-batch order and is checkpointed by the trainer)."""
+
+    runner: ModelRunner
+    config: Any
+    optimizer: Any
+    scheduler: Any
+    update_calls: int
+
+    def _ppo_update(
+        self, batch: dict[str, torch.Tensor], *, prefix: str, **epochs
+    ) -> dict[str, float | list[float]]:
+        """:meth:`ModelRunner.ppo_epochs` (``epochs``: its tensor_keys, loss_step, metric_names)
+        with ``{prefix}/lr`` (the rate these steps used) and ``{prefix}/skipped_steps`` (steps
+        dropped for a non-finite gradient norm) added."""
+        cfg = self.config
+        seed = cfg.data_loader_seed if cfg.data_loader_seed is not None else self.runner.runtime.seed
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        history, skipped = self.runner.ppo_epochs(
+            batch, self.optimizer, cfg=cfg, seed=seed + 7919 * self.update_calls, prefix=prefix, **epochs
+        )
+        self.scheduler.step(1)
+        self.update_calls += 1
+        metrics: dict[str, float | list[float]] = dict(history)
+        metrics[f"{prefix}/lr"] = lr
+        metrics[f"{prefix}/skipped_steps"] = float(skipped)
+        return metrics
+
+
 def clip_by_norm(optimizer, grad_norm: float) -> None:
     """Clip every (sub-)optimizer's main grads to its ``clip_grad`` with the global norm computed once."""
     from megatron.core.optimizer import optimizer as mcore_optimizer
@@ -507,17 +565,12 @@ def clip_by_norm(optimizer, grad_norm: float) -> None:
             )
 
 
-def _mask_to(inputs, device: torch.device) -> torch.Tensor | None:
-    mask = inputs.attention_mask
-    if mask is None:
-        return None
-    moved = mask.to(device)
-    if inputs.shared_prefix is not None:  # the attention reads the layout off the mask it is given
-        moved.shared_prefix = inputs.shared_prefix
-    return moved
-
-
-def _to_device(packed, device: torch.device):
+def _packed_params(inputs: ModelInputs, device: torch.device):
+    """The model call's ``packed_seq_params``: the shared-prompt layout (read by the SDPA core
+    attention), THD boundaries moved to ``device``, or None."""
+    if inputs.shared_prefix is not None:
+        return SharedPrefixParams.of(inputs.shared_prefix)
+    packed = inputs.packed_seq_params
     if packed is None or device.type == "cpu":
         return packed
     for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):

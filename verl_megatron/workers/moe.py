@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from verl_megatron.distributed.modules import unwrap
 from verl_megatron.distributed.parallel import Runtime
-from verl_megatron.workers.batching import ModelInputs
+from verl_megatron.workers.model_inputs import ModelInputs
 
 
 def is_moe(chunks: Sequence[torch.nn.Module]) -> bool:

@@ -26,7 +26,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from verl_megatron.distributed.modules import unwrap
-from verl_megatron.workers.batching import ModelInputs
+from verl_megatron.workers.model_inputs import ModelInputs
 
 __all__ = ["OutputRowSelector"]
 

@@ -16,9 +16,11 @@ the gradients of all n responses summed, which is the sum the unshared layout co
 n copies, in another order.
 
 The model row also carries the full [G, 1, S, S] boolean mask (True = hidden), so megatron's
-own attention computes the same thing; ``SDPADotProductAttention`` recognises the layout
-attached to that mask and attends prompt and responses separately instead of scoring all
-S x S pairs.
+own attention computes the same thing; the model runner passes the layout itself as the call's
+``packed_seq_params`` (``models.shared_prefix_attention.SharedPrefixParams``), from which
+``SDPADotProductAttention`` attends prompt and responses separately instead of scoring all
+S x S pairs, and re-indexes the rotary table by the layout's ``rotary_index``
+(``models.rotary_positions``).
 
 Rows whose response tokens are not a contiguous prefix of the response columns, or a micro-batch
 where sharing would not save positions, keep the ordinary layout.
@@ -26,117 +28,19 @@ where sharing would not save positions, keep the ordinary layout.
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass, field
-
 import torch
-import torch.nn.functional as F
 
 from verl_megatron.distributed.modules import unwrap
+from verl_megatron.models.shared_prefix_attention import SharedPrefix, attend, full_mask
+from verl_megatron.workers.model_inputs import PAD_ID, ModelInputs, response_columns
 
-__all__ = ["SharedPrefix", "attend", "shared_prefix_inputs"]
+__all__ = ["SharedPrefix", "attend", "full_mask", "shared_prefix_inputs", "unsupported_reason"]
 
 # A micro-batch is laid out shared only when that needs at most this fraction of the
 # positions of the padded layout (the extra attention calls cost a little).
 _MIN_SAVING = 0.9
 # Upper bound on the [G, 1, S, S] mask's elements (bytes); past it the ordinary layouts are used.
 _MAX_MASK_ELEMENTS = 1 << 26
-
-
-@dataclass
-class SharedPrefix:
-    """Layout of shared-prompt model rows [G, S], S = prompt_width + slots * slot_width.
-
-    Attributes:
-        prompt_width: P, columns of the (right-aligned) prompt.
-        slots: n, response slots per model row.
-        slot_width: Rw, columns per response slot.
-        key_valid: [G, P] bool, prompt columns holding a token.
-        rotary_index: [S] rotary position of each column (c below P, P + j in a slot).
-    """
-
-    prompt_width: int
-    slots: int
-    slot_width: int
-    key_valid: torch.Tensor
-    rotary_index: torch.Tensor
-    _masks: dict = field(default_factory=dict, repr=False, compare=False)
-
-    @property
-    def width(self) -> int:
-        return self.prompt_width + self.slots * self.slot_width
-
-    def masks(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``_slot_masks`` on ``device``, built once per micro-batch (every layer reads them)."""
-        if device not in self._masks:
-            self._masks[device] = _slot_masks(self, device)
-        return self._masks[device]
-
-
-def _slot_masks(layout: SharedPrefix, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Allowed (True = may attend) masks: prompt [G, 1, P, P] and responses [G*n, 1, Rw, P + Rw]."""
-    p, n, w = layout.prompt_width, layout.slots, layout.slot_width
-    keys = layout.key_valid.to(device)
-    g = keys.shape[0]
-    causal_p = torch.ones(p, p, dtype=torch.bool, device=device).tril()
-    prompt = causal_p & keys[:, None, None, :]
-    # A query at a prompt padding column has no visible key; it may see itself (its output
-    # is padding that nothing reads, and SDPA would give NaN for an empty row).
-    prompt = prompt | torch.eye(p, dtype=torch.bool, device=device)
-    causal_r = torch.ones(w, w, dtype=torch.bool, device=device).tril()
-    response = torch.cat((keys[:, None, None, :].expand(g, 1, w, p), causal_r.expand(g, 1, w, w)), dim=-1)
-    response = response.repeat_interleave(n, dim=0)
-    return prompt, response
-
-
-def attend(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    layout: SharedPrefix,
-    scale: float | None,
-    gqa: bool,
-) -> torch.Tensor:
-    """query [S, G, heads, d], key/value [S, G, groups, d] -> context [S, G, heads, d]."""
-    p, n, w = layout.prompt_width, layout.slots, layout.slot_width
-    g = query.shape[1]
-    allowed_p, allowed_r = layout.masks(query.device)
-
-    def heads_first(t: torch.Tensor) -> torch.Tensor:  # [s, G, h, d] -> [G, h, s, d]
-        return t.permute(1, 2, 0, 3)
-
-    def per_slot(t: torch.Tensor) -> torch.Tensor:  # [n*w, G, h, d] -> [G*n, h, w, d]
-        return t.reshape(n, w, g, *t.shape[2:]).permute(2, 0, 3, 1, 4).reshape(g * n, t.shape[2], w, -1)
-
-    q_p, k_p, v_p = (heads_first(t[:p]) for t in (query, key, value))
-    out_p = F.scaled_dot_product_attention(q_p, k_p, v_p, attn_mask=allowed_p, scale=scale, enable_gqa=gqa)
-
-    def with_prompt(prompt: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
-        shared = prompt.unsqueeze(1).expand(g, n, *prompt.shape[1:]).reshape(g * n, *prompt.shape[1:])
-        return torch.cat((shared, per_slot(rest)), dim=2)
-
-    q_r = per_slot(query[p:])
-    k_r, v_r = with_prompt(k_p, key[p:]), with_prompt(v_p, value[p:])
-    out_r = F.scaled_dot_product_attention(q_r, k_r, v_r, attn_mask=allowed_r, scale=scale, enable_gqa=gqa)
-    # back to [S, G, h, d]: prompt columns, then slot by slot
-    heads, d = query.shape[2], query.shape[3]
-    out_r = out_r.reshape(g, n, heads, w, d).permute(1, 3, 0, 2, 4).reshape(n * w, g, heads, d)
-    return torch.cat((out_p.permute(2, 0, 1, 3), out_r), dim=0)
-
-
-def full_mask(layout: SharedPrefix) -> torch.Tensor:
-    """[G, 1, S, S] bool, True where a query may NOT attend to a key (megatron's convention)."""
-    p, n, w = layout.prompt_width, layout.slots, layout.slot_width
-    allowed_p, allowed_r = layout.masks(layout.key_valid.device)
-    g, s = layout.key_valid.shape[0], layout.width
-    allowed = torch.zeros(g, 1, s, s, dtype=torch.bool)
-    allowed[:, :, :p, :p] = allowed_p
-    allowed_r = allowed_r.view(g, n, w, p + w)
-    for k in range(n):
-        rows = slice(p + k * w, p + (k + 1) * w)
-        allowed[:, 0, rows, :p] = allowed_r[:, k, :, :p]
-        allowed[:, 0, rows, rows] = allowed_r[:, k, :, p:]
-    return ~allowed
 
 
 def _prompt_groups(prompts: list[tuple[int, ...]]) -> list[list[int]]:
@@ -152,9 +56,7 @@ def shared_prefix_inputs(
 ):
     """Shared-prompt ModelInputs for one micro-batch's rows, or None where the layout does not apply
     or would not save positions over ``padded_width`` columns per row."""
-    from verl_megatron.workers.batching import _PAD_ID, ModelInputs, _response_columns
-
-    _response_columns(attention_mask, responses.shape[1])  # its one-line errors first
+    response_columns(attention_mask, responses.shape[1])  # its one-line errors first
     rows, tr = responses.shape
     tp = input_ids.shape[1] - tr
     valid = attention_mask.bool()
@@ -172,7 +74,7 @@ def shared_prefix_inputs(
     if num * s > _MIN_SAVING * rows * padded_width or num * s * s > _MAX_MASK_ELEMENTS:
         return None
 
-    ids = torch.full((num, s), _PAD_ID, dtype=input_ids.dtype)
+    ids = torch.full((num, s), PAD_ID, dtype=input_ids.dtype)
     positions = torch.zeros((num, s), dtype=torch.long)
     padding = torch.ones((num, s), dtype=torch.bool)
     key_valid = torch.zeros((num, p), dtype=torch.bool)
@@ -199,12 +101,10 @@ def shared_prefix_inputs(
     resp_valid = valid[:, tp:]
     rotary = torch.cat((torch.arange(p), (p + torch.arange(w)).repeat(n)))
     layout = SharedPrefix(prompt_width=p, slots=n, slot_width=w, key_valid=key_valid, rotary_index=rotary)
-    mask = full_mask(layout)
-    mask.shared_prefix = layout
     return ModelInputs(
         input_ids=ids,
         position_ids=positions,
-        attention_mask=mask,
+        attention_mask=full_mask(layout),
         packed_seq_params=None,
         gather_index=gather,
         response_valid=resp_valid,
@@ -242,43 +142,14 @@ def unsupported_reason(chunks) -> str | None:
 
 
 class PrefixSharing:
-    """Rotary-position hooks for shared-prompt micro-batches (see the module docstring).
+    """A model runner's shared-prompt mode: what each micro-batch's model call takes explicitly.
 
-    megatron's GPTModel computes rotary embeddings for columns 0..S-1; while installed, a
-    forward hook re-indexes them by the current micro-batch's ``rotary_index``.
+    megatron's GPTModel computes rotary embeddings for columns 0..S-1; a shared-prompt row's
+    columns have the unshared positions ``rotary_index`` instead, which the runner applies for
+    that call (``models.rotary_positions``). Holds no per-call state.
     """
 
-    def __init__(self, chunks) -> None:
-        self.chunks = chunks
-        self._rotary = [
-            model.rotary_pos_emb
-            for model in map(unwrap, chunks)
-            if getattr(model, "position_embedding_type", None) == "rope"
-        ]
-        self._index: torch.Tensor | None = None
-
-    def prepare(self, inputs) -> None:
-        """Call before a micro-batch's forward."""
+    def rotary_index(self, inputs: ModelInputs) -> torch.Tensor | None:
+        """[S] rotary position of each column of a shared-prompt micro-batch, else None."""
         layout = inputs.shared_prefix
-        self._index = None if layout is None else layout.rotary_index
-
-    def _hook(self, module, args, output):
-        if self._index is None:
-            return output
-        return output.index_select(0, self._index.to(output.device))
-
-    @contextlib.contextmanager
-    def installed(self):
-        handles = [rotary.register_forward_hook(self._hook) for rotary in self._rotary]
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
-            self._index = None
-
-    def batch_invariant(self) -> bool:
-        """True while the model runs the rollout's bitwise parity kernels (no sharing then)."""
-        from verl_megatron.models import batch_invariant
-
-        return batch_invariant.key_length(self.chunks) is not None
+        return None if layout is None else layout.rotary_index
