@@ -213,6 +213,13 @@ def _build_training(
         actor_chunks, optimizer, scheduler = _trained(policy, config.actor.optim, bf16)
         replay = _route_replay(config, runtime, actor_chunks)
         routes.extend([replay] if replay is not None else [])
+        invariance = None
+        if config.rollout.bitwise_parity:
+            from verl_megatron.models import batch_invariant
+
+            invariance = batch_invariant.enable(
+                actor_chunks, config.rollout.prompt_length + config.rollout.response_length
+            )
         actor = MegatronActor(
             runtime,
             config.actor,
@@ -220,13 +227,8 @@ def _build_training(
             optimizer,
             scheduler,
             route_replay=replay.training if replay is not None else None,
+            batch_invariance=invariance,
         )
-        if config.rollout.bitwise_parity:
-            from verl_megatron.models import batch_invariant
-
-            batch_invariant.enable(
-                actor_chunks, config.rollout.prompt_length + config.rollout.response_length
-            )
         ref = None
         if use_reference(config):
             ref = MegatronRef(runtime, config.ref, policy_chunks(config, runtime, hf_config))
