@@ -339,11 +339,9 @@ class ModelRunner:
         shape = micro_batches[0].inputs.input_ids.shape
         for chunk in self.chunks:
             chunk.train(not forward_only)
-        selecting = self.row_selector.installed() if self.row_selector else contextlib.nullcontext()
         with (
             torch.set_grad_enabled(not forward_only),
             _schedule_settings(self.chunks, **settings),
-            selecting,
             replay.running() if replay is not None else contextlib.nullcontext(),
         ):
             get_forward_backward_func()(
@@ -378,9 +376,11 @@ class ModelRunner:
 
     def _forward(self, model: torch.nn.Module, inputs: ModelInputs) -> torch.Tensor:
         """One micro-batch through one chunk; the layout's features go in as explicit arguments
-        (the shared-prompt layout as ``packed_seq_params``, rotary positions for this call only)."""
+        (the shared-prompt layout as ``packed_seq_params``; rotary positions and the output rows
+        to compute for this call only)."""
         device = self.runtime.device
-        with rotary_positions(model, self._rotary_index(inputs)):
+        selecting = self.row_selector.selecting(inputs) if self.row_selector else contextlib.nullcontext()
+        with rotary_positions(model, self._rotary_index(inputs)), selecting:
             return model(
                 inputs.input_ids.to(device),
                 inputs.position_ids.to(device),

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -78,41 +79,39 @@ def _foldable_grad(module, args, output):
     return logits, bias
 
 
+def _select_rows(flat: torch.Tensor, module, args, kwargs):
+    """Forward pre-hook: the output layer's input [S, b, h] -> the rows ``flat`` names, [K, 1, h]."""
+    hidden = args[0]  # position (row i, column j) of gather_index's flat i * S + j
+    s, b = hidden.shape[0], hidden.shape[1]
+    flat = flat.to(hidden.device)
+    rows = (flat % s) * b + torch.div(flat, s, rounding_mode="floor")
+    picked = hidden.reshape(s * b, *hidden.shape[2:]).index_select(0, rows).unsqueeze(1)
+    return (picked, *args[1:]), kwargs
+
+
 class OutputRowSelector:
-    """Forward pre-hooks on the output layers that keep only the current micro-batch's rows."""
+    """Forward pre-hooks on the output layers that keep only one micro-batch's rows, for its call."""
 
     def __init__(self, chunks: Sequence[torch.nn.Module]) -> None:
         self.layers = _output_layers(chunks)
-        self._flat: torch.Tensor | None = None
 
     @property
     def active(self) -> bool:
         return self.layers is not None
 
+    def prepare(self, inputs: ModelInputs) -> ModelInputs:
+        """The inputs a micro-batch's step function must use when its call ran :meth:`selecting`."""
+        return dataclasses.replace(inputs, output_rows_selected=True)
+
     @contextlib.contextmanager
-    def installed(self) -> Iterator[None]:
-        handles = [
-            layer.register_forward_pre_hook(self._hook, with_kwargs=True) for layer in self.layers or []
-        ]
+    def selecting(self, inputs: ModelInputs) -> Iterator[None]:
+        """For one model call: the output layers see only the rows of ``inputs.gather_index``.
+        The hooks are removed on exit, so no micro-batch's rows outlive its call."""
+        select = functools.partial(_select_rows, inputs.gather_index.reshape(-1))
+        handles = [layer.register_forward_pre_hook(select, with_kwargs=True) for layer in self.layers or []]
         handles += [layer.register_forward_hook(_foldable_grad) for layer in self.layers or []]
         try:
             yield
         finally:
             for handle in handles:
                 handle.remove()
-            self._flat = None
-
-    def prepare(self, inputs: ModelInputs) -> ModelInputs:
-        """Call before a micro-batch's forward; returns the inputs its step function must use."""
-        self._flat = inputs.gather_index.reshape(-1)
-        return dataclasses.replace(inputs, output_rows_selected=True)
-
-    def _hook(self, module, args, kwargs):
-        hidden = args[0]  # [S, b, h]: position (row i, column j) of gather_index's flat i * S + j
-        if self._flat is None:
-            raise RuntimeError("OutputRowSelector: output layer ran without prepare() for its micro-batch")
-        s, b = hidden.shape[0], hidden.shape[1]
-        flat = self._flat.to(hidden.device)
-        rows = (flat % s) * b + torch.div(flat, s, rounding_mode="floor")
-        picked = hidden.reshape(s * b, *hidden.shape[2:]).index_select(0, rows).unsqueeze(1)
-        return (picked, *args[1:]), kwargs
