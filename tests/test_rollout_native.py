@@ -408,7 +408,7 @@ def _modules_only():
         decode.lean_layer = real
 
 
-def _prefill_and_step(bare, runtime):
+def _prefill_and_step(bare, runtime, invariance=None):
     """A decoder's prefill of ``prompt_batch()`` and one greedy decoding step:
     (decoder, logits [2, rows, V])."""
     from verl_megatron.rollout import decode
@@ -418,7 +418,7 @@ def _prefill_and_step(bare, runtime):
     positions, rows, width = prompts.batch["position_ids"], len(PROMPT_LENGTHS), ids.shape[1]
     key_valid = torch.ones(rows, width + 1, dtype=torch.bool)
     key_valid[:, :width] = mask
-    decoder = decode.ChunkDecoder(bare, runtime, rows, width + 1, VOCAB)
+    decoder = decode.ChunkDecoder(bare, runtime, rows, width + 1, VOCAB, invariance)
     first = decoder.step(ids, positions, key_valid, start=0)[:, :VOCAB]
     second = decoder.step(first.argmax(-1, keepdim=True), positions[:, -1:] + 1, key_valid, start=width)
     return decoder, torch.stack([first, second[:, :VOCAB]])
@@ -445,8 +445,8 @@ def lean_job(model_dir: str, tp: int) -> dict:
 
     runtime, chunks, _ = _setup(model_dir, tp=tp)
 
-    def two_steps(bare) -> tuple[torch.Tensor, int, list[str]]:
-        decoder, logits = _prefill_and_step(bare, runtime)
+    def two_steps(bare, invariance=None) -> tuple[torch.Tensor, int, list[str]]:
+        decoder, logits = _prefill_and_step(bare, runtime, invariance)
         return logits, sum(plan is not None for plan in decoder.lean[0]), decoder.lean_skipped
 
     with decode.inference_mode_for(chunks) as bare:
@@ -458,9 +458,9 @@ def lean_job(model_dir: str, tp: int) -> dict:
     with decode.inference_mode_for(chunks) as bare:
         _, hooked_lean, hooked_reasons = two_steps(bare)
     hook.remove()
-    batch_invariant.enable(chunks, max(PROMPT_LENGTHS) + 1)
+    invariance = batch_invariant.enable(chunks, max(PROMPT_LENGTHS) + 1)
     with decode.inference_mode_for(chunks) as bare:
-        _, parity_lean, _ = two_steps(bare)
+        _, parity_lean, _ = two_steps(bare, invariance)
     return {"lean": lean, "modules": modules, "full": full, "lean_layers": lean_layers,
             "hooked_lean": hooked_lean, "hooked_reasons": hooked_reasons, "parity_lean": parity_lean}  # fmt: skip
 
