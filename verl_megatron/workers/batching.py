@@ -188,30 +188,7 @@ def _padded_inputs(
     padding[row_of[valid], columns[valid]] = False
     gather = torch.arange(input_ids.shape[0]).unsqueeze(-1) * width + resp_cols - 1
     positions = torch.arange(width).unsqueeze(0).expand(rows, -1).contiguous()
-    return _laid_out(ids, positions, padding, gather, resp_valid, responses)
-
-
-def _laid_out(
-    ids: torch.Tensor,
-    positions: torch.Tensor,
-    padding: torch.Tensor,
-    gather: torch.Tensor,
-    resp_valid: torch.Tensor,
-    responses: torch.Tensor,
-    attention_mask: torch.Tensor | None = None,
-    packed_seq_params=None,
-) -> ModelInputs:
-    """ModelInputs of a padded or packed layout; ``gather`` [r, Tr] is zeroed at padding responses."""
-    return ModelInputs(
-        input_ids=ids,
-        position_ids=positions,
-        attention_mask=attention_mask,
-        packed_seq_params=packed_seq_params,
-        gather_index=torch.where(resp_valid, gather, torch.zeros_like(gather)),
-        response_valid=resp_valid,
-        labels=responses,
-        padding=padding,
-    )
+    return ModelInputs.laid_out(ids, positions, padding, gather, resp_valid, responses)
 
 
 def _block_causal_mask(lengths: list[int]) -> torch.Tensor:
@@ -279,12 +256,13 @@ def _packed_inputs(
     # Padding at the end forms its own segment so it never mixes with a real sequence.
     segments = [int(n) for n in slots] + ([total - used] if total > used else [])
     gather = offsets.unsqueeze(-1) + resp_cols - 1
-    attention, packed = None, None
-    if thd:
-        packed = _thd_params(segments, cp_size)
-    else:
-        attention = _block_causal_mask(segments)
-    return _laid_out(ids, positions, padding, gather, resp_valid, responses, attention, packed)
+    # THD boundaries for Transformer Engine, else a block-causal mask keeps the segments apart.
+    layout = (
+        {"packed_seq_params": _thd_params(segments, cp_size)}
+        if thd
+        else {"attention_mask": _block_causal_mask(segments)}
+    )
+    return ModelInputs.laid_out(ids, positions, padding, gather, resp_valid, responses, **layout)
 
 
 def _model_shape(attention_mask: torch.Tensor, pack: bool, align: int, cp_size: int) -> tuple[int, int]:

@@ -64,6 +64,31 @@ class ModelInputs:
     shared_prefix: object | None = None
     """``models.shared_prefix_attention.SharedPrefix`` where rows sharing a prompt share one model row."""
 
+    @classmethod
+    def laid_out(
+        cls,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        padding: torch.Tensor,
+        gather: torch.Tensor,
+        resp_valid: torch.Tensor,
+        responses: torch.Tensor,
+        **layout,
+    ) -> ModelInputs:
+        """The inputs of a layout (``layout``: its attention_mask, packed_seq_params or
+        shared_prefix); ``gather`` [r, Tr] is zeroed at padding response positions."""
+        return cls(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=layout.pop("attention_mask", None),
+            packed_seq_params=layout.pop("packed_seq_params", None),
+            gather_index=torch.where(resp_valid, gather, torch.zeros_like(gather)),
+            response_valid=resp_valid,
+            labels=responses,
+            padding=padding,
+            **layout,
+        )
+
     def gather(self, output: torch.Tensor) -> torch.Tensor:
         """Model output [b, S, ...] (or [1, N, ...]) at the response positions: [r, Tr, ...] ([K, ...] under cp)."""
         if self.output_rows_selected:

@@ -101,17 +101,8 @@ def shared_prefix_inputs(
     resp_valid = valid[:, tp:]
     rotary = torch.cat((torch.arange(p), (p + torch.arange(w)).repeat(n)))
     layout = SharedPrefix(prompt_width=p, slots=n, slot_width=w, key_valid=key_valid, rotary_index=rotary)
-    return ModelInputs(
-        input_ids=ids,
-        position_ids=positions,
-        attention_mask=full_mask(layout),
-        packed_seq_params=None,
-        gather_index=gather,
-        response_valid=resp_valid,
-        labels=responses,
-        padding=padding,
-        shared_prefix=layout,
-    )
+    shared = {"attention_mask": full_mask(layout), "shared_prefix": layout}
+    return ModelInputs.laid_out(ids, positions, padding, gather, resp_valid, responses, **shared)
 
 
 def unsupported_reason(chunks) -> str | None:
