@@ -347,7 +347,7 @@ def packing_job(model_dir: str) -> dict:
 
     def switched(bare) -> list:
         impls = [vars(m).get("_forward_impl") for m in bare[0].modules()]
-        return [impl for impl in impls if isinstance(impl, packed_linear._PackedMatmul)]
+        return [impl for impl in impls if isinstance(impl, packed_linear.PackedMatmul)]
 
     # The layers' own modules (what LoRA / MoE layers decode through), not lean_layer.py's ops.
     with _modules_only(), inference_mode_for(chunks) as bare:
