@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from verl_megatron.rollout.cpu.packed_linear import _PackedMatmul, pack_weight, packing_available
+from verl_megatron.rollout.cpu.packed_linear import PackedMatmul, pack_weight, packing_available
 
 __all__ = ["LeanLayer", "lean_layer"]
 
@@ -113,7 +113,7 @@ def _why_not(layer: torch.nn.Module) -> str | None:
              "fc2": RowParallelLinear}  # fmt: skip
     for name, module in linears.items():
         if type(module) is not kinds[name] or not isinstance(
-            vars(module).get("_forward_impl", _PackedMatmul), _PackedMatmul
+            vars(module).get("_forward_impl", PackedMatmul), PackedMatmul
         ):
             return f"{name} is {type(module).__name__} with its own matmul"
         if module.weight.device.type != "cpu" or module.weight.dtype != torch.float32:

@@ -26,7 +26,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-__all__ = ["pack_weight", "packed_linears", "packing_available"]
+__all__ = ["PackedMatmul", "pack_weight", "packed_linears", "packing_available"]
 
 # Rows the packed layout is tuned for: a decoding batch. The layout barely depends on it
 # (16..4096 rows measured within 10% of each other at 8, 64 and 512 rows).
@@ -53,7 +53,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, _ROWS_HINT)
 
 
-class _PackedMatmul:
+class PackedMatmul:
     """Stands in for megatron's ``_forward_impl`` (same arguments) in forward-only use."""
 
     def __init__(self, original) -> None:
@@ -100,7 +100,7 @@ def packed_linears(chunks: Sequence[torch.nn.Module]) -> Iterator[int]:
                     and not getattr(module, "explicit_expert_comm", False)
                     and _on_cpu(module)
                 ):
-                    module._forward_impl = _PackedMatmul(module._forward_impl)
+                    module._forward_impl = PackedMatmul(module._forward_impl)
                     switched.append(module)
     try:
         yield len(switched)
