@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from verl_megatron.models.shared_prefix_attention import SharedPrefix
+
 __all__ = ["PAD_ID", "ModelInputs", "compact_columns", "merge_held", "response_columns"]
 
 # Token id written into padding slots; any id works because those outputs are never read.
@@ -61,8 +63,8 @@ class ModelInputs:
     """The model's output holds only the gather_index positions, in order ([1, K, ...]):
     ``workers.output_rows`` ran the LM head on those rows alone."""
     padding: torch.Tensor | None = None
-    shared_prefix: object | None = None
-    """``models.shared_prefix_attention.SharedPrefix`` where rows sharing a prompt share one model row."""
+    shared_prefix: SharedPrefix | None = None
+    """The layout where rows sharing a prompt share one model row (``workers.shared_prefix``)."""
 
     @classmethod
     def laid_out(
