@@ -31,7 +31,8 @@ from verl_megatron.protocol import DataProto
 from verl_megatron.workers import moe
 from verl_megatron.workers.batching import MicroBatch
 from verl_megatron.workers.config import ActorConfig, PolicyLossSettings, RefConfig
-from verl_megatron.workers.model_runner import ModelRunner, PPOUpdates, StepResult, dp_share
+from verl_megatron.workers.model_runner import ModelRunner, StepResult, dp_share
+from verl_megatron.workers.ppo_updates import PPOUpdates
 from verl_megatron.workers.routes import TrainingRoutes
 
 __all__ = ["MegatronActor", "MegatronRef"]

@@ -21,7 +21,8 @@ from verl_megatron.protocol import DataProto
 from verl_megatron.workers.actor import batch_tensors
 from verl_megatron.workers.batching import MicroBatch
 from verl_megatron.workers.config import CriticConfig
-from verl_megatron.workers.model_runner import ModelRunner, PPOUpdates, StepResult, dp_share
+from verl_megatron.workers.model_runner import ModelRunner, StepResult, dp_share
+from verl_megatron.workers.ppo_updates import PPOUpdates
 
 __all__ = ["MegatronCritic"]
 

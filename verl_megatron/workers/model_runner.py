@@ -32,7 +32,6 @@ import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,7 +55,7 @@ from verl_megatron.workers.batching import (
 from verl_megatron.workers.output_rows import OutputRowSelector
 from verl_megatron.workers.routes import TrainingRoutes
 
-__all__ = ["ModelRunner", "PPOUpdates", "StepResult", "dp_share"]
+__all__ = ["ModelRunner", "StepResult", "dp_share"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -516,37 +515,6 @@ class ModelRunner:
             totals = totals.cpu()
         totals = self._broadcast_pp(totals)
         return dict(zip(names, totals.tolist()))
-
-
-class PPOUpdates:
-    """The update call the actor and the critic share: PPO epochs of one optimizer step per
-    mini-batch through ``runner``, then one scheduler step. ``update_calls`` counts the calls
-    (it seeds the mini-batch order and is checkpointed by the trainer)."""
-
-    runner: ModelRunner
-    config: Any
-    optimizer: Any
-    scheduler: Any
-    update_calls: int
-
-    def _ppo_update(
-        self, batch: dict[str, torch.Tensor], *, prefix: str, **epochs
-    ) -> dict[str, float | list[float]]:
-        """:meth:`ModelRunner.ppo_epochs` (``epochs``: its tensor_keys, loss_step, metric_names)
-        with ``{prefix}/lr`` (the rate these steps used) and ``{prefix}/skipped_steps`` (steps
-        dropped for a non-finite gradient norm) added."""
-        cfg = self.config
-        seed = cfg.data_loader_seed if cfg.data_loader_seed is not None else self.runner.runtime.seed
-        lr = float(self.optimizer.param_groups[0]["lr"])
-        history, skipped = self.runner.ppo_epochs(
-            batch, self.optimizer, cfg=cfg, seed=seed + 7919 * self.update_calls, prefix=prefix, **epochs
-        )
-        self.scheduler.step(1)
-        self.update_calls += 1
-        metrics: dict[str, float | list[float]] = dict(history)
-        metrics[f"{prefix}/lr"] = lr
-        metrics[f"{prefix}/skipped_steps"] = float(skipped)
-        return metrics
 
 
 def clip_by_norm(optimizer, grad_norm: float) -> None:
