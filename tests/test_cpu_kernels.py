@@ -1,4 +1,4 @@
-"""The compiled one-token decode attention (rollout/cpu_kernels.py) against float64.
+"""The compiled one-token decode attention (rollout/cpu/kernels.py) against float64.
 
 Its error to a float64 reference must stay within twice the Python path's own float32 error
 on the same inputs (the decoder's fallback: rotary embedding, cache write, matmul, softmax,

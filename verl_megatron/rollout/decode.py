@@ -166,7 +166,7 @@ class ChunkDecoder:
         else:  # the training forward's own arithmetic
             self.rotate = _rotate
         self.sin = sin.to(self.dtype)
-        # One-token attention on CPU through the compiled kernels where they build (cpu_kernels.py).
+        # One-token attention on CPU through the compiled kernels where they build (cpu/kernels.py).
         self.kernels = (
             decode_kernels()
             if self.parity_length is None and self.device.type == "cpu" and self.dtype == torch.float32

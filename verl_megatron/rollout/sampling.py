@@ -211,7 +211,7 @@ def sample_next(
     plain = not params.greedy and params.top_k <= 0 and params.top_p >= 1.0
     if plain and scaled.device.type == "cpu" and scaled.shape[-1] > 4 * _BLOCK:
         kernels = decode_kernels()
-        if kernels is not None:  # the same two-level draw, compiled (cpu_kernels.py)
+        if kernels is not None:  # the same two-level draw, compiled (cpu/kernels.py)
             u = _uniform(scaled.shape[0], scaled, generator, uniform).reshape(-1)
             return kernels.sample_softmax(scaled, u, _BLOCK)
     # One fused softmax rather than max, subtract, exp and sum: on CPU its exponential is about

@@ -120,7 +120,7 @@ class OverlongBufferConfig:
 @dataclass
 class RewardModelConfig(ModelRewardSettings):
     """How responses are scored (verl's ``reward_model`` section): the rule-based manager below,
-    a reward model and a judge (``ModelRewardSettings``, workers/reward_model_config.py).
+    a reward model and a judge (``ModelRewardSettings``, reward/model_config.py).
 
     Attributes:
         reward_manager: "naive", "dapo", "batch", "parallel", "prime" or an import path.
