@@ -35,7 +35,9 @@ def test_import_contracts_hold():
         timeout=300,
     )
     report = result.stdout + result.stderr
-    assert result.returncode == 0, "import contracts broken (pyproject.toml [tool.importlinter]):\n" + report[-6000:]
+    assert result.returncode == 0, (
+        "import contracts broken (pyproject.toml [tool.importlinter]):\n" + report[-6000:]
+    )
     assert "2 kept, 0 broken" in report, report[-3000:]
 
 
@@ -50,8 +52,8 @@ def test_files_and_functions_stay_small():
                 length = node.end_lineno - node.lineno + 1
                 if length > MAX_FUNCTION_LINES:
                     too_long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {length} lines")
-    assert not too_long, f"over {MAX_FILE_LINES} lines a file / {MAX_FUNCTION_LINES} a function:\n" + "\n".join(
-        too_long
+    assert not too_long, (
+        f"over {MAX_FILE_LINES} lines a file / {MAX_FUNCTION_LINES} a function:\n" + "\n".join(too_long)
     )
 
 

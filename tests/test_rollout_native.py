@@ -526,7 +526,9 @@ def attention_kernel_job(model_dir: str) -> dict:
             fallback_used = decoder.kernels is not None
     finally:
         decode.decode_kernels = real
-    for chunk in chunks:  # the same float32 weights, upcast exactly: the reference both paths are measured against
+    for (
+        chunk
+    ) in chunks:  # the same float32 weights, upcast exactly: the reference both paths are measured against
         chunk.double()
     ids = prompt_batch().batch["input_ids"]
     exact = []
