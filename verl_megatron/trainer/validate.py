@@ -21,6 +21,7 @@ from verl_megatron.data.config import TRUNCATION_MODES
 from verl_megatron.distributed.parallel import ParallelLayout
 from verl_megatron.errors import ConfigError, ModelConfigError, ParallelConfigError
 from verl_megatron.models import routing_replay
+from verl_megatron.models.checkpoint_check import check_hf_weights
 from verl_megatron.models.config import check_layout, load_hf_config, read_hf_architecture
 from verl_megatron.models.moe import check_trainable
 from verl_megatron.reward.loading import resolve_reward_manager_cls
@@ -288,7 +289,8 @@ def _check_finite(node: Any, prefix: str) -> None:
 
 
 def check_model_fits(layout: ParallelLayout, model_path: str, sequence_parallel: bool = False) -> None:
-    """Parallel sizes against the checkpoint's heads, kv heads, layers and experts (reads config.json only)."""
+    """Parallel sizes against the checkpoint's heads, kv heads, layers and experts (config.json), and
+    its weights against config.json (safetensors headers only)."""
     if not os.path.exists(os.path.expanduser(model_path)):
         raise ConfigError(f"model.path='{model_path}' does not exist")
     try:
@@ -302,6 +304,7 @@ def check_model_fits(layout: ParallelLayout, model_path: str, sequence_parallel:
         check_trainable(arch.moe, layout.tp, sequence_parallel)
     except (ParallelConfigError, ModelConfigError) as err:
         raise ConfigError(f"parallel: {err} (model.path='{model_path}')") from None
+    check_hf_weights(model_path, arch)  # headers only: missing, truncated or misfit weights named
 
 
 def _resolve_layout(config: PPOConfig, world_size: int) -> ParallelLayout:
