@@ -2,13 +2,17 @@
 
 Its error to a float64 reference must stay within twice the Python path's own float32 error
 on the same inputs (the decoder's fallback: rotary embedding, cache write, matmul, softmax,
-matmul). Masked columns hold huge
-values, so a masked key that leaked into a softmax would show as a large error.
+matmul). Why 2: both are float32 evaluations of the same sums in different orders (the kernel's
+order depends on the vector width it was compiled for), so both obey one rounding bound of which
+each measured error is one sample; a real defect (a leaked mask, a wrong scale) is off by orders
+of magnitude. Masked columns hold huge values, so a masked key that leaked into a softmax would
+show as a large error. Every check runs on the native build and on the generic (x86-64-v2) one.
 """
 
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,12 +44,12 @@ def _inputs(batch, groups, per_group, dim, length, total, seed=0, whole=False):
     return q, k[:, :, :length], v[:, :, :length], mask
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    module = cpu_kernels.decode_kernels()
+@pytest.fixture(scope="module", params=cpu_kernels.ARCHES)
+def kernels(request):
+    module = cpu_kernels.decode_kernels(request.param)
     assert module is not None, (
-        "the CPU decoding kernels did not build on this machine (see the warning above: "
-        "they need a C++ compiler and ninja)"
+        f"the {request.param} CPU decoding kernels did not build on this machine (see the warning "
+        "above: they need a C++ compiler and ninja)"
     )
     return module
 
@@ -97,9 +101,10 @@ def test_kernel_uses_the_threads_and_rejects_bad_input(kernel):
 
 @pytest.fixture
 def fresh_loader(monkeypatch):
-    """The loader with its per-process result forgotten (restored afterwards)."""
+    """The loader with its per-process results forgotten (restored afterwards), default target."""
     saved = dict(cpu_kernels._loaded)
     cpu_kernels._loaded.clear()
+    monkeypatch.delenv(cpu_kernels.ARCH_ENV, raising=False)  # the default target
     yield
     cpu_kernels._loaded.clear()
     cpu_kernels._loaded.update(saved)
@@ -108,7 +113,7 @@ def fresh_loader(monkeypatch):
 @pytest.mark.parametrize("value", ["0", "off"])
 def test_switched_off_by_the_environment(fresh_loader, monkeypatch, value):
     monkeypatch.setenv(cpu_kernels.DISABLE_ENV, value)
-    monkeypatch.setattr(cpu_kernels, "_build", lambda: pytest.fail("built although switched off"))
+    monkeypatch.setattr(cpu_kernels, "_build", lambda arch: pytest.fail("built although switched off"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert cpu_kernels.decode_kernels() is None
@@ -117,8 +122,8 @@ def test_switched_off_by_the_environment(fresh_loader, monkeypatch, value):
 def test_a_failed_build_warns_once_and_falls_back(fresh_loader, monkeypatch):
     calls = []
 
-    def broken():
-        calls.append(1)
+    def broken(arch):
+        calls.append(arch)
         raise RuntimeError("Ninja is required to load C++ extensions\nmore detail")
 
     monkeypatch.delenv(cpu_kernels.DISABLE_ENV, raising=False)
@@ -126,11 +131,78 @@ def test_a_failed_build_warns_once_and_falls_back(fresh_loader, monkeypatch):
     with pytest.warns(UserWarning) as record:
         assert cpu_kernels.decode_kernels() is None
         assert cpu_kernels.decode_kernels() is None
-    assert len(calls) == 1 and len(record) == 1
+    assert calls == ["native"] and len(record) == 1
     message = str(record[0].message)
     assert "\n" not in message
     assert "RuntimeError: Ninja is required to load C++ extensions" in message
     assert cpu_kernels.DISABLE_ENV in message
+
+
+def test_the_target_comes_from_the_argument_then_the_environment(fresh_loader, monkeypatch):
+    built = []
+    monkeypatch.delenv(cpu_kernels.DISABLE_ENV, raising=False)
+    monkeypatch.setattr(cpu_kernels, "_build", lambda arch: built.append(arch) or arch)
+    monkeypatch.setenv(cpu_kernels.ARCH_ENV, "Generic ")
+    assert cpu_kernels.decode_kernels() == "generic"
+    assert cpu_kernels.decode_kernels("native") == "native"
+    assert cpu_kernels.decode_kernels() == "generic"
+    assert built == ["generic", "native"]  # one load per target and process
+    monkeypatch.setenv(cpu_kernels.ARCH_ENV, "avx9")
+    with pytest.raises(ValueError, match=f"{cpu_kernels.ARCH_ENV}='avx9': expected one of native, generic"):
+        cpu_kernels.decode_kernels()
+
+
+def test_flags_of_each_target(monkeypatch):
+    monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "x86_64")
+    assert "-march=native" in cpu_kernels._flags("native")
+    generic = cpu_kernels._flags("generic")
+    assert "-march=x86-64-v2" in generic and not any("native" in f for f in generic)
+    monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "aarch64")
+    assert not any(f.startswith("-march") for f in cpu_kernels._flags("generic"))
+
+
+# Each input of the build's name, and a changed value for it: the name must change with each.
+_KEY_INPUTS = {
+    "_cpu_tag": lambda: "model name : Another CPU\nflags : fpu sse2",
+    "_compiler": lambda: "/opt/clang/bin/clang++ clang version 18.1.0",
+    "_source_hash": lambda: "0" * 64,
+    "_flags": lambda arch: ["-O2"],
+}
+
+
+@pytest.mark.parametrize("name", [*_KEY_INPUTS, "torch", "machine"])
+@pytest.mark.parametrize("arch", cpu_kernels.ARCHES)
+def test_the_build_name_changes_with_everything_that_changes_the_binary(monkeypatch, name, arch):
+    """A machine moved to another CPU model, a new compiler, an edited source, other flags or
+    another torch get another build; the generic build does not depend on the CPU model (it
+    runs on any x86-64-v2 CPU), only on the kind of machine."""
+    before = cpu_kernels.build_name(arch)
+    assert before.startswith(f"verl_megatron_decode_kernels_{arch}_")
+    assert before == cpu_kernels.build_name(arch)  # deterministic
+    if name == "torch":
+        monkeypatch.setattr(cpu_kernels.torch, "__version__", "9.9.9")
+    elif name == "machine":
+        monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "riscv64")
+    else:
+        monkeypatch.setattr(cpu_kernels, name, _KEY_INPUTS[name])
+    after = cpu_kernels.build_name(arch)
+    if name == "_cpu_tag" and arch == "generic":
+        assert after == before
+    else:
+        assert after != before, f"{name} changed but the {arch} build's name did not"
+    assert cpu_kernels.build_name("native") != cpu_kernels.build_name("generic")
+
+
+def test_the_cpu_tag_and_compiler_describe_this_machine():
+    """The real inputs, not placeholders: the CPU's instruction-set flags and the compiler's
+    resolved path and version line."""
+    tag = cpu_kernels._cpu_tag()
+    assert tag.startswith(cpu_kernels.platform.machine())
+    info = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    flags = [line for line in info if line.startswith(("flags", "Features"))]
+    assert not flags or flags[0] in tag
+    compiler = cpu_kernels._compiler()
+    assert "not found" not in compiler and Path(compiler.split(" ", 1)[0]).is_file(), compiler
 
 
 def _python_step(qkv, cos, signed_sin, k_cache, v_cache, start, mask, scale):

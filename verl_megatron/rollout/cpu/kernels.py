@@ -18,19 +18,27 @@ Whole generate calls at the benchmark size (batch 64, 128 tokens, interleaved pa
 
 The kernels are built once per machine by torch's JIT extension loader (a C++ compiler and
 ninja, about 25 s; cached under ``TORCH_EXTENSIONS_DIR``, by default
-``~/.cache/torch_extensions``). They are compiled for this CPU (``-march=native``), so the
-build's name carries a hash of the CPU's model and flags: a home directory shared by different
-machines gets one build per CPU kind. Where they cannot be built, or with
+``~/.cache/torch_extensions``). ``VERL_MEGATRON_CPU_KERNELS_ARCH`` picks the target:
+``native`` (default, ``-march=native``: this CPU's widest vectors) or ``generic``
+(``-march=x86-64-v2`` on x86, SSE4.2 and no wider: runs on any x86 server of the last decade;
+elsewhere no ``-march`` at all). The build's name is a hash of everything that changes the binary
+(the target; for ``native`` the CPU's model and flags; the compiler's path and version; the
+source; the flags; torch's version), so a cache shared by different machines, or a machine moved
+to another CPU, never loads a build made for another CPU. Where they cannot be built, or with
 ``VERL_MEGATRON_CPU_KERNELS=0``, decoding keeps the torch ops, with one warning saying why. The
-two agree to float32 rounding (tests/test_cpu_kernels.py).
+two agree to float32 rounding for either target (tests/test_cpu_kernels.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
+import json
 import os
 import platform
+import shutil
+import subprocess
 import threading
 import warnings
 from pathlib import Path
@@ -38,28 +46,91 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["DISABLE_ENV", "decode_kernels"]
+__all__ = ["ARCHES", "ARCH_ENV", "DISABLE_ENV", "build_name", "decode_kernels"]
 
 DISABLE_ENV = "VERL_MEGATRON_CPU_KERNELS"
+ARCH_ENV = "VERL_MEGATRON_CPU_KERNELS_ARCH"
+ARCHES = ("native", "generic")
 _SOURCE = Path(__file__).with_name("csrc") / "decode_kernels.cpp"
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+_COMMON_FLAGS = ["-O3", "-ffast-math", "-fopenmp"]
 
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}
 
 
+def _arch(arch: str | None) -> str:
+    """The build target: ``arch``, else $VERL_MEGATRON_CPU_KERNELS_ARCH, else ``native``."""
+    chosen = (arch or os.environ.get(ARCH_ENV, "") or "native").strip().lower()
+    if chosen not in ARCHES:
+        raise ValueError(f"{ARCH_ENV}={chosen!r}: expected one of {', '.join(ARCHES)}")
+    return chosen
+
+
+def _flags(arch: str) -> list[str]:
+    """Compiler flags of a target. ``generic`` on x86 is x86-64-v2 (SSE4.2): the vector width,
+    hence the kernels' summation order, differs from an AVX2/AVX-512 native build, which is what
+    the portability tests need; elsewhere it is the compiler's default target."""
+    if arch == "native":
+        return [*_COMMON_FLAGS, "-march=native"]
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        return [*_COMMON_FLAGS, "-march=x86-64-v2", "-mtune=generic"]
+    return list(_COMMON_FLAGS)
+
+
 def _cpu_tag() -> str:
-    """Short hash of this CPU's model and instruction-set flags (the build uses -march=native)."""
+    """This CPU's model and instruction-set flags (what ``-march=native`` compiles for)."""
     text = platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
-            text += "".join(line for line in f if line.startswith(("model name", "flags")))[:4096]
+            # x86 says "model name" / "flags", arm "CPU part" / "Features".
+            keys = ("model name", "flags", "CPU implementer", "CPU part", "Features")
+            text += "".join(line for line in f if line.startswith(keys))[:8192]
     except OSError:
         text += platform.processor()
-    return hashlib.sha1(text.encode()).hexdigest()[:10]
+    return text
 
 
-def _build() -> ModuleType:
+@functools.cache
+def _compiler_of(command: str) -> str:
+    path = shutil.which(command)
+    if path is None:
+        return f"{command}: not found"
+    try:
+        done = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30, check=False)
+        first = (done.stdout.strip().splitlines() or [""])[0]
+    except (OSError, subprocess.SubprocessError) as exc:
+        first = type(exc).__name__
+    return f"{os.path.realpath(path)} {first}"
+
+
+def _compiler() -> str:
+    """The C++ compiler torch's loader will call ($CXX, else c++): resolved path and the first
+    line of its ``--version``."""
+    return _compiler_of(os.environ.get("CXX", "c++"))
+
+
+def _source_hash() -> str:
+    return hashlib.sha256(_SOURCE.read_bytes()).hexdigest()
+
+
+def build_name(arch: str | None = None) -> str:
+    """The extension's name, which is its cache key: the target, a hash over the machine kind,
+    the CPU (native builds only), the compiler, the source, the flags and torch's version."""
+    arch = _arch(arch)
+    inputs = {
+        "arch": arch,
+        "machine": platform.machine(),
+        "cpu": _cpu_tag() if arch == "native" else "",
+        "compiler": _compiler(),
+        "source": _source_hash(),
+        "flags": _flags(arch),
+        "torch": torch.__version__,
+    }
+    digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
+    return f"verl_megatron_decode_kernels_{arch}_{digest}"
+
+
+def _build(arch: str) -> ModuleType:
     from torch.utils.cpp_extension import load
 
     # torch runs `ninja` from PATH; the pip package's binary is not on it when the venv's python
@@ -72,16 +143,16 @@ def _build() -> ModuleType:
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
 
     module = load(
-        name=f"verl_megatron_decode_kernels_{_cpu_tag()}",
+        name=build_name(arch),
         sources=[str(_SOURCE)],
-        extra_cflags=_FLAGS,
+        extra_cflags=_flags(arch),
         extra_ldflags=["-fopenmp"],
         verbose=False,
     )
     return module
 
 
-def decode_kernels() -> ModuleType | None:
+def decode_kernels(arch: str | None = None) -> ModuleType | None:
     """The compiled kernels (float32, CPU; see csrc/decode_kernels.cpp for the exact contracts),
     or None where they are switched off or cannot be built (warned once):
 
@@ -91,15 +162,18 @@ def decode_kernels() -> ModuleType | None:
       embedding, cache write and attention in one pass;
     - ``sample_softmax(scaled_logits [B, V], uniforms [B], block)`` -> (tokens [B], log-probs [B]).
 
-    The first call in a process loads, and on a new machine compiles, them.
+    ``arch``: ``native`` or ``generic`` (default: $VERL_MEGATRON_CPU_KERNELS_ARCH, else
+    native); another value is a ValueError. The first call for a target in a process loads, and
+    on a new machine compiles, its build.
     """
+    arch = _arch(arch)
     with _lock:
-        if "kernels" not in _loaded:
-            _loaded["kernels"] = _load()
-        return _loaded["kernels"]
+        if arch not in _loaded:
+            _loaded[arch] = _load(arch)
+        return _loaded[arch]
 
 
-def _load() -> ModuleType | None:
+def _load(arch: str) -> ModuleType | None:
     if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "off", "no"):
         return None
     if not torch.backends.openmp.is_available():
@@ -108,7 +182,7 @@ def _load() -> ModuleType | None:
         warnings.warn("CPU decoding kernels not used: this torch is built without OpenMP", stacklevel=3)
         return None
     try:
-        return _build()
+        return _build(arch)
     except Exception as exc:  # no compiler / ninja / writable cache: the torch ops still work
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         warnings.warn(
