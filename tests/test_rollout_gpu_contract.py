@@ -9,7 +9,11 @@ SGLang's ``python/sglang/srt/entrypoints/engine.py``):
   "external_launcher"``;
 - ``LLM.wake_up(tags)`` takes ``"weights"`` / ``"kv_cache"``; ``LLM.reset_prefix_cache()``;
 - SGLang's ``Engine.update_weights_from_tensor(named_tensors, load_format=None, flush_cache=True)``,
-  ``Engine.flush_cache()``, ``Engine.resume_memory_occupation(tags=None)``.
+  ``Engine.flush_cache()``, ``Engine.release_memory_occupation(tags=None)`` and
+  ``Engine.resume_memory_occupation(tags=None)``: the scheduler
+  (``python/sglang/srt/managers/scheduler_update_weights_mixin.py``) reads ``tags=None`` as every
+  memory type (``GPU_MEMORY_ALL_TYPES`` in ``python/sglang/srt/constants.py``), adds released tags
+  to a set and removes resumed ones from it (``set.remove``: resuming a tag not released raises).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from verl_megatron.rollout.sglang_engine import SGLangBackend, SGLangRollout
 from verl_megatron.rollout.vllm_engine import VLLMBackend, VLLMRollout, disable_engine_multiprocessing
 
 _TAGS = {"weights", "kv_cache"}
+# SGLang's GPU_MEMORY_ALL_TYPES: what release/resume_memory_occupation(tags=None) act on.
+_SGLANG_ALL_TYPES = ["kv_cache", "weights", "weights_drafter", "cuda_graph"]
 
 
 class FakeLLM:
@@ -56,11 +62,20 @@ class FakeLLM:
 
 
 class FakeEngine:
-    """``sglang.Engine`` (offline) recording the calls."""
+    """``sglang.Engine`` (offline) recording the calls, with the scheduler's memory-tag bookkeeping."""
 
     def __init__(self, **kwargs) -> None:
         self.kwargs = kwargs
         self.log: list[tuple] = []
+        self.offloaded: set[str] = set()  # the scheduler's offload_tags
+
+    def generate(self, input_ids, sampling_params=None, return_logprob=False):
+        # Decoding replays the CUDA graphs over the weights and the KV cache: all must be mapped.
+        assert not self.offloaded & {"weights", "kv_cache", "cuda_graph"}, sorted(self.offloaded)
+        self.log.append(("generate", len(input_ids)))
+        return [
+            {"output_ids": [1], "meta_info": {"output_token_logprobs": [(-0.5, 1, None)]}} for _ in input_ids
+        ]
 
     def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
         self.log.append(("update_weights_from_tensor", len(named_tensors), flush_cache))
@@ -69,10 +84,14 @@ class FakeEngine:
         self.log.append(("flush_cache",))
 
     def release_memory_occupation(self, tags=None):
+        assert tags is None or (isinstance(tags, list) and set(tags) <= set(_SGLANG_ALL_TYPES)), tags
+        self.offloaded.update(tags or _SGLANG_ALL_TYPES)
         self.log.append(("release_memory_occupation", tags))
 
     def resume_memory_occupation(self, tags=None):
-        assert tags is None or (isinstance(tags, list) and set(tags) <= _TAGS), tags
+        assert tags is None or (isinstance(tags, list) and set(tags) <= set(_SGLANG_ALL_TYPES)), tags
+        for tag in tags or _SGLANG_ALL_TYPES:
+            self.offloaded.remove(tag)  # KeyError, as in SGLang, for a tag that was not released
         self.log.append(("resume_memory_occupation", tags))
 
 
@@ -146,12 +165,45 @@ def test_sglang_weight_sync_flushes_the_cache_once(fake_engines):
     assert isinstance(rollout.backend, SGLangBackend)
     _cycle(rollout)
     assert rollout.backend.engine.log == [
-        ("release_memory_occupation", None),
+        ("release_memory_occupation", ["weights", "kv_cache", "cuda_graph"]),
         ("resume_memory_occupation", ["weights"]),
         ("update_weights_from_tensor", 2, False),
         ("flush_cache",),
-        ("resume_memory_occupation", ["kv_cache"]),
+        ("resume_memory_occupation", ["kv_cache", "cuda_graph"]),
     ]
+
+
+def _sglang_generate(rollout) -> None:
+    from tests.test_rollout_engines import _request
+
+    rollout.backend.generate([[5], [6]], _request())
+
+
+def test_sglang_wake_up_resumes_every_tag_sleep_released(fake_engines):
+    """Tag symmetry: after each sleep/wake-up sequence nothing stays offloaded and decoding runs."""
+    config = RolloutConfig(name="sglang", tensor_model_parallel_size=1, update_weights_bucket_megabytes=1)
+    rollout = SGLangRollout(config, RUNTIME, [], None, HF)
+    engine = rollout.backend.engine
+    rollout.sleep()  # the build-time sleep (build_colocated), then one training step's calls
+    assert engine.offloaded == {"weights", "kv_cache", "cuda_graph"}
+    rollout.wake_up_weights()
+    assert engine.offloaded == {"kv_cache", "cuda_graph"}
+    rollout.sync_weights()
+    rollout.wake_up()
+    assert engine.offloaded == set()
+    _sglang_generate(rollout)
+    # A wake-up without the weights-only one (no weight sync this step) resumes the same tags.
+    rollout.sleep()
+    rollout.wake_up()
+    assert engine.offloaded == set() and engine.log[-1] == (
+        "resume_memory_occupation", ["weights", "kv_cache", "cuda_graph"],
+    )  # fmt: skip
+    _sglang_generate(rollout)
+    # And never a tag twice: a second wake-up of an awake engine calls nothing.
+    calls = len(engine.log)
+    rollout.backend.wake_up(None)
+    rollout.backend.wake_up(("kv_cache",))
+    assert len(engine.log) == calls
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang", "native"])

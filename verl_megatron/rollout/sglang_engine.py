@@ -4,7 +4,12 @@ Every rank drives one offline ``sglang.Engine`` on its own GPU (SGLang's engine 
 worker processes, so it cannot share the trainer's ranks for tensor parallelism the way vLLM's
 external launcher does: ``rollout.tensor_model_parallel_size`` must be 1). Weights start as
 dummies and stream in through ``update_weights_from_tensor`` in buckets; ``sleep`` / ``wake_up``
-release and resume the engine's GPU memory (``enable_memory_saver``).
+release and resume the engine's GPU memory (``enable_memory_saver``) by SGLang's memory tags:
+sleep releases the weights, the KV cache and the CUDA graphs, and the wake-ups resume exactly
+those (the weights first, for the weight sync; then the KV cache and the CUDA graphs, which
+generation needs). A tag released and never resumed would leave its memory unmapped (CUDA graphs
+are on by default: their replay would read unmapped memory); a tag resumed that was not released
+is an error in SGLang (its set of offloaded tags has no such entry).
 
 Sampling: a prompt's n samples are requested as n copies of the prompt; the engine's draws are
 seeded by its ``random_seed`` (SGLang takes no per-request seed), so only the native and vLLM
@@ -28,12 +33,21 @@ from verl_megatron.rollout.external import (
 from verl_megatron.rollout.weight_sync import NamedTensor
 
 __all__ = [
+    "SLEEP_TAGS",
     "SGLangBackend",
     "SGLangRollout",
     "completions_from_sglang",
     "sglang_engine_kwargs",
     "sglang_sampling_params",
 ]
+
+
+# SGLang's memory tags (``sglang.srt.constants.GPU_MEMORY_TYPE_*``). Without tags SGLang releases
+# every type it knows, so the tags are always named: what sleep releases is what the wake-ups resume.
+SLEEP_TAGS = ("weights", "kv_cache", "cuda_graph")
+# The rollout's two wake-ups (ExternalRollout: "weights" for the sync, then "kv_cache" for
+# generation) -> SGLang's tags; generation needs its CUDA graphs with the KV cache.
+_WAKE_TAGS = {"weights": ("weights",), "kv_cache": ("kv_cache", "cuda_graph")}
 
 
 def sglang_engine_kwargs(config: RolloutConfig, hf_config: Any, runtime: Runtime) -> dict[str, Any]:
@@ -93,6 +107,7 @@ class SGLangBackend(EngineBackend):
         import sglang
 
         self.engine = sglang.Engine(**sglang_engine_kwargs(config, hf_config, runtime))
+        self.released: set[str] = set()  # the tags released by sleep and not resumed yet
 
     def generate(self, prompts: list[list[int]], request: GenerationRequest) -> list[list[Completion]]:
         n = request.params.n
@@ -112,10 +127,16 @@ class SGLangBackend(EngineBackend):
         self.engine.flush_cache()
 
     def sleep(self) -> None:
-        self.engine.release_memory_occupation()
+        self.engine.release_memory_occupation(tags=list(SLEEP_TAGS))
+        self.released = set(SLEEP_TAGS)
 
     def wake_up(self, tags: tuple[str, ...] | None = None) -> None:
-        self.engine.resume_memory_occupation(tags=None if tags is None else list(tags))
+        """Resume the SGLang tags behind the rollout's ``tags`` (all released ones for None)."""
+        wanted = SLEEP_TAGS if tags is None else tuple(t for tag in tags for t in _WAKE_TAGS[tag])
+        resume = [tag for tag in SLEEP_TAGS if tag in wanted and tag in self.released]
+        if resume:
+            self.engine.resume_memory_occupation(tags=resume)
+            self.released.difference_update(resume)
 
 
 class SGLangRollout(ExternalRollout):
