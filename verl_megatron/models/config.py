@@ -39,12 +39,18 @@ _RECOMPUTE_KEYS = ("recompute_granularity", "recompute_method", "recompute_num_l
 
 
 def transformer_engine_available() -> bool:
-    """True when Transformer Engine imports and a GPU is present (its kernels need CUDA)."""
+    """True when Transformer Engine's PyTorch part imports and a GPU is present (its kernels need CUDA).
+
+    The ``transformer_engine`` package alone is not enough: an install without its PyTorch part
+    (``transformer_engine_torch``) imports, and megatron's spec builder fails on it later. Its
+    ``transformer_engine.pytorch`` raises ImportError, or FileNotFoundError when the extension's
+    shared object is missing; both read as unavailable.
+    """
     if not torch.cuda.is_available():
         return False
     try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
+        import transformer_engine.pytorch  # noqa: F401
+    except (ImportError, OSError):
         return False
     return True
 
@@ -110,9 +116,10 @@ class ModelConfig:
         if torch.cuda.is_available() and not self.use_te:
             if self.use_te is None and not available:
                 raise ModelConfigError(
-                    "model.use_te is auto and this GPU machine has no transformer_engine: install it "
-                    "(pip install 'verl-megatron[gpu]'), or set model.use_te=false to run megatron's local "
-                    "spec on the GPU (dense attention mask per packed micro-batch, unfused attention)"
+                    "model.use_te is auto and this GPU machine has no transformer_engine.pytorch (Transformer "
+                    "Engine's PyTorch part): install it (README, 'GPU install'), or set model.use_te=false to run "
+                    "megatron's local spec on the GPU (dense attention mask per packed micro-batch, unfused "
+                    "attention; configs/gpu_quickstart.yaml does)"
                 )
             if self.use_te is False:
                 logger.warning(
@@ -123,7 +130,7 @@ class ModelConfig:
             why = (
                 "no GPU is present"
                 if not torch.cuda.is_available()
-                else "transformer_engine is not installed"
+                else "transformer_engine.pytorch does not import"
             )
             raise ModelConfigError(
                 f"model.use_te=True needs Transformer Engine on CUDA, but {why}; set use_te to null (auto) or false"
