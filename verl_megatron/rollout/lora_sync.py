@@ -30,10 +30,26 @@ __all__ = [
     "check_rollout_lora",
     "lora_rollout_config",
     "uses_adapter_sync",
+    "vllm_max_lora_rank",
 ]
 
 LORA_SYNC_MODES = ("merged", "adapter")
 _ADAPTER_ENGINES = ("vllm",)
+# The max_lora_rank values vLLM's LoRAConfig accepts (vLLM >= 0.10; later versions add 1, which
+# this list leaves out so that one value works on every version the gpu extra allows). Its
+# kernels are built for these sizes; an adapter of a smaller rank runs in the next one up.
+VLLM_MAX_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_max_lora_rank(lora_rank: int) -> int:
+    """The smallest rank vLLM accepts as ``max_lora_rank`` that holds adapters of ``lora_rank``."""
+    for accepted in VLLM_MAX_LORA_RANKS:
+        if lora_rank <= accepted:
+            return accepted
+    raise RolloutConfigError(
+        f"model.lora_rank={lora_rank} is above vLLM's largest max_lora_rank ({VLLM_MAX_LORA_RANKS[-1]}): "
+        "use a smaller rank or rollout.lora_sync=merged"
+    )
 
 
 def check_rollout_lora(rollout_cfg: Any, model_cfg: Any) -> None:
@@ -48,6 +64,8 @@ def check_rollout_lora(rollout_cfg: Any, model_cfg: Any) -> None:
             f"rollout.lora_sync=adapter loads adapters through vLLM's LoRARequest; rollout.name="
             f"{rollout_cfg.name!r} takes merged weights (rollout.lora_sync=merged)"
         )
+    if uses_adapter_sync(rollout_cfg, model_cfg) and "max_lora_rank" not in rollout_cfg.engine_kwargs:
+        vllm_max_lora_rank(model_cfg.lora_rank)  # a rank vLLM cannot hold fails here, before any build
 
 
 def uses_adapter_sync(rollout_cfg: Any, model_cfg: Any) -> bool:
@@ -60,11 +78,13 @@ def uses_adapter_sync(rollout_cfg: Any, model_cfg: Any) -> bool:
 
 def lora_rollout_config(rollout_cfg: Any, model_cfg: Any) -> Any:
     """The rollout config an engine is built from: with adapter sync, vLLM's LoRA switches added
-    (``enable_lora``, ``max_lora_rank`` = the adapters' rank, one adapter at a time) unless the
-    user's ``engine_kwargs`` set them."""
+    (``enable_lora``, ``max_lora_rank`` = the adapters' rank rounded up to a size vLLM accepts,
+    one adapter at a time) unless the user's ``engine_kwargs`` set them."""
     if not uses_adapter_sync(rollout_cfg, model_cfg):
         return rollout_cfg
-    lora = {"enable_lora": True, "max_lora_rank": int(model_cfg.lora_rank), "max_loras": 1}
+    lora = {"enable_lora": True, "max_loras": 1}
+    if "max_lora_rank" not in rollout_cfg.engine_kwargs:
+        lora["max_lora_rank"] = vllm_max_lora_rank(int(model_cfg.lora_rank))
     return dataclasses.replace(rollout_cfg, engine_kwargs={**lora, **rollout_cfg.engine_kwargs})
 
 
