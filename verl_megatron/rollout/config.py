@@ -154,6 +154,11 @@ class RolloutConfig:
     as well; exact with routing replay R3, at ep > 1 as well), but not with multi_turn or a gated
     shared expert (qwen2_moe).
     Off: the two differ by float rounding (~1e-6 in float32, ~1e-3 in bfloat16)."""
+    parity_probe_interval: int = 10
+    """With algorithm.rollout_correction.bypass_mode (which trusts bitwise parity and so skips the
+    log-prob diff): every this many steps the actor recomputes one micro-batch's log-probs and
+    logs ``rollout/parity_probe/max_diff``; a nonzero diff stops the run (``ParityProbeError``,
+    trainer/parity_probe.py). 0 switches the probe off."""
     lora_sync: str = "merged"
     """vllm/sglang with LoRA (model.lora_rank > 0): what a weight sync sends, ``merged`` (base +
     adapters, every sync) or ``adapter`` (vllm only: the base once, then the adapters as a PEFT
@@ -206,6 +211,10 @@ class RolloutConfig:
             raise RolloutConfigError(
                 f"rollout.log_prob_micro_batch_size_per_gpu must be >= 1 or null, "
                 f"got {self.log_prob_micro_batch_size_per_gpu}"
+            )
+        if not isinstance(self.parity_probe_interval, int) or self.parity_probe_interval < 0:
+            raise RolloutConfigError(
+                f"rollout.parity_probe_interval must be an integer >= 0 (0: off), got {self.parity_probe_interval!r}"
             )
         if self.bitwise_parity and self.name != "native":
             raise RolloutConfigError(

@@ -40,6 +40,7 @@ from verl_megatron.trainer import metrics as M
 from verl_megatron.trainer.components import Components, RewardFn, total_training_steps
 from verl_megatron.trainer.config import PPOConfig, to_dict
 from verl_megatron.trainer.guard import DivergenceGuard
+from verl_megatron.trainer.parity_probe import parity_probe
 from verl_megatron.trainer.ppo.rollout_correction import apply_rollout_correction
 from verl_megatron.trainer.rollout_phase import rollout_phase
 from verl_megatron.trainer.rollout_source import RolloutSource
@@ -192,6 +193,8 @@ class PPOTrainer:
             batch, gen_metrics = self.rollout_source.next_batch(step, timing)
             metrics.update(gen_metrics)
             metrics.update(self._old_log_probs(batch, timing))
+            if self.config.algorithm.rollout_correction.bypass_mode:  # bypass trusts parity: probe it
+                metrics.update(parity_probe(self.actor, batch, step, self.config.rollout, timing))
             metrics.update(apply_rollout_correction(batch, self.config.algorithm.rollout_correction))
             self._reference_and_values(batch, timing)
             with M.timed("adv", timing):
