@@ -64,13 +64,15 @@ def test_separate_placement_resolves_the_layout_on_the_trainer_ranks() -> None:
 # ------------------------------------------------------------------ the weight wire
 
 
-def wire_job() -> dict:
-    """Rank 0 sends two versions of mixed-dtype weights in 64-byte buckets to rank 1."""
+def wire_job(broadcast: bool = False) -> dict:
+    """Rank 0 sends two versions of mixed-dtype weights in 64-byte buckets to rank 1
+    (``broadcast``: the payloads over a second group, as over NCCL on GPU; gloo stands in)."""
     import torch.distributed as dist
 
     from verl_megatron.rollout.weight_sync import WeightSender, isend_object, receive_weights, recv_object
 
     group = dist.new_group([0, 1])
+    payloads = dist.new_group([0, 1]) if broadcast else None
     weights = [
         ("a", torch.arange(12, dtype=torch.float32).reshape(3, 4)),
         ("b", torch.tensor([1.5, -2.25], dtype=torch.bfloat16)),
@@ -80,7 +82,7 @@ def wire_job() -> dict:
     out: dict = {}
     try:
         if dist.get_rank() == 0:
-            sender = WeightSender(group, [1], 64 / 2**20)
+            sender = WeightSender(group, [1], 64 / 2**20, broadcast=payloads)
             out["stats"] = [sender.send(iter(weights), v).buckets for v in (3, 4)]
             for work, _ in isend_object(group, {"step": 2, "x": [1, 2]}, 1):
                 work.wait()
@@ -88,16 +90,20 @@ def wire_job() -> dict:
         else:
             for _ in range(2):
                 received: list = []
-                out.setdefault("versions", []).append(receive_weights(group, 0, received.append))
+                version = receive_weights(group, 0, received.append, broadcast=payloads)
+                out.setdefault("versions", []).append(version)
             out["buckets"] = [[(n, t.clone()) for n, t in bucket] for bucket in received]
             out["object"] = recv_object(group, 0)
     finally:
         dist.destroy_process_group(group)
+        if payloads is not None:
+            dist.destroy_process_group(payloads)
     return out
 
 
-def test_weights_cross_bucketed_and_exact(pool2) -> None:
-    sender, receiver = pool2.run(f"{__name__}:wire_job")
+@pytest.mark.parametrize("broadcast", [False, True])
+def test_weights_cross_bucketed_and_exact(pool2, broadcast) -> None:
+    sender, receiver = pool2.run(f"{__name__}:wire_job", broadcast=broadcast)
     assert sender["stats"] == [3, 3]  # a+b (56 bytes), c alone, d
     assert receiver["versions"] == [3, 4] and receiver["object"] == {"step": 2, "x": [1, 2]}
     names = [[n for n, _ in bucket] for bucket in receiver["buckets"]]

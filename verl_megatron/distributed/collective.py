@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from verl_megatron.distributed.wire import check_wire
+
 
 def raise_on_any_rank(error: BaseException | None, device: torch.device, message: str) -> None:
     """Collective: re-raise this rank's ``error``, or RuntimeError(message) when another rank had one.
@@ -13,6 +15,7 @@ def raise_on_any_rank(error: BaseException | None, device: torch.device, message
     instead of leaving the others waiting in their next collective.
     """
     status = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=device)
+    check_wire("raise_on_any_rank", status)
     dist.all_reduce(status, op=dist.ReduceOp.MAX)
     if error is not None:
         raise error
@@ -23,5 +26,6 @@ def raise_on_any_rank(error: BaseException | None, device: torch.device, message
 def max_over_ranks(value: float, device: torch.device) -> float:
     """Collective: the largest ``value`` of all ranks (float64)."""
     tensor = torch.tensor(value, dtype=torch.float64, device=device)
+    check_wire("max_over_ranks", tensor)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return float(tensor)

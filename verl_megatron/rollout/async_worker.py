@@ -143,14 +143,25 @@ class RolloutWorker:
         self.wait_s = 0.0  # blocked waiting for weights
 
     def _receive(self) -> None:
-        version = receive_weights(self.placement.transfer, 0, self.weights.load)
+        placement = self.placement
+        version = receive_weights(
+            placement.transfer, 0, self.weights.load, broadcast=placement.weights, device=self.runtime.device
+        )
         self.weights.finish_version()
         if version != self.version + 1 and self.version >= 0:
             raise RuntimeError(f"rollout: weight version {version} arrived after {self.version}")
         self.version = version
 
     def _refresh(self) -> None:
-        """Load every weight version the trainer has already sent (partial rollout)."""
+        """Load every weight version the trainer has already sent (partial rollout).
+
+        Not under an NCCL broadcast with several rollout ranks: every rollout rank must join each
+        broadcast, and the ranks' segment loops end at different points (a rank whose rows are all
+        done stops refreshing), so a rank waiting in a broadcast could wait on a peer waiting in
+        the batch gather. Weights then arrive at step starts, which every rank reaches alike.
+        """
+        if self.placement.weights is not None and len(self.placement.rollout_ranks) > 1:
+            return
         while self.placement.store.check([weights_key(self.version + 1)]):
             self._receive()
 

@@ -9,7 +9,9 @@ rollout ranks another, and megatron is initialised in each exactly as in a coloc
 trainer's layout resolves against the trainer ranks only). A third group over all ranks, built
 directly on the same store, carries what crosses between the roles: the start message, the
 weights after each update and the generated batches (``rollout/weight_sync.py``). It is gloo:
-tensors cross on the CPU, whatever the roles compute on.
+what crosses it crosses on the CPU. On GPU (the roles' backend is NCCL) a fourth group, NCCL over
+trainer rank 0 and the rollout ranks, carries the weights themselves: device tensors, one
+broadcast per bucket instead of a host copy sent to each rollout rank in turn.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ class Placement:
     """Key-value store shared by all ranks (the rendezvous store, under this session's prefix)."""
     transfer: dist.ProcessGroup | None
     """gloo ProcessGroup over all ranks, global rank numbering (None once closed)."""
+    weights: dist.ProcessGroup | None = None
+    """NCCL group over trainer rank 0 (its rank 0) and the rollout ranks, for the weight payloads;
+    None on CPU (gloo: the weights go over ``transfer``) and on the other trainer ranks."""
 
     @property
     def is_trainer(self) -> bool:
@@ -66,6 +71,9 @@ class Placement:
         from verl_megatron.distributed.parallel import destroy_megatron_groups
 
         destroy_megatron_groups()
+        if self.weights is not None:
+            self.weights.shutdown()
+            self.weights = None
         if self.transfer is not None:
             self.transfer.shutdown()
             self.transfer = None
@@ -98,6 +106,9 @@ def init_placement(rollout: RolloutConfig, timeout_minutes: int = 30) -> Placeme
         backend, store=dist.PrefixStore(role, session), rank=role_rank, world_size=role_world, timeout=timeout
     )
     transfer = dist.ProcessGroupGloo(dist.PrefixStore("transfer", session), rank, world, timeout)
+    weights = None
+    if backend == "nccl" and (rank == 0 or role == ROLLOUT):
+        weights = _weights_group(dist.PrefixStore("weights", session), rank, trainers, world, timeout)
     return Placement(
         role=role,
         rank=rank,
@@ -105,4 +116,13 @@ def init_placement(rollout: RolloutConfig, timeout_minutes: int = 30) -> Placeme
         trainer_world_size=trainers,
         store=dist.PrefixStore("keys", session),
         transfer=transfer,
+        weights=weights,
     )
+
+
+def _weights_group(
+    store: dist.Store, rank: int, trainers: int, world: int, timeout: datetime.timedelta
+) -> dist.ProcessGroup:
+    """NCCL over global ranks [0, trainers, ..., world-1], numbered in that order (sender first)."""
+    members = [0, *range(trainers, world)]
+    return dist.ProcessGroupNCCL(store, members.index(rank), len(members), timeout)

@@ -11,7 +11,10 @@ loader cannot take part of a tensor), so the peak is max(bucket, largest tensor)
 With ``rollout.placement=separate`` the same buckets cross to the rollout ranks over a process
 group (``WeightSender`` / ``receive_weights``): each bucket is one flat byte buffer plus a
 header naming its tensors, sent without blocking the trainer (the buffers of one version stay
-alive until the next version is sent, the rollout having taken them by then).
+alive until the next version is sent, the rollout having taken them by then). On CPU (gloo)
+the buffer is a host copy sent to each rollout rank in turn; given a ``broadcast`` group (NCCL,
+over the sending rank and the rollout ranks, ``rollout/placement.py``) it stays on the device
+and crosses in one broadcast, only the small per-bucket header going over the gloo group.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from verl_megatron.distributed.wire import check_wire
 
 __all__ = [
     "Message",
@@ -147,11 +152,26 @@ def _as_bytes(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-def pack_bucket(bucket: list[NamedTensor]) -> tuple[bytes, torch.Tensor]:
-    """(header, payload): the tensors' bytes back to back on the CPU, and their (name, dtype, shape)."""
+def pack_bucket(bucket: list[NamedTensor], on_host: bool = True) -> tuple[bytes, torch.Tensor]:
+    """(header, payload): the tensors' bytes back to back, uint8 [total bytes], on the CPU (or,
+    ``on_host=False``, on the tensors' own device), and their (name, dtype, shape)."""
     header = pickle.dumps([(name, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in bucket])
-    flat = [t.detach().contiguous().cpu().reshape(-1).view(torch.uint8) for _, t in bucket]
+    flat = [t.detach().contiguous() for _, t in bucket]
+    flat = [(t.cpu() if on_host else t).reshape(-1).view(torch.uint8) for t in flat]
     return header, torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
+
+
+def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> dist.Work:
+    """Broadcast ``tensor`` from ``group``'s rank 0 (the sender), without waiting."""
+    check_wire("weight broadcast", tensor)
+    options = dist.BroadcastOptions()
+    options.rootRank, options.rootTensor = 0, 0
+    return group.broadcast([tensor], options)
+
+
+def _send(group: dist.ProcessGroup, tensor: torch.Tensor, dst: int, tag: int) -> Message:
+    check_wire("weight sync send", tensor)
+    return group.send([tensor], dst, tag), tensor
 
 
 def unpack_bucket(header: bytes, payload: torch.Tensor) -> list[NamedTensor]:
@@ -173,12 +193,20 @@ class WeightSender:
     """Sends weight versions from one rank to ``dst_ranks`` of ``group``, bucketed, without blocking.
 
     Per bucket and destination: a [4] int64 message (version, header bytes, payload bytes, last
-    bucket of the version), the header, the payload. A version's buffers stay referenced until
-    the next ``send`` (or ``wait``) has seen them delivered.
+    bucket of the version), the header, the payload. With ``broadcast`` (a group whose rank 0 is
+    this rank and whose others are ``dst_ranks``: NCCL on GPU) the payload instead goes once to
+    all, on its device. A version's buffers stay referenced until the next ``send`` (or
+    ``wait``) has seen them delivered.
     """
 
-    def __init__(self, group: dist.ProcessGroup, dst_ranks: list[int], bucket_megabytes: int | float) -> None:
-        self.group, self.dst_ranks = group, list(dst_ranks)
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        dst_ranks: list[int],
+        bucket_megabytes: int | float,
+        broadcast: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.group, self.dst_ranks, self.broadcast = group, list(dst_ranks), broadcast
         self.max_bytes = megabytes(bucket_megabytes)
         self._pending: list[Message] = []
 
@@ -195,11 +223,14 @@ class WeightSender:
         bucket = next(buckets, None)
         while bucket is not None:
             following = next(buckets, None)
-            header, payload = pack_bucket(bucket)
+            header, payload = pack_bucket(bucket, on_host=self.broadcast is None)
             meta = torch.tensor([version, len(header), payload.numel(), following is None], dtype=torch.int64)
-            for tensor in (meta, _as_bytes(header), payload):
+            point_to_point = (meta, _as_bytes(header)) + ((payload,) if self.broadcast is None else ())
+            for tensor in point_to_point:
                 for dst in self.dst_ranks:
-                    self._pending.append((self.group.send([tensor], dst, WEIGHTS_TAG), tensor))
+                    self._pending.append(_send(self.group, tensor, dst, WEIGHTS_TAG))
+            if self.broadcast is not None:
+                self._pending.append((_broadcast(self.broadcast, payload), payload))
             stats.tensors += len(bucket)
             stats.bytes += payload.numel()
             stats.buckets += 1
@@ -209,18 +240,32 @@ class WeightSender:
 
 
 def _recv(group: dist.ProcessGroup, tensor: torch.Tensor, src: int, tag: int) -> torch.Tensor:
+    check_wire("weight sync receive", tensor)
     group.recv([tensor], src, tag).wait()
     return tensor
 
 
-def receive_weights(group: dist.ProcessGroup, src: int, load: Callable[[list[NamedTensor]], None]) -> int:
-    """Receive one version from ``src`` (see WeightSender), calling ``load`` per bucket; its number."""
+def receive_weights(
+    group: dist.ProcessGroup,
+    src: int,
+    load: Callable[[list[NamedTensor]], None],
+    broadcast: dist.ProcessGroup | None = None,
+    device: torch.device | None = None,
+) -> int:
+    """Receive one version from ``src`` (see WeightSender), calling ``load`` per bucket; its number.
+
+    ``broadcast``: the sender's broadcast group (NCCL), payloads arrive on ``device`` through it.
+    """
     while True:
         version, header_len, payload_len, last = _recv(
             group, torch.empty(4, dtype=torch.int64), src, WEIGHTS_TAG
         )
         header = _recv(group, torch.empty(int(header_len), dtype=torch.uint8), src, WEIGHTS_TAG)
-        payload = _recv(group, torch.empty(int(payload_len), dtype=torch.uint8), src, WEIGHTS_TAG)
+        if broadcast is None:
+            payload = _recv(group, torch.empty(int(payload_len), dtype=torch.uint8), src, WEIGHTS_TAG)
+        else:
+            payload = torch.empty(int(payload_len), dtype=torch.uint8, device=device)
+            _broadcast(broadcast, payload).wait()
         load(unpack_bucket(header.numpy().tobytes(), payload))
         if last:
             return int(version)
@@ -230,7 +275,7 @@ def isend_object(group: dist.ProcessGroup, obj: object, dst: int) -> list[Messag
     """Send a picklable object without blocking; keep the returned (work, buffer) pairs until done."""
     data = _as_bytes(pickle.dumps(obj))
     size = torch.tensor([data.numel()], dtype=torch.int64)
-    return [(group.send([t], dst, OBJECT_TAG), t) for t in (size, data)]
+    return [_send(group, t, dst, OBJECT_TAG) for t in (size, data)]
 
 
 def recv_object(group: dist.ProcessGroup, src: int) -> Any:

@@ -11,8 +11,12 @@
   weight version among its tokens) is checked against ``async_training.max_staleness``; the
   rollout correction (``algorithm.rollout_correction``) then weights or rejects stale tokens.
 - after the update (``after_update``): the new weights go to the rollout ranks (bucketed,
-  ``WeightSender``), except after the last step. Validation generates here, with the trainer's
-  own weights.
+  ``WeightSender``), except after the last step. They are read only after the actor's runner has
+  completed the update's parameter all-gather (``gather_params``: with the distributed optimizer
+  and ``overlap_param_gather`` it would otherwise happen in the next forward, and the rollout
+  would get shards one update old). On GPU the payloads are broadcast once over the placement's
+  NCCL group (``Placement.weights``); on CPU they go over gloo. Validation generates here, with
+  the trainer's own weights.
 
 Per-step metrics ``async/*``: staleness mean/max, fraction of samples that span several
 weight versions (partial rollout), the rollout's wait for weights and generation time.
@@ -84,7 +88,10 @@ class AsyncRolloutLink:
         self.max_staleness = config.async_training.max_staleness
         self.samples_path = os.path.join(config.trainer.default_local_dir, SAMPLES_FILE)
         self.sender = WeightSender(
-            placement.transfer, placement.rollout_ranks, config.rollout.update_weights_bucket_megabytes
+            placement.transfer,
+            placement.rollout_ranks,
+            config.rollout.update_weights_bucket_megabytes,
+            broadcast=placement.weights,
         )
 
     # ------------------------------------------------------------------ start, weights, end
@@ -114,6 +121,7 @@ class AsyncRolloutLink:
     def _send_weights(self, version: int) -> None:
         from verl_megatron.models.convert import iter_hf_weights
 
+        self.actor.runner.gather_params()  # collective over dp: the update reaches every shard
         weights = iter_hf_weights(self.actor.chunks, self.runtime)  # collective over tp/pp
         if self.runtime.is_main:
             self.sender.send(weights, version)

@@ -40,7 +40,7 @@ from verl_megatron.distributed.modules import unwrap
 from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.errors import ParallelConfigError
 from verl_megatron.models.batch_invariant import BatchInvariance
-from verl_megatron.models.megatron_model import zero_grads
+from verl_megatron.models.megatron_model import gather_updated_params, zero_grads
 from verl_megatron.models.rotary_positions import rotary_positions
 from verl_megatron.models.shared_prefix_attention import SharedPrefixParams
 from verl_megatron.workers import context_parallel, moe, shared_prefix
@@ -416,6 +416,11 @@ class ModelRunner:
         clip_by_norm(optimizer, grad_norm)
         stepped = optimizer.step_with_ready_grads()
         return results, grad_norm, bool(stepped)
+
+    def gather_params(self) -> None:
+        """Collective over dp: complete the last update's parameter all-gather (distributed
+        optimizer with overlap_param_gather) before whole parameters are read outside a forward."""
+        gather_updated_params(self.chunks)
 
     # ------------------------------------------------------------------ moving results
     def _last_stage_rank(self) -> int:

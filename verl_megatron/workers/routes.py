@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from verl_megatron.distributed.modules import unwrap
 from verl_megatron.distributed.parallel import Runtime
+from verl_megatron.distributed.wire import check_wire, wire_dtype
 from verl_megatron.models.routing import (
     ROUTES_KEY,
     ROW_ID_KEY,
@@ -33,11 +34,7 @@ from verl_megatron.models.routing import (
     router_token_targets,
 )
 
-__all__ = ["WIRE_DTYPE", "RouteStore", "RunRoutes", "TrainingRoutes"]
-
-# The routes' dtype between dp ranks: NCCL has no uint8 restriction, but one dtype for every
-# expert count keeps both sides of the exchange simple.
-WIRE_DTYPE = torch.int16
+__all__ = ["RouteStore", "RunRoutes", "TrainingRoutes"]
 
 
 def _compact(routes: torch.Tensor, attention_mask: torch.Tensor) -> list[torch.Tensor]:
@@ -50,15 +47,19 @@ class RouteStore:
 
     Row ids encode the owner: ``id = replica + replicas * serial``; every rank numbers the rows
     of each generate call the same way, so every rank knows where a row lives.
+    ``route_dtype``: the recorder's dtype of the routes (``models.routing.route_dtype``).
     """
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Runtime, route_dtype: torch.dtype) -> None:
         self.runtime = runtime
         self.rows: dict[int, torch.Tensor] = {}  # row id -> [n_tokens, L, k]
         self.fetched: dict[int, torch.Tensor] = {}
         self.serial = 0
         self.layer_numbers: list[int] | None = None
-        self.dtype: torch.dtype | None = None
+        self.dtype = route_dtype
+        # Between dp ranks: uint8 routes (< 255 experts) travel as they are; int16 ones as int32,
+        # NCCL having no 16-bit integer type. Every rank derives it from the model alike.
+        self.wire = wire_dtype(route_dtype)
         self.row_shape: tuple[int, int] | None = None  # (L, k)
 
     def keep(self, output: Any, replica: int, replicas: int, store: bool = True) -> Any:
@@ -70,13 +71,17 @@ class RouteStore:
         layers = output.meta_info.pop("routed_experts_layers", None)
         if not store:
             return output
+        if routes.dtype != self.dtype:
+            raise TypeError(
+                f"routing replay: the rollout recorded {routes.dtype} routes, expected {self.dtype}"
+            )
         count = routes.shape[0]
         serials = torch.arange(self.serial, self.serial + count, dtype=torch.long)
         self.serial += count
         ids = replica + replicas * serials
         for row_id, row in zip(ids.tolist(), _compact(routes, output.batch["attention_mask"])):
             self.rows[row_id] = row.clone()
-        self.layer_numbers, self.dtype = layers, routes.dtype
+        self.layer_numbers = layers
         self.row_shape = (routes.shape[2], routes.shape[3])
         output.batch[ROW_ID_KEY] = ids
         return output
@@ -125,12 +130,14 @@ class RouteStore:
                 continue
             global_peer = dist.get_global_rank(group, peer)
             if owed[peer]:
-                flat = torch.cat([self.rows[i].reshape(-1) for i in owed[peer]]).to(WIRE_DTYPE).to(device)
+                flat = torch.cat([self.rows[i].reshape(-1) for i in owed[peer]]).to(self.wire).to(device)
+                check_wire("routing replay send", flat)
                 ops.append(dist.isend(flat, global_peer, group=group))
             theirs = [i for i in missing if i % dp == peer]
             if theirs:
                 sizes = [lengths[peer][i] * layers * topk for i in theirs]
-                buffer = torch.empty(sum(sizes), dtype=WIRE_DTYPE, device=device)
+                buffer = torch.empty(sum(sizes), dtype=self.wire, device=device)
+                check_wire("routing replay receive", buffer)
                 ops.append(dist.irecv(buffer, global_peer, group=group))
                 inbox.append((theirs, sizes, buffer))
         for op in ops:
@@ -236,9 +243,9 @@ class RunRoutes:
     """
 
     def __init__(self, runtime: Runtime, actor_chunks: Sequence[torch.nn.Module], replay: bool) -> None:
-        self.store = RouteStore(runtime)
-        self.training = TrainingRoutes(self.store, actor_chunks, runtime, replay)
         self.recorder = RouteRecorder(actor_chunks)
+        self.store = RouteStore(runtime, self.recorder.dtype)
+        self.training = TrainingRoutes(self.store, actor_chunks, runtime, replay)
 
     def keep(self, output: Any, replica: int, replicas: int, validate: bool) -> Any:
         """A rollout output with its routes kept on this rank (training rollouts) or dropped."""

@@ -1,0 +1,66 @@
+"""Which tensor dtypes may be communicated: the guard every communication helper calls.
+
+NCCL carries only the dtypes in PyTorch's ``ncclDataType`` map (``torch/csrc/distributed/c10d/
+NCCLUtils.hpp``, PyTorch 2.x): int8, uint8, bool (as uint8), int32, int64, float16, bfloat16,
+float32, float64 and the float8 types; any other (int16, uint16, uint32, uint64, ...) fails inside
+``getNcclDataType`` ("Input tensor data type is not supported for NCCL process group" or, in older
+releases, "Unconvertible NCCL type Short"). gloo carries more, so a CPU run would never see that
+failure: the guard raises :class:`WireDtypeError` on every backend, before the call, so the CPU
+tests catch what only a GPU job would otherwise hit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+__all__ = ["NCCL_DTYPES", "WireDtypeError", "check_wire", "wire_dtype"]
+
+NCCL_DTYPES: frozenset[torch.dtype] = frozenset(
+    {
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+        torch.float8_e4m3fnuz,
+        torch.float8_e5m2fnuz,
+    }
+)
+
+# The smallest NCCL dtype that holds every value of an integer dtype NCCL lacks.
+_WIDER = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64}
+
+
+class WireDtypeError(TypeError):
+    """A tensor of a dtype NCCL cannot carry was about to be communicated (a bug, not user input)."""
+
+
+def check_wire(where: str, tensors: torch.Tensor | Iterable[torch.Tensor]) -> None:
+    """Raise WireDtypeError if any of ``tensors`` has a dtype outside :data:`NCCL_DTYPES`.
+
+    ``where`` names the helper in the message. Called on every backend (gloo included).
+    """
+    for tensor in [tensors] if isinstance(tensors, torch.Tensor) else tensors:
+        if tensor.dtype not in NCCL_DTYPES:
+            raise WireDtypeError(
+                f"{where}: a {tensor.dtype} tensor {tuple(tensor.shape)} cannot be communicated "
+                f"(NCCL has no such type); convert it with wire_dtype() first"
+            )
+
+
+def wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype to communicate a ``dtype`` tensor in: itself when NCCL carries it, else the
+    smallest NCCL integer type that holds all its values (int16 -> int32, uint32 -> int64)."""
+    if dtype in NCCL_DTYPES:
+        return dtype
+    if dtype not in _WIDER:
+        raise WireDtypeError(f"no NCCL dtype holds every {dtype} value")
+    return _WIDER[dtype]
