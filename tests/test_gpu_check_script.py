@@ -31,6 +31,58 @@ def test_bad_arguments_are_one_line_errors(argv, message, capsys):
     assert message in err and err.count("\n") == 1
 
 
+def test_dp_ranks_must_divide_the_batch(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert _script().main(["--prompts", "6", "--group", "2", "--micro-batch", "3"]) == 2  # 12 / (3 x 3)
+    assert "dp=3 ranks must divide --prompts 6 and, in micro-batches of 3, prompts x group = 12" in (
+        capsys.readouterr().err
+    )
+
+
+# The tiny size: h=64, 2 layers, kv width 64 * 2 / 4 = 32, gated MLP of 128, vocab 1000.
+_H, _LAYERS, _KV, _FFN, _VOCAB = 64, 2, 32, 128, 1000
+_BODY = 2 * _LAYERS * (2 * _H * _H + 2 * _H * _KV + 3 * _H * _FFN)  # forward FLOPs a token
+_HEAD, _PAIR = 2 * _H * _VOCAB, 4 * _LAYERS * _H  # a token's logits; a query-key pair
+
+
+def _by_hand(shared: bool = False, model: bool = False) -> int:
+    """Forward + backward FLOPs of the CPU fallback's update: 2 prompts of 6 tokens, 2 responses of
+    5 each. Model count: 4 sequences of 11, the head everywhere. Spent, shared: a prompt once per
+    group (6 + 2 x 5 positions), scores 6 x 6 + 2 x 5 x 11, the head at the 20 response tokens."""
+    if model:
+        return 3 * (44 * (_BODY + _HEAD) + 4 * 11 * 11 * _PAIR)
+    if shared:
+        return 3 * (2 * 16 * _BODY + 20 * _HEAD + 2 * (36 + 2 * 5 * 11) * _PAIR)
+    return 3 * (44 * _BODY + 20 * _HEAD + 4 * 11 * 11 * _PAIR)
+
+
+def test_update_flops_counts_the_layout_each_micro_batch_runs():
+    import numpy as np
+    import torch
+
+    from verl_megatron.protocol import DataProto
+
+    ids = torch.randint(3, _VOCAB, (4, 11), generator=torch.Generator().manual_seed(0))
+    ids[1, :6], ids[3, :6] = ids[0, :6], ids[2, :6]  # two groups of two responses to one prompt
+    batch = DataProto.from_dict(
+        {"input_ids": ids, "attention_mask": torch.ones_like(ids), "responses": ids[:, 6:],
+         "response_mask": torch.ones(4, 5, dtype=torch.long)},
+        non_tensors={"uid": np.array(["a", "a", "b", "b"], dtype=object)},
+    )  # fmt: skip
+    sizes = dict(hidden_size=_H, num_layers=_LAYERS, ffn_hidden_size=_FFN, num_attention_heads=4,
+                 num_query_groups=2, vocab_size=_VOCAB)  # fmt: skip
+    update_flops = _script().update_flops
+    unshared = update_flops(batch, sizes, micro_batch=2, shares_prompts=False)  # only the head is saved
+    assert unshared == {"model": _by_hand(model=True), "spent": _by_hand(), "shared_prompt_micro_batches": 0,
+                        "model_over_spent": _by_hand(model=True) / _by_hand()}  # fmt: skip
+    assert update_flops(batch, sizes, micro_batch=2, shares_prompts=True)["spent"] == _by_hand(shared=True)
+    # Group "a"'s rows no longer share a prompt: its micro-batch runs unshared, "b"'s still shared.
+    ids[1, 0] = ids[0, 0] + 1
+    mixed = update_flops(batch, sizes, micro_batch=2, shares_prompts=True)
+    assert mixed["shared_prompt_micro_batches"] == 1
+    assert mixed["spent"] == 3 * ((22 + 16) * _BODY + 20 * _HEAD + (2 * 121 + 146) * _PAIR)
+
+
 def test_defaults_on_a_cpu_machine():
     args = _script().parse_args([])
     assert (args.device, args.size) == ("cpu", "tiny")
@@ -50,7 +102,13 @@ def test_cpu_fallback_runs_every_stage(pool1, tmp_path):
     assert summary["device"] == "cpu" and summary["spec"] == "local"
     assert summary["optimizer"] == ["DistributedOptimizer"]
     assert summary["generation_tokens_per_s"] > 0 and summary["update_tokens_per_s"] > 0
-    assert summary["actor_mfu"] is None  # no peak FLOP/s known for a CPU
+    assert summary["actor_mfu"] == {"spent": None, "model": None}  # no peak FLOP/s known for a CPU
+    assert summary["dp"] == 1
+    # Both micro-batches (one group each) ran shared; the counts are the hand-derived ones below.
+    flops = summary["update_flops"]
+    assert flops["shared_prompt_micro_batches"] == 2
+    assert flops["spent"] == _by_hand(shared=True) and flops["model"] == _by_hand(model=True)
+    assert flops["model_over_spent"] == pytest.approx(37_103_616 / 22_284_288, rel=1e-12)
     assert 0 < summary["logprob_vs_fp32"]["max_abs"] < 0.5  # bf16 vs float32: close, not equal
     assert summary["offload"]["weights_exact"] and set(summary["checks"]) == {
         "update_finite", "logprobs_close_to_fp32", "distributed_optimizer", "offload_weights_exact",

@@ -6,15 +6,19 @@ the model is a random-init Qwen2-shaped ~0.5B built on the spot. Runs in one pro
 
     python benchmarks/gpu/gpu_check.py                      # GPU, 0.5B, about 2-5 minutes
     python benchmarks/gpu/gpu_check.py --size tiny --device cpu   # CPU fallback (seconds)
+    torchrun --standalone --nproc_per_node=2 benchmarks/gpu/gpu_check.py   # 2 GPUs: dp=2
 
 What it does, in order (each stage's numbers go into the printed JSON summary):
 
 1. layer spec: Transformer Engine when installed, else megatron's local spec (an explicit,
    printed choice: ``model.use_te=false``); parameters in bfloat16;
-2. actor with megatron's distributed optimizer (dp=1 here: one shard) and fp32 master weights;
+2. actor with megatron's distributed optimizer and fp32 master weights: dp=1 in one process
+   (one shard), dp=N under ``torchrun --nproc_per_node=N`` (each rank owns 1/N of the state);
 3. a GRPO step with the native engine: generate ``prompts x group`` responses, a synthetic
    reward, GRPO advantages, old log-probs, one policy update; tokens/s of generation and update,
-   and the update's MFU against the device's peak bf16 FLOP/s;
+   and the update's MFU against the devices' peak bf16 FLOP/s, twice: on the FLOPs the update
+   spends (each shared prompt once, the LM head at response positions only) and on the usual
+   model FLOPs (every sequence whole, the head everywhere), which read 1.3-1.6x higher;
 4. log-probs of the bf16 model against the same checkpoint in float32 (max and mean |diff|);
 5. offload round trip: ``torch.cuda.memory_allocated`` before, while offloaded, after reload,
    and the weights bit-identical after the round trip.
@@ -74,6 +78,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise CheckError(
             f"--micro-batch {args.micro_batch} must divide prompts x group = {args.prompts * args.group}"
         )
+    # Under torchrun every rank is a data-parallel rank: each generates prompts / N and updates on
+    # micro-batches of its 1/N share (micro-batches of whole rows, as in the trainer).
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.prompts % world or (args.prompts * args.group) % (args.micro_batch * world):
+        raise CheckError(
+            f"dp={world} ranks must divide --prompts {args.prompts} and, in micro-batches of "
+            f"{args.micro_batch}, prompts x group = {args.prompts * args.group}"
+        )
     args.device = resolve_device(args.device)
     args.size = args.size or ("0.5b" if args.device == "cuda" else "tiny")
     if args.device == "cpu" and args.size != "tiny":
@@ -132,6 +144,19 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _generate(rollout: Any, prompts: Any, runtime: Any) -> Any:
+    """Each dp rank generates its share of the prompts; every rank gets the whole batch back."""
+    from verl_megatron.protocol import DataProto
+    from verl_megatron.rollout.layout import gather_replicas, shard_for
+
+    shard = shard_for("native", 1, runtime)
+    local = prompts.chunk(shard.replicas)[shard.replica]
+    local.meta_info["prompt_offset"] = shard.replica * len(local)  # per-prompt sampling seeds
+    output = rollout.generate_sequences(local).to("cpu")
+    output.meta_info.pop("prompt_offset", None)
+    return DataProto.concat(gather_replicas(output, shard, runtime.world_size))
+
+
 def grpo_step(actor: Any, model_dir: str, tokenizer: Any, hf_config: Any, args: argparse.Namespace) -> dict:
     """Native rollout -> reward -> GRPO advantages -> old log-probs -> update; timings and tokens."""
     from verl_megatron.algos import core_algos
@@ -153,7 +178,7 @@ def grpo_step(actor: Any, model_dir: str, tokenizer: Any, hf_config: Any, args: 
     )
     _sync()
     start = time.perf_counter()
-    batch = rollout.generate_sequences(prompts)
+    batch = _generate(rollout, prompts, actor.runtime)
     _sync()
     gen_s = time.perf_counter() - start
     responses, mask = batch.batch["responses"], batch.batch["response_mask"]
@@ -202,35 +227,100 @@ def offload_round_trip(actor: Any) -> dict:
     }
 
 
+def _unit_costs(sizes: dict[str, int]) -> tuple[float, float, float]:
+    """(body FLOPs per token, LM head FLOPs per token, attention FLOPs per query-key pair) of one
+    forward + backward, read off ``trainer.metrics.training_flops`` so both counts share its formula."""
+    from verl_megatron.trainer.metrics import training_flops
+
+    def flops(lengths: list[int], vocab: int) -> float:
+        return training_flops(lengths, **{**sizes, "vocab_size": vocab})
+
+    pair = (flops([2], 0) - 2 * flops([1], 0)) / 2  # attention: 2**2 - 2 * 1**2 = 2 pairs
+    return flops([1], 0) - pair, flops([1], sizes["vocab_size"]) - flops([1], 0), pair
+
+
+def update_flops(batch: Any, sizes: dict[str, int], micro_batch: int, shares_prompts: bool) -> dict:
+    """FLOPs of the update's forward + backward over ``batch`` (rows grouped by ``uid``).
+
+    ``model``: every sequence whole with the LM head at every position (``training_flops``, how
+    MFU is usually quoted). ``spent``: what the actor's layout runs, micro-batch by micro-batch of
+    ``micro_batch`` consecutive rows: where ``shares_prompts`` and the shared layout applies
+    (``workers/shared_prefix.py``) a group's prompt P runs once and its attention scores P x P plus
+    R x (P + R) per response; the LM head runs at the response positions only
+    (``workers/output_rows.py``). Padding columns are not counted (this check has none).
+    """
+    from verl_megatron.trainer.metrics import training_flops
+    from verl_megatron.workers.shared_prefix import shared_prefix_inputs
+
+    body, head, pair = _unit_costs(sizes)
+    tensors = batch.batch
+    prompt_len = tensors["attention_mask"].sum(-1) - tensors["response_mask"].sum(-1)
+    resp_len, uids = tensors["response_mask"].sum(-1), batch.non_tensor_batch["uid"]
+    body_tokens = head_tokens = pairs = shared_micro_batches = 0
+    for start in range(0, len(batch), micro_batch):
+        rows = range(start, min(start + micro_batch, len(batch)))
+        mask = tensors["attention_mask"][start : rows.stop]
+        shared = shares_prompts and shared_prefix_inputs(
+            tensors["input_ids"][start : rows.stop], mask, tensors["responses"][start : rows.stop],
+            int(mask.sum(-1).max()),
+        ) is not None  # fmt: skip
+        shared_micro_batches += shared
+        groups: dict[Any, list[int]] = {}
+        for i in rows:
+            groups.setdefault(uids[i] if shared else i, []).append(i)
+        for members in groups.values():
+            p, rs = int(prompt_len[members[0]]), [int(resp_len[i]) for i in members]
+            body_tokens += p + sum(rs)
+            pairs += p * p + sum(r * (p + r) for r in rs) if shared else (p + rs[0]) ** 2
+        head_tokens += sum(int(resp_len[i]) for i in rows)
+    model = training_flops(tensors["attention_mask"].sum(-1).tolist(), **sizes)
+    spent = body * body_tokens + head * head_tokens + pair * pairs
+    return {"model": model, "spent": spent, "model_over_spent": model / spent,
+            "shared_prompt_micro_batches": shared_micro_batches}  # fmt: skip
+
+
+def _speed(step: dict, actor: Any, hf_config: Any, args: argparse.Namespace) -> dict:
+    """tokens/s of generation and update (all ranks together) and the update's MFU, on spent and
+    on model FLOPs, against ``world size x`` the device's peak."""
+    from verl_megatron.models.config import read_hf_architecture
+    from verl_megatron.trainer import metrics as M
+
+    arch = read_hf_architecture(hf_config)
+    sizes = {arg: getattr(arch, field) for arg, field in M._FLOPS_SIZES.items()}
+    flops = update_flops(step["batch"], sizes, args.micro_batch, actor.runner.prefix_sharing is not None)
+    peak, devices = M.device_peak_flops(args.peak_tflops), actor.runtime.world_size
+    return {
+        "generation_tokens_per_s": step["gen_tokens"] / step["gen_s"],
+        "update_tokens_per_s": step["update_tokens"] / step["update_s"],
+        "update_flops": flops,
+        "actor_mfu": {
+            kind: M.compute_mfu(flops[kind], step["update_s"], devices, peak) for kind in ("spent", "model")
+        },
+    }
+
+
 def run(args: argparse.Namespace) -> dict:
     from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
-    from verl_megatron.models.config import load_hf_config, read_hf_architecture
-    from verl_megatron.trainer import metrics as M
+    from verl_megatron.models.config import load_hf_config
     from verl_megatron.utils.local_assets import build_char_tokenizer, build_tiny_hf_model
 
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="gpu_check_"))
+    runtime = init_runtime(ParallelLayout(), seed=0)
+    # One random checkpoint per rank's own folder: ranks share no files (same seed: same weights).
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="gpu_check_")) / f"rank{runtime.rank}"
     model_dir = workdir / f"qwen2_{args.size}"
     tokenizer = build_char_tokenizer(workdir / "tokenizer")
     build_tiny_hf_model(model_dir, "qwen2", tie_word_embeddings=True, seed=0,
                         max_position_embeddings=args.prompt_len + args.response_len, **SIZES[args.size])  # fmt: skip
     hf_config = load_hf_config(str(model_dir))
-    runtime = init_runtime(ParallelLayout(), seed=0)
     use_te = _use_te(args.device)
     summary: dict[str, Any] = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-                               "size": args.size, "spec": "transformer_engine" if use_te else "local"}  # fmt: skip
+                               "size": args.size, "spec": "transformer_engine" if use_te else "local",
+                               "dp": runtime.layout.dp}  # fmt: skip
     actor = build_actor(str(model_dir), runtime, args, "bfloat16", use_te)
     subs = getattr(actor.optimizer, "chained_optimizers", None) or [actor.optimizer]
     summary["optimizer"] = sorted({type(o).__name__ for o in subs})
     step = grpo_step(actor, str(model_dir), tokenizer, hf_config, args)
-    arch = read_hf_architecture(hf_config)
-    flops = M.training_flops(
-        step["lengths"], hidden_size=arch.hidden_size, num_layers=arch.num_layers,
-        ffn_hidden_size=arch.intermediate_size, num_attention_heads=arch.num_attention_heads,
-        num_query_groups=arch.num_key_value_heads, vocab_size=arch.vocab_size,
-    )  # fmt: skip
-    summary["generation_tokens_per_s"] = step["gen_tokens"] / step["gen_s"]
-    summary["update_tokens_per_s"] = step["update_tokens"] / step["update_s"]
-    summary["actor_mfu"] = M.compute_mfu(flops, step["update_s"], 1, M.device_peak_flops(args.peak_tflops))
+    summary.update(_speed(step, actor, hf_config, args))
     grad_norm = step["metrics"].get("actor/grad_norm")
     summary["grad_norm"] = grad_norm[-1] if isinstance(grad_norm, list) else grad_norm
     # float32 reference from the same checkpoint, on the same batch (old log-probs predate the update).
@@ -271,11 +361,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cpu":
         print("no GPU: CPU fallback (tiny model; numbers only show that the path runs)")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from verl_megatron.distributed.parallel import shutdown
+
+    owned = not torch.distributed.is_initialized()  # else a caller's group (tests): leave it up
     summary = run(args)
-    text = json.dumps(summary, indent=2, default=float)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    rank = torch.distributed.get_rank()
+    if owned:
+        shutdown()
+    if rank == 0:  # every rank checked its own shard; rank 0 reports
+        text = json.dumps(summary, indent=2, default=float)
+        print(text)
+        if args.out:
+            Path(args.out).write_text(text)
     return 0 if all(summary["checks"].values()) else 1
 
 
