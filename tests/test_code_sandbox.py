@@ -221,7 +221,9 @@ def test_credential_files_are_covered(tmp_path):
     (tmp_path / ".ssh" / "id_rsa").write_text(SECRET)
     code = f"import os\nprint(repr(open({str(tmp_path / '.netrc')!r}).read()), os.listdir({str(tmp_path / '.ssh')!r}))"
     hide = [str(tmp_path / ".netrc"), str(tmp_path / ".ssh")]
-    run = sandbox.run_sandboxed([sys.executable, "-I", "-S", "-c", code], isolation="namespaces", hide=hide)
+    run = sandbox.run_sandboxed(  # hidden inside a folder the sandbox is given; outside one, absent
+        [sys.executable, "-I", "-S", "-c", code], isolation="namespaces", hide=hide, expose=[str(tmp_path)]
+    )
     assert run.stdout.decode().strip() == "'' []", run
     assert (tmp_path / ".netrc").read_text() == SECRET  # covered in the sandbox only
 
@@ -255,8 +257,9 @@ def test_basic_mode_is_named_logged_and_still_blocks_sockets_and_signals(monkeyp
         kill = ce.compute_score(
             py("import os\nos.kill(os.getppid(), 9)\nprint('survived')"), truth, config=basic
         )
-    assert network == {"score": 0.0, "reward/sandbox/network_count": 1}
-    assert kill == {"score": 0.0, "reward/sandbox/signal_count": 1}  # kill() itself is refused
+    basic_count = {ce.BASIC_ISOLATION_METRIC: 1}  # the fallback is counted in every sample's metrics
+    assert network == {"score": 0.0, "reward/sandbox/network_count": 1, **basic_count}
+    assert kill == {"score": 0.0, "reward/sandbox/signal_count": 1, **basic_count}  # kill() itself is refused
 
 
 # ---------------------------------------------------------------- through the reward manager and trainer

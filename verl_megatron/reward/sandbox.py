@@ -20,21 +20,28 @@ process count       max_processes=1 (the default): a seccomp filter fails every 
                     dies with the run) bounds them
 network             a new network namespace with no interface up, and a seccomp filter that
                     fails socket/socketpair/io_uring_setup with EPERM (both modes)
-filesystem          every mount read-only; the program writes only to its private tmpfs.
-                    basic: cwd in a temporary directory, files writable by the user stay so
+filesystem          a root of its own (pivot_root): only the interpreter's prefixes and
+                    libraries, /usr, /bin, /lib*, /etc/ld.so.cache, the program and what the
+                    caller exposes, bound read-only, a few /dev nodes and a private tmpfs as
+                    working directory; the host's /etc, home directories, the project and
+                    /tmp do not exist there (:func:`interpreter_paths`, :func:`root_entries`).
+                    basic: cwd in a temporary directory, the host's files stay readable and
+                    files writable by the user stay so
 other processes     a new pid namespace and its own /proc: nothing outside is visible or
                     signalable; ptrace and process_vm_* fail (seccomp, both modes). basic:
                     every signal-sending call fails (seccomp), but /proc/PID of the user's
                     processes stays readable
 environment         empty but for PATH, LANG, HOME and thread counts (both modes); the
                     interpreter runs with ``-I`` (no PYTHONPATH, no user site)
-credential files    ``~/.ssh``, ``~/.aws``, ``~/.netrc``, ``~/.cache/huggingface`` ... (see
-                    ``CREDENTIAL_PATHS``) covered by empty ones. basic: readable
+credential files    not in the root; ``~/.ssh``, ``~/.aws``, ``~/.netrc`` ... (see
+                    ``CREDENTIAL_PATHS``) inside an exposed path are covered by empty ones.
+                    basic: readable
 privileges          every capability dropped, no_new_privs (both modes)
 ==================  ==========================================================================
 
 ``basic`` mode is a named, logged degradation (one warning per process listing what it
-does not enforce), never a silent one. The working directory is removed afterwards.
+does not enforce; the code scorer also counts it in every sample's metrics), never a
+silent one. The working directory is removed afterwards.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 import warnings
@@ -66,6 +74,7 @@ BASIC_MODE_GAPS = (
     "/proc/PID of this user's processes (their environment) stays readable",
     "above max_processes=1 the process count is shared with this user's processes",
     "credential files in the home directory stay readable",
+    "the host's files (/etc, home directories, the project) stay readable",
 )
 # Where credentials usually live, relative to the home directory: hidden (namespaces mode).
 CREDENTIAL_PATHS = (
@@ -83,6 +92,9 @@ CREDENTIAL_PATHS = (
     ".cache/huggingface",
     ".huggingface",
 )
+# What every sandbox's root holds besides the interpreter's own prefixes (namespaces mode):
+# the system's programs and shared libraries and the dynamic loader's index, but not /etc.
+SYSTEM_PATHS = ("/usr", "/bin", "/lib", "/lib64", "/lib32", "/libx32", "/etc/ld.so.cache")
 # Causes of a run's end (SandboxResult.cause).
 EXITED, TIMEOUT, CPU_LIMIT, KILLED, OUTPUT_LIMIT, SANDBOX_ERROR = (
     "exited",
@@ -230,29 +242,74 @@ def credential_paths() -> list[str]:
     return [path for path in (os.path.join(home, p) for p in CREDENTIAL_PATHS) if os.path.lexists(path)]
 
 
+@functools.cache
+def interpreter_paths() -> tuple[str, ...]:
+    """What this interpreter needs to start and import its libraries: ``SYSTEM_PATHS`` (the
+    ELF interpreter and the shared libraries live there), ``sys.executable``, the prefixes of
+    the environment and of the base installation, and sysconfig's library paths."""
+    names = ("stdlib", "platstdlib", "purelib", "platlib")
+    prefixes = (sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix)
+    found = [*SYSTEM_PATHS, sys.executable, *prefixes, *(sysconfig.get_path(n) for n in names)]
+    return tuple(p for p in dict.fromkeys(os.path.abspath(p) for p in found if p) if os.path.lexists(p))
+
+
+def root_entries(paths: Iterable[str]) -> tuple[list[str], dict[str, str]]:
+    """The sandbox root's read-only binds (real paths, no symlink on the way) and symlinks
+    (path -> target, as on the host) that make each of ``paths`` resolve there as it does here;
+    a symlink's target is followed the same way. Missing paths are left out."""
+    binds: dict[str, None] = {}
+    links: dict[str, str] = {}
+    pending = [os.path.abspath(p) for p in paths]
+    while pending:
+        path = pending.pop()
+        if not os.path.lexists(path) or "\n" in path:
+            continue
+        resolved = "/"
+        for part in path.strip("/").split("/"):
+            candidate = os.path.join(resolved, part)
+            if os.path.islink(candidate):
+                if candidate not in links:
+                    links[candidate] = os.readlink(candidate)
+                    pending.append(os.path.join(os.path.dirname(candidate), links[candidate]))
+                resolved = os.path.realpath(candidate)
+            else:
+                resolved = candidate
+        binds[resolved] = None
+    return list(binds), links
+
+
 def run_sandboxed(
     argv: Sequence[str],
     stdin: bytes = b"",
     limits: SandboxLimits | None = None,
     isolation: str = "auto",
     hide: Sequence[str] | None = None,
+    expose: Sequence[str] = (),
 ) -> SandboxResult:
     """Run ``argv`` (an absolute executable path first) confined, feeding it ``stdin``.
 
     ``isolation``: "auto" (namespaces where available, else basic, logged), "namespaces"
-    (a failure to set them up ends as ``sandbox_error``) or "basic". ``hide``: paths
-    covered by empty ones in namespaces mode (default: :func:`credential_paths`).
+    (a failure to set them up ends as ``sandbox_error``) or "basic". In namespaces mode the
+    program's filesystem holds only :func:`interpreter_paths`, ``argv[0]`` and ``expose``
+    (read-only, at their own paths) and its private working directory. ``hide``: paths
+    under those covered by empty ones (default: :func:`credential_paths`).
     """
     if isolation not in ISOLATION_MODES:
         raise ValueError(f"run_sandboxed: isolation must be one of {ISOLATION_MODES}, got {isolation!r}")
     mode = detect_isolation() if isolation == "auto" else isolation
     hidden = credential_paths() if hide is None else list(hide)
-    return _run(list(argv), stdin, limits or SandboxLimits(), mode, hidden)
+    return _run(list(argv), stdin, limits or SandboxLimits(), mode, hidden, expose)
 
 
 def _run(
-    argv: list[str], stdin: bytes, limits: SandboxLimits, mode: str, hidden: Sequence[str] = ()
+    argv: list[str],
+    stdin: bytes,
+    limits: SandboxLimits,
+    mode: str,
+    hidden: Sequence[str] = (),
+    expose: Sequence[str] = (),
 ) -> SandboxResult:
+    binds, links = root_entries([*interpreter_paths(), argv[0], *expose]) if mode == NAMESPACES else ([], {})
     workdir = tempfile.mkdtemp(prefix="verl-sandbox-")
     status_read, status_write = os.pipe()
     config = [
@@ -264,6 +321,8 @@ def _run(
         *(f"rlimit:{name}={soft},{hard}" for name, (soft, hard) in _rlimits(limits, mode).items()),
         *(f"env:{name}={value}" for name, value in _program_env(workdir).items()),
         *(f"hide={os.path.realpath(path)}" for path in hidden),
+        *(f"bind={path}" for path in binds),
+        *(f"link={path}\n{target}" for path, target in links.items()),
     ]
     start = time.monotonic()
     try:

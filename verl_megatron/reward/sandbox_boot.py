@@ -2,17 +2,22 @@
 
 Run by :mod:`verl_megatron.reward.sandbox` as ``python -I -S -B sandbox_boot.py KEY=VALUE...
 -- PROGRAM_ARGV...`` (keys: ``namespaces``, ``workdir``, ``tmpfs_bytes``, ``status_fd``,
-``no_fork``, ``hide`` (repeated), ``env:NAME``, ``rlimit:RLIMIT_X`` = ``soft,hard``) with an empty environment, in
+``no_fork``, ``hide``, ``bind`` (a path), ``link`` (``PATH\nTARGET``) (these three repeated),
+``env:NAME``, ``rlimit:RLIMIT_X`` = ``soft,hard``) with an empty environment, in
 a fresh temporary directory, with a status pipe on ``status_fd``. Standard library only and
 few imports (it runs for every sample): it must not import project code.
 
 With ``namespaces`` (the default where the kernel allows unprivileged user namespaces) it
 enters new user, mount, network, pid, ipc and uts namespaces, remounts every inherited
-mount read-only, puts a size-limited tmpfs on the working directory and empty ones over
-the user's credential files, then forks: the
+mount read-only and stages the sandbox's own root on a tmpfs: only the ``bind`` paths (the
+interpreter, its libraries, the program), read-only, the ``link`` symlinks, a few device
+nodes, a size-limited tmpfs at the working directory and empty ones over the ``hide``
+paths a bind brought in; then forks: the
 child is pid 1 of the new pid namespace (it cannot see or signal any process outside,
-and every process it starts dies with it), mounts a /proc of its own (hiding the
-trainer's /proc/PID/environ), sets the resource limits, drops every capability and
+and every process it starts dies with it), mounts a /proc of its own in the new root
+(hiding every process outside), pivots into that root and detaches the host's tree (so
+/etc, /home, the project and the rest are not there to read), sets the resource limits,
+drops every capability and
 execs the program. In every mode the child drops every capability and gets ``no_new_privs`` and a seccomp
 filter (x86_64 and aarch64) that makes ``socket``/``socketpair``/``io_uring_setup``,
 ``ptrace``/``process_vm_*`` (and without a pid namespace every signal-sending call) fail
@@ -37,6 +42,7 @@ CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
 MS_REMOUNT, MS_NOATIME, MS_NODIRATIME, MS_BIND = 0x20, 0x400, 0x800, 0x1000
 MS_REC, MS_PRIVATE, MS_RELATIME, MS_STRICTATIME = 0x4000, 0x40000, 0x200000, 0x1000000
+MS_MOVE, MNT_DETACH = 0x2000, 2
 # Per-mount options a remount must keep: the kernel locks them on mounts inherited from a
 # more privileged namespace and refuses a remount that would clear one.
 _KEEP_FLAGS = {
@@ -48,6 +54,18 @@ _KEEP_FLAGS = {
     "relatime": MS_RELATIME,
     "strictatime": MS_STRICTATIME,
 }
+# statvfs f_flag bit -> the mount flag a remount of a bind of it must keep
+_STATVFS_KEEP = {
+    os.ST_NOSUID: MS_NOSUID,
+    os.ST_NODEV: MS_NODEV,
+    os.ST_NOEXEC: MS_NOEXEC,
+    os.ST_NOATIME: MS_NOATIME,
+    os.ST_NODIRATIME: MS_NODIRATIME,
+    os.ST_RELATIME: MS_RELATIME,
+}
+# Device nodes a program may open, bound from the host's /dev (a read-only mount still lets
+# a device take writes: /dev/null swallows them).
+DEVICES = ("null", "zero", "full", "random", "urandom")
 # <linux/prctl.h>, <linux/seccomp.h>, <linux/filter.h>
 PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP = 1, 24, 38, 22
 SECCOMP_MODE_FILTER = 2
@@ -65,6 +83,7 @@ SECCOMP_ARCHES = {
         "fork": (57, 58),
         "clone": 56,
         "clone3": 435,
+        "pivot_root": 155,
     },
     "aarch64": {
         "arch": 0xC00000B7,
@@ -74,6 +93,7 @@ SECCOMP_ARCHES = {
         "fork": (),
         "clone": 220,
         "clone3": 435,
+        "pivot_root": 41,
     },
 }
 _X32_SYSCALL_BIT = 0x40000000
@@ -110,9 +130,8 @@ def _mounts() -> list[tuple[str, int]]:
     return found
 
 
-def enter_namespaces(workdir: str, tmpfs_bytes: int, hidden: list[str]) -> None:
-    """New namespaces; every mount read-only but a private tmpfs at ``workdir``; each
-    ``hidden`` path (the user's credential files) covered by an empty one."""
+def enter_namespaces() -> None:
+    """New user, mount, network, pid, ipc and uts namespaces; every inherited mount read-only."""
     uid, gid = os.getuid(), os.getgid()
     flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
     _check(_libc.unshare(flags), "unshare")
@@ -120,9 +139,10 @@ def enter_namespaces(workdir: str, tmpfs_bytes: int, hidden: list[str]) -> None:
     _write("/proc/self/uid_map", f"0 {uid} 1")
     _write("/proc/self/gid_map", f"0 {gid} 1")
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
+    # Every bind below copies its source mount's flags: read-only from here on.
     for point, keep in _mounts():
         if point == "/proc" or point.startswith("/proc/"):
-            continue  # replaced by the child's own /proc
+            continue  # the sandbox gets a /proc of its own
         try:
             _mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | keep)
         except OSError:
@@ -130,12 +150,87 @@ def enter_namespaces(workdir: str, tmpfs_bytes: int, hidden: list[str]) -> None:
             # written either); any other mount left writable is a failure.
             if os.path.ismount(point) and _is_writable_mount(point):
                 raise
-    _mount("tmpfs", workdir, "tmpfs", MS_NOSUID | MS_NODEV, f"size={tmpfs_bytes},mode=0700")
-    for path in hidden:
-        if os.path.isdir(path):  # an empty read-only directory over it
-            _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, "size=4k,mode=0500")
-        elif os.path.exists(path):  # an empty file over it
-            _mount("/dev/null", path, None, MS_BIND)
+
+
+def build_root(
+    root: str, workdir: str, tmpfs_bytes: int, binds: list[str], links: dict[str, str], hidden: list[str]
+) -> None:
+    """The sandbox's own root, staged at ``root`` (a tmpfs): each of ``binds`` (real paths, no
+    symlink in them) bound read-only at its own path, each of ``links`` (path -> target) a
+    symlink, a few device nodes, a mount point for /proc, a size-limited tmpfs at ``workdir``
+    and empty ones over the ``hidden`` paths that a bind brought in. Nothing else of the
+    host's tree (/etc, /home, the project, other processes' /proc) exists in it."""
+    _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
+    kept = [p for p in sorted(set(binds)) if not _under(p, binds)]
+    for path, target in sorted(links.items()):
+        if not _under(path, kept) and _inside(root, os.path.dirname(path)):
+            os.makedirs(root + os.path.dirname(path), exist_ok=True)
+            os.symlink(target, root + path)
+    for path in kept:
+        if _inside(root, path):
+            _bind_read_only(path, root + path)
+    os.makedirs(root + "/dev")
+    for name in DEVICES:
+        if os.path.exists("/dev/" + name):
+            _bind_read_only("/dev/" + name, f"{root}/dev/{name}")
+    for name, target in (
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ):
+        os.symlink(target, f"{root}/dev/{name}")
+    os.makedirs(root + "/proc")
+    os.makedirs(root + workdir, exist_ok=True)
+    _mount("tmpfs", root + workdir, "tmpfs", MS_NOSUID | MS_NODEV, f"size={tmpfs_bytes},mode=0700")
+    for path in (p for p in hidden if _inside(root, p)):
+        target = root + path
+        if os.path.isdir(target):  # an empty read-only directory over it
+            _mount(
+                "tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, "size=4k,mode=0500"
+            )
+        elif os.path.lexists(target) and not os.path.islink(target):  # an empty file over it
+            _mount("/dev/null", target, None, MS_BIND)
+    _mount(None, root, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
+def _under(path: str, parents: list[str]) -> bool:
+    """Whether a strict ancestor of ``path`` is in ``parents``."""
+    return any(path.startswith(p.rstrip("/") + "/") for p in parents if p != path)
+
+
+def _inside(root: str, path: str) -> bool:
+    """Whether ``root + path`` stays in ``root`` (no symlink made there leads out)."""
+    return os.path.realpath(root + path).startswith(root.rstrip("/") + "/") or path == "/"
+
+
+def _bind_read_only(source: str, target: str) -> None:
+    if os.path.isdir(source):
+        os.makedirs(target, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        open(target, "a").close()  # a mount point for a file
+    _mount(source, target, None, MS_BIND | MS_REC)
+    keep = sum(flag for st, flag in _STATVFS_KEEP.items() if os.statvfs(target).f_flag & st)
+    try:
+        _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | keep)
+    except OSError:
+        if _is_writable_mount(target):
+            raise
+
+
+def pivot_into(root: str) -> None:
+    """Make ``root`` the root directory and drop the host's tree from this mount namespace
+    (pivot_root; where the kernel refuses it, e.g. a root that is not a mount point, the
+    root is moved over / and chrooted into, as switch_root does)."""
+    os.chdir(root)
+    nr = SECCOMP_ARCHES.get(os.uname().machine, {}).get("pivot_root")
+    if nr is not None and _libc.syscall(nr, b".", b".") == 0:
+        _check(_libc.umount2(b".", MNT_DETACH), "umount the host's root")
+    else:
+        _mount(root, "/", None, MS_MOVE)
+        _check(_libc.chroot(b"."), "chroot")
+    os.chdir("/")
 
 
 def _is_writable_mount(point: str) -> bool:
@@ -143,13 +238,14 @@ def _is_writable_mount(point: str) -> bool:
     return not statvfs.f_flag & os.ST_RDONLY
 
 
-def mount_own_proc() -> None:
-    """A /proc for the new pid namespace; where the kernel refuses one, an empty read-only
-    tmpfs over /proc, so no process outside is visible either way."""
+def mount_own_proc(target: str) -> None:
+    """A /proc for the new pid namespace at ``target`` (mounted while the host's /proc is still
+    in this mount namespace: the kernel allows a new one only then); where the kernel refuses
+    one, an empty read-only tmpfs, so no process outside is visible either way."""
     try:
-        _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        _mount("proc", target, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     except OSError:
-        _mount("tmpfs", "/proc", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, "size=4k")
+        _mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, "size=4k")
 
 
 def drop_capabilities() -> None:
@@ -221,7 +317,9 @@ def set_limits(limits: dict[str, int]) -> None:
 def _child(config: dict, argv: list[str], status_fd: int) -> None:
     os.close(status_fd)
     if config["namespaces"]:
-        mount_own_proc()
+        root = config["workdir"]  # where the root tree was staged
+        mount_own_proc(root + "/proc")
+        pivot_into(root)
     else:
         _libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)  # no pid namespace to end it: die with the boot
     os.setsid()  # own session: kill(0, ...) reaches nothing outside
@@ -237,7 +335,7 @@ def _child(config: dict, argv: list[str], status_fd: int) -> None:
 def parse_args(args: list[str]) -> tuple[dict, list[str]]:
     """``KEY=VALUE... -- PROGRAM_ARGV`` -> (config, argv)."""
     split = args.index("--")
-    config: dict = {"env": {}, "rlimits": {}, "hide": []}
+    config: dict = {"env": {}, "rlimits": {}, "hide": [], "bind": [], "link": {}}
     for item in args[:split]:
         key, _, value = item.partition("=")
         if key.startswith("env:"):
@@ -245,8 +343,11 @@ def parse_args(args: list[str]) -> tuple[dict, list[str]]:
         elif key.startswith("rlimit:"):
             soft, hard = value.split(",")
             config["rlimits"][key[7:]] = (int(soft), int(hard))
-        elif key == "hide":
-            config["hide"].append(value)
+        elif key in ("hide", "bind"):
+            config[key].append(value)
+        elif key == "link":
+            path, _, target = value.partition("\n")
+            config["link"][path] = target
         elif key in ("namespaces", "no_fork"):
             config[key] = value == "1"
         elif key in ("tmpfs_bytes", "status_fd"):
@@ -261,7 +362,11 @@ def main() -> None:
     status_fd = config["status_fd"]
     try:
         if config["namespaces"]:
-            enter_namespaces(config["workdir"], config["tmpfs_bytes"], config["hide"])
+            enter_namespaces()
+            workdir = config["workdir"]
+            build_root(
+                workdir, workdir, config["tmpfs_bytes"], config["bind"], config["link"], config["hide"]
+            )
         else:
             _libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)
         pid = os.fork()

@@ -23,7 +23,9 @@ is counted under one cause, the first failing case's: ``wrong_answer``, ``runtim
 ``network`` / ``process`` / ``filesystem`` / ``signal`` (the program failed after trying to
 open a socket, start a process, write outside its directory, send a signal), ``no_code``,
 ``bad_tests`` or ``sandbox_error``. The scorer's dict carries ``reward/sandbox/<cause>_count``
-= 1 for it, which the trainer sums into its reward metrics.
+= 1 for it, which the trainer sums into its reward metrics; a sample run in the sandbox's
+``basic`` mode (no namespaces on this host) also carries ``reward/sandbox/basic_isolation_count``
+= 1, so the degraded isolation shows in every step's metrics.
 
 Differences from verl, on purpose: each of the first ``max_cases`` cases runs against a
 fresh copy of the program as a script (verl's prime_code wraps a stdin program into a
@@ -50,6 +52,7 @@ from verl_megatron.reward import sandbox
 from verl_megatron.reward.scorers import code_harness
 
 CODE_SOURCES = ("codecontests", "apps", "codeforces", "taco")
+BASIC_ISOLATION_METRIC = "reward/sandbox/basic_isolation_count"
 # Float comparison of stdout tokens: numpy.allclose's defaults, as verl's prime_code uses.
 _RTOL, _ATOL = 1e-5, 1e-8
 
@@ -288,7 +291,11 @@ def compute_score(
         "cases": [{"input": _text(tests["inputs"][i]), "append": asserts[i] or ""} for i in range(count)],
     }
     argv = [sys.executable, "-I", "-S", "-B", "-X", "utf8", code_harness.__file__]
-    run = sandbox.run_sandboxed(argv, json.dumps(spec).encode(), config.limits(count), config.isolation)
+    # The sandbox's root holds the interpreter; the harness and the packages it may import join it.
+    expose = [code_harness.__file__, *spec["site_dirs"]]
+    run = sandbox.run_sandboxed(
+        argv, json.dumps(spec).encode(), config.limits(count), config.isolation, expose=expose
+    )
     reports: dict[int, dict[str, Any]] = {}
     for line in run.stdout.decode("utf-8", errors="replace").splitlines():
         try:
@@ -306,7 +313,10 @@ def compute_score(
         )
         passed += ok
         cause = cause or _case_cause(report, ok, run.cause)
-    return _score_result(passed / count, cause)
+    result = _score_result(passed / count, cause)
+    if run.mode == sandbox.BASIC:  # the degraded isolation is counted, not only logged once
+        result[BASIC_ISOLATION_METRIC] = 1
+    return result
 
 
 def _case_passes(report: dict[str, Any], tests: dict[str, Any], index: int, fn_name: str | None) -> bool:
