@@ -18,13 +18,20 @@ HOME = os.path.expanduser("~")
 
 PROBE = textwrap.dedent(
     """
-    import json, os, sys
+    import errno, json, os, sys
     def read(path):
         try:
             with open(path, "rb") as f:
                 return "read %d bytes" % len(f.read())
         except OSError as err:
             return type(err).__name__
+    def write(path):
+        try:
+            with open(path, "w") as f:
+                f.write("x")
+            return "written"
+        except OSError as err:
+            return errno.errorcode[err.errno]
     def listing(path):
         try:
             return sorted(os.listdir(path))
@@ -34,6 +41,7 @@ PROBE = textwrap.dedent(
     print(json.dumps({
         "read": {p: read(p) for p in paths["read"]},
         "list": {p: listing(p) for p in paths["list"]},
+        "write": {p: write(p) for p in paths["write"]},
         "exists": {p: os.path.lexists(p) for p in paths["exists"]},
         "pids": sorted(p for p in os.listdir("/proc") if p.isdigit()),
         "cmdline": open("/proc/1/cmdline", "rb").read().split(b"\\0")[0].decode(),
@@ -50,8 +58,8 @@ def _visible_names(parent: str) -> list[str]:
     return sorted({p[len(prefix) :].split("/")[0] for p in [*binds, *links] if p.startswith(prefix)})
 
 
-def _probe(read, listing, exists):
-    paths = json.dumps({"read": read, "list": listing, "exists": exists}).encode()
+def _probe(read, listing, exists, write=()):
+    paths = json.dumps({"read": read, "list": listing, "exists": exists, "write": list(write)}).encode()
     run = sandbox.run_sandboxed([sys.executable, "-I", "-S", "-c", PROBE], paths, isolation="namespaces")
     assert run.cause == sandbox.EXITED and run.returncode == 0, run
     return json.loads(run.stdout)
@@ -67,7 +75,9 @@ def test_model_code_sees_no_host_file_home_project_or_process():
         read=secret_files + [f"{HOME}/{name}" for name in home_entries],
         listing=["/", "/etc", HOME, str(REPO)],
         exists=[f"/proc/{outside_pid}", f"/proc/{outside_pid}/environ", str(REPO / "verl_megatron")],
+        write=["/x", "/tmp/x", "/usr/x", f"{sys.prefix}/x", f"{sys.base_prefix}/x"],
     )
+    assert set(seen["write"].values()) == {"EROFS"}, seen["write"]  # the whole tree is read-only
     assert set(seen["read"].values()) == {"FileNotFoundError"}, seen["read"]
     assert seen["list"]["/etc"] == ["ld.so.cache"]  # the loader's index, nothing else of /etc
     assert seen["list"][HOME] == _visible_names(HOME)  # only the way to the interpreter, e.g. .pyenv
