@@ -169,7 +169,7 @@ def build_root(
     for path in kept:
         if _inside(root, path):
             _bind_read_only(path, root + path)
-    os.makedirs(root + "/dev")
+    os.makedirs(root + "/dev", exist_ok=True)
     for name in DEVICES:
         if os.path.exists("/dev/" + name):
             _bind_read_only("/dev/" + name, f"{root}/dev/{name}")
@@ -179,8 +179,9 @@ def build_root(
         ("stdout", "/proc/self/fd/1"),
         ("stderr", "/proc/self/fd/2"),
     ):
-        os.symlink(target, f"{root}/dev/{name}")
-    os.makedirs(root + "/proc")
+        if not os.path.lexists(f"{root}/dev/{name}"):
+            os.symlink(target, f"{root}/dev/{name}")
+    os.makedirs(root + "/proc", exist_ok=True)
     os.makedirs(root + workdir, exist_ok=True)
     _mount("tmpfs", root + workdir, "tmpfs", MS_NOSUID | MS_NODEV, f"size={tmpfs_bytes},mode=0700")
     for path in (p for p in hidden if _inside(root, p)):
