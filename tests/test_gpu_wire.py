@@ -208,3 +208,22 @@ def test_the_runner_gathers_through_megatrons_param_sync() -> None:
     runner.gather_params()
     # only the chunk whose all-gather waits for the next forward is gathered, synchronously
     assert synced == [("overlapped", True)]
+
+
+def int16_all_reduce_job() -> str:
+    """An int16 all-reduce, which gloo would carry: the pool's workers refuse it."""
+    import torch.distributed as dist
+
+    try:
+        dist.all_reduce(torch.ones(2, dtype=torch.int16))
+    except WireDtypeError as error:
+        return str(error)
+    return "sent"
+
+
+def test_pool_workers_refuse_any_non_nccl_communication(pool2) -> None:
+    # every multi-process CPU test runs in these workers: none may send what NCCL refuses
+    assert all(
+        r.startswith("torch.distributed.all_reduce: a torch.int16")
+        for r in pool2.run(f"{__name__}:int16_all_reduce_job")
+    )

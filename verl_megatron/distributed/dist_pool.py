@@ -55,8 +55,10 @@ def _worker(rank: int, world_size: int, port: int, conn, env: dict[str, str]) ->
 
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
     from verl_megatron.distributed.parallel import init_process_group
+    from verl_megatron.distributed.wire import guard_torch_distributed
 
     init_process_group()
+    guard_torch_distributed()  # gloo carries dtypes NCCL refuses: a job sending one fails here
     while True:
         try:
             message = conn.recv()

@@ -11,11 +11,11 @@ tests catch what only a GPU job would otherwise hit.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 
-__all__ = ["NCCL_DTYPES", "WireDtypeError", "check_wire", "wire_dtype"]
+__all__ = ["NCCL_DTYPES", "WireDtypeError", "check_wire", "guard_torch_distributed", "wire_dtype"]
 
 NCCL_DTYPES: frozenset[torch.dtype] = frozenset(
     {
@@ -64,3 +64,42 @@ def wire_dtype(dtype: torch.dtype) -> torch.dtype:
     if dtype not in _WIDER:
         raise WireDtypeError(f"no NCCL dtype holds every {dtype} value")
     return _WIDER[dtype]
+
+
+# torch.distributed's tensor communication calls; their tensor arguments (alone or in lists)
+# are what crosses the wire.
+_CALLS = (
+    "all_reduce", "broadcast", "send", "recv", "isend", "irecv", "reduce", "all_gather",
+    "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
+    "all_to_all_single", "gather", "scatter",
+)  # fmt: skip
+
+
+def _tensors(values: Iterable[object]) -> Iterator[torch.Tensor]:
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from (v for v in value if isinstance(v, torch.Tensor))
+
+
+def guard_torch_distributed() -> None:
+    """Make every torch.distributed tensor call of this process (the project's, megatron's)
+    run the guard first. For test workers on gloo: a dtype NCCL refuses then fails the CPU test
+    that sends it, wherever the call is. Idempotent."""
+    import functools
+
+    import torch.distributed as dist
+
+    for name in _CALLS:
+        call = getattr(dist, name, None)
+        if call is None or getattr(call, "_wire_guarded", False):
+            continue
+
+        @functools.wraps(call)
+        def guarded(*args, _call=call, _name=name, **kwargs):
+            check_wire(f"torch.distributed.{_name}", _tensors([*args, *kwargs.values()]))
+            return _call(*args, **kwargs)
+
+        guarded._wire_guarded = True
+        setattr(dist, name, guarded)

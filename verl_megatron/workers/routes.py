@@ -219,6 +219,7 @@ class TrainingRoutes:
         totals = torch.cat([self.counts["log_prob"], self.counts["update"]]).to(device)
         size = torch.tensor([self.store.bytes_per_token()], dtype=torch.float64, device=device)
         if dist.is_initialized() and dist.get_world_size() > 1:
+            check_wire("routing replay metrics", [totals, size])
             dist.all_reduce(totals)
             dist.all_reduce(size, op=dist.ReduceOp.MAX)
         totals = totals.cpu().tolist()
