@@ -22,7 +22,7 @@ differ. Bitwise parity needs every reduction to happen in the same order in both
   otherwise numbers the whole packed row, which gives the same attention mathematically but
   not bitwise.
 - **MoE routers** (:func:`_router_gating`): the gating matmul is tiled the same way; the experts
-  are column/row-parallel linears.
+  are column/row-parallel linears. **LoRA adapters**' A and B products use :func:`linear` too.
 - RMSNorm, the activation, softmax and log-softmax work row by row and were measured to give
   the same bits for a row whatever the number of rows; the tensor-parallel all-reduce adds the
   same two partial sums in both paths.
@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from verl_megatron.distributed.modules import unwrap
+from verl_megatron.models.lora import ColumnAdapter, RowAdapter
 from verl_megatron.models.sdpa_attention import SDPADotProductAttention
 
 __all__ = ["TILE_ROWS", "BatchInvariance", "attention", "enable", "matmul_rows", "self_attention"]
@@ -343,6 +344,8 @@ class BatchInvariance:
                     module.use_fixed_length_attention(self.self_attention)
                 elif isinstance(module, TopKRouter):
                     module.gating = functools.partial(_router_gating, module)
+                elif isinstance(module, (ColumnAdapter, RowAdapter)):  # LoRA's A and B products
+                    module.use_matmul(linear)
 
 
 def enable(chunks: Sequence[torch.nn.Module], max_sequence_length: int) -> BatchInvariance:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import difflib
 import math
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -210,6 +210,11 @@ class LoraPair(torch.nn.Module):
         _tp_attributes(self.lora_B, b_dim)
 
 
+def _matmul_transposed(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., in] @ weight [out, in].T -> [..., out]."""
+    return x @ weight.t()
+
+
 class _SiteAdapter(torch.nn.Module):
     """The adapters of one megatron linear: one LoraPair per targeted component."""
 
@@ -219,6 +224,11 @@ class _SiteAdapter(torch.nn.Module):
         self.dropout = settings.dropout
         self.pairs = torch.nn.ModuleDict(pairs)
         self.tp_group = base.tp_group
+        self.matmul = _matmul_transposed
+
+    def use_matmul(self, matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        """Compute x @ w.T with ``matmul(x, w)`` (bitwise parity's batch-invariant linear)."""
+        self.matmul = matmul
 
     def _drop(self, x: torch.Tensor, training: bool) -> torch.Tensor:
         if self.dropout and training:
@@ -251,12 +261,12 @@ class ColumnAdapter(_SiteAdapter):
         names = [name for name, _ in self.parts if name in self.pairs]
         a = torch.cat([self.pairs[n].lora_A for n in names])
         # h is the same on every tp rank; its gradient sums each rank's share (all-reduce backward).
-        h = copy_to_tensor_model_parallel_region(self._drop(x, training) @ a.t(), group=self.tp_group)
+        h = copy_to_tensor_model_parallel_region(self.matmul(self._drop(x, training), a), group=self.tp_group)
         hs = dict(zip(names, h.split(a.shape[0] // len(names), dim=-1)))
         outs = []
         for name, rows in self.parts:
             if name in hs:
-                outs.append((hs[name] @ self.pairs[name].lora_B.t()) * self.scaling)
+                outs.append(self.matmul(hs[name], self.pairs[name].lora_B) * self.scaling)
             else:
                 outs.append(h.new_zeros((*h.shape[:-1], rows)))
         if self.groups is None:
@@ -280,8 +290,8 @@ class RowAdapter(_SiteAdapter):
             # The input is this rank's slice: dropout draws from the tensor-parallel RNG stream.
             with get_cuda_rng_tracker().fork():
                 x = self._drop(x, training)
-        h = reduce_from_tensor_model_parallel_region(x @ pair.lora_A.t(), group=self.tp_group)
-        return (h @ pair.lora_B.t()) * self.scaling
+        h = reduce_from_tensor_model_parallel_region(self.matmul(x, pair.lora_A), group=self.tp_group)
+        return self.matmul(h, pair.lora_B) * self.scaling
 
 
 def _layer_sites(
