@@ -227,3 +227,27 @@ def test_pool_workers_refuse_any_non_nccl_communication(pool2) -> None:
         r.startswith("torch.distributed.all_reduce: a torch.int16")
         for r in pool2.run(f"{__name__}:int16_all_reduce_job")
     )
+
+
+@pytest.mark.parametrize("rollout_ranks", [[1], [1, 2]])
+def test_mid_generation_refresh_is_off_only_for_a_shared_broadcast(rollout_ranks) -> None:
+    # With several rollout ranks every one must join each broadcast: their segment loops end at
+    # different points, so they take new weights only at step starts (which all reach alike).
+    from verl_megatron.rollout.async_worker import RolloutWorker
+
+    worker = object.__new__(RolloutWorker)
+    arrived = {"weights/4"}
+    worker.version, received = 3, []
+
+    def receive() -> None:
+        received.append(worker.version + 1)
+        worker.version += 1
+
+    worker._receive = receive
+    store = SimpleNamespace(check=lambda keys: all(k in arrived for k in keys))
+    worker.placement = SimpleNamespace(weights=_Group(), rollout_ranks=rollout_ranks, store=store)
+    worker._refresh()
+    assert received == ([4] if len(rollout_ranks) == 1 else [])
+    worker.placement.weights = None  # gloo: each rank receives on its own
+    worker._refresh()
+    assert received == [4]
