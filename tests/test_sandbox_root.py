@@ -162,3 +162,25 @@ def test_root_adds_little_to_a_run():
             assert run.stdout == b"7\n", run
     ratio = statistics.median(times[sandbox.NAMESPACES]) / statistics.median(times[sandbox.BASIC])
     assert ratio < 3.0, (ratio, times)
+
+
+def test_without_pivot_root_the_moved_root_hides_the_host_too(tmp_path, monkeypatch):
+    """Where the kernel refuses pivot_root (a root that is not a mount point), the boot moves
+    its root over / and chroots into it: the host's files stay out of sight just the same."""
+    from verl_megatron.reward import sandbox_boot
+
+    wrapper = tmp_path / "boot_without_pivot_root.py"
+    wrapper.write_text(
+        "import importlib.util, os\n"
+        f"spec = importlib.util.spec_from_file_location('boot', {sandbox_boot.__file__!r})\n"
+        "boot = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(boot)\n"
+        "boot.SECCOMP_ARCHES.get(os.uname().machine, {}).pop('pivot_root', None)\n"
+        "boot.main()\n"
+    )
+    monkeypatch.setattr(sandbox_boot, "__file__", str(wrapper))
+    code = "import os\nprint(os.path.exists('/etc/passwd'), sorted(os.listdir('/etc')), os.listdir('/proc').count('1'))"
+    run = sandbox.run_sandboxed([sys.executable, "-I", "-S", "-c", code], isolation="namespaces")
+    assert run.cause == sandbox.EXITED and run.returncode == 0, run
+    etc = ["ld.so.cache"] if os.path.exists("/etc/ld.so.cache") else []
+    assert run.stdout.decode().split("\n")[0] == f"False {etc} 1", run
