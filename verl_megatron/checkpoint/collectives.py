@@ -26,8 +26,16 @@ _ERRORS = {
 }
 
 
+class DescribedWriteError(RuntimeError):
+    """A failed write whose message already holds its OS cause (see ``describe_failure``): the
+    exception chain does not survive the pickling that carries a failure between ranks."""
+
+
 def describe_failure(exc: BaseException) -> str:
-    """One line per failure: exception type and the first sentence of its message."""
+    """One line per failure: exception type and the first sentence of its message, and the
+    OSError (disk full, file too large) found in its chain."""
+    if isinstance(exc, DescribedWriteError):
+        return str(exc)
     if isinstance(exc, CheckpointException):
         failures = []
         for rank, failure in exc.failures.items():
@@ -36,7 +44,23 @@ def describe_failure(exc: BaseException) -> str:
         return "; ".join(failures)
     text = str(exc).strip()
     first = text.splitlines()[0].split(". ")[0] if text else ""
-    return f"{type(exc).__name__}: {first[:300]}"
+    line = f"{type(exc).__name__}: {first[:300]}"
+    cause = None if isinstance(exc, OSError) else _os_cause(exc)
+    # torch.save's C++ writer replaces a failed write (disk full, file too large) with its own
+    # RuntimeError; the OSError that says why survives only in the exception chain.
+    return line if cause is None else f"{line} (caused by {type(cause).__name__}: {cause})"
+
+
+def _os_cause(exc: BaseException) -> OSError | None:
+    """The first OSError in ``exc``'s chain of causes and contexts, if any."""
+    seen: set[int] = set()
+    link = exc.__cause__ or exc.__context__
+    while link is not None and id(link) not in seen:
+        if isinstance(link, OSError):
+            return link
+        seen.add(id(link))
+        link = link.__cause__ or link.__context__
+    return None
 
 
 def world() -> tuple[int, int]:

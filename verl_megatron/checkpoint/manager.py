@@ -141,7 +141,7 @@ def save_checkpoint(
     try:
         dist_checkpointing.save(state, str(tmp), sharded_strategy=save_strategy(runtime))
     except _READ_WRITE_ERRORS as exc:
-        error = CheckpointError(f"writing {tmp} failed: {describe_failure(exc)}")
+        error = CheckpointError(f"writing {tmp} failed: {describe_failure(exc)} ({storage.write_room(tmp)})")
     agree(error, f"saving step {step} to {root}")
 
     meta = {

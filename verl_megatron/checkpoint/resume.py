@@ -1,8 +1,9 @@
 """Pick the checkpoint to resume from: the newest one whose files are intact.
 
 A damaged newest checkpoint (a file whose checksum, size or presence does not match its
-marker) is named in one warning line and the next older one is tried; when none is
-intact, one error says which are damaged and how to choose a checkpoint instead.
+marker, or a part whose marker is missing) is named in one warning line and the next older
+one is tried; when none is intact, one error says which are damaged and how to choose a
+checkpoint instead.
 """
 
 from __future__ import annotations
@@ -33,11 +34,16 @@ def load_newest_intact(
     ``load`` must raise CheckpointCorruptError (and change nothing it cannot overwrite
     with the next try) when a checkpoint is damaged; it is collective, so every rank
     sees the same outcome and tries the same next one. Returns None when ``root``
-    holds no complete checkpoint. Raises CheckpointNotFoundError when all are damaged.
+    holds no committed checkpoint. Raises CheckpointNotFoundError when all are damaged.
     """
     steps = storage.complete_steps(root)
+    # A committed step whose part marker is gone is damage like a bad checksum: named, then skipped.
+    broken = storage.damaged_steps(root)
     damaged: list[str] = []
-    for step in sorted(steps, reverse=True):
+    for step in sorted(set(steps) | set(broken), reverse=True):
+        if step in broken:
+            damaged.append(f"{storage.step_dir(root, step).name} ({broken[step]})")
+            continue
         path = steps[step]
         try:
             result = load(path)

@@ -232,6 +232,29 @@ def complete_steps(root: str | os.PathLike) -> dict[int, Path]:
     return found
 
 
+def damaged_steps(root: str | os.PathLike) -> dict[int, str]:
+    """Step -> what is wrong, of every committed step (its step marker written) that is not complete:
+    an unreadable step marker, or a part it lists without its part marker. Interrupted saves (no
+    step marker) are not damage and are not listed."""
+    root = Path(root)
+    found: dict[int, str] = {}
+    for entry in root.iterdir() if root.is_dir() else ():
+        match = _STEP_RE.match(entry.name)
+        if not (match and entry.is_dir() and (entry / STEP_MARKER).is_file()):
+            continue
+        try:
+            parts = _read_json(entry / STEP_MARKER, "step marker").get("parts", [])
+        except (FileNotFoundError, CheckpointCorruptError) as err:
+            found[int(match.group(1))] = str(err)
+            continue
+        missing = [
+            f"{name}/{PART_MARKER} is missing" for name in parts if not (entry / name / PART_MARKER).is_file()
+        ]
+        if missing:
+            found[int(match.group(1))] = f"checkpoint {entry} is damaged: " + "; ".join(missing)
+    return found
+
+
 def find_latest_checkpoint(root: str | os.PathLike) -> Path | None:
     """Directory of the complete checkpoint with the highest step under ``root``, or None.
 
@@ -250,6 +273,19 @@ def read_latest_pointer(root: str | os.PathLike) -> int | None:
         return int((Path(root) / POINTER_FILE).read_text().strip())
     except (OSError, ValueError):
         return None
+
+
+def write_room(path: Path) -> str:
+    """Free space on ``path``'s filesystem and the process's file-size limit, for the message of a
+    failed write (a failure reported by another rank arrives without its OSError)."""
+    import resource
+
+    probe = next((p for p in (path, *path.parents) if p.exists()), Path("/"))
+    text = f"{shutil.disk_usage(probe).free / 2**20:.1f} MiB free on the filesystem of {probe}"
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if soft != resource.RLIM_INFINITY:
+        text += f"; file size limit (ulimit -f) {soft} bytes"
+    return text
 
 
 def describe_root(root: Path) -> str:

@@ -21,7 +21,23 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyPara
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint import save as dcp_save
 
+from verl_megatron.checkpoint.collectives import DescribedWriteError, describe_failure
 from verl_megatron.distributed.parallel import Runtime
+
+
+class _CauseKeepingWriter(FileSystemWriter):
+    """torch's file writer, whose failures keep their OS cause in the message.
+
+    torch.save reports a failed write (disk full, file too large) as a RuntimeError of its C++
+    writer; the OSError that says why is only its ``__context__``, which torch.distributed.checkpoint
+    drops when it gathers the failures of the ranks.
+    """
+
+    def write_data(self, plan, planner):
+        try:
+            return super().write_data(plan, planner)
+        except Exception as exc:
+            raise DescribedWriteError(describe_failure(exc)) from exc
 
 
 class InProcessTorchDistSave(mcore_torch.TorchDistSaveShardedStrategy):
@@ -38,7 +54,7 @@ class InProcessTorchDistSave(mcore_torch.TorchDistSaveShardedStrategy):
         )
         dcp_save(
             mcore_torch.mcore_to_pyt_state_dict(flat, False),
-            storage_writer=FileSystemWriter(
+            storage_writer=_CauseKeepingWriter(
                 str(checkpoint_dir), sync_files=True, thread_count=self.thread_count
             ),
             planner=mcore_torch.MCoreSavePlanner(

@@ -1,0 +1,102 @@
+"""A checkpoint save that runs out of room names the cause (the OSError, not torch's writer
+error), and a newest checkpoint whose part marker is gone is named in the same warning as the
+other damage before the previous one is resumed."""
+
+from __future__ import annotations
+
+import resource
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_checkpoint_storage import _save
+from tests.test_durability import QUICKSTART, TINY, _copy, _env, _error_lines, _steps, two_steps  # noqa: F401
+from verl_megatron.checkpoint import storage
+from verl_megatron.checkpoint.collectives import describe_failure
+from verl_megatron.checkpoint.resume import load_newest_intact
+from verl_megatron.checkpoint.storage import CheckpointNotFoundError
+
+# Larger than every file of the tiny quickstart but its checkpoint shards (about 640 kB each).
+_FILE_LIMIT = 500_000
+
+
+def _limit_file_size() -> None:
+    """In the child: writes past the limit fail with EFBIG instead of killing it with SIGXFSZ."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (_FILE_LIMIT, _FILE_LIMIT))
+
+
+def test_torch_writer_error_names_its_os_cause(tmp_path):
+    import torch
+
+    _limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (10_000, _limit[1]))
+    try:
+        with open(tmp_path / "x.pt", "wb") as f, pytest.raises(RuntimeError) as caught:
+            torch.save({"a": torch.zeros(10_000)}, f)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, _limit)
+        signal.signal(signal.SIGXFSZ, old)
+    line = describe_failure(caught.value)
+    assert line.startswith("RuntimeError: [enforce fail at inline_container.cc"), line
+    assert line.endswith("(caused by OSError: [Errno 27] File too large)"), line
+    assert describe_failure(OSError(28, "No space left on device")) == (
+        "OSError: [Errno 28] No space left on device"
+    )
+
+
+def test_a_save_past_the_file_size_limit_names_the_cause_and_keeps_the_previous_step(two_steps, tmp_path):  # noqa: F811
+    out = _copy(two_steps, tmp_path)
+    before = storage.read_part_meta(out / "global_step_2" / "actor")
+    command = [sys.executable, "-m", "verl_megatron.train", "--config", QUICKSTART, *TINY]
+    command += [f"trainer.default_local_dir={out}", "trainer.total_training_steps=3"]
+    proc = subprocess.run(
+        command, env=_env(), capture_output=True, text=True, timeout=600, preexec_fn=_limit_file_size
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    (line,) = _error_lines(proc)
+    assert "failed: rank 0: RuntimeError: [enforce fail at inline_container.cc" in line, line
+    assert "(caused by OSError: [Errno 27] File too large)" in line, line
+    assert f"file size limit (ulimit -f) {_FILE_LIMIT} bytes" in line, line
+    assert storage.find_latest_checkpoint(out) == out / "global_step_2"
+    assert storage.read_part_meta(out / "global_step_2" / "actor") == before
+
+
+def test_a_newest_step_without_its_part_marker_is_named_when_skipped(tmp_path):
+    _save(tmp_path, 1)
+    _save(tmp_path, 2, names=("actor", "critic"))
+    (tmp_path / "global_step_2" / "critic" / storage.PART_MARKER).unlink()
+    (tmp_path / "global_step_3" / "actor").mkdir(parents=True)  # interrupted copy: no step marker
+    said: list[str] = []
+    path, loaded = load_newest_intact(tmp_path, lambda p: p.name, said.append)
+    assert (path, loaded) == (tmp_path / "global_step_1", "global_step_1")
+    assert said == [
+        f"warning: damaged checkpoint(s) skipped: global_step_2 (checkpoint {tmp_path / 'global_step_2'} "
+        f"is damaged: critic/{storage.PART_MARKER} is missing); resuming from {tmp_path / 'global_step_1'} instead"
+    ]
+    # The only committed step damaged: an error, not a silent fresh start.
+    (tmp_path / "global_step_1" / "actor" / storage.PART_MARKER).unlink()
+    with pytest.raises(
+        CheckpointNotFoundError, match=r"no intact checkpoint under .*: global_step_2 \(.*global_step_1 \("
+    ):
+        load_newest_intact(tmp_path, lambda p: p.name, said.append)
+    assert storage.damaged_steps(tmp_path / "nothing") == {}
+
+
+def test_a_run_resumes_past_a_step_without_its_part_marker_with_a_warning(two_steps, tmp_path):  # noqa: F811
+    out = _copy(two_steps, tmp_path)
+    (out / "global_step_2" / "actor" / storage.PART_MARKER).unlink()
+    command = [sys.executable, "-m", "verl_megatron.train", "--config", QUICKSTART, *TINY]
+    command += [f"trainer.default_local_dir={out}", "trainer.total_training_steps=3"]
+    proc = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning: damaged checkpoint")]
+    assert warnings == [
+        f"warning: damaged checkpoint(s) skipped: global_step_2 (checkpoint {out / 'global_step_2'} is damaged: "
+        f"actor/{storage.PART_MARKER} is missing); resuming from {out / 'global_step_1'} instead"
+    ], proc.stderr[-3000:]
+    assert "resumed from step 1" in proc.stdout
+    assert _steps(out) == [1, 2, 3]
