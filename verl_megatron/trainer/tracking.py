@@ -229,7 +229,11 @@ def plot_curves(jsonl_path: str, png_path: str) -> str | None:
     rows = read_jsonl_metrics(jsonl_path) if os.path.exists(jsonl_path) else []
     if not rows:
         return None
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # e.g. a GPU box given only the wheels it lacks (benchmarks/gpu/prepare_wheels.sh)
+        print(f"matplotlib is not installed: no {png_path} (the metrics are in {jsonl_path})")
+        return None
 
     matplotlib.use("Agg")  # no display on training nodes
     import matplotlib.pyplot as plt
