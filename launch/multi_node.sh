@@ -4,7 +4,11 @@
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 launch/multi_node.sh --config configs/ppo.yaml model.path=...
 #   NNODES=2 NODE_RANK=1 MASTER_ADDR=node0 launch/multi_node.sh --config configs/ppo.yaml model.path=...
 # The checkpoint folder (trainer.default_local_dir) must be on a file system every node sees.
+# --dry-run (first argument): print this node's torchrun command instead of starting it.
 set -euo pipefail
+
+DRY_RUN=0
+if [[ "${1:-}" == "--dry-run" ]]; then DRY_RUN=1; shift; fi
 
 : "${NNODES:?set NNODES (number of nodes)}"
 : "${NODE_RANK:?set NODE_RANK (0..NNODES-1)}"
@@ -19,7 +23,9 @@ if [[ -z "${NPROC_PER_NODE:-}" ]]; then
 fi
 PYTHON=${PYTHON:-python}
 
-exec "$PYTHON" -m torch.distributed.run \
-  --nnodes="$NNODES" --node-rank="$NODE_RANK" --nproc-per-node="$NPROC_PER_NODE" \
-  --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" \
-  -m verl_megatron.train "$@" trainer.nnodes="$NNODES" trainer.n_gpus_per_node="$NPROC_PER_NODE"
+CMD=("$PYTHON" -m torch.distributed.run
+  --nnodes="$NNODES" --node-rank="$NODE_RANK" --nproc-per-node="$NPROC_PER_NODE"
+  --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT"
+  -m verl_megatron.train "$@" trainer.nnodes="$NNODES" trainer.n_gpus_per_node="$NPROC_PER_NODE")
+if (( DRY_RUN )); then printf '%q ' "${CMD[@]}"; echo; exit 0; fi
+exec "${CMD[@]}"

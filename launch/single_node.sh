@@ -2,7 +2,11 @@
 # One node, NPROC processes (default: one per visible GPU, or 1 without GPUs).
 #   NPROC=8 launch/single_node.sh --config configs/grpo.yaml model.path=/models/qwen parallel.tp=2
 # Every argument goes to verl_megatron.train (a --config file and key=value overrides).
+# --dry-run (first argument): print the torchrun command instead of starting it.
 set -euo pipefail
+
+DRY_RUN=0
+if [[ "${1:-}" == "--dry-run" ]]; then DRY_RUN=1; shift; fi
 
 if [[ -z "${NPROC:-}" ]]; then
   if command -v nvidia-smi >/dev/null 2>&1; then
@@ -14,5 +18,7 @@ fi
 PYTHON=${PYTHON:-python}
 
 # --standalone: a private rendezvous on a free local port, so several jobs can share the node.
-exec "$PYTHON" -m torch.distributed.run --standalone --nnodes=1 --nproc-per-node="$NPROC" \
-  -m verl_megatron.train "$@"
+CMD=("$PYTHON" -m torch.distributed.run --standalone --nnodes=1 --nproc-per-node="$NPROC"
+  -m verl_megatron.train "$@")
+if (( DRY_RUN )); then printf '%q ' "${CMD[@]}"; echo; exit 0; fi
+exec "${CMD[@]}"

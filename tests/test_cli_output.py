@@ -74,7 +74,8 @@ def test_startup_line_comes_before_the_runtime(monkeypatch, capsys, tmp_path):
     assert lines[1] == (
         "verl-megatron train: model quickstart tiny llama (2 layers, hidden 64) | float32 | "
         "tp=1 pp=1 cp=1 dp=1 (1 process) | synthetic 'reverse' task, batch 64 prompts x 8 samples | "
-        f"7 steps | output {tmp_path}"
+        f"7 steps | output {tmp_path} | derived actor.ppo_micro_batch_size_per_gpu=256 "
+        "(unset: a rank's share of a mini-batch)"
     )
 
 

@@ -174,7 +174,9 @@ def test_only_the_roles_a_run_uses_must_be_complete():
     # GRPO runs no critic: its section may leave the micro-batch size unset.
     sparse = load_config(QUICKSTART, ["critic.ppo_micro_batch_size_per_gpu=null"])
     validate_config(sparse, 1)
-    # With GAE the critic trains, so the same gap is an error naming the key, before any model exists.
+    assert sparse.critic.ppo_micro_batch_size_per_gpu is None  # nothing derived for an unused role
+    # With GAE the critic trains: an unset micro-batch is derived (issue 30), a rank's share of a
+    # mini-batch, 32 prompts * 8 samples / dp.
     gae = load_config(
         QUICKSTART,
         [
@@ -183,8 +185,8 @@ def test_only_the_roles_a_run_uses_must_be_complete():
             "algorithm.adv_estimator=gae",
         ],
     )
-    with pytest.raises(ConfigError, match=r"critic\.ppo_micro_batch_size_per_gpu"):
-        validate_config(gae, 1)
+    validate_config(gae, 2)
+    assert gae.critic.ppo_micro_batch_size_per_gpu == 128
     kl = load_config(QUICKSTART, ["ref.log_prob_micro_batch_size_per_gpu=null", "actor.use_kl_loss=true"])
     with pytest.raises(ConfigError, match=r"ref\.log_prob_micro_batch_size_per_gpu must be set"):
         validate_config(kl, 1)

@@ -27,8 +27,9 @@ Reinforcement-learning post-training (PPO, GRPO, DAPO) on megatron-core.
 commands:
   train [--config FILE] [key=value ...]   train; without --config: the CPU quickstart
                                           (verl-megatron train --help for more)
-  check-hf PATH [--tp N] [--pp N]         compare megatron's logits with transformers'
-                                          for a Hugging Face checkpoint
+  check-hf PATH [--tp N] [--pp N] [--vpp N] [--ep N] [--etp N] [--dtype D] [--tolerance X] [--seed N]
+                                          compare megatron's logits with transformers'
+                                          for a Hugging Face checkpoint (MoE: --ep/--etp)
 
 With trainer.n_gpus_per_node > 1, train starts torchrun on this node itself.
 Several nodes: launch/multi_node.sh or launch/slurm.sbatch.

@@ -67,6 +67,15 @@ def _quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
 
 
+def _derived_note(config_path: str | None, overrides: Sequence[str], dp: int) -> str:
+    """`` | derived actor.ppo_micro_batch_size_per_gpu=128`` for each size the config left unset."""
+    from verl_megatron.trainer.config import default_config_path, load_config
+    from verl_megatron.trainer.validate import derived_micro_batches
+
+    derived = derived_micro_batches(load_config(config_path or default_config_path(), list(overrides)), dp)
+    return f" | derived {', '.join(derived)} (unset: a rank's share of a mini-batch)" if derived else ""
+
+
 def run(config_path: str | None, overrides: Sequence[str]) -> dict[str, float]:
     """Load, check, build and train; returns the trainer's summary (first/last validation score)."""
     from verl_megatron.reward.loading import check_reward_config
@@ -77,7 +86,11 @@ def run(config_path: str | None, overrides: Sequence[str]) -> dict[str, float]:
     config, layout, data_sizes = prepare_run(config_path, overrides, world_size)
     check_reward_config(config)  # imports the scorer file in a child process, before any model
     if _rank() == 0:
-        print(startup_line(config, layout, world_size, data_sizes), flush=True)
+        print(
+            startup_line(config, layout, world_size, data_sizes)
+            + _derived_note(config_path, overrides, layout.dp),
+            flush=True,
+        )
 
     from verl_megatron.distributed.parallel import init_runtime, shutdown
     from verl_megatron.rollout.placement import init_placement
@@ -112,19 +125,54 @@ def run(config_path: str | None, overrides: Sequence[str]) -> dict[str, float]:
 
 
 def _record_for_launcher(err: BaseException) -> None:
-    """Leave the message where torchrun's agent collects a worker's error (its per-worker error file)."""
-    if "TORCHELASTIC_ERROR_FILE" in os.environ:
-        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+    """Leave the one ``error:`` line in torchrun's per-worker error file. ``verl-megatron train``
+    prints it from there; plain torchrun shows it as the root cause at the end of its failure report
+    (as ``traceback``), whichever rank it saw fail first."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    import json
+    import time
 
-        ErrorHandler().record_exception(err)
+    line = " ".join((str(err).strip() or type(err).__name__).split())
+    record = {
+        "message": {
+            "message": f"{type(err).__name__}: {line}",
+            "extraInfo": {"py_callstack": f"error: {line}", "timestamp": str(int(time.time()))},
+        }
+    }
+    with open(path, "w") as f:
+        json.dump(record, f)
+
+
+# A non-zero rank that fails a check waits this long for rank 0 to print the line and for torchrun
+# to stop it: printed by rank 0 alone, and never lost to a SIGTERM that reached rank 0 first.
+PEER_GRACE_S = 30.0
+
+
+def _report(err: BaseException, to_launcher: bool) -> int:
+    """Rank 0 prints the ``error:`` line; another rank waits for rank 0 (every rank fails the same
+    start-up checks) and prints the line itself only if it is still running after PEER_GRACE_S."""
+    from verl_megatron.errors import report_user_error
+
+    under_torchrun = "TORCHELASTIC_ERROR_FILE" in os.environ
+    if under_torchrun:
+        _record_for_launcher(err)
+    rank = _rank()
+    if to_launcher or rank == 0 or not under_torchrun:
+        return report_user_error(err, show=rank == 0 and not to_launcher)
+    import time
+
+    time.sleep(PEER_GRACE_S)
+    return report_user_error(err)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry. Input the user can fix (config, data, checkpoint: a UserInputError)
-    prints one ``error:`` line and exits with 2 on every rank; rank 0 alone prints it, or the
-    launching ``verl-megatron train`` does when it started torchrun. A run stopped by the
+    prints one ``error:`` line and exits with 2 on every rank; rank 0 alone prints it (``_report``),
+    or the launching ``verl-megatron train`` does when it started torchrun. A run stopped by the
     divergence guard prints its one line and exits with 3."""
-    from verl_megatron.errors import is_user_error, report_user_error
+    from verl_megatron.errors import is_user_error
     from verl_megatron.trainer.guard import TrainingDivergedError
 
     args = parse_args(argv)
@@ -137,9 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as err:
         if not is_user_error(err):
             raise
-        if args.errors_to_launcher:
-            _record_for_launcher(err)
-        return report_user_error(err, show=_rank() == 0 and not args.errors_to_launcher)
+        return _report(err, args.errors_to_launcher)
     return 0
 
 

@@ -23,7 +23,7 @@ from verl_megatron.errors import ConfigError, ModelConfigError, ParallelConfigEr
 from verl_megatron.models import routing_replay
 from verl_megatron.models.checkpoint_check import check_hf_weights
 from verl_megatron.models.config import check_layout, load_hf_config, read_hf_architecture
-from verl_megatron.models.moe import check_trainable
+from verl_megatron.models.moe import MOE_MODEL_TYPES, check_trainable
 from verl_megatron.reward.loading import resolve_reward_manager_cls
 from verl_megatron.reward.model_rewards import check_model_rewards
 from verl_megatron.rollout.config import check_engine_installed, old_log_prob_micro_batch_size
@@ -33,7 +33,14 @@ from verl_megatron.trainer.placement_check import check_placement
 from verl_megatron.trainer.ppo.rollout_correction import check_rollout_correction
 from verl_megatron.trainer.tracking import TRACKING_BACKENDS
 
-__all__ = ["check_model_fits", "suggest_key", "use_critic", "use_reference", "validate_config"]
+__all__ = [
+    "check_model_fits",
+    "derived_micro_batches",
+    "suggest_key",
+    "use_critic",
+    "use_reference",
+    "validate_config",
+]
 
 # Estimators that compare the samples of one prompt (need rollout.n >= 2).
 _GROUP_ESTIMATORS = (
@@ -67,17 +74,23 @@ def use_reference(config: PPOConfig) -> bool:
     return bool(config.actor.use_kl_loss or config.algorithm.use_kl_in_reward)
 
 
-def _check_mini_batches(
-    section: str, mini_batch: int, micro_batch: int | None, dynamic: bool, config: PPOConfig, dp: int
-) -> None:
-    """Mini-batches (in prompts) split the step's batch; samples split over dp; micro-batches split those."""
+def _check_mini_batches(section: str, mini_batch: int, config: PPOConfig, dp: int) -> int:
+    """Mini-batches (in prompts) split the step's batch, their samples split over dp; returns the
+    samples each dp rank gets per mini-batch."""
     n = config.rollout.n
     train_batch = config.data.train_batch_size
-    if mini_batch < 1 or mini_batch > train_batch or train_batch % mini_batch != 0:
+    split = (
+        f"(train_batch_size*rollout.n = {train_batch * n} samples split into mini-batches of "
+        f"ppo_mini_batch_size*rollout.n = {mini_batch * n})"
+    )
+    if mini_batch > train_batch:
         raise ConfigError(
-            f"{section}.ppo_mini_batch_size={mini_batch} must divide data.train_batch_size={train_batch} "
-            f"(train_batch_size*rollout.n = {train_batch * n} samples split into mini-batches of "
-            f"ppo_mini_batch_size*rollout.n = {mini_batch * n})"
+            f"{section}.ppo_mini_batch_size={mini_batch} is larger than data.train_batch_size={train_batch}: "
+            f"a mini-batch is a part of the step's batch; lower it to a divisor of {train_batch} {split}"
+        )
+    if mini_batch < 1 or train_batch % mini_batch != 0:
+        raise ConfigError(
+            f"{section}.ppo_mini_batch_size={mini_batch} must divide data.train_batch_size={train_batch} {split}"
         )
     samples = mini_batch * n
     if samples % dp != 0:
@@ -85,18 +98,45 @@ def _check_mini_batches(
             f"{section}.ppo_mini_batch_size*rollout.n = {mini_batch}*{n} = {samples} samples per mini-batch "
             f"are not divisible by the data-parallel size dp={dp}"
         )
-    if dynamic:
+    return samples // dp
+
+
+def _check_micro_batch(section: str, worker: Any, per_rank: int, dp: int) -> None:
+    """Micro-batches split the samples a rank gets per mini-batch. An unset size is derived here
+    (``derived_micro_batches``): one micro-batch a mini-batch, whatever the number of processes."""
+    if worker.use_dynamic_bsz:
         return
-    if micro_batch is None or micro_batch < 1:
+    micro = worker.ppo_micro_batch_size_per_gpu
+    if micro is None:
+        worker.ppo_micro_batch_size_per_gpu = per_rank
+        return
+    if micro < 1:
         raise ConfigError(
             f"{section}.ppo_micro_batch_size_per_gpu must be a positive integer (or set {section}.use_dynamic_bsz)"
         )
-    per_rank = samples // dp
-    if per_rank % micro_batch != 0:
+    if per_rank % micro != 0:
         raise ConfigError(
-            f"{section}.ppo_micro_batch_size_per_gpu={micro_batch} does not divide the {per_rank} samples "
-            f"each dp rank gets per mini-batch ({section}.ppo_mini_batch_size*rollout.n/dp = {samples}/{dp})"
+            f"{section}.ppo_micro_batch_size_per_gpu={micro} does not divide the {per_rank} samples "
+            f"each dp rank gets per mini-batch ({section}.ppo_mini_batch_size*rollout.n/dp = "
+            f"{per_rank * dp}/{dp})"
         )
+
+
+def _trained_roles(config: PPOConfig) -> list[tuple[str, Any]]:
+    """(section, worker config) of the roles that train: the actor, and the critic when GAE runs it."""
+    return [("actor", config.actor)] + ([("critic", config.critic)] if use_critic(config) else [])
+
+
+def derived_micro_batches(config: PPOConfig, dp: int) -> list[str]:
+    """``key=value`` of each micro-batch size ``validate_config`` derives for a config as loaded
+    (unset, no dynamic batch size): the samples a dp rank gets per mini-batch. Call it before
+    ``validate_config`` fills them in; the start-up line names them."""
+    derived = []
+    for section, worker in _trained_roles(config):
+        if worker.ppo_micro_batch_size_per_gpu is None and not worker.use_dynamic_bsz:
+            per_rank = worker.ppo_mini_batch_size * config.rollout.n // dp
+            derived.append(f"{section}.ppo_micro_batch_size_per_gpu={per_rank}")
+    return derived
 
 
 def _check_old_log_prob(config: PPOConfig) -> None:
@@ -326,7 +366,8 @@ def _check_model_and_rollout(config: PPOConfig, layout: ParallelLayout) -> None:
         config.rollout,
         cp=config.parallel.cp,
         model_path=config.model.path,
-        quickstart=config.quickstart.enable,
+        # Its routing check refuses the quickstart's dense model; quickstart.family may build an MoE one.
+        quickstart=config.quickstart.enable and config.quickstart.family not in MOE_MODEL_TYPES,
     )
     config.model.validate(layout)
     config.model.recompute_settings()
@@ -337,25 +378,9 @@ def _check_model_and_rollout(config: PPOConfig, layout: ParallelLayout) -> None:
 
 def _check_workers(config: PPOConfig, dp: int) -> None:
     """Batch arithmetic of the roles that train, then every role this run uses is complete."""
-    actor = config.actor
-    _check_mini_batches(
-        "actor",
-        actor.ppo_mini_batch_size,
-        actor.ppo_micro_batch_size_per_gpu,
-        actor.use_dynamic_bsz,
-        config,
-        dp,
-    )
-    if use_critic(config):
-        critic = config.critic
-        _check_mini_batches(
-            "critic",
-            critic.ppo_mini_batch_size,
-            critic.ppo_micro_batch_size_per_gpu,
-            critic.use_dynamic_bsz,
-            config,
-            dp,
-        )
+    for section, worker in _trained_roles(config):
+        per_rank = _check_mini_batches(section, worker.ppo_mini_batch_size, config, dp)
+        _check_micro_batch(section, worker, per_rank, dp)
     # Sections of roles this run uses must be complete; an unused role's section may stay sparse.
     config.actor.validate()
     if use_reference(config):
