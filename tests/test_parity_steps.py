@@ -5,7 +5,7 @@ for bit. A defect that only shows after the weights (or any state shared by trai
 rollout) change cannot be seen in one step, so every run here trains 6 steps with two optimizer
 updates a step and asserts ``rollout/logprob_diff/max == 0.0`` (and no token differing) at each:
 1 process in float32 with padded rows and with packed rows + dynamic micro-batches, bf16, LoRA,
-tp=2, pp=2, dp=2 and MoE with routing replay at ep=2 (two processes, gloo), and across a resume
+tp=2, pp=2, dp=2, MoE with routing replay at ep=2 and LoRA at tp=2 (two processes, gloo), and across a resume
 (3 steps, stop, resume to 6: the same numbers as the uninterrupted run).
 
 With parity, ``algorithm.rollout_correction.bypass_mode=true`` (rollout log-probs used as
@@ -77,8 +77,14 @@ def test_parity_holds_at_every_step_one_process(one_process_rows):
 
 
 @pytest.mark.multiproc
-def test_parity_holds_at_every_step_tp2_pp2_dp2(pool2, tmp_path):
-    runs = {"tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"], "dp2": [], "moe_r3_ep2": MOE_R3_EP2}
+def test_parity_holds_at_every_step_two_processes(pool2, tmp_path):
+    runs = {
+        "tp2": ["parallel.tp=2"],
+        "pp2": ["parallel.pp=2"],
+        "dp2": [],
+        "moe_r3_ep2": MOE_R3_EP2,
+        "lora_tp2": ["parallel.tp=2", *LORA],  # adapters' A sharded (row) and B sharded (column)
+    }
     rows = pool2.run(f"{__name__}:layouts_job", out_root=str(tmp_path), runs=runs)[0]
     for name in runs:
         _assert_zero_every_step(rows[name], list(range(1, STEPS + 1)), name)
