@@ -121,16 +121,7 @@ def reference_job(model_dir: str, temperature: float, sampled: dict) -> dict:
             for _ in range(RESPONSE_LENGTH):
                 tokens.append(int(_full_logits(chunk, tokens)[-1].argmax()))
             greedy.append(tokens[n:])
-        recomputed = torch.zeros_like(sampled["rollout_log_probs"])
-        for row in range(sampled["responses"].shape[0]):
-            prompt_row = sampled["prompts"][row][
-                sampled["attention_mask"][row, : sampled["prompts"].shape[1]].bool()
-            ]
-            length = int(sampled["response_mask"][row].sum())
-            response = sampled["responses"][row, :length]
-            logits = _full_logits(chunk, prompt_row.tolist() + response.tolist()) / temperature
-            log_probs = torch.log_softmax(logits[len(prompt_row) - 1 : -1], dim=-1)
-            recomputed[row, :length] = log_probs.gather(-1, response[:, None]).squeeze(-1)
+        recomputed = _recomputed_log_probs(chunk, sampled, temperature)
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         hf.generation_config.eos_token_id = None  # the engine ran with ignore_eos
         hf_out = hf.generate(
@@ -140,11 +131,30 @@ def reference_job(model_dir: str, temperature: float, sampled: dict) -> dict:
             max_new_tokens=RESPONSE_LENGTH,
             pad_token_id=PAD,
         )
+        # The same float32 weights upcast exactly (last: the chunk stays float64).
+        exact = _recomputed_log_probs(chunk.double(), sampled, temperature)
     return {
         "greedy": torch.tensor(greedy),
         "hf_greedy": hf_out[:, prompts.batch["input_ids"].shape[1] :],
         "recomputed": recomputed,
+        "exact": exact,
     }
+
+
+def _recomputed_log_probs(chunk, sampled: dict, temperature: float) -> torch.Tensor:
+    """log-softmax(logits / T) [rows, response] of a cache-free forward at ``sampled``'s tokens,
+    in the chunk's dtype."""
+    recomputed = torch.zeros_like(sampled["rollout_log_probs"], dtype=next(chunk.parameters()).dtype)
+    for row in range(sampled["responses"].shape[0]):
+        prompt_row = sampled["prompts"][row][
+            sampled["attention_mask"][row, : sampled["prompts"].shape[1]].bool()
+        ]
+        length = int(sampled["response_mask"][row].sum())
+        response = sampled["responses"][row, :length]
+        logits = _full_logits(chunk, prompt_row.tolist() + response.tolist()) / temperature
+        log_probs = torch.log_softmax(logits[len(prompt_row) - 1 : -1], dim=-1)
+        recomputed[row, :length] = log_probs.gather(-1, response[:, None]).squeeze(-1)
+    return recomputed
 
 
 SAMPLING = {"temperature": 0.7, "top_k": 20, "top_p": 0.9, "n": 2, "seed": 5, "ignore_eos": True}
@@ -172,10 +182,22 @@ def test_greedy_equals_full_recomputation_and_hf_generate(single):
 
 
 def test_sampled_log_probs_equal_recomputed(single):
+    """The rollout's log-probs (12 cached decoding steps, kernel sampling) against a float64
+    recomputation of the same weights: within 3x a float32 recomputation's error. Why 3, not 2:
+    each is the largest of 120 log-probs at T=0.7, the rollout's from keys and values cached over
+    12 steps, so the two samples of the rounding bound spread more (measured ratio 0.88-1.67 over
+    native/generic kernels x AVX512/AVX2/default ATen on an Intel Xeon); a defect (a wrong
+    position, temperature or renormalisation) moves log-probs by > 1e-3, 10x the bound."""
     sampled, reference = single["sampled"], single["reference"]
     assert sampled["responses"].shape == (2 * len(PROMPT_LENGTHS), RESPONSE_LENGTH)
     assert torch.equal(sampled["response_mask"], torch.ones_like(sampled["response_mask"]))
-    torch.testing.assert_close(sampled["rollout_log_probs"], reference["recomputed"], rtol=0, atol=1e-4)
+    _assert_within_float32_error(
+        sampled["rollout_log_probs"],
+        reference["recomputed"],
+        reference["exact"],
+        "rollout vs recomputed log-probs",
+        factor=3.0,
+    )
     # top_k=20, top_p=0.9 at T=0.7 keep few tokens: every chosen token is likely.
     assert float(sampled["rollout_log_probs"].min()) > -6.0
 
@@ -536,22 +558,23 @@ def test_compiled_decode_attention_decodes_like_the_matmul_path(pool1, model_dir
 
 
 def _assert_within_float32_error(
-    ours: torch.Tensor, theirs: torch.Tensor, exact: torch.Tensor, what: str
+    ours: torch.Tensor, theirs: torch.Tensor, exact: torch.Tensor, what: str, factor: float = 2.0
 ) -> None:
-    """``ours``' largest error to the float64 reference ``exact`` (same shape) is at most twice
-    ``theirs``' (the reference float32 path's). Why 2: both are float32 evaluations of the same
-    sums in different orders (an order depends on the CPU, the kernels' build target and the BLAS
-    code path torch picks at run time), so both obey one rounding bound of which each measured
-    error is one sample; a factor 2 allows another order its own sample, while a real defect (a
-    wrong mask, position, scale or weight) is off by orders of magnitude. ``theirs``' error must
-    be a float32 one (0 < error < 1e-4), or the reference itself is broken."""
+    """``ours``' largest error to the float64 reference ``exact`` (same shape) is at most
+    ``factor`` (2 unless a caller says why) times ``theirs``' (the reference float32 path's).
+    Why 2: both are float32 evaluations of the same sums in different orders (an order depends
+    on the CPU, the kernels' build target and the BLAS code path torch picks at run time), so
+    both obey one rounding bound of which each measured error is one sample; a factor 2 allows
+    another order its own sample, while a real defect (a wrong mask, position, scale or weight)
+    is off by orders of magnitude. ``theirs``' error must be a float32 one (0 < error < 1e-4),
+    or the reference itself is broken."""
     ours_error = (ours.double() - exact).abs()
     theirs_error = float((theirs.double() - exact).abs().max())
     assert 0 < theirs_error < 1e-4, (
         f"{what}: reference path vs float64 {theirs_error:.3g} (reference broken?)"
     )
     where = tuple(int(i) for i in np.unravel_index(int(ours_error.argmax()), ours_error.shape))
-    assert float(ours_error.max()) <= 2 * theirs_error, (
-        f"{what}: max error vs float64 {float(ours_error.max()):.3g} at {where}; bound 2 x the reference "
+    assert float(ours_error.max()) <= factor * theirs_error, (
+        f"{what}: max error vs float64 {float(ours_error.max()):.3g} at {where}; bound {factor:g} x the reference "
         f"path's error vs float64 ({theirs_error:.3g})"
     )
