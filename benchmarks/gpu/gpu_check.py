@@ -304,14 +304,17 @@ def run(args: argparse.Namespace) -> dict:
     from verl_megatron.models.config import load_hf_config
     from verl_megatron.utils.local_assets import build_char_tokenizer, build_tiny_hf_model
 
-    runtime = init_runtime(ParallelLayout(), seed=0)
-    # One random checkpoint per rank's own folder: ranks share no files (same seed: same weights).
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="gpu_check_")) / f"rank{runtime.rank}"
+    # One random checkpoint per rank's own folder, written before the process group exists (a
+    # save under torch.distributed writes on rank 0 only): same seed, same weights.
+    workdir = (
+        Path(args.workdir or tempfile.mkdtemp(prefix="gpu_check_")) / f"rank{os.environ.get('RANK', '0')}"
+    )
     model_dir = workdir / f"qwen2_{args.size}"
     tokenizer = build_char_tokenizer(workdir / "tokenizer")
     build_tiny_hf_model(model_dir, "qwen2", tie_word_embeddings=True, seed=0,
                         max_position_embeddings=args.prompt_len + args.response_len, **SIZES[args.size])  # fmt: skip
     hf_config = load_hf_config(str(model_dir))
+    runtime = init_runtime(ParallelLayout(), seed=0)
     use_te = _use_te(args.device)
     summary: dict[str, Any] = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                                "size": args.size, "spec": "transformer_engine" if use_te else "local",
