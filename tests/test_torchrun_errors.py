@@ -1,0 +1,60 @@
+"""A start-up error reaches the user under plain torchrun, every time (issue 30).
+
+``torchrun --nproc_per_node=2 -m verl_megatron.train parallel.tp=3``: both ranks fail the same check
+before any model is built. Rank 1 used to exit first and torchrun stopped rank 0 before it printed:
+no ``error:`` line in 2 of 3 runs. Now rank 1 waits for rank 0 (which prints the line once), and
+every failing rank leaves the line in its torchelastic error file, so torchrun's failure report ends
+with it as the root cause whichever rank it saw fail first.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LINE = "error: parallel: tp*pp*cp = 3*1*1 = 3 does not divide the world size 2"
+REPEATS = 10
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(_: int) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PET_MASTER_PORT": str(_free_port())}
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR"):
+        env.pop(key, None)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "-m",
+        "verl_megatron.train",
+    ]
+    return subprocess.run(
+        [*command, "parallel.tp=3"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_start_up_error_reaches_the_user_every_time():
+    with ThreadPoolExecutor(2) as pool:
+        runs = list(pool.map(_torchrun, range(REPEATS)))
+    printed = 0
+    for run in runs:
+        output = run.stdout + run.stderr
+        assert run.returncode != 0, output
+        lines = [line.strip() for line in output.splitlines()]
+        # The worker's own line, once (rank 0 prints; rank 1 waits and is stopped by torchrun).
+        assert lines.count(LINE) == 1, output
+        printed += 1
+        # The report torchrun prints last names it as the root cause, not a bare exit code.
+        reasons = [line for line in lines if line.startswith("traceback :")]
+        assert reasons[-1] == f"traceback : {LINE}", output
+    assert printed == REPEATS
