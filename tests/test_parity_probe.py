@@ -80,3 +80,47 @@ def test_interval_is_checked():
     assert RolloutConfig().parity_probe_interval == 10
     with pytest.raises(UserInputError, match=r"rollout\.parity_probe_interval must be an integer >= 0"):
         RolloutConfig(parity_probe_interval=-1)
+
+
+class _FakeActor:
+    """compute_log_prob returns the rollout's log-probs, plus 0.25 on rows marked ``off`` (as a row
+    generated with older weights would differ); records the rows it was asked for."""
+
+    def __init__(self, dp: int = 1):
+        from types import SimpleNamespace
+
+        self.config = SimpleNamespace(
+            ppo_infer_micro_batch_size_per_gpu=2, ppo_micro_batch_size_per_gpu=4, use_dynamic_bsz=False
+        )
+        self.runtime = SimpleNamespace(layout=SimpleNamespace(dp=dp))
+        self.asked: list[list[int]] = []
+
+    def compute_log_prob(self, data):
+        self.asked.append(data.batch["row"].tolist())
+        return data.batch["rollout_log_probs"] + 0.25 * data.batch["off"][:, None], None
+
+
+def _async_batch(versions: list[list[int]]):
+    from verl_megatron.protocol import DataProto
+
+    v = torch.tensor(versions)
+    return DataProto.from_dict({
+        "rollout_versions": v, "rollout_log_probs": -torch.rand(v.shape, dtype=torch.float32),
+        "response_mask": (v >= 0).long(), "row": torch.arange(len(v)), "off": ((v >= 0) & (v != 4)).any(-1),
+    })  # fmt: skip
+
+
+def test_async_rows_of_older_weights_are_not_probed():
+    """Step 5 trains weights of version 4: rows holding a token of version 3 are off-policy by design."""
+    from types import SimpleNamespace
+
+    from verl_megatron.trainer.parity_probe import METRIC, parity_probe
+
+    rollout, actor = SimpleNamespace(parity_probe_interval=5, bitwise_parity=True), _FakeActor(dp=1)
+    batch = _async_batch([[3, 3, -1], [4, 4, 4], [3, 4, -1], [4, -1, -1], [4, 4, -1]])
+    timing: dict[str, float] = {}
+    assert parity_probe(actor, batch, 5, rollout, timing) == {METRIC: 0.0}
+    assert actor.asked == [[1, 3]]  # the first micro-batch of current rows (2 of them at dp=1)
+    assert parity_probe(actor, batch, 4, rollout, timing) == {}  # not a probe step
+    assert parity_probe(actor, _async_batch([[3, 3], [3, -1]]), 5, rollout, timing) == {}  # none current
+    assert len(actor.asked) == 1
