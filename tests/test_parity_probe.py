@@ -124,3 +124,13 @@ def test_async_rows_of_older_weights_are_not_probed():
     assert parity_probe(actor, batch, 4, rollout, timing) == {}  # not a probe step
     assert parity_probe(actor, _async_batch([[3, 3], [3, -1]]), 5, rollout, timing) == {}  # none current
     assert len(actor.asked) == 1
+
+
+def test_probe_at_dp2_is_collective_and_exact(pool2, tmp_path):
+    """Both ranks hold the gathered batch and probe the same rows (one micro-batch each)."""
+    runs = pool2.run(
+        f"{__name__}:probe_job", out_dir=str(tmp_path / "run"), overrides=["rollout.parity_probe_interval=1"],
+        perturb=False,
+    )  # fmt: skip
+    assert [r["rollout/parity_probe/max_diff"] for r in runs[0]["rows"]] == [0.0, 0.0]
+    assert runs[0]["log_prob_calls"] == 2 and runs[1] == {}  # rank 1 reports nothing
