@@ -81,6 +81,6 @@ def parity_probe(
     if rollout.bitwise_parity and worst != 0.0:
         raise ParityProbeError(
             f"step {step}: bitwise parity broken, the actor's recomputed log-probs differ from the rollout's "
-            f"by up to {worst:.3e} on {len(rows)} probed rows (bypass_mode trains on the rollout's)"
+            f"by up to {worst:.3e} on {len(rows)} probed row(s) (bypass_mode trains on the rollout's)"
         )
     return {METRIC: worst}
