@@ -370,3 +370,22 @@ def test_mini_batch_larger_than_the_batch_reads_the_right_way_round():
     config = load_config(default_config_path(), [*gae, "critic.ppo_mini_batch_size=8"])
     validate_config(config, 2)
     assert (config.actor.ppo_micro_batch_size_per_gpu, config.critic.ppo_micro_batch_size_per_gpu) == (32, 32)
+
+
+def test_readme_check_hf_and_version_commands_run(stand_ins):
+    """The README's two check-hf lines on tiny stand-ins (dense at tp=2, MoE at ep=2), and --version."""
+    readme = readme_commands()
+    commands = [c for c in readme if c.startswith(("verl-megatron check-hf", "verl-megatron --version"))]
+    assert len(commands) == 3
+    for command in commands:
+        env, words = _split(_substitute(command, stand_ins))
+        done = subprocess.run(words, cwd=ROOT, env=_env(env), capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, f"{command}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        if "--version" in command:
+            assert re.fullmatch(r"verl-megatron \S+\n", done.stdout), done.stdout
+        else:
+            # The verdict line: megatron's logits at this layout within float32's 1e-3 of transformers'.
+            found = re.search(
+                r"max \|logit diff\| = (\S+) over \d+ prompts \(tolerance 0.001\): OK", done.stdout
+            )
+            assert found and float(found.group(1)) <= 1e-3, done.stdout
