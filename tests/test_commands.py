@@ -224,6 +224,7 @@ def test_cpu_commands_run_to_step_1(tmp_path):
         dp = 1 if "placement=separate" in command else 2
         assert f"derived actor.ppo_micro_batch_size_per_gpu={256 // dp}" in startup[command], startup[command]
     assert "derived actor.ppo_micro_batch_size_per_gpu=256" in startup["verl-megatron train"]
+    assert "model quickstart tiny qwen3_moe (2 layers" in startup[ROUTING_COMMAND]
     # Routing replay ran: routes were recorded in the rollout and replayed in the update.
     rows = _metrics(outs[RUN.index(ROUTING_COMMAND)])
     assert rows[-1]["actor/router_replay/hit_rate_log_prob"] == 1.0

@@ -64,7 +64,7 @@ def startup_line(config: Any, layout: Any, world_size: int, data: DataSizes | No
         model = config.model.path
     else:
         qs = config.quickstart
-        model = f"quickstart tiny llama ({qs.num_layers} layers, hidden {qs.hidden_size})"
+        model = f"quickstart tiny {qs.family} ({qs.num_layers} layers, hidden {qs.hidden_size})"
     if data is None:
         rows = f"synthetic '{config.quickstart.task}' task"
     else:
