@@ -67,11 +67,13 @@ def wire_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 # torch.distributed's tensor communication calls; their tensor arguments (alone or in lists)
-# are what crosses the wire.
+# are what crosses the wire. Not isend/irecv: P2POp checks its op by identity against them
+# (megatron's pipeline builds P2POp(torch.distributed.irecv, ...)), so a wrapper would be refused;
+# the point-to-point tensors are checked where the ops are run, in batch_isend_irecv.
 _CALLS = (
-    "all_reduce", "broadcast", "send", "recv", "isend", "irecv", "reduce", "all_gather",
-    "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
-    "all_to_all_single", "gather", "scatter",
+    "all_reduce", "broadcast", "send", "recv", "reduce", "all_gather", "all_gather_into_tensor",
+    "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather",
+    "scatter", "batch_isend_irecv",
 )  # fmt: skip
 
 
@@ -80,7 +82,11 @@ def _tensors(values: Iterable[object]) -> Iterator[torch.Tensor]:
         if isinstance(value, torch.Tensor):
             yield value
         elif isinstance(value, (list, tuple)):
-            yield from (v for v in value if isinstance(v, torch.Tensor))
+            for item in value:
+                if isinstance(item, torch.Tensor):
+                    yield item
+                elif isinstance(getattr(item, "tensor", None), torch.Tensor):  # a P2POp
+                    yield item.tensor
 
 
 def guard_torch_distributed() -> None:
