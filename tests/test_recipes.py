@@ -1,11 +1,11 @@
-"""Every shipped recipe trains: configs/grpo.yaml, ppo.yaml, dapo.yaml, grpo_moe.yaml and
-quickstart_moe.yaml each run one step on CPU.
+"""Every shipped recipe trains: configs/grpo.yaml, ppo.yaml, dapo.yaml, grpo_moe.yaml,
+quickstart_moe.yaml and sft.yaml each run one step on CPU.
 
 Each recipe runs as written (bf16 mixed precision, its loss, estimator, KL, critic, dynamic
 sampling, overlong penalty, validation, checkpointing) with only sizes overridden: a tiny
 Qwen2-family model with a byte-level BPE tokenizer, a few GSM8K-style rows converted by the
 project's own converter, short prompts and responses, small batches and one step.
-(configs/quickstart.yaml runs in tests/test_quickstart.py.)
+(configs/quickstart.yaml runs in tests/test_quickstart.py, sft_quickstart.yaml in tests/test_sft_run.py.)
 """
 
 from __future__ import annotations
@@ -230,3 +230,48 @@ def test_quickstart_moe_runs_a_step(pool1, tmp_path):
     last = {k: v for row in result["rows"] if row["step"] == 1 for k, v in row.items()}
     assert result["config"]["quickstart"]["family"] == "qwen3_moe"
     assert last["actor/moe/aux_loss"] > 0.0 and "val/test_score/synthetic/reverse" in last
+
+
+def _sft_rows(n: int, offset: int) -> list[dict]:
+    """Multi-turn chats (every assistant turn trained) and prompt/response rows, alternating."""
+    rows = []
+    for i in range(offset, offset + n):
+        a, b = 3 + i, 4 + 2 * i
+        if i % 2:
+            rows.append({"prompt": f"What is {a} plus {b}?", "response": f"{a + b}"})
+            continue
+        chat = [
+            {"role": "user", "content": f"What is {a} plus {b}?"},
+            {"role": "assistant", "content": f"{a + b}"},
+            {"role": "user", "content": "And times two?"},
+            {"role": "assistant", "content": f"{2 * (a + b)}"},
+        ]
+        rows.append({"messages": chat})
+    return rows
+
+
+def test_sft_recipe_runs_a_step(pool1, assets, tmp_path):
+    """configs/sft.yaml as written (bf16, packed rows, dynamic micro-batches, validation loss before
+    and after, a checkpoint, the HF export) on multi-turn and prompt/response rows."""
+    for split, n, offset in (("sft_train", 8, 0), ("sft_val", 4, 100)):
+        path = tmp_path / f"{split}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in _sft_rows(n, offset)))
+    out = str(tmp_path / "sft")
+    overrides = [
+        f"model.path={assets['model']}",
+        f"data.train_files=[{tmp_path}/sft_train.jsonl]",
+        f"data.val_files=[{tmp_path}/sft_val.jsonl]",
+        "data.train_batch_size=4",
+        "actor.ppo_mini_batch_size=4",
+        "trainer.total_training_steps=1",
+        "trainer.save_freq=1",
+    ]
+    (result,) = pool1.run(f"{__name__}:recipe_job", recipe="sft", out_dir=out, overrides=overrides)
+    steps = {row["step"]: row for row in result["rows"]}
+    assert result["config"]["model"]["dtype"] == "bfloat16" and result["config"]["trainer"]["mode"] == "sft"
+    assert result["config"]["actor"]["use_dynamic_bsz"] and result["config"]["actor"]["use_remove_padding"]
+    first = {k: v for row in result["rows"] if row["step"] == 1 for k, v in row.items()}
+    assert math.isfinite(steps[0]["val/loss"]) and math.isfinite(first["val/loss"])
+    assert math.isfinite(first["train/loss"]) and first["actor/grad_norm"] > 0
+    assert first["train/num_tokens"] > 0 and first["actor/lr"] > 0
+    assert {"global_step_1", "hf_export"} <= set(result["files"])

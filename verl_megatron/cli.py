@@ -1,4 +1,4 @@
-"""The ``verl-megatron`` console script: ``train``, ``check-hf``, ``--version``, ``--help``.
+"""The ``verl-megatron`` console script: ``train``, ``sft``, ``check-hf``, ``--version``, ``--help``.
 
 ``train`` outside torchrun with ``trainer.n_gpus_per_node > 1`` checks the config and the data
 here, then re-launches itself as ``torchrun --nproc_per_node=N -m verl_megatron.train ...``
@@ -19,7 +19,7 @@ from verl_megatron.errors import EXIT_USER_ERROR, is_user_error, report_user_err
 
 __all__ = ["main"]
 
-_USAGE = "usage: verl-megatron {train,check-hf} [args...] | --version | --help"
+_USAGE = "usage: verl-megatron {train,check-hf} [args...] | sft [args...] | --version | --help"
 _HELP = f"""{_USAGE}
 
 Reinforcement-learning post-training (PPO, GRPO, DAPO) on megatron-core.
@@ -27,13 +27,23 @@ Reinforcement-learning post-training (PPO, GRPO, DAPO) on megatron-core.
 commands:
   train [--config FILE] [key=value ...]   train; without --config: the CPU quickstart
                                           (verl-megatron train --help for more)
+  sft [--config FILE] [key=value ...]     supervised fine-tuning on the same actor (train with
+                                          trainer.mode=sft); without --config: configs/sft_quickstart.yaml
   check-hf PATH [--tp N] [--pp N] [--vpp N] [--ep N] [--etp N] [--dtype D] [--tolerance X] [--seed N]
                                           compare megatron's logits with transformers'
                                           for a Hugging Face checkpoint (MoE: --ep/--etp)
+  plan --config FILE model.path=DIR --gpus N [--gpu-memory 80GiB] [--json]
+                                          will the job fit? memory per GPU, per rank and phase
+                                          (exit 0 fits, 3 does not, 2 bad input)
 
 With trainer.n_gpus_per_node > 1, train starts torchrun on this node itself.
 Several nodes: launch/multi_node.sh or launch/slurm.sbatch.
 """
+
+# ``verl-megatron sft`` without --config: SFT of the quickstart's tiny model on the synthetic task.
+_SFT_QUICKSTART = os.path.normpath(
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "sft_quickstart.yaml")
+)
 
 
 def _version() -> str:
@@ -124,6 +134,8 @@ def train(argv: list[str]) -> int:
             return EXIT_USER_ERROR
         if trainer.n_gpus_per_node > 1:
             # Everything that can be checked without a process group is checked here, once.
+            if trainer.mode == "sft":
+                from verl_megatron.trainer.sft_trainer import prepare_sft as prepare_run
             prepare_run(args.config, args.overrides, trainer.n_gpus_per_node)
     except Exception as err:
         if not is_user_error(err):
@@ -145,10 +157,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command == "train":
         return train(rest)
+    if command == "sft":  # the last override wins: `sft` always runs the SFT loop
+        if not any(a == "--config" or a.startswith("--config=") for a in rest):
+            rest = ["--config", _SFT_QUICKSTART, *rest]
+        return train([*rest, "trainer.mode=sft"])
     if command == "check-hf":
         from verl_megatron.tools.check_hf import main as check_hf_main
 
         return check_hf_main(rest)
+    if command == "plan":
+        from verl_megatron.planner.command import main as plan_main
+
+        return plan_main(rest)
     print(f"error: unknown command {command!r}\n{_USAGE}", file=sys.stderr)
     return EXIT_USER_ERROR
 

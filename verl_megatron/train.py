@@ -15,7 +15,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-__all__ = ["main", "parse_args", "run"]
+__all__ = ["main", "parse_args", "run", "run_mode"]
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -76,12 +76,38 @@ def _derived_note(config_path: str | None, overrides: Sequence[str], dp: int) ->
     return f" | derived {', '.join(derived)} (unset: a rank's share of a mini-batch)" if derived else ""
 
 
+def run_mode(config_path: str | None, overrides: Sequence[str]) -> str:
+    """``trainer.mode``: "rl" or "sft" (ConfigError for anything else), from the last override
+    that sets it, else the YAML file (read alone: the whole config is loaded once, by the mode)."""
+    import yaml
+
+    from verl_megatron.errors import ConfigError
+
+    given = [item.split("=", 1)[1].strip() for item in overrides if item.startswith("trainer.mode=")]
+    mode = given[-1] if given else "rl"
+    if not given and config_path and os.path.isfile(config_path):
+        try:
+            with open(config_path, encoding="utf-8") as f:
+                values = yaml.safe_load(f)
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            values = None  # the whole config's loader names what is wrong with the file
+        section = values.get("trainer") if isinstance(values, dict) else None
+        mode = str(section.get("mode", "rl")) if isinstance(section, dict) else "rl"
+    if mode not in ("rl", "sft"):
+        raise ConfigError(f"trainer.mode={mode!r}; expected 'rl' (PPO-family training) or 'sft'")
+    return mode
+
+
 def run(config_path: str | None, overrides: Sequence[str]) -> dict[str, float]:
     """Load, check, build and train; returns the trainer's summary (first/last validation score)."""
     from verl_megatron.reward.loading import check_reward_config
     from verl_megatron.trainer.preflight import prepare_run
     from verl_megatron.trainer.progress import startup_line
 
+    if run_mode(config_path, overrides) == "sft":  # supervised fine-tuning: trainer/sft_run.py
+        from verl_megatron.trainer.sft_run import run_sft
+
+        return run_sft(config_path, overrides, _rank)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     config, layout, data_sizes = prepare_run(config_path, overrides, world_size)
     check_reward_config(config)  # imports the scorer file in a child process, before any model

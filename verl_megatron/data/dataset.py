@@ -202,6 +202,11 @@ def _check_chat_template(tokenizer: Any, config: DataConfig) -> None:
     )
 
 
+# Public names for the SFT dataset (data/sft_dataset.py), which checks chats the same way.
+check_chat_messages = _check_messages
+require_chat_template = _check_chat_template
+
+
 def _truncate(ids: list[int], max_len: int, mode: str) -> list[int]:
     if mode == "left":  # keep the end of the prompt, where the question usually is
         return ids[-max_len:]

@@ -17,6 +17,7 @@ from typing import Any
 from omegaconf import MISSING
 
 from verl_megatron.data.config import DataConfig
+from verl_megatron.data.sft_config import SFTConfig
 from verl_megatron.distributed.parallel import ParallelLayout
 from verl_megatron.models.config import ModelConfig
 from verl_megatron.reward.model_config import ModelRewardSettings
@@ -211,6 +212,9 @@ class TrainerConfig:
     nnodes: int = 1
     n_gpus_per_node: int = 1
     device_peak_tflops: float | None = None
+    mode: str = "rl"
+    """"rl": the PPO-family loop; "sft": supervised fine-tuning on the actor (``verl-megatron sft``,
+    the ``sft`` section, trainer/sft_trainer.py)."""
 
 
 @dataclass
@@ -264,3 +268,4 @@ class PPOConfig:
     trainer: TrainerConfig = MISSING
     quickstart: QuickstartConfig = MISSING
     async_training: AsyncTrainingConfig = MISSING
+    sft: SFTConfig = MISSING

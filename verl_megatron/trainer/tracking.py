@@ -37,6 +37,7 @@ _CONSOLE_KEYS = (
     "actor/entropy",
     "critic/vf_loss",
     "actor/grad_norm",
+    "train/loss",  # SFT (trainer/sft_trainer.py)
     "timing_s/step",
 )
 

@@ -1,0 +1,109 @@
+"""SFT rows -> tokens: the chat template writes the conversation, the loss mask covers exactly the
+assistant's tokens (every turn, with the template's end-of-turn token), and bad rows are named."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from verl_megatron.data.config import DataConfig
+from verl_megatron.data.dataset import DataFormatError
+from verl_megatron.data.sft_config import SFTConfig
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from verl_megatron.utils.local_assets import build_char_tokenizer
+
+    return build_char_tokenizer(str(tmp_path_factory.mktemp("tok")), alphabet="0123456789abc")
+
+
+def _dataset(tmp_path, rows, tokenizer, **sft):
+    from verl_megatron.data.sft_dataset import SFTDataset
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return SFTDataset([str(path)], tokenizer, SFTConfig(**sft), DataConfig())
+
+
+def _trained_text(tokenizer, item) -> list[str]:
+    """The trained spans of an item, decoded."""
+    spans, current = [], []
+    for token, trained in zip(item.input_ids, item.loss_mask):
+        if trained:
+            current.append(token)
+        elif current:
+            spans.append(tokenizer.decode(current)), current.clear()
+    if current:
+        spans.append(tokenizer.decode(current))
+    return spans
+
+
+def test_every_assistant_turn_is_trained_and_nothing_else(tmp_path, tokenizer):
+    chat = [
+        {"role": "system", "content": "c"},
+        {"role": "user", "content": "12"},
+        {"role": "assistant", "content": "21"},
+        {"role": "user", "content": "345"},
+        {"role": "assistant", "content": "543"},
+    ]
+    rows = [{"messages": chat}, {"prompt": "67", "response": "76"}, {"prompt": chat[:2], "response": "a"}]
+    data = _dataset(tmp_path, rows, tokenizer)
+    whole = tokenizer.apply_chat_template(chat, tokenize=False)
+    assert tokenizer.decode(data[0].input_ids) == whole
+    assert _trained_text(tokenizer, data[0]) == ["21<|endoftext|>", "543<|endoftext|>"]
+    assert _trained_text(tokenizer, data[1]) == ["76<|endoftext|>"]
+    assert _trained_text(tokenizer, data[2]) == ["a<|endoftext|>"]
+    # The actor's layout: token t+1 is the target of position t, masked as trained or not.
+    from verl_megatron.data.sft_dataset import collate_sft
+
+    batch = collate_sft([data[1], data[0]], pad_token_id=0).batch
+    n = len(data[1].input_ids)
+    assert batch["responses"][0, : n - 1].tolist() == data[1].input_ids[1:]
+    assert batch["response_mask"][0].tolist() == [
+        *map(float, data[1].loss_mask[1:]),
+        *[0.0] * (len(data[0].input_ids) - n),
+    ]
+    assert batch["attention_mask"][0].sum() == n
+
+
+@pytest.mark.parametrize(
+    ("row", "match"),
+    [
+        ({"text": "x"}, r"rows.jsonl: row 1: needs field 'messages'"),
+        ({"messages": [{"role": "user", "content": "1"}]}, r"row 1: the chat has no assistant message"),
+        ({"messages": [{"role": "user"}]}, r"row 1: field 'messages\[0\]' must be a dict"),
+        ({"prompt": "1", "response": 3}, r"row 1: field 'response' must be a string"),
+        (
+            {"prompt": "1", "response": "1" * 40},
+            r"row 1: 4\d tokens after the chat template > sft.max_length=16",
+        ),
+    ],
+)
+def test_bad_rows_are_named(tmp_path, tokenizer, row, match):
+    good = {"prompt": "1", "response": "2"}
+    with pytest.raises(DataFormatError, match=match):
+        _dataset(tmp_path, [good, row], tokenizer, max_length=16)
+
+
+def test_right_truncation_and_a_template_that_rewrites_history(tmp_path, tokenizer):
+    data = _dataset(
+        tmp_path, [{"prompt": "1", "response": "2" * 40}], tokenizer, max_length=16, truncation="right"
+    )
+    assert len(data[0].input_ids) == 16 and data.num_truncated == 1
+    tokenizer = type(tokenizer).from_pretrained(tokenizer.name_or_path)
+    tokenizer.chat_template = "{{ messages | length }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    with pytest.raises(
+        DataFormatError, match=r"row 0: the chat template rewrites earlier text when message 1"
+    ):
+        _dataset(tmp_path, [{"prompt": "1", "response": "2"}], tokenizer)
+
+
+def test_files_are_checked_without_a_tokenizer(tmp_path):
+    from verl_megatron.data.sft_dataset import check_sft_files
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"prompt": "1", "response": "2"}) + "\n" + json.dumps({"prompt": "1"}) + "\n")
+    with pytest.raises(DataFormatError, match=r"rows.jsonl: row 1: needs field 'messages'"):
+        check_sft_files([str(path)], SFTConfig())
