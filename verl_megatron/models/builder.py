@@ -168,14 +168,29 @@ def _layer_spec(arch: HFArchitecture, use_te: bool, config: Any = None, vp_stage
 
     if arch.moe is not None:
         return _moe_block_spec(config, use_te, vp_stage)
+    mla = arch.mla is not None
     if use_te:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            qk_layernorm=arch.qk_norm or mla, multi_latent_attention=mla
+        )
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(
+        qk_layernorm=arch.qk_norm or mla, normalization="RMSNorm", multi_latent_attention=mla
+    )
+    _use_sdpa(spec, mla)
+    return spec
+
+
+def _use_sdpa(layer_spec: Any, mla: bool) -> None:
+    """Same numbers as megatron's local attention, computed by one fused SDPA call (faster on
+    CPU); multi-latent attention in its local form (``families/deepseek.py``)."""
+    if mla:
+        from verl_megatron.models.families.deepseek_layers import use_local_mla
+
+        use_local_mla(layer_spec.submodules.self_attention)
+        return
     from verl_megatron.models.sdpa_attention import SDPADotProductAttention
 
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
-    # Same numbers as megatron's local attention, computed by one fused SDPA call (faster on CPU).
-    spec.submodules.self_attention.submodules.core_attention = SDPADotProductAttention
-    return spec
+    layer_spec.submodules.self_attention.submodules.core_attention = SDPADotProductAttention
 
 
 def _moe_block_spec(config: Any, use_te: bool, vp_stage: int | None):
@@ -191,10 +206,8 @@ def _moe_block_spec(config: Any, use_te: bool, vp_stage: int | None):
         config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage
     )
     if not use_te:
-        from verl_megatron.models.sdpa_attention import SDPADotProductAttention
-
         for layer_spec in block.layer_specs:
-            layer_spec.submodules.self_attention.submodules.core_attention = SDPADotProductAttention
+            _use_sdpa(layer_spec, config.multi_latent_attention)
     return block
 
 

@@ -22,6 +22,15 @@ import torch
 
 from verl_megatron.distributed.parallel import ParallelLayout
 from verl_megatron.errors import ModelConfigError
+from verl_megatron.models.families.deepseek import (
+    MLA_MODEL_TYPES,
+    SIGMOID_MOE_MODEL_TYPES,
+    MLAArchitecture,
+    check_mla_split,
+    mla_transformer_config,
+    read_mla_architecture,
+    read_sigmoid_moe,
+)
 from verl_megatron.models.moe import (
     MOE_MODEL_TYPES,
     MoEArchitecture,
@@ -32,7 +41,7 @@ from verl_megatron.models.moe import (
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", *MOE_MODEL_TYPES)
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", *MOE_MODEL_TYPES, *MLA_MODEL_TYPES)
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _RECOMPUTE_KEYS = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules")
@@ -260,6 +269,8 @@ class HFArchitecture:
     initializer_range: float = 0.02
     moe: MoEArchitecture | None = None
     """Router and experts of a mixture-of-experts model; None for a dense one."""
+    mla: MLAArchitecture | None = None
+    """Multi-latent attention (DeepSeek-V3); None for grouped-query attention."""
 
 
 def read_rope_settings(hf_config: Any) -> RopeSettings:
@@ -305,14 +316,17 @@ def read_hf_architecture(hf_config: Any) -> HFArchitecture:
         )
     _reject_sliding_window(hf_config)
     heads = hf_config.num_attention_heads
-    qkv_bias, linear_bias = _bias_layout(hf_config)
+    mla = read_mla_architecture(hf_config)
+    qkv_bias, linear_bias = (False, False) if mla else _bias_layout(hf_config)
+    num_layers = hf_config.num_hidden_layers
     return HFArchitecture(
         model_type=model_type,
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
         num_attention_heads=heads,
-        num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+        # MLA: every head has its own keys and values (megatron's num_query_groups = heads).
+        num_key_value_heads=heads if mla else getattr(hf_config, "num_key_value_heads", None) or heads,
+        head_dim=mla.q_head_dim if mla else _head_dim(hf_config),
         intermediate_size=hf_config.intermediate_size,
         vocab_size=hf_config.vocab_size,
         rms_norm_eps=hf_config.rms_norm_eps,
@@ -321,10 +335,19 @@ def read_hf_architecture(hf_config: Any) -> HFArchitecture:
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         max_position_embeddings=hf_config.max_position_embeddings,
-        rope=read_rope_settings(hf_config),
+        rope=RopeSettings(theta=mla.rope_theta) if mla else read_rope_settings(hf_config),
         initializer_range=getattr(hf_config, "initializer_range", 0.02),
-        moe=read_moe_architecture(hf_config, hf_config.num_hidden_layers),
+        moe=(
+            read_sigmoid_moe(hf_config, num_layers)
+            if model_type in SIGMOID_MOE_MODEL_TYPES
+            else read_moe_architecture(hf_config, num_layers)
+        ),
+        mla=mla,
     )
+
+
+def _head_dim(hf_config: Any) -> int:
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
 
 
 def _bias_layout(hf_config: Any) -> tuple[bool, bool]:
@@ -376,6 +399,8 @@ def hf_to_transformer_config(hf_config: Any, layout: ParallelLayout, model_cfg: 
     arch = read_hf_architecture(hf_config)
     check_layout(layout, arch)
     _check_mlp_split(arch, layout)
+    if arch.mla is not None:
+        check_mla_split(arch.mla, arch.num_attention_heads, layout.tp)
     model_cfg.validate(layout)
     use_te = model_cfg.resolve_use_te()
     dtype = model_cfg.torch_dtype
@@ -418,11 +443,17 @@ def hf_to_transformer_config(hf_config: Any, layout: ParallelLayout, model_cfg: 
         kwargs["expert_tensor_parallel_size"] = layout.expert_tp
     if arch.moe is not None:
         kwargs.update(moe_transformer_config(arch.moe, use_te=use_te, on_gpu=torch.cuda.is_available()))
+    config_class = TransformerConfig
+    if arch.mla is not None:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        kwargs.update(mla_transformer_config(arch.mla, use_te))
+        config_class = MLATransformerConfig
     kwargs.update(model_cfg.recompute_settings())
     kwargs.update(model_cfg.override_transformer_config)
     check_dispatcher(kwargs, on_gpu=torch.cuda.is_available())
     try:
-        return TransformerConfig(**kwargs)
+        return config_class(**kwargs)
     except (AssertionError, ValueError, TypeError) as err:
         raise ModelConfigError(
             f"megatron rejected the TransformerConfig for this {arch.model_type} model: {err}"

@@ -41,10 +41,12 @@ from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.models.builder import ModelInfo, model_info
 from verl_megatron.models.config import ModelConfig, read_hf_architecture
 from verl_megatron.models.export_io import publish_folder
+from verl_megatron.models.families.deepseek import hf_mla_names
 from verl_megatron.models.moe import expert_index, hf_moe_names
 from verl_megatron.models.sharding import (
     gather_tp,
     is_expert_parameter,
+    named_expert_biases,
     named_global_parameters,
     shard_tp,
     tp_placement,
@@ -97,6 +99,10 @@ def hf_mapping(name: str, info: ModelInfo) -> HFMapping:
         found = hf_moe_names(moe, int(match.group(1)), match.group(2))
         if found is not None:
             return HFMapping(*found)
+    if match and info.arch.mla is not None:
+        found = hf_mla_names(match.group(2))
+        if found is not None:
+            return HFMapping(found[0], tuple(f"model.layers.{match.group(1)}.{s}" for s in found[1]))
     if match and match.group(2) in _LAYER_RULES:
         kind, suffixes = _LAYER_RULES[match.group(2)]
         return HFMapping(kind, tuple(f"model.layers.{match.group(1)}.{s}" for s in suffixes))
@@ -244,14 +250,15 @@ def load_hf_weights(
             param.copy_(shard_tp(whole, param, tp_rank, tp).to(param.dtype))
 
 
-def _named_parameters(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Parameter]]:
+def _named_parameters(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
     """Global names and parameters, without the empty placeholders some Transformer Engine
-    versions register for disabled biases."""
-    return (
+    versions register for disabled biases, then the routers' expert biases (buffers)."""
+    yield from (
         (name, p)
         for name, p in named_global_parameters(chunks)
         if p.numel() > 0 and not name.startswith("lora_adapters.")  # LoRA: models/lora_export.py
     )
+    yield from named_expert_biases(chunks)
 
 
 def _whole_from_hf(

@@ -28,6 +28,9 @@ from dataclasses import dataclass
 from typing import Any
 
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
+EXPERT_BIAS_UPDATE_RATE = 1e-3
+"""megatron's ``moe_router_bias_update_rate`` for sigmoid routers with an expert bias (DeepSeek-V3's
+bias update speed; ``model.override_transformer_config.moe_router_bias_update_rate=0`` freezes it)."""
 # Dispatchers that run without a GPU (see the module docstring).
 CPU_TOKEN_DISPATCHERS = ("alltoall",)
 # Routed-expert weights (global expert index): the local spec's and Transformer Engine's names.
@@ -61,6 +64,18 @@ class MoEArchitecture:
     """HF module holding the router and experts (``mlp``, or ``block_sparse_moe`` for mixtral)."""
     hf_expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     """HF names of each expert's gate, up and down projections."""
+    hf_shared_name: str = "shared_expert"
+    """HF module of the shared expert (``shared_experts`` in DeepSeek-V3)."""
+    score_function: str = "softmax"
+    """Router scores: ``softmax`` or ``sigmoid`` (DeepSeek-V3, see ``models/families/deepseek.py``)."""
+    expert_bias: bool = False
+    """Whether a per-expert bias (HF ``e_score_correction_bias``) is added for the choice of experts."""
+    num_groups: int = 0
+    """Group-limited routing: expert groups (0: off)."""
+    group_topk: int = 0
+    """Group-limited routing: groups kept per token."""
+    scaling_factor: float | None = None
+    """Factor on the routing weights (HF ``routed_scaling_factor``); None: 1."""
 
 
 def read_moe_architecture(hf_config: Any, num_layers: int) -> MoEArchitecture | None:
@@ -130,6 +145,18 @@ def moe_transformer_config(moe: MoEArchitecture, *, use_te: bool, on_gpu: bool) 
     if moe.shared_expert_size:
         kwargs["moe_shared_expert_intermediate_size"] = moe.shared_expert_size
         kwargs["moe_shared_expert_gate"] = moe.shared_expert_gate
+    if moe.score_function == "sigmoid":
+        kwargs.update(
+            moe_router_score_function="sigmoid",
+            moe_router_pre_softmax=False,
+            moe_router_enable_expert_bias=moe.expert_bias,
+            moe_router_bias_update_rate=EXPERT_BIAS_UPDATE_RATE,
+            moe_router_num_groups=moe.num_groups or None,
+            moe_router_group_topk=moe.group_topk or None,
+            moe_router_topk_scaling_factor=moe.scaling_factor,
+            # transformers scores the router in float32 whatever the model's dtype.
+            moe_router_dtype="fp32",
+        )
     return kwargs
 
 
@@ -163,10 +190,13 @@ def hf_moe_names(moe: MoEArchitecture, layer: int, rest: str) -> tuple[str, tupl
         if fc == 1:
             return "gate_up", (f"{prefix}.{gate}.weight", f"{prefix}.{up}.weight")
         return "copy", (f"{prefix}.{down}.weight",)
+    if rest == "mlp.router.expert_bias":
+        return "copy", (f"{block}.gate.e_score_correction_bias",)
+    shared = f"{block}.{moe.hf_shared_name}"
     if rest == "mlp.shared_experts.linear_fc1.weight":
-        return "gate_up", (f"{block}.shared_expert.gate_proj.weight", f"{block}.shared_expert.up_proj.weight")
+        return "gate_up", (f"{shared}.gate_proj.weight", f"{shared}.up_proj.weight")
     if rest == "mlp.shared_experts.linear_fc2.weight":
-        return "copy", (f"{block}.shared_expert.down_proj.weight",)
+        return "copy", (f"{shared}.down_proj.weight",)
     if rest == "mlp.shared_experts.gate_weight":
         return "copy", (f"{block}.shared_expert_gate.weight",)
     return None

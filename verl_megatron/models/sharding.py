@@ -80,6 +80,18 @@ def named_global_parameters(chunks: list[torch.nn.Module]) -> Iterator[tuple[str
             yield name, param
 
 
+def named_expert_biases(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(global name, buffer) of every MoE router's expert bias on this rank (DeepSeek-V3's
+    ``e_score_correction_bias``): a buffer, not a parameter, replicated over tp and ep, and
+    updated by megatron after each optimizer step, not by the optimizer."""
+    for chunk in chunks:
+        for layer in unwrap(chunk).decoder.layers:
+            router = getattr(getattr(layer, "mlp", None), "router", None)
+            bias = getattr(router, "expert_bias", None)
+            if bias is not None:
+                yield f"decoder.layers.{layer.layer_number - 1}.mlp.router.expert_bias", bias
+
+
 def _tp_info(param: torch.Tensor) -> tuple[bool, int]:
     return bool(getattr(param, "tensor_model_parallel", False)), int(getattr(param, "partition_dim", -1))
 

@@ -1,0 +1,81 @@
+"""DeepSeek-V3 checkpoints: megatron (MLA + sigmoid group-limited routing) reproduces transformers.
+
+Tiny random DeepSeek-V3 checkpoints (``tests/family_models.py``) are loaded by ``load_hf_weights``:
+multi-latent attention with q/kv latents, YaRN rotary scaling with mscale, a first dense layer,
+8 routed experts in 4 groups with an ``e_score_correction_bias`` large enough to change the
+choice, one shared expert and ``routed_scaling_factor``; and a dense MLA model without a query
+latent (``q_lora_rank=None``). float32 logits must equal transformers' to 1e-4 at tp=1, tp=2,
+pp=2 and ep=2, and the export (under ep=2 and pp=2) must be byte-identical to the file it was
+loaded from, the expert biases included.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import os
+
+import pytest
+import torch
+
+from tests.family_models import YARN, build_deepseek_v3
+from tests.helpers import hf_reference_logits
+from tests.test_models_parity import SEQUENCES
+
+CASES = {
+    "moe_yarn": dict(rope_parameters=YARN),
+    "dense_no_q_latent": dict(q_lora_rank=None, first_k_dense_replace=2),
+}
+
+
+@pytest.fixture(scope="module")
+def ds_models(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tiny_deepseek")
+    paths = {}
+    for name, overrides in CASES.items():
+        paths[name] = str(root / name)
+        build_deepseek_v3(paths[name], **overrides)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def ds_reference(ds_models) -> dict[str, list[torch.Tensor]]:
+    return hf_reference_logits(ds_models, SEQUENCES)
+
+
+def _moe_only(paths: dict[str, str], layout: dict) -> dict[str, str]:
+    """Expert parallelism needs experts: the dense case is left out of ep layouts."""
+    return {n: p for n, p in paths.items() if layout.get("ep", 1) == 1 or n.startswith("moe")}
+
+
+def _assert_matches(results: dict, reference: dict) -> None:
+    for name, expected in reference.items():
+        if name not in results:
+            continue
+        for i, (got, want) in enumerate(zip(results[name], expected, strict=True)):
+            assert want.abs().max() > 1.0  # logits of a realistic size, so atol is meaningful
+            diff = float((got - want).abs().max())
+            assert diff <= 1e-4, f"{name} sequence {i}: max |megatron - transformers| = {diff:.3g}"
+
+
+def test_deepseek_logits_match_transformers_one_process(pool1, ds_models, ds_reference):
+    (results,) = pool1.run("tests.test_moe_models:moe_parity_job", paths=ds_models, layout={})
+    _assert_matches(results, ds_reference)
+
+
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(pp=2), dict(ep=2)], ids=["tp2", "pp2", "ep2"])
+def test_deepseek_logits_match_transformers_two_processes(pool2, ds_models, ds_reference, layout):
+    paths = _moe_only(ds_models, layout)
+    results = pool2.run("tests.test_moe_models:moe_parity_job", paths=paths, layout=layout)
+    assert set(results[-1]) == set(paths)
+    _assert_matches(results[-1], ds_reference)
+    if layout.get("pp", 1) == 1:
+        _assert_matches(results[0], ds_reference)
+
+
+@pytest.mark.parametrize("layout", [dict(ep=2), dict(pp=2)], ids=["ep2", "pp2"])
+def test_deepseek_export_is_byte_identical(pool2, ds_models, tmp_path, layout):
+    paths = _moe_only(ds_models, layout)
+    pool2.run("tests.test_moe_models:moe_parity_job", paths=paths, layout=layout, export_dir=str(tmp_path))
+    for name, path in paths.items():
+        original, exported = os.path.join(path, "model.safetensors"), tmp_path / name / "model.safetensors"
+        assert filecmp.cmp(original, exported, shallow=False), f"{name}: export differs from {original}"
