@@ -1,0 +1,66 @@
+"""``verl-megatron plan``: exit status 0 when it fits, 3 when it does not, 2 (one line) for bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from verl_megatron.cli import main
+
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 4, "vocab_size": 1000,
+    "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def config_only(tmp_path_factory) -> str:
+    """A model folder holding only a config.json (no weights, no tokenizer)."""
+    path = tmp_path_factory.mktemp("config_only")
+    (path / "config.json").write_text(json.dumps(LLAMA))
+    return str(path)
+
+
+def _plan(path: str, *extra: str) -> list[str]:
+    return ["plan", "--config", "configs/grpo.yaml", f"model.path={path}", "parallel.tp=2", "parallel.pp=2", *extra]
+
+
+def test_fits_exits_0_with_json(config_only, capsys):
+    assert main([*_plan(config_only), "--gpus", "8", "--gpu-memory", "80GiB", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"] and plan["layout"]["dp"] == 2 and plan["gpu_bytes"] == 80 * 2**30
+    # pp=2: one position per stage (no distributed optimizer: dp ranks hold the same state).
+    assert [p["position"]["pp"] for p in plan["positions"]] == [0, 1]
+    actor = plan["positions"][0]["roles"]["actor"]
+    # bf16 params, fp32 grad buffer and master weights, two fp32 moments (+ 4-byte Adam steps).
+    assert actor["grads"] == 2 * actor["params"] and actor["optimizer_master"] == actor["grads"]
+    assert set(plan["positions"][0]["roles"]) == {"actor", "reference"}  # grpo.yaml: KL loss, no critic
+
+
+def test_does_not_fit_exits_3_and_names_savings(config_only, capsys):
+    assert main([*_plan(config_only), "--gpus", "8", "--gpu-memory", "64MiB"]) == 3
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "saves" in out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--gpus", "6"], "does not divide the world size 6"),
+        (["--gpus", "8", "--gpu-memory", "lots"], "--gpu-memory 'lots'"),
+        (["--gpus", "0"], "--gpus must be >= 1"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(config_only, capsys, args, message):
+    assert main([*_plan(config_only), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_missing_config_json_exits_2(tmp_path, capsys):
+    assert main(["plan", "--config", "configs/grpo.yaml", f"model.path={tmp_path}", "--gpus", "1"]) == 2
+    assert "config.json" in capsys.readouterr().err
+    assert not os.listdir(tmp_path)

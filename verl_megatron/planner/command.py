@@ -1,0 +1,100 @@
+"""``verl-megatron plan``: print the memory plan of a job and whether it fits.
+
+Exit status: 0 when every rank fits, 3 when some rank does not, 2 for bad input (one line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import warnings
+from typing import Any
+
+from verl_megatron.errors import ConfigError, is_user_error, report_user_error
+
+__all__ = ["EXIT_DOES_NOT_FIT", "main", "parse_memory"]
+
+EXIT_DOES_NOT_FIT = 3
+GiB = 2**30
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": GiB, "tib": 2**40}
+
+
+def parse_memory(text: str) -> int:
+    """Bytes of ``80GiB``, ``141GB``, ``8e10``; ConfigError naming --gpu-memory otherwise."""
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise ConfigError(f"--gpu-memory {text!r}: expected a size such as 80GiB or 141GB")
+    try:
+        value = float(match.group(1)) * _UNITS[unit]
+    except ValueError:
+        raise ConfigError(f"--gpu-memory {text!r}: expected a size such as 80GiB or 141GB") from None
+    if value <= 0:
+        raise ConfigError(f"--gpu-memory {text!r} must be positive")
+    return int(value)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="verl-megatron plan",
+        description="Will a job fit? Model state per rank (exact, built on the meta device), "
+        "activations, rollout engine, per phase, against one GPU's memory.",
+    )
+    parser.add_argument("--config", help="YAML recipe (default: the quickstart's)")
+    parser.add_argument("--gpus", type=int, required=True, help="world size (GPUs of the job)")
+    parser.add_argument("--gpu-memory", default="80GiB", help="memory of one GPU (default 80GiB)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. model.path=DIR")
+    return parser
+
+
+def _hf_config(path: str, key: str) -> Any:
+    from verl_megatron.models.config import load_hf_config
+
+    if not path:
+        raise ConfigError(f"{key} is required: a folder holding the model's config.json")
+    try:
+        return load_hf_config(path)
+    except (FileNotFoundError, OSError, ValueError) as err:
+        if is_user_error(err):
+            raise
+        raise ConfigError(f"{key}={path}: {' '.join(str(err).split())}") from None
+
+
+def build_plan(args: argparse.Namespace) -> Any:
+    """Load the config and the model's config.json, build and return the MemoryPlan."""
+    from verl_megatron.planner.plan import plan_memory, role_specs
+    from verl_megatron.trainer.config import default_config_path, load_config
+
+    if args.gpus < 1:
+        raise ConfigError(f"--gpus must be >= 1, got {args.gpus}")
+    gpu_bytes = parse_memory(args.gpu_memory)
+    config = load_config(args.config or default_config_path(), args.overrides)
+    hf_config = _hf_config(config.model.path, "model.path")
+    reward = None
+    if config.reward_model.enable:
+        reward = _hf_config(config.reward_model.model.path, "reward_model.model.path")
+    config.parallel.resolve(args.gpus)  # a layout that cannot exist is bad input, not "does not fit"
+    return plan_memory(config, args.gpus, gpu_bytes, role_specs(config, hf_config, reward))
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    from verl_megatron.planner.report import plan_dict, render
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # megatron's and the CPU layer's start-up notes
+            plan = build_plan(args)
+    except Exception as err:
+        if not is_user_error(err):
+            raise
+        return report_user_error(err)
+    print(json.dumps(plan_dict(plan), indent=1) if args.json else render(plan))
+    return 0 if plan.fits else EXIT_DOES_NOT_FIT
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
