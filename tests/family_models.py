@@ -45,3 +45,12 @@ def build_deepseek_v3(out_dir: str, seed: int = 0, **overrides: Any) -> Any:
     model.eval()
     model.save_pretrained(out_dir)
     return model
+
+
+# The actor tests' DeepSeek-V3 (vocabulary 63 as tests/test_actor_update.py's batch): hidden 32,
+# q/kv latents 16/16, nope 8 + rope 8, value 8; layer 0 dense, layer 1 with 8 experts in 4 groups.
+DEEPSEEK_V3_ACTOR = dict(
+    vocab_size=63, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_attention_heads=4,
+    num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, v_head_dim=8,
+    qk_nope_head_dim=8, initializer_range=0.1,
+)  # fmt: skip

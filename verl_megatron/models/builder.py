@@ -199,9 +199,10 @@ def _moe_block_spec(config: Any, use_te: bool, vp_stage: int | None):
     local spec: one megatron MLP per local expert (SequentialMLP) and SDPA attention."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    from verl_megatron.models.moe import install_router_fallback
+    from verl_megatron.models.moe import install_expert_bias_count_fix, install_router_fallback
 
     install_router_fallback()
+    install_expert_bias_count_fix()
     block = gpt_layer_specs.get_gpt_decoder_block_spec(
         config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage
     )

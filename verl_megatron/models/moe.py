@@ -239,3 +239,29 @@ def check_trainable(moe: MoEArchitecture | None, tp: int, sequence_parallel: boo
             "(megatron's MoE layer requires it; it needs Transformer Engine on a GPU); on CPU use "
             "tp=1 with parallel.ep for the experts"
         )
+
+
+def install_expert_bias_count_fix() -> None:
+    """Let megatron count expert loads of micro-batches with padding (for the expert-bias update).
+
+    megatron-core 0.16.1's ``TopKRouter._apply_expert_bias`` masks the [tokens, experts] routing
+    map with the flattened [tokens] padding mask (True = padding) without a trailing axis, which
+    raises whenever tokens != experts (and would mask the wrong cells otherwise). The replacement
+    drops padding tokens per row and counts, as the method means to; without a padding mask, or
+    without an expert bias, it does what megatron's does.
+    """
+    import torch
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    if getattr(TopKRouter._apply_expert_bias, "__verl_fixed__", False):
+        return
+
+    def apply_expert_bias(self, routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None) -> None:
+        if self.enable_expert_bias and torch.is_grad_enabled():
+            with torch.no_grad():
+                if padding_mask is not None:
+                    routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+    apply_expert_bias.__verl_fixed__ = True
+    TopKRouter._apply_expert_bias = apply_expert_bias

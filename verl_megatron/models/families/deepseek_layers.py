@@ -1,8 +1,8 @@
 """Multi-latent attention layers for megatron's local (non-Transformer-Engine) spec.
 
-Two fixes to megatron-core 0.16.1's MLA without Transformer Engine (what the layers are: see
-``deepseek.py``): the YaRN rotary table is built where ``use_cpu_initialization`` says, and the
-core attention accepts MLA's key / value widths. Imported by the builder only (it needs megatron).
+Three fixes to megatron-core 0.16.1's MLA without Transformer Engine (what the layers are: see
+``deepseek.py``): the YaRN rotary table is built where ``use_cpu_initialization`` says, the
+rotary key's gradient is summed over tp, and the core attention accepts MLA's key / value widths. Imported by the builder only (it needs megatron).
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from megatron.core.models.common.embeddings import YarnRotaryEmbedding
 from megatron.core.transformer import multi_latent_attention
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
@@ -31,8 +33,35 @@ def use_local_mla(attention_spec: Any) -> None:
     attention_spec.submodules.core_attention = MLACoreAttention
 
 
+class _GatherKVLatent(torch.autograd.Function):
+    """[..., (kv_lora_rank + rope) / tp] shards -> the whole [..., kv_lora_rank + rope] latent.
+
+    Every tp rank uses the whole latent: its kv part through the column-parallel up projection
+    (whose backward already sums the input gradient over tp) and its rotary key part, shared by
+    all heads, through its own heads only. The whole gradient is therefore complete in the kv
+    part and a per-rank share in the rotary part: backward sums the rotary part over tp and
+    returns this rank's slice. (megatron-core 0.16.1 gathers with a plain split backward, which
+    leaves out the other ranks' heads from the rotary key's gradient at tp > 1.)
+    """
+
+    @staticmethod
+    def forward(ctx: Any, shard: torch.Tensor, group: Any, rope_dim: int) -> torch.Tensor:
+        ctx.group, ctx.rope_dim = group, rope_dim
+        parts = [torch.empty_like(shard) for _ in range(group.size())]
+        dist.all_gather(parts, shard.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        rope = grad[..., -ctx.rope_dim :].contiguous()
+        dist.all_reduce(rope, group=ctx.group)
+        whole = torch.cat([grad[..., : -ctx.rope_dim], rope], dim=-1)
+        return whole.chunk(ctx.group.size(), dim=-1)[ctx.group.rank()].contiguous(), None, None
+
+
 class LocalMLASelfAttention(MLASelfAttention):
-    """megatron's ``MLASelfAttention`` whose YaRN rotary table honours ``use_cpu_initialization``.
+    """megatron's ``MLASelfAttention`` whose YaRN rotary table honours ``use_cpu_initialization``,
+    and whose rotary key gets its whole gradient at tp > 1 (:class:`_GatherKVLatent`).
 
     megatron-core 0.16.1 builds MLA's ``YarnRotaryEmbedding`` without passing
     ``use_cpu_initialization``, so it allocates on ``torch.cuda.current_device()``, which fails
@@ -42,6 +71,17 @@ class LocalMLASelfAttention(MLASelfAttention):
     """
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+        self._build(config, *args, **kwargs)
+        if self.pg_collection.tp.size() > 1:
+            self.linear_kv_down_proj.register_forward_hook(self._gather_kv_latent)
+
+    def _gather_kv_latent(self, module: Any, args: Any, output: tuple) -> tuple:
+        """The kv down projection's output whole on every tp rank, with the gradient of its rotary
+        key part summed over tp (megatron's own gather keeps each rank's share only)."""
+        latent, bias = output
+        return _GatherKVLatent.apply(latent, self.pg_collection.tp, self.config.qk_pos_emb_head_dim), bias
+
+    def _build(self, config: Any, *args: Any, **kwargs: Any) -> None:
         if config.rope_type != "yarn":
             super().__init__(config, *args, **kwargs)
             return
