@@ -25,7 +25,15 @@ def config_only(tmp_path_factory) -> str:
 
 
 def _plan(path: str, *extra: str) -> list[str]:
-    return ["plan", "--config", "configs/grpo.yaml", f"model.path={path}", "parallel.tp=2", "parallel.pp=2", *extra]
+    return [
+        "plan",
+        "--config",
+        "configs/grpo.yaml",
+        f"model.path={path}",
+        "parallel.tp=2",
+        "parallel.pp=2",
+        *extra,
+    ]
 
 
 def test_fits_exits_0_with_json(config_only, capsys):
@@ -64,3 +72,41 @@ def test_missing_config_json_exits_2(tmp_path, capsys):
     assert main(["plan", "--config", "configs/grpo.yaml", f"model.path={tmp_path}", "--gpus", "1"]) == 2
     assert "config.json" in capsys.readouterr().err
     assert not os.listdir(tmp_path)
+
+
+def _json_plan(path: str, capsys, *extra: str) -> dict:
+    main([*_plan(path), "--gpus", "8", "--gpu-memory", "80GiB", "--json", *extra])
+    return json.loads(capsys.readouterr().out)
+
+
+def test_phases_follow_offload_and_the_engine(config_only, capsys):
+    base = _json_plan(config_only, capsys)["positions"][0]
+    offloaded = _json_plan(config_only, capsys, "actor.megatron.optimizer_offload=true")["positions"][0]
+    actor = base["roles"]["actor"]
+    optimizer = actor["optimizer_master"] + actor["optimizer_moments"]
+    # The optimizer leaves the GPU for the rollout and the log-probs, and is back for the update.
+    assert base["phases"]["rollout"] - offloaded["phases"]["rollout"] == optimizer
+    assert base["phases"]["log_probs"] - offloaded["phases"]["log_probs"] == optimizer
+    assert base["phases"]["update"] == offloaded["phases"]["update"]
+    # Native engine: a KV cache of layers/pp x rows x kv heads/tp x (prompt + response) x head_dim, K and V.
+    rows = 128 * 5 // 2  # grpo.yaml: 128 prompts x n=5 over dp=2
+    assert base["engine"] == {"kv_cache": 2 * (4 // 2) * rows * (2 // 2) * (512 + 1024) * 16 * 2}
+    vllm = _json_plan(config_only, capsys, "rollout.name=vllm", "rollout.gpu_memory_utilization=0.4")
+    assert vllm["positions"][0]["engine"] == {"weights_and_kv_cache": int(0.4 * 80 * 2**30)}
+
+
+def test_unknown_option_is_one_line(capsys):
+    assert main(["plan", "--gpus", "2", "--bogus"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--bogus" in err and len(err.splitlines()) == 1, err
+
+
+def test_planning_leaves_no_process_group_behind(config_only, capsys):
+    import torch.distributed as dist
+
+    from verl_megatron.distributed import state
+
+    new_group = dist.new_group
+    assert main([*_plan(config_only), "--gpus", "8", "parallel.pp=1"]) == 0
+    assert not dist.is_initialized() and not state.is_initialized()
+    assert dist.new_group is new_group

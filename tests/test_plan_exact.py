@@ -59,7 +59,9 @@ def real_state_job(path: str, layout: dict, distopt: bool, lora: int) -> dict[st
 
     runtime = init_runtime(ParallelLayout(**layout))
     model = _model_config(lora)
-    chunks = apply_configured_lora(build_gpt_chunks(load_hf_config(path), runtime, model), model, runtime.seed)
+    chunks = apply_configured_lora(
+        build_gpt_chunks(load_hf_config(path), runtime, model), model, runtime.seed
+    )
     settings = optim_settings(OptimConfig(use_distributed_optimizer=distopt), bf16=True)
     chunks = wrap_ddp(chunks, settings)
     optimizer = build_optimizer(chunks, settings)
@@ -70,7 +72,9 @@ def real_state_job(path: str, layout: dict, distopt: bool, lora: int) -> dict[st
     grad_storages = _storages(p.main_grad for p in params if getattr(p, "main_grad", None) is not None)
     inners = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
     stepped = [p for o in inners for g in o.optimizer.param_groups for p in g["params"]]
-    master = {k: v for k, v in _storages(stepped).items() if k not in param_storages and k not in grad_storages}
+    master = {
+        k: v for k, v in _storages(stepped).items() if k not in param_storages and k not in grad_storages
+    }
     state = [t for o in inners for s in o.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
     return {
         "params": sum(param_storages.values()),
@@ -85,7 +89,11 @@ def test_planned_state_bytes_equal_the_real_jobs_tensors(pool2, models, case):
     spec = CASES[case]
     path = models[spec["moe"]]
     real = pool2.run(
-        f"{__name__}:real_state_job", path=path, layout=spec["layout"], distopt=spec["distopt"], lora=spec["lora"]
+        f"{__name__}:real_state_job",
+        path=path,
+        layout=spec["layout"],
+        distopt=spec["distopt"],
+        lora=spec["lora"],
     )
     role = RoleSpec(
         "actor",

@@ -5,15 +5,21 @@ Recomputation in Large Transformer Models": the tensors each layer keeps for its
 token), written out for the layers this project builds (RMSNorm, grouped-query attention through
 a fused attention kernel that keeps no [s, s] scores, SwiGLU MLP, optional routed experts):
 
-- per layer and token, in elements: the two norms' inputs and the two linears' inputs
-  (4 h; h / tp with sequence parallelism), query, key and value after rotary (q + 2 kv), the
-  attention output and the projection's input (2 q), the MLP's two projections and the
-  activation's output (3 f); tensor-parallel pieces are divided by tp;
-- with full recomputation a layer keeps only its input (h) and one layer's worth is rebuilt
-  during the backward;
-- the output: the last stage's logits ([tokens, V / tp], in the activation dtype) and, during
-  the backward, their gradient, plus the log-prob function's float32 chunk and its softmax;
-- 1F1B keeps ``min(pp - pp_rank, micro-batches)`` micro-batches in flight on a stage.
+- per layer and token, in elements: the residual stream and the two norms (6 h: each norm
+  keeps its input, its normalised input and its output; h / tp with sequence parallelism);
+  the fused QKV output, query and key after rotary and the attention output (3 q + 3 kv);
+  the MLP's fused gate/up output, the activation, the gated product and their backward
+  inputs (5 f); tensor-parallel pieces divided by tp. These are the tensors megatron's local
+  spec keeps on CPU (torch norms, SDPA); Transformer Engine's fused norms keep fewer, so the
+  model is an upper bound there;
+- with full recomputation a layer keeps only its input (h), and the backward rebuilds one
+  layer at a time (its activations plus about 2 h + 2 f of gradients);
+- the output: the last stage's logits ([tokens, V / tp], in the activation dtype) and, at the
+  start of the backward, their gradient, plus three float32 chunk-sized tensors of the
+  log-prob function (``models/logprobs.py`` chunks rows to ``CHUNK_BYTES``);
+- float32 rotary tables, and with packing on the local spec a [tokens, tokens] float mask
+  per layer (Transformer Engine packs with THD offsets: no mask);
+- 1F1B keeps up to ``pp - pp_rank`` micro-batches in flight on a stage.
 
 ``tests/test_plan_activations.py`` measures the peak of live tensors on CPU over a grid of
 sequence lengths, micro-batch sizes, recomputation and packing and holds this model to 10% of it.
@@ -75,8 +81,10 @@ def activation_bytes(
     d = shape.dtype_bytes
     hidden = shape.hidden / (shape.tp if shape.sequence_parallel else 1) * d
     per_layer = _layer_elements(shape) * d
-    if recompute:  # each layer keeps its input; the backward rebuilds one layer at a time
-        stored, rebuild = shape.layers * hidden, per_layer + 2 * hidden
+    if recompute:
+        # Each layer keeps its input; the backward rebuilds one layer at a time and runs its
+        # backward (the MLP's gradients: about two ffn-sized temporaries).
+        stored, rebuild = shape.layers * hidden, per_layer + 2 * hidden + 2 * shape.ffn / shape.tp * d
     else:
         stored, rebuild = shape.layers * per_layer, 0.0
     # The embedding's output (first stage) and the final norm's input and output (last stage).

@@ -18,7 +18,18 @@ __all__ = ["EXIT_DOES_NOT_FIT", "main", "parse_memory"]
 
 EXIT_DOES_NOT_FIT = 3
 GiB = 2**30
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": GiB, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": GiB,
+    "tib": 2**40,
+}
 
 
 def parse_memory(text: str) -> int:
@@ -36,8 +47,13 @@ def parse_memory(text: str) -> int:
     return int(value)
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line and exit status 2, as every user error
+        raise ConfigError(f"verl-megatron plan: {message}")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="verl-megatron plan",
         description="Will a job fit? Model state per rank (exact, built on the meta device), "
         "activations, rollout engine, per phase, against one GPU's memory.",
@@ -81,10 +97,10 @@ def build_plan(args: argparse.Namespace) -> Any:
 
 
 def main(argv: list[str]) -> int:
-    args = _parser().parse_args(argv)
     from verl_megatron.planner.report import plan_dict, render
 
     try:
+        args = _parser().parse_intermixed_args(argv)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # megatron's and the CPU layer's start-up notes
             plan = build_plan(args)

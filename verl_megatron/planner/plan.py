@@ -75,7 +75,9 @@ def role_specs(config: Any, hf_config: Any, reward_hf_config: Any = None) -> lis
         specs.append(RoleSpec("reference", hf_config, config.model, config.parallel))
     if use_critic(config):
         specs.append(
-            RoleSpec("critic", hf_config, config.model, config.parallel, value_head=True, optim=config.critic.optim)
+            RoleSpec(
+                "critic", hf_config, config.model, config.parallel, value_head=True, optim=config.critic.optim
+            )
         )
     if config.reward_model.enable and reward_hf_config is not None:
         rm = config.reward_model
@@ -124,10 +126,18 @@ def micro_batch_tokens(config: Any, role: str) -> tuple[int, int]:
     """(training tokens, inference tokens) of one micro-batch of ``role`` on one GPU."""
     length = config.rollout.prompt_length + config.rollout.response_length
     worker = config.critic if role == "critic" else config.actor
-    train = worker.ppo_max_token_len_per_gpu if worker.use_dynamic_bsz else worker.ppo_micro_batch_size_per_gpu * length
+    train = (
+        worker.ppo_max_token_len_per_gpu
+        if worker.use_dynamic_bsz
+        else worker.ppo_micro_batch_size_per_gpu * length
+    )
     if role == "reference":
         ref = config.ref
-        infer = ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz else ref.log_prob_micro_batch_size_per_gpu * length
+        infer = (
+            ref.log_prob_max_token_len_per_gpu
+            if ref.log_prob_use_dynamic_bsz
+            else ref.log_prob_micro_batch_size_per_gpu * length
+        )
         return 0, infer
     if worker.use_dynamic_bsz:
         return train, worker.ppo_infer_max_token_len_per_gpu
@@ -188,27 +198,28 @@ def _offload(config: Any, role: str) -> Any:
 
 
 def phase_bytes(config: Any, roles: dict[str, RoleMemory], engine: dict[str, int]) -> dict[str, int]:
-    """Bytes on the GPU in each phase: resident state + what the phase adds."""
+    """Bytes on the GPU in each phase: what each role keeps there (offloaded parts only while
+    the phase uses them) + the phase's engine or activations."""
 
-    def resident(role: str, memory: RoleMemory, active: bool) -> int:
+    def resident(role: str, memory: RoleMemory, uses_params: bool, trains: bool) -> int:
         off = _offload(config, role)
         s = memory.state
-        total = 0 if (off is not None and off.param_offload and not active) else s.params
-        total += 0 if (off is not None and off.grad_offload and not active) else s.grads
-        total += 0 if (off is not None and off.optimizer_offload and not active) else s.optimizer
-        return total
+        moved = {
+            k: bool(off is not None and getattr(off, k))
+            for k in ("param_offload", "grad_offload", "optimizer_offload")
+        }
+        total = 0 if (moved["param_offload"] and not (uses_params or trains)) else s.params
+        total += 0 if (moved["grad_offload"] and not trains) else s.grads
+        return total + (0 if (moved["optimizer_offload"] and not trains) else s.optimizer)
 
-    out: dict[str, int] = {}
-    out["rollout"] = sum(resident(r, m, r == "actor" and config.rollout.name == "native") for r, m in roles.items())
-    out["rollout"] += sum(engine.values())  # the native engine decodes with the actor's own weights
-    out["log_probs"] = max(
-        sum(resident(r, m, r == name) for r, m in roles.items()) + roles[name].infer_activations for name in roles
-    )
+    def on_gpu(params_of: str | None, trained: str | None) -> int:
+        return sum(resident(r, m, r == params_of, r == trained) for r, m in roles.items())
+
+    native = config.rollout.name == "native"  # decodes with the actor's own weights
+    out = {"rollout": on_gpu("actor" if native else None, None) + sum(engine.values())}
+    out["log_probs"] = max(on_gpu(name, None) + roles[name].infer_activations for name in roles)
     trained = [name for name in roles if roles[name].train_activations]
-    out["update"] = max(
-        (sum(resident(r, m, r == name) for r, m in roles.items()) + roles[name].train_activations for name in trained),
-        default=0,
-    )
+    out["update"] = max((on_gpu(name, name) + roles[name].train_activations for name in trained), default=0)
     return out
 
 

@@ -144,7 +144,9 @@ def _build(spec: RoleSpec, runtime: Runtime, use_distributed_optimizer: bool | N
         return count_state(chunks)
     optim = spec.optim
     if use_distributed_optimizer is not None and use_distributed_optimizer != optim.use_distributed_optimizer:
-        optim = replace(optim, use_distributed_optimizer=use_distributed_optimizer, overlap_param_gather=False)
+        optim = replace(
+            optim, use_distributed_optimizer=use_distributed_optimizer, overlap_param_gather=False
+        )
     settings = optim_settings(optim, bf16=spec.model.dtype == "bfloat16")
     chunks = wrap_ddp(chunks, settings)
     return count_state(chunks, build_optimizer(chunks, settings))
