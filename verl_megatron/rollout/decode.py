@@ -46,6 +46,7 @@ from verl_megatron.models import batch_invariant
 from verl_megatron.rollout.cpu.kernels import decode_kernels
 from verl_megatron.rollout.cpu.lean_layer import LeanLayer, lean_layer
 from verl_megatron.rollout.cpu.packed_linear import packed_linears
+from verl_megatron.rollout.mla_decode import MLARotary, mla_cache_shapes, mla_query_key_value
 
 __all__ = ["ChunkDecoder", "inference_mode_for"]
 
@@ -83,8 +84,6 @@ def _check_supported(chunk: torch.nn.Module) -> None:
     where = f"{type(chunk).__name__} (native rollout)"
     if getattr(chunk, "position_embedding_type", "rope") != "rope":
         raise NotImplementedError(f"{where}: only rotary position embeddings are supported")
-    if config.multi_latent_attention:
-        raise NotImplementedError(f"{where}: multi-latent attention is not supported")
     if config.rotary_interleaved:
         raise NotImplementedError(f"{where}: interleaved rotary embeddings are not supported")
     if config.context_parallel_size > 1:
@@ -151,13 +150,22 @@ class ChunkDecoder:
             max_len = self.parity_length
         self.max_len = max_len
         config = chunks[0].config
+        # Multi-latent attention: decompressed keys / values per head, own rotary (mla_decode.py).
+        self.mla = None
+        if config.multi_latent_attention:
+            if self.parity_length is not None:
+                raise NotImplementedError("rollout.bitwise_parity: multi-latent attention is not supported")
+            self.mla = MLARotary(chunks[0].decoder.layers[0].self_attention, max_len)
         self.hidden_size = config.hidden_size
         self.dtype = config.params_dtype
         self.device = next(chunks[0].parameters()).device
         self.scale = config.softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+        if self.mla is not None:
+            self.scale = chunks[0].decoder.layers[0].self_attention.core_attention.softmax_scale
         # Rotary table for positions 0..max_len-1 from the model's own module (keeps its
         # scaling / llama3 frequencies); [T_max, 1, 1, R] -> [T_max, R].
-        freqs = chunks[0].rotary_pos_emb(max_len).reshape(max_len, -1).float()
+        table = self.mla.freqs if self.mla is not None else chunks[0].rotary_pos_emb(max_len)
+        freqs = table.reshape(max_len, -1).float()
         self.cos, sin = freqs.cos().to(self.dtype), freqs.sin()
         if self.parity_length is None:
             half = sin.shape[-1] // 2
@@ -169,7 +177,10 @@ class ChunkDecoder:
         # One-token attention on CPU through the compiled kernels where they build (cpu/kernels.py).
         self.kernels = (
             decode_kernels()
-            if self.parity_length is None and self.device.type == "cpu" and self.dtype == torch.float32
+            if self.parity_length is None
+            and self.device.type == "cpu"
+            and self.dtype == torch.float32
+            and self.mla is None
             else None
         )
         self.caches: list[list[tuple[torch.Tensor, torch.Tensor]]] = [
@@ -190,11 +201,10 @@ class ChunkDecoder:
     def _empty_cache(self, layer: torch.nn.Module, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         attn = layer.self_attention
         groups, head_dim = attn.num_query_groups_per_partition, attn.hidden_size_per_attention_head
-        shape = (batch, groups, self.max_len, head_dim)
-        return (
-            torch.zeros(shape, dtype=self.dtype, device=self.device),
-            torch.zeros(shape, dtype=self.dtype, device=self.device),
-        )
+        shapes = [(batch, groups, self.max_len, head_dim)] * 2
+        if self.mla is not None:
+            shapes = mla_cache_shapes(attn, batch, self.max_len)
+        return tuple(torch.zeros(shape, dtype=self.dtype, device=self.device) for shape in shapes)
 
     def reorder(self, rows: torch.Tensor) -> None:
         """Keep / repeat cache rows: row i of the new cache is old row ``rows[i]`` (e.g. n samples)."""
@@ -223,6 +233,8 @@ class ChunkDecoder:
         batch, s = positions.shape
         cos = self.cos[positions].transpose(0, 1).unsqueeze(2)  # [s, B, 1, R]
         sin = self.sin[positions].transpose(0, 1).unsqueeze(2)
+        if self.mla is not None:  # MLA layers rotate with megatron's own function: angles in ``cos``
+            cos, sin = self.mla.at(positions), None
         if self.parity_length is None:
             mask = self._mask(key_valid, start, s)
         else:
@@ -290,8 +302,11 @@ class ChunkDecoder:
 
     def _layer(self, layer, hidden, k_cache, v_cache, cos, sin, mask, start: int) -> torch.Tensor:
         attn = layer.self_attention
-        query, key, value = attn.get_query_key_value_tensors(layer.input_layernorm(hidden), None)
-        query, key = self.rotate(query, cos, sin), self.rotate(key, cos, sin)
+        if self.mla is not None:
+            query, key, value = mla_query_key_value(attn, layer.input_layernorm(hidden), cos, self.mla.mscale)
+        else:
+            query, key, value = attn.get_query_key_value_tensors(layer.input_layernorm(hidden), None)
+            query, key = self.rotate(query, cos, sin), self.rotate(key, cos, sin)
         s = query.shape[0]
         if self.parity_length is not None:
             rows, cols, slots = mask["rows"], mask["cols"], mask["slots"]
@@ -359,7 +374,7 @@ class ChunkDecoder:
         cached keys are used as they are, without repeating them per head.
         """
         s, batch, heads, dim = query.shape
-        groups = keys.shape[1]
+        groups, value_dim = keys.shape[1], values.shape[-1]
         per_group = heads // groups
         if s == 1 and self.kernels is not None:
             q = query.reshape(batch, groups, per_group, dim)
@@ -378,8 +393,8 @@ class ChunkDecoder:
             if s > 1:
                 mask = mask.repeat(1, 1, per_group, 1)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
-        out = out.reshape(batch, groups, per_group, s, dim).permute(3, 0, 1, 2, 4)
-        return out.reshape(s, batch, heads * dim)
+        out = out.reshape(batch, groups, per_group, s, value_dim).permute(3, 0, 1, 2, 4)
+        return out.reshape(s, batch, heads * value_dim)
 
     def _logits(self, chunk: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         norm = getattr(chunk.decoder, "final_layernorm", None)
