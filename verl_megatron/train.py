@@ -126,16 +126,21 @@ def run(config_path: str | None, overrides: Sequence[str]) -> dict[str, float]:
     from verl_megatron.trainer.ppo_trainer import PPOTrainer
     from verl_megatron.trainer.quickstart import prepare_quickstart_assets
     from verl_megatron.trainer.run_dir import claim_output_dir
+    from verl_megatron.trainer.stall import process_group_minutes, watched
 
     _quiet_libraries()
     _set_threads()
-    placement = init_placement(config.rollout)  # None unless rollout.placement=separate
+    minutes = process_group_minutes(config.trainer)
+    placement = init_placement(config.rollout, minutes)  # None unless rollout.placement=separate
     if placement is not None and not placement.is_trainer:
-        return run_rollout_ranks(config, placement)
-    runtime = init_runtime(config.parallel, seed=config.trainer.seed)
+        with watched(config.trainer, placement.transfer):
+            return run_rollout_ranks(config, placement)
+    runtime = init_runtime(config.parallel, seed=config.trainer.seed, timeout_minutes=minutes)
+    group = None if placement is None else placement.transfer  # the watchdog's ranks: all of them
     try:
         # Held until the run ends: one run per output dir, and no silent overwrite of an earlier one.
-        with claim_output_dir(config, runtime.rank):
+        # The watchdog ends every rank when one dies or all stop progressing (trainer/stall.py).
+        with claim_output_dir(config, runtime.rank), watched(config.trainer, group) as watchdog:
             config = prepare_quickstart_assets(config, runtime.rank)
             check_model_fits(runtime.layout, config.model.path, config.model.sequence_parallel)
             if placement is not None:
@@ -143,7 +148,7 @@ def run(config_path: str | None, overrides: Sequence[str]) -> dict[str, float]:
             config, components = build_components(config, runtime)
             if placement is not None:
                 return train_async(config, runtime, components, placement)
-            return PPOTrainer(config, runtime, components).fit()
+            return PPOTrainer(config, runtime, components, stages=watchdog).fit()
     finally:
         # A caller that started torch.distributed itself (a test's worker pool) keeps it.
         if runtime._owns_process_group:

@@ -235,7 +235,7 @@ def seed_everything(seed: int) -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
 
-def init_process_group(timeout_minutes: int = 30) -> tuple[int, int, int, str]:
+def init_process_group(timeout_minutes: float = 30) -> tuple[int, int, int, str]:
     """Start torch.distributed from torchrun's variables (or as a lone process).
 
     Returns (rank, world_size, local_rank, backend).
@@ -264,7 +264,7 @@ def init_process_group(timeout_minutes: int = 30) -> tuple[int, int, int, str]:
 # its threads and sockets until it is destroyed.
 _megatron_groups: list[dist.ProcessGroup] = []
 # (layout, timeout) those groups were built for: the same request reuses them.
-_megatron_groups_key: tuple[ParallelLayout, int] | None = None
+_megatron_groups_key: tuple[ParallelLayout, float] | None = None
 
 
 def _registered_groups() -> set:
@@ -288,7 +288,7 @@ def destroy_megatron_groups() -> None:
     _megatron_groups_key = None
 
 
-def build_megatron_groups(layout: ParallelLayout, timeout_minutes: int = 30) -> None:
+def build_megatron_groups(layout: ParallelLayout, timeout_minutes: float = 30) -> None:
     """(Re)build megatron's parallel state for a resolved ``layout`` on the current process group.
 
     The same layout as the previous call reuses its groups (creating them is a collective
@@ -316,7 +316,7 @@ def build_megatron_groups(layout: ParallelLayout, timeout_minutes: int = 30) -> 
     _megatron_groups_key = key
 
 
-def init_runtime(layout: ParallelLayout, seed: int = 1234, timeout_minutes: int = 30) -> Runtime:
+def init_runtime(layout: ParallelLayout, seed: int = 1234, timeout_minutes: float = 30) -> Runtime:
     """Create the job's distributed runtime; call once per process.
 
     Raises ParallelConfigError before any model is built when the layout

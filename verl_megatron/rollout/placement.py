@@ -81,7 +81,7 @@ class Placement:
             dist.destroy_process_group()
 
 
-def init_placement(rollout: RolloutConfig, timeout_minutes: int = 30) -> Placement | None:
+def init_placement(rollout: RolloutConfig, timeout_minutes: float = 30) -> Placement | None:
     """Start torch.distributed for ``rollout.placement=separate`` (None when colocated): this
     role's default group plus the transfer group. Call before ``init_runtime``. The settings
     are checked at start-up (``trainer/placement_check.py``)."""

@@ -190,6 +190,14 @@ class TrainerConfig:
             through torchrun when this is > 1).
         device_peak_tflops: peak TFLOP/s of one device for ``perf/mfu/actor``; None looks
             the GPU up by name (MFU is not reported on CPU).
+        stall_timeout_s: with several processes, seconds after which a job whose rank died or
+            stopped, or in which no rank made progress (a stage, CPU work, Python code running),
+            ends on every rank with one ``stall:`` line and each rank's stacks in
+            ``<default_local_dir>/stall/`` (``distributed/watchdog.py``); 0 turns the watchdog off.
+            Keep it above ``reward_model.reward_kwargs.compute_score_timeout``: a scorer call is
+            waited for without progress.
+        process_group_timeout_s: timeout of every collective (torch.distributed's process groups);
+            the watchdog ends a stalled job long before it, on GPU NCCL's own watchdog uses it.
     """
 
     project_name: str = "verl_megatron"
@@ -212,6 +220,8 @@ class TrainerConfig:
     nnodes: int = 1
     n_gpus_per_node: int = 1
     device_peak_tflops: float | None = None
+    stall_timeout_s: float = 60.0
+    process_group_timeout_s: float = 1800.0
     mode: str = "rl"
     """"rl": the PPO-family loop; "sft": supervised fine-tuning on the actor (``verl-megatron sft``,
     the ``sft`` section, trainer/sft_trainer.py)."""

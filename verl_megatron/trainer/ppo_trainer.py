@@ -45,6 +45,7 @@ from verl_megatron.trainer.ppo.rollout_correction import apply_rollout_correctio
 from verl_megatron.trainer.rollout_phase import rollout_phase
 from verl_megatron.trainer.rollout_source import RolloutSource
 from verl_megatron.trainer.scoring import Reward, combined_reward, store_scores
+from verl_megatron.trainer.stall import StageMarks
 from verl_megatron.trainer.tracking import Tracking
 from verl_megatron.trainer.trainer_checkpoint import load_resume_state, publish_step, save_step
 
@@ -88,6 +89,7 @@ class PPOTrainer:
         components: tokenizer, workers, rollout, reward functions and data loaders
             (``verl_megatron.trainer.components.build_components``).
         rollout_source: where the batches come from; None: ``LocalRollout`` (generated here).
+        stages: told each stage as it starts (the stall watchdog, ``trainer/stall.py``), or None.
     """
 
     def __init__(
@@ -96,6 +98,7 @@ class PPOTrainer:
         runtime: Runtime,
         components: Components,
         rollout_source: RolloutSource | None = None,
+        stages: StageMarks | None = None,
     ) -> None:
         self.config = config
         self.runtime = runtime
@@ -127,6 +130,7 @@ class PPOTrainer:
         self.guard = DivergenceGuard(config.trainer.divergence_guard, config.actor.optim.lr)
         self.routes = components.routes  # MoE routing replay (workers/routes.py), or None
         self.rollout_source: RolloutSource = LocalRollout(self) if rollout_source is None else rollout_source
+        self.stages = stages
 
     # ------------------------------------------------------------------ the loop
 
@@ -197,7 +201,7 @@ class PPOTrainer:
                 metrics.update(parity_probe(self.actor, batch, step, self.config.rollout, timing))
             metrics.update(apply_rollout_correction(batch, self.config.algorithm.rollout_correction))
             self._reference_and_values(batch, timing)
-            with M.timed("adv", timing):
+            with self._stage("adv", timing):
                 metrics.update(self._compute_advantages(batch))
             metrics.update(self._update(batch, step, timing))
             self.rollout_source.after_update(step, timing)
@@ -218,7 +222,7 @@ class PPOTrainer:
             # Equal bit for bit to a recomputation (bitwise parity, required at start-up).
             batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
         elif recompute:
-            with M.timed("old_log_prob", timing):
+            with self._stage("old_log_prob", timing):
                 batch.batch["old_log_probs"], _ = self.actor.compute_log_prob(batch)
         # else: an on-policy update takes its own log-probs as the old ones (checked at start-up).
         if bypass or not recompute or "rollout_log_probs" not in batch.batch.keys():  # noqa: SIM118
@@ -229,20 +233,20 @@ class PPOTrainer:
 
     def _reference_and_values(self, batch: DataProto, timing: dict[str, float]) -> None:
         if self.ref is not None:
-            with M.timed("ref", timing):
+            with self._stage("ref", timing):
                 batch.batch["ref_log_prob"], _ = self.ref.compute_log_prob(batch)
         if self.critic is not None:
-            with M.timed("values", timing):
+            with self._stage("values", timing):
                 batch.batch["values"] = self.critic.compute_values(batch)
 
     def _update(self, batch: DataProto, step: int, timing: dict[str, float]) -> dict[str, float]:
         """The critic's update, then the actor's (after ``trainer.critic_warmup`` steps)."""
         metrics: dict[str, float] = {}
         if self.critic is not None:
-            with M.timed("update_critic", timing):
+            with self._stage("update_critic", timing):
                 metrics.update(self._report_skips("critic", self.critic.update_critic(batch), step))
         if step > self.config.trainer.critic_warmup:
-            with M.timed("update_actor", timing):
+            with self._stage("update_actor", timing):
                 metrics.update(self._report_skips("actor", self.actor.update_policy(batch), step))
             self._weights_version += 1
         if self.routes is not None:
@@ -255,13 +259,19 @@ class PPOTrainer:
         last = step == self.total_steps
         metrics: dict[str, float] = {}
         if self.val_loader is not None and trainer.test_freq > 0 and (step % trainer.test_freq == 0 or last):
-            with M.timed("testing", timing):
+            with self._stage("testing", timing):
                 metrics.update(self._validate(step))
         if trainer.save_freq > 0 and (step % trainer.save_freq == 0 or last):
-            with M.timed("save_checkpoint", timing):
+            with self._stage("save_checkpoint", timing):
                 save_step(self.config, step, self._trainer_state(step), self.runtime, self.actor, self.critic)
                 self._staged_checkpoint = step
         return metrics
+
+    def _stage(self, name: str, timing: dict[str, float]) -> contextlib.AbstractContextManager[None]:
+        """Time stage ``name`` of the current step, telling ``self.stages`` that it starts."""
+        if self.stages is not None:
+            self.stages.mark(name, self.global_step)
+        return M.timed(name, timing)
 
     def _batch_metrics(self, batch: DataProto, timing: dict[str, float]) -> dict[str, float]:
         """The batch's statistics, stage times, throughput and the actor update's MFU."""
@@ -293,11 +303,11 @@ class PPOTrainer:
             prompts.non_tensor_batch["uid"] = np.array(
                 [f"{step}-{rounds}-{i}" for i in range(len(prompts))], dtype=object
             )
-            with M.timed("gen", timing):
+            with self._stage("gen", timing):
                 batch = self._generate(prompts, validate=False)
                 if algo.adv_estimator == "remax":
                     baseline = self._generate(prompts, validate=False, greedy=True)
-            with M.timed("reward", timing):
+            with self._stage("reward", timing):
                 for key, count in self._score(batch, self.reward_fn).items():
                     reward_counts[key] = reward_counts.get(key, 0.0) + count
                 if algo.adv_estimator == "remax":

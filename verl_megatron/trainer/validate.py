@@ -266,6 +266,13 @@ def _check_trainer(config: PPOConfig) -> None:
         raise ConfigError(
             f"trainer.nnodes={trainer.nnodes} and trainer.n_gpus_per_node={trainer.n_gpus_per_node} must be >= 1"
         )
+    # The watchdog looks once a second: fewer than 5 looks cannot tell a stall from a slow second.
+    if trainer.stall_timeout_s != 0 and not trainer.stall_timeout_s >= 5:
+        raise ConfigError(f"trainer.stall_timeout_s must be >= 5 (or 0: off), got {trainer.stall_timeout_s}")
+    if not trainer.process_group_timeout_s > 0:
+        raise ConfigError(
+            f"trainer.process_group_timeout_s must be > 0, got {trainer.process_group_timeout_s}"
+        )
 
 
 def _check_lengths(config: PPOConfig) -> None:

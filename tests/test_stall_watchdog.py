@@ -1,0 +1,244 @@
+"""A stalled 2-process job ends on every rank, fast, saying where (issue 30, "Fail fast").
+
+Each case starts the quickstart under plain torchrun (2 ranks, gloo) with
+``trainer.stall_timeout_s=10`` (the default is 60: 10 keeps the test short), waits until rank 1's
+watchdog record in torchrun's store shows the stage of the case, then breaks the job:
+
+- ``stop``: rank 1 is stopped with SIGSTOP after step 2 (alive but silent);
+- ``kill_update`` / ``kill_gen`` / ``kill_save``: rank 1 is killed with SIGKILL while its
+  published stage is the actor update, the generation, the checkpoint save. The test stops rank 1
+  first and kills it only if its record still names the stage (a stage mark is published at once),
+  so the kill lands inside the stage;
+- ``reward``: a user reward function (``isolation=none``: in-process) that never returns; rewards
+  are scored on rank 0 only, so rank 0 blocks in it and rank 1 waits in the broadcast;
+- ``slow`` (healthy): a scorer that computes for 8 s once, at ``stall_timeout_s=5``: the run
+  finishes (the deadline measures the absence of progress, not the length of a step).
+
+Every case must end the whole job (torchrun's exit status != 0, no worker left) within the stall
+timeout plus a margin far below the process group's 30 minutes, print one ``stall:`` line naming
+the rank, stage and step, and leave each live rank's stacks in ``<run dir>/stall/rank<k>.txt``.
+The cases run side by side; the measured times are printed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STALL_TIMEOUT_S = 10
+# Slack over the stall timeout for the look interval, writing the stacks and torchrun's own exit on a
+# loaded machine: a bound far below the 30-minute process-group timeout a stalled job used to wait.
+EXIT_SLACK_S = 30
+START_LIMIT_S = 240  # start-up of 6 jobs side by side on 2 shared cores
+# The healthy case: a scorer computing for 8 s at a 5 s stall timeout is slow, not stalled.
+SLOW_TIMEOUT_S, SLOW_BUSY_S = 5, 8
+KEY = "verl_megatron/watchdog/0/1/rank{}"  # first attempt, first watchdog session
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "verl_megatron.train")
+_LAUNCH_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR")  # set by torchrun
+
+SCORER = """
+import time
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    time.sleep(3600)  # a scorer that never returns
+    return 0.0
+"""
+
+
+SLOW_SCORER = """
+import time
+
+_first = [True]
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if _first[0]:  # the first call computes for longer than the stall timeout: slow, not stalled
+        _first[0] = False
+        end = time.monotonic() + {busy_s}
+        while time.monotonic() < end:
+            sum(range(1000))
+    return 0.0
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Outcome:
+    name: str
+    returncode: int
+    exit_s: float  # from breaking the job to torchrun's exit
+    output: str
+    run_dir: str
+    pids: list[int]
+    stage: str
+
+
+def _record(store: dist.Store, rank: int) -> dict | None:
+    key = KEY.format(rank)
+    return json.loads(store.get(key)) if store.check([key]) else None
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie has ended)."""
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    return False
+
+
+def _break_at(store: dist.Store, stage: str, min_step: int, deadline: float, kill: bool) -> tuple[dict, dict]:
+    """Stop rank 1 when its record names ``stage`` (step >= min_step); kill it when ``kill`` and the
+    record still names the stage once it is stopped. Returns both ranks' records."""
+    while time.monotonic() < deadline:
+        record = _record(store, 1)
+        if record and record["stage"] == stage and (record["step"] or 0) >= min_step:
+            os.kill(record["pid"], signal.SIGSTOP)
+            time.sleep(0.3)  # a mark published just before the stop arrives by now
+            after = _record(store, 1)
+            if not kill:
+                return after, _record(store, 0)
+            if after["stage"] == stage and after["step"] == record["step"]:
+                os.kill(record["pid"], signal.SIGKILL)
+                return after, _record(store, 0)
+            os.kill(record["pid"], signal.SIGCONT)
+        time.sleep(0.01)
+    raise AssertionError(f"rank 1 never reached stage {stage} at step >= {min_step}")
+
+
+def _overrides(name: str, tmp: str, run_dir: str) -> list[str]:
+    overrides = [
+        f"trainer.default_local_dir={run_dir}",
+        f"trainer.stall_timeout_s={SLOW_TIMEOUT_S if name == 'slow' else STALL_TIMEOUT_S}",
+        f"trainer.total_training_steps={2 if name == 'slow' else 60}",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+        "trainer.export_hf=false",
+    ]
+    if name == "kill_save":
+        overrides.append("trainer.save_freq=1")
+    if name in ("reward", "slow"):
+        scorer = os.path.join(tmp, f"{name}_scorer.py")
+        with open(scorer, "w") as f:
+            f.write(SCORER if name == "reward" else SLOW_SCORER.replace("{busy_s}", str(SLOW_BUSY_S)))
+        overrides += [f"custom_reward_function.path={scorer}", "reward_model.reward_kwargs.isolation=none"]
+    return overrides
+
+
+def _connect(proc: subprocess.Popen, port: int, deadline: float) -> dist.Store:
+    """A client of torchrun's store, once it listens (a plain socket first: quiet while it does not)."""
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, "the job did not start"
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=5))
+        except (RuntimeError, OSError):
+            time.sleep(0.5)
+
+
+def _break(name: str, store: dist.Store, proc: subprocess.Popen, deadline: float) -> tuple[dict, dict]:
+    """Break the job as case ``name`` says; (rank 1's record, rank 0's) at that moment."""
+    if name == "reward":
+        while (_record(store, 0) or {}).get("stage") != "reward":
+            assert proc.poll() is None and time.monotonic() < deadline, "no reward stage"
+            time.sleep(0.05)
+        return _record(store, 1), _record(store, 0)
+    stage = {"stop": "gen", "kill_update": "update_actor", "kill_gen": "gen", "kill_save": "save_checkpoint"}
+    return _break_at(store, stage[name], 3 if name == "stop" else 2, deadline, kill=name != "stop")
+
+
+def _run_case(name: str, tmp: str) -> Outcome:
+    run_dir = os.path.join(tmp, name)
+    port = _free_port()
+    # No compiled decode kernels: a job waiting for another process's compile of them (torch's file
+    # lock) makes no progress of its own, a stall of this test's making when the cache is cold.
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    env.update(OMP_NUM_THREADS="1", PET_MASTER_PORT=str(port), VERL_MEGATRON_CPU_KERNELS="0")
+    log = open(os.path.join(tmp, f"{name}.log"), "w+")  # noqa: SIM115 (closed below, after the job)
+    proc = subprocess.Popen(
+        [*TORCHRUN, *_overrides(name, tmp, run_dir)],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + START_LIMIT_S
+        store = _connect(proc, port, deadline)
+        if name == "slow":
+            records = (_record(store, 1), _record(store, 0))
+            proc.wait(timeout=START_LIMIT_S)
+        else:
+            records = _break(name, store, proc, deadline)
+        broken = time.monotonic()
+        proc.wait(timeout=STALL_TIMEOUT_S + EXIT_SLACK_S + 60)
+        exit_s = time.monotonic() - broken
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    log.seek(0)
+    output = log.read()
+    log.close()
+    pids = [r["pid"] for r in records if r is not None]
+    return Outcome(name, proc.returncode, exit_s, output, run_dir, pids, (records[0] or {}).get("stage", ""))
+
+
+def test_a_stalled_job_ends_on_every_rank_with_one_line_and_the_stacks(tmp_path):
+    names = ["stop", "kill_update", "kill_gen", "kill_save", "reward", "slow"]
+    with ThreadPoolExecutor(len(names)) as pool:
+        outcomes = list(pool.map(lambda n: _run_case(n, str(tmp_path)), names))
+    slow = outcomes.pop()
+    # A step longer than the stall timeout, spent computing, is no stall.
+    assert slow.returncode == 0, slow.output[-4000:]
+    with open(os.path.join(slow.run_dir, "metrics.jsonl")) as f:
+        steps = [json.loads(line) for line in f]
+    assert [s["training/global_step"] for s in steps] == [1.0, 2.0]
+    assert steps[0]["timing_s/reward"] > SLOW_TIMEOUT_S, steps[0]["timing_s/reward"]
+    assert not os.path.exists(os.path.join(slow.run_dir, "stall"))
+    for o in outcomes:
+        print(
+            f"{o.name}: every rank ended {o.exit_s:.1f} s after the break (rank 1 in {o.stage}), rc {o.returncode}"
+        )
+    for o in outcomes:
+        where = f"{o.name} (output in {o.run_dir}):\n{o.output[-4000:]}"
+        assert o.returncode != 0, where
+        assert o.exit_s <= STALL_TIMEOUT_S + EXIT_SLACK_S, f"{o.exit_s:.1f} s; {where}"
+        assert not [pid for pid in o.pids if _alive(pid)], where
+        lines = [line for line in o.output.splitlines() if line.startswith("stall: ")]
+        assert len(lines) == 1, where
+        line = lines[0]
+        if o.name == "reward":
+            assert "no rank made progress for" in line and "rank 0 (" in line, line
+            assert "in stage reward at step 1 in reward_scorer.py:" in line, line
+        elif o.name == "stop":
+            assert "rank 1 (pid" in line and "sent no heartbeat for" in line, line
+            assert "in stage gen at step" in line, line
+        else:
+            assert "rank 1 (pid" in line and "ended without finishing its run" in line, line
+            assert f"in stage {o.stage} at step" in line, line
+        live = [0] if o.name.startswith("kill") else [0, 1]
+        for rank in live:
+            path = os.path.join(o.run_dir, "stall", f"rank{rank}.txt")
+            with open(path) as f:
+                stacks = f.read()
+            assert stacks.startswith(line), stacks[:500]
+            assert "(most recent call first):" in stacks and 'File "' in stacks, stacks
+        if o.name == "reward":
+            with open(os.path.join(o.run_dir, "stall", "rank0.txt")) as f:
+                assert "reward_scorer.py" in f.read()
