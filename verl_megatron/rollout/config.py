@@ -17,6 +17,7 @@ from verl_megatron.errors import RolloutConfigError
 __all__ = [
     "ENGINE_NAMES",
     "ENGINE_PACKAGES",
+    "AgentConfig",
     "MultiTurnConfig",
     "RolloutConfig",
     "RolloutConfigError",
@@ -67,6 +68,49 @@ class MultiTurnConfig:
     """The environment answering each policy turn: ``pkg.module:name`` or ``/path/file.py:name``,
     naming a callable ``(Conversation, last_turn_text) -> EnvironmentReply``
     (see ``verl_megatron.rollout.multiturn``). Required when ``enable``."""
+
+
+@dataclass
+class AgentConfig:
+    """Agentic rollouts: a harness drives each conversation through an OpenAI-compatible endpoint
+    over the engine (see ``verl_megatron.rollout.agent``, ``verl_megatron.rollout.endpoint``)."""
+
+    enable: bool = False
+    """Run one harness conversation per sample instead of one engine call per prompt."""
+    harness: str = ""
+    """The harness: ``verifiers``, ``openenv``, ``tools`` (built-in tool loop), or a
+    ``pkg.module:name`` / ``/path/file.py:name`` factory ``(**kwargs) -> Harness``. Required when
+    ``enable``."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the harness factory (e.g. the verifiers environment to load)."""
+    max_turns: int = 8
+    """Most model calls per trajectory; further requests are refused (finish ``max_turns``)."""
+    deadline_s: float = 300.0
+    """Wall-clock seconds for one batch of conversations; unfinished ones score a failure
+    (cause ``timeout``) and their threads are abandoned."""
+    tool_call_format: str = "hermes"
+    """How the model writes tool calls: ``hermes`` (``<tool_call>{"name":..,"arguments":..}</tool_call>``,
+    Qwen2.5/Qwen3/Hermes templates), ``bare`` (``<tool_call>ARG</tool_call>``: the request's
+    first tool, its first parameter) or ``none`` (text only)."""
+    max_concurrency: int = 64
+    """Conversations run at once (one thread each)."""
+    host: str = "127.0.0.1"
+    """Address the endpoint listens on."""
+    port: int = 0
+    """Port of the endpoint; 0 picks a free one."""
+    failure_score: float = 0.0
+    """Reward of a trajectory whose environment raised, hung, returned garbage or never ended."""
+    batch_wait_s: float = 0.02
+    """After a request arrives, how long the engine waits for the other live conversations'
+    requests before generating (one engine call serves them all)."""
+    tool_cpu_s: float = 5.0
+    """Sandboxed tools: CPU seconds per call."""
+    tool_wall_s: float = 10.0
+    """Sandboxed tools: wall-clock seconds per call."""
+    tool_memory_mb: int = 512
+    """Sandboxed tools: address space per call, MiB."""
+    tool_isolation: str = "auto"
+    """Sandboxed tools: ``auto``, ``namespaces`` or ``basic`` (``verl_megatron.reward.sandbox``)."""
 
 
 @dataclass
@@ -167,6 +211,8 @@ class RolloutConfig:
     """Tokens that end a response like EOS (kept in the response with mask 1)."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Multi-turn generation settings."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Agentic rollouts through the OpenAI-compatible endpoint (a harness per conversation)."""
     placement: str = "colocated"
     """``colocated``: every rank trains and generates in turn. ``separate``: the last
     ``world_size`` ranks only generate (their own copy of the model), the others only train and
@@ -202,6 +248,7 @@ class RolloutConfig:
                 "rollout.multi_turn.enable=true needs rollout.multi_turn.environment "
                 "('pkg.module:name' or '/path/file.py:name' of the environment callable)"
             )
+        _check_agent(self)
         if self.log_prob_micro_batch_size is not None:
             raise RolloutConfigError(
                 "rollout.log_prob_micro_batch_size is deprecated (as in verl); "
@@ -229,6 +276,38 @@ class RolloutConfig:
             raise RolloutConfigError(
                 f"rollout.stop_token_ids must be token ids >= 0, got {self.stop_token_ids}"
             )
+
+
+def _check_agent(rollout: RolloutConfig) -> None:
+    agent = rollout.agent
+    if not agent.enable:
+        return
+    if not agent.harness:
+        raise RolloutConfigError(
+            "rollout.agent.enable=true needs rollout.agent.harness (verifiers, openenv, tools, or "
+            "'pkg.module:name' / '/path/file.py:name' of a harness factory)"
+        )
+    if rollout.multi_turn.enable or rollout.bitwise_parity or rollout.name != "native":
+        raise RolloutConfigError(
+            "rollout.agent.enable=true needs rollout.name=native without rollout.multi_turn and "
+            "rollout.bitwise_parity (the endpoint serves the native engine)"
+        )
+    if agent.tool_call_format not in ("hermes", "bare", "none"):
+        raise RolloutConfigError(
+            f"rollout.agent.tool_call_format must be 'hermes', 'bare' or 'none', got {agent.tool_call_format!r}"
+        )
+    for key in ("max_turns", "deadline_s", "max_concurrency", "tool_cpu_s", "tool_wall_s", "tool_memory_mb"):
+        if not getattr(agent, key) > 0:
+            raise RolloutConfigError(f"rollout.agent.{key} must be > 0, got {getattr(agent, key)}")
+    if agent.batch_wait_s < 0 or not 0 <= agent.port < 65536:
+        raise RolloutConfigError(
+            f"rollout.agent.batch_wait_s must be >= 0 and rollout.agent.port in [0, 65535], "
+            f"got {agent.batch_wait_s}, {agent.port}"
+        )
+    if agent.tool_isolation not in ("auto", "namespaces", "basic"):
+        raise RolloutConfigError(
+            f"rollout.agent.tool_isolation must be 'auto', 'namespaces' or 'basic', got {agent.tool_isolation!r}"
+        )
 
 
 def _sampling_fields(cfg: SamplingConfig) -> dict[str, Any]:

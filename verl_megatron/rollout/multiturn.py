@@ -10,7 +10,9 @@ turns) is spent.
 
 The output has the engine's batch keys; ``responses`` holds every token after the prompt,
 ``response_mask`` is 1 on the policy's tokens and 0 on the environment's (the loss ignores
-them), ``attention_mask`` is 1 on both, and ``rollout_log_probs`` is 0 on environment tokens::
+them), ``attention_mask`` is 1 on both, and ``rollout_log_probs`` is 0 on environment tokens.
+This is the simplest path (a Python callable per turn); an agent harness speaking the OpenAI
+API goes through ``rollout.agent`` (``verl_megatron.rollout.agent``) instead::
 
     rollout = MultiTurnRollout(build_rollout(config, ...), config, tokenizer, environment)
     out = rollout.generate_sequences(prompts)
@@ -34,8 +36,16 @@ from verl_megatron.rollout.base import (
 )
 from verl_megatron.rollout.config import RolloutConfig
 from verl_megatron.rollout.sampling import resolve_sampling
+from verl_megatron.rollout.wrapped import WrappedRollout
 
-__all__ = ["Conversation", "Environment", "EnvironmentReply", "MultiTurnRollout", "truncate_reply"]
+__all__ = [
+    "Conversation",
+    "Environment",
+    "EnvironmentReply",
+    "MultiTurnRollout",
+    "conversation_output",
+    "truncate_reply",
+]
 
 
 @dataclass
@@ -107,7 +117,7 @@ def truncate_reply(tokens: list[int], limit: int, side: str) -> list[int]:
     raise ValueError(f"truncate_reply: side must be 'left', 'right' or 'middle', got {side!r}")
 
 
-class MultiTurnRollout(RolloutEngine):
+class MultiTurnRollout(WrappedRollout):
     """Runs conversations with ``engine`` for the policy turns (see the module docstring).
 
     Args:
@@ -126,24 +136,6 @@ class MultiTurnRollout(RolloutEngine):
         self.tokenizer = tokenizer
         self.environment = environment
 
-    def state_dict(self) -> dict[str, int]:
-        return self.engine.state_dict()
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.engine.load_state_dict(state)
-
-    def sync_weights(self) -> None:
-        self.engine.sync_weights()
-
-    def sleep(self) -> None:
-        self.engine.sleep()
-
-    def wake_up(self) -> None:
-        self.engine.wake_up()
-
-    def wake_up_weights(self) -> None:
-        self.engine.wake_up_weights()
-
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Conversations for left-padded prompts [B, Tp] -> [B*n, ...], keys as the engine's."""
         input_ids, mask, _ = prompt_tensors(prompts)
@@ -156,19 +148,7 @@ class MultiTurnRollout(RolloutEngine):
             self._policy_turn(live, prompts.meta_info, budget, pad)
             for conversation in live:
                 self._environment_turn(conversation, budget)
-        responses, response_mask, log_probs = responses_from_lists(
-            [c.response_ids for c in conversations],
-            [c.log_probs for c in conversations],
-            budget,
-            pad,
-            mask_lists=[c.response_mask for c in conversations],
-        )
-        in_sequence = torch.arange(budget)[None, :] < torch.tensor(
-            [[len(c.response_ids)] for c in conversations]
-        )
-        return assemble_output(
-            prompts, responses, response_mask, log_probs, n, response_attention_mask=in_sequence.long()
-        )
+        return conversation_output(prompts, conversations, budget, pad, n)
 
     def _policy_turn(self, live: list[Conversation], meta: dict[str, Any], budget: int, pad: int) -> None:
         """One engine call on every live conversation (left-padded to a common width); appends its turn."""
@@ -224,6 +204,23 @@ class MultiTurnRollout(RolloutEngine):
         # No room left for the policy to answer: nothing more to generate.
         if len(tokens) >= room:
             conversation.done = True
+
+
+def conversation_output(prompts: DataProto, samples: list[Any], budget: int, pad: int, n: int) -> DataProto:
+    """The rollout batch of [B*n] samples (each with ``response_ids``, ``log_probs``,
+    ``response_mask`` lists) of [B] prompts: responses right-padded to ``budget``, attention on
+    every response token (policy and environment), the mask on the policy's."""
+    responses, response_mask, log_probs = responses_from_lists(
+        [s.response_ids for s in samples],
+        [s.log_probs for s in samples],
+        budget,
+        pad,
+        mask_lists=[s.response_mask for s in samples],
+    )
+    in_sequence = torch.arange(budget)[None, :] < torch.tensor([[len(s.response_ids)] for s in samples])
+    return assemble_output(
+        prompts, responses, response_mask, log_probs, n, response_attention_mask=in_sequence.long()
+    )
 
 
 def _last_policy_start(conversation: Conversation) -> int:

@@ -17,6 +17,7 @@ import torch
 
 from verl_megatron.data import PromptLoader, RLHFDataset
 from verl_megatron.distributed.parallel import Runtime
+from verl_megatron.errors import ConfigError
 from verl_megatron.rollout.config import old_log_prob_micro_batch_size
 from verl_megatron.trainer.config import PPOConfig, use_critic, use_reference
 
@@ -245,6 +246,19 @@ def _build_training(
     return build
 
 
+def _agent_harness(config: PPOConfig) -> Any:
+    """``rollout.agent``'s harness (None when off), built before any model."""
+    if not config.rollout.agent.enable:
+        return None
+    if not config.data.return_raw_chat:
+        raise ConfigError(
+            "rollout.agent.enable=true needs data.return_raw_chat=true (harnesses get the chat)"
+        )
+    from verl_megatron.reward.agents import build_harness
+
+    return build_harness(config.rollout.agent)
+
+
 def build_components(config: PPOConfig, runtime: Runtime) -> tuple[PPOConfig, Components]:
     """Tokenizer, data loaders, actor (+ reference, critic), rollout engine and reward functions.
 
@@ -265,6 +279,7 @@ def build_components(config: PPOConfig, runtime: Runtime) -> tuple[PPOConfig, Co
         from verl_megatron.utils.import_utils import load_object
 
         environment = load_object(config.rollout.multi_turn.environment, "rollout.multi_turn.environment")
+    harness = _agent_harness(config)
     train_loader, val_loader = build_loaders(config, tokenizer)
     config = resolve_worker_configs(config, total_training_steps(config, len(train_loader)))
     routes: list[RunRoutes] = []  # at most one, made on the actor's chunks before the rollout
@@ -284,6 +299,12 @@ def build_components(config: PPOConfig, runtime: Runtime) -> tuple[PPOConfig, Co
         from verl_megatron.rollout.multiturn import MultiTurnRollout
 
         rollout = MultiTurnRollout(rollout, config.rollout, tokenizer, environment)
+    if harness is not None:
+        from verl_megatron.rollout.agent import AgentRollout
+        from verl_megatron.rollout.base import stop_token_ids
+
+        stops = stop_token_ids(config.rollout, {}, tokenizer, hf_config)
+        rollout = AgentRollout(rollout, config.rollout, tokenizer, harness, stops)
     reward_fn, val_reward_fn = _reward_fns(config, tokenizer)
     model_rewards = build_model_rewards(config, runtime, tokenizer)
     return config, Components(

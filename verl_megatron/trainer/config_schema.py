@@ -233,7 +233,8 @@ class QuickstartConfig:
 
     Attributes:
         enable: build what ``model.path`` / ``data.train_files`` do not provide.
-        task: synthetic task, "reverse" or "copy" (see verl_megatron.data.synthetic).
+        task: synthetic task, "reverse" or "copy" (see verl_megatron.data.synthetic), or
+            "lookup" (the agent quickstart's tool task, verl_megatron.data.lookup_task).
         num_digits: digits per prompt.
         hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size: the
             random-init model.

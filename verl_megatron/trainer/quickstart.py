@@ -30,7 +30,9 @@ def _build(config: PPOConfig, assets_dir: str, need_model: bool, need_data: bool
     qs = config.quickstart
     if need_model:
         model_dir = os.path.join(assets_dir, "model")
-        tokenizer = build_char_tokenizer(os.path.join(assets_dir, "tokenizer"), alphabet=DIGITS)
+        tokenizer = build_char_tokenizer(
+            os.path.join(assets_dir, "tokenizer"), alphabet=DIGITS, **_agent_chat(qs.task)
+        )
         # MoE: transformers trains with the load-balancing loss only with output_router_logits.
         moe = {"output_router_logits": True} if qs.family in MOE_FAMILIES else {}
         build_tiny_hf_model(
@@ -45,10 +47,23 @@ def _build(config: PPOConfig, assets_dir: str, need_model: bool, need_data: bool
             tokenizer=tokenizer,
             **moe,
         )
-    if need_data:
+    if need_data and qs.task == "lookup":
+        from verl_megatron.data.lookup_task import write_lookup_dataset
+
+        write_lookup_dataset(os.path.join(assets_dir, "data"), num_digits=qs.num_digits)
+    elif need_data:
         write_synthetic_dataset(
             os.path.join(assets_dir, "data"), task=qs.task, num_digits=qs.num_digits, seed=config.trainer.seed
         )
+
+
+def _agent_chat(task: str) -> dict:
+    """The lookup task's tokenizer also knows the tool tokens and renders tool calls."""
+    if task != "lookup":
+        return {}
+    from verl_megatron.data.lookup_task import AGENT_CHAT_TEMPLATE, TOOL_TOKENS
+
+    return {"extra_tokens": TOOL_TOKENS, "chat_template": AGENT_CHAT_TEMPLATE}
 
 
 def prepare_quickstart_assets(config: PPOConfig, rank: int) -> PPOConfig:

@@ -5,6 +5,7 @@ Pick one by name with :func:`get_reward_manager_cls` ("naive", "dapo",
 """
 
 # Imported for their @register side effect; the registry is filled on import.
+from verl_megatron.reward.managers.agent import AgentRewardManager
 from verl_megatron.reward.managers.base import RewardManagerBase
 from verl_megatron.reward.managers.batch import BatchRewardManager
 from verl_megatron.reward.managers.dapo import DAPORewardManager
@@ -18,6 +19,7 @@ from verl_megatron.reward.managers.registry import (
 
 __all__ = [
     "REWARD_MANAGER_REGISTRY",
+    "AgentRewardManager",
     "BatchRewardManager",
     "DAPORewardManager",
     "NaiveRewardManager",

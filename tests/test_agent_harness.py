@@ -1,0 +1,115 @@
+"""Agent harnesses (reward/agents/), the agent reward manager, and the agent quickstart recipe.
+
+The built-in tool loop runs each tool call in the code sandbox (a hanging tool answers
+``tool error: timeout`` within its wall limit); the ``agent`` reward manager puts per-turn
+rewards at each turn's last token and the trajectory's at the last one, and counts the
+multi-turn statistics; configs/quickstart_agent.yaml trains one GRPO step through the endpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from verl_megatron.errors import ConfigError
+from verl_megatron.protocol import DataProto
+from verl_megatron.rollout.config import AgentConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOOKUP = {
+    "function": "verl_megatron.data.lookup_task:lookup_value",
+    "parameters": ["key"],
+    "kwargs": {"seed": 0},
+}
+
+
+def test_tools_run_in_the_sandbox_with_per_call_limits(tmp_path):
+    from verl_megatron.data.lookup_task import lookup_value
+    from verl_megatron.reward.agents import build_harness
+    from verl_megatron.reward.agents.tools import ToolCallLog, lookup_score
+
+    hang = tmp_path / "hang.py"
+    hang.write_text("def spin(x):\n    while True:\n        pass\n")
+    agent = AgentConfig(enable=True, harness="tools", tool_wall_s=1.0, tool_cpu_s=1.0,
+                        kwargs={"tools": {"lookup": LOOKUP, "spin": {"function": f"{hang}:spin", "parameters": ["x"]}},
+                                "score": "verl_megatron.reward.agents.tools:lookup_score"})  # fmt: skip
+    harness = build_harness(agent)
+    calls: list[ToolCallLog] = []
+    call = {"function": {"name": "lookup", "arguments": json.dumps({"key": "37"})}}
+    assert harness._run(call, 0, calls) == lookup_value("37", 0) == calls[0].result
+    start = time.monotonic()
+    spun = harness._run({"function": {"name": "spin", "arguments": '{"x": "1"}'}}, 1, calls)
+    assert spun.startswith("tool error: ") and time.monotonic() - start < 10
+    assert harness._run({"function": {"name": "nope", "arguments": "{}"}}, 1, calls).startswith(
+        "tool error: no tool"
+    )
+    assert [c.ok for c in calls] == [True, False, False]
+    row = {"extra_info": {"key": "37"}, "reward_model": {"ground_truth": lookup_value("37", 0)}}
+    assert lookup_score(lookup_value("37", 0), row, calls) == (0.75, [0.25])
+    assert lookup_score(None, row, calls[1:]) == (0.0, [0.0])
+    with pytest.raises(ConfigError, match=r"rollout\.agent\.harness=verifiers"):
+        build_harness(AgentConfig(enable=True, harness="verifiers"))
+    with pytest.raises(ConfigError, match=r"rollout\.agent\.kwargs\.tools\.bad\.function"):
+        build_harness(
+            AgentConfig(
+                enable=True,
+                harness="tools",
+                kwargs={"tools": {"bad": {"function": "nowhere:f"}}, "score": "x:y"},
+            )
+        )
+
+
+def test_agent_reward_manager_places_turn_and_trajectory_rewards():
+    from verl_megatron.reward.loading import load_reward_manager
+
+    manager = load_reward_manager({"reward_model": {"reward_manager": "agent"}}, tokenizer=None)
+    columns = {
+        "agent_reward": [0.75, -1.0],
+        "agent_turn_rewards": [[0.25, 0.1], []],
+        "agent_turn_ends": [[2, 6], []],
+        "agent_failure": ["", "timeout"],
+        "agent_truncated": ["", ""],
+        "agent_turns": [2, 0],
+        "agent_tool_calls": [1, 0],
+        "agent_env_seconds": [0.5, 0.0],
+        "agent_context_resets": [0, 0],
+    }
+    non_tensors = {k: np.array([*v, None], dtype=object)[:2] for k, v in columns.items()}
+    attention = torch.tensor([[1, 1, 1, 1] + [1] * 6 + [0, 0], [1, 1, 1, 1] + [0] * 8])
+    batch = DataProto.from_dict(
+        {"responses": torch.zeros(2, 8, dtype=torch.long), "attention_mask": attention},
+        non_tensors=non_tensors,
+    )
+    out = manager(batch, return_dict=True)
+    expected = torch.zeros(2, 8)
+    expected[0, 2], expected[0, 5], expected[0, 6], expected[1, 0] = 0.25, 0.75, 0.1, -1.0
+    assert torch.equal(out["reward_tensor"], expected), out["reward_tensor"]
+    extra = out["reward_extra_info"]
+    assert extra["reward/agent/failure_timeout_count"] == [0.0, 1.0] and extra[
+        "reward/agent/turns_count"
+    ] == [2.0, 0.0]
+    with pytest.raises(ValueError, match=r"rollout\.agent\.enable=true"):
+        manager(DataProto.from_dict({"responses": torch.zeros(1, 2), "attention_mask": torch.ones(1, 4)}))
+
+
+def test_quickstart_agent_trains_one_step(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "verl_megatron.cli", "train", "--config", "configs/quickstart_agent.yaml",
+           "trainer.total_training_steps=1", f"trainer.default_local_dir={out}", "data.train_batch_size=4",
+           "actor.ppo_mini_batch_size=4", "rollout.n=4", "trainer.val_before_train=false"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (metrics,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert metrics["reward/agent/trajectories_count"] == 16
+    assert metrics["val/reward/agent/trajectories_count"] == 20  # the 20 validation keys, greedy
+    failures = sum(v for k, v in metrics.items() if "/failure_" in k and k.startswith("reward/"))
+    assert failures == 0 and metrics["reward/agent/turns_count"] >= 16
+    assert np.isfinite(metrics["actor/pg_loss"]) and metrics["response_length/mean"] > 0
