@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from verl_megatron.errors import is_user_error
@@ -542,17 +543,26 @@ def _client_store(timeout_s: float) -> dist.Store:
 
 
 def start_watchdog(settings: WatchdogSettings, group: dist.ProcessGroup | None = None) -> Watchdog | None:
-    """Start this rank's watchdog over the ranks of ``group`` (default: the whole job), or None
-    when ``settings.timeout_s`` <= 0 or the job has one process. A collective of ``group``: every
-    rank calls it at the same point; each call gets store keys of its own."""
-    if settings.timeout_s <= 0 or not dist.is_initialized() or dist.get_world_size(group) == 1:
+    """Start this rank's watchdog over the ranks of ``group`` (default: the whole job, through
+    torch.distributed's default group; else a gloo group of its own, such as the transfer group of
+    ``rollout.placement=separate``, numbered by global rank), or None when ``settings.timeout_s``
+    <= 0 or there is one process. A collective of ``group``: every rank calls it at the same point;
+    each call gets store keys of its own."""
+    if settings.timeout_s <= 0 or not dist.is_initialized():
+        return None
+    rank, world = (dist.get_rank(), dist.get_world_size()) if group is None else (group.rank(), group.size())
+    if world == 1:
         return None
     store = _client_store(max(2 * settings.interval_s, 5.0))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    session = [None]
-    if dist.get_rank(group) == 0:
-        session[0] = store.add(f"verl_megatron/watchdog/{attempt}/sessions", 1)
-    dist.broadcast_object_list(session, group_src=0, group=group)
-    prefix = f"verl_megatron/watchdog/{attempt}/{session[0]}"
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    session = store.add(f"verl_megatron/watchdog/{attempt}/sessions", 1) if rank == 0 else 0
+    if group is None:  # NCCL or gloo: the object broadcast picks the device
+        agreed = [session]
+        dist.broadcast_object_list(agreed, src=0)
+        session = agreed[0]
+    else:
+        value = torch.tensor([session], dtype=torch.int64)
+        group.broadcast(value, 0).wait()
+        session = int(value.item())
+    prefix = f"verl_megatron/watchdog/{attempt}/{session}"
     return Watchdog(settings, rank, world, dist.PrefixStore(prefix, store)).start()
