@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from verl_megatron.errors import UserInputError
 from verl_megatron.models.config import HFArchitecture
+from verl_megatron.models.families.deepseek import mla_hf_shapes
 
 __all__ = [
     "HFWeightsError",
@@ -153,6 +154,9 @@ def _layer_shapes(arch: HFArchitecture, layer: int) -> dict[str, tuple[int, ...]
         f"{attn}.q_proj.weight": (q, h), f"{attn}.k_proj.weight": (kv, h),
         f"{attn}.v_proj.weight": (kv, h), f"{attn}.o_proj.weight": (h, q),
     }  # fmt: skip
+    if arch.mla is not None:
+        shapes = {n: s for n, s in shapes.items() if not n.startswith(attn)}
+        shapes.update(mla_hf_shapes(arch.mla, attn, arch.num_attention_heads, h))
     if arch.qkv_bias:
         shapes.update(
             {f"{attn}.q_proj.bias": (q,), f"{attn}.k_proj.bias": (kv,), f"{attn}.v_proj.bias": (kv,)}
@@ -177,10 +181,12 @@ def _layer_shapes(arch: HFArchitecture, layer: int) -> dict[str, tuple[int, ...]
     for e in range(moe.num_experts):
         shapes.update({f"{block}.experts.{e}.{gate}.weight": (f, h), f"{block}.experts.{e}.{up}.weight": (f, h),
                        f"{block}.experts.{e}.{down}.weight": (h, f)})  # fmt: skip
+    if moe.expert_bias:
+        shapes[f"{block}.gate.e_score_correction_bias"] = (moe.num_experts,)
     if moe.shared_expert_size:
-        s = moe.shared_expert_size
-        shapes.update({f"{block}.shared_expert.gate_proj.weight": (s, h), f"{block}.shared_expert.up_proj.weight": (s, h),
-                       f"{block}.shared_expert.down_proj.weight": (h, s)})  # fmt: skip
+        s, shared = moe.shared_expert_size, f"{block}.{moe.hf_shared_name}"
+        shapes.update({f"{shared}.gate_proj.weight": (s, h), f"{shared}.up_proj.weight": (s, h),
+                       f"{shared}.down_proj.weight": (h, s)})  # fmt: skip
     if moe.shared_expert_gate:
         shapes[f"{block}.shared_expert_gate.weight"] = (1, h)
     return shapes

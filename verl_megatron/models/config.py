@@ -24,12 +24,10 @@ from verl_megatron.distributed.parallel import ParallelLayout
 from verl_megatron.errors import ModelConfigError
 from verl_megatron.models.families.deepseek import (
     MLA_MODEL_TYPES,
-    SIGMOID_MOE_MODEL_TYPES,
     MLAArchitecture,
     check_mla_split,
     mla_transformer_config,
     read_mla_architecture,
-    read_sigmoid_moe,
 )
 from verl_megatron.models.moe import (
     MOE_MODEL_TYPES,
@@ -337,11 +335,7 @@ def read_hf_architecture(hf_config: Any) -> HFArchitecture:
         max_position_embeddings=hf_config.max_position_embeddings,
         rope=RopeSettings(theta=mla.rope_theta) if mla else read_rope_settings(hf_config),
         initializer_range=getattr(hf_config, "initializer_range", 0.02),
-        moe=(
-            read_sigmoid_moe(hf_config, num_layers)
-            if model_type in SIGMOID_MOE_MODEL_TYPES
-            else read_moe_architecture(hf_config, num_layers)
-        ),
+        moe=read_moe_architecture(hf_config, num_layers),
         mla=mla,
     )
 

@@ -7,6 +7,8 @@ Supported families (``model_type``) and how their routers map onto megatron's Mo
   ``sigmoid(shared_expert_gate(x))`` (megatron's ``moe_shared_expert_gate``); q/k/v biases.
 - ``mixtral``: softmax router, top-k always renormalised; experts named ``w1`` (gate),
   ``w3`` (up), ``w2`` (down) under ``block_sparse_moe``.
+- ``deepseek_v3``: sigmoid router with an expert bias, group-limited top-k, scaled weights,
+  shared experts, first layers dense (:func:`read_sigmoid_moe`; ``models/families/deepseek.py``).
 
 Softmax-then-top-k without renormalisation is megatron's ``moe_router_pre_softmax=True``;
 with renormalisation it is top-k-then-softmax (``pre_softmax=False``), the same numbers.
@@ -28,6 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
+# Sigmoid routing with expert bias and groups (DeepSeek-V3): read by :func:`read_sigmoid_moe`.
+SIGMOID_MOE_MODEL_TYPES = ("deepseek_v3",)
 EXPERT_BIAS_UPDATE_RATE = 1e-3
 """megatron's ``moe_router_bias_update_rate`` for sigmoid routers with an expert bias (DeepSeek-V3's
 bias update speed; ``model.override_transformer_config.moe_router_bias_update_rate=0`` freezes it)."""
@@ -81,6 +85,8 @@ class MoEArchitecture:
 def read_moe_architecture(hf_config: Any, num_layers: int) -> MoEArchitecture | None:
     """The MoE facts of ``hf_config`` (None for a dense model type)."""
     model_type = hf_config.model_type
+    if model_type in SIGMOID_MOE_MODEL_TYPES:
+        return read_sigmoid_moe(hf_config, num_layers)
     if model_type not in MOE_MODEL_TYPES:
         return None
     from verl_megatron.errors import ModelConfigError
@@ -122,6 +128,52 @@ def read_moe_architecture(hf_config: Any, num_layers: int) -> MoEArchitecture | 
         shared_expert_size=shared if model_type == "qwen2_moe" else 0,
         shared_expert_gate=model_type == "qwen2_moe" and shared > 0,
         **common,
+    )
+
+
+def read_sigmoid_moe(hf_config: Any, num_layers: int) -> MoEArchitecture | None:
+    """DeepSeek-V3-style routing of ``hf_config`` (see ``models/families/deepseek.py``); None when no
+    layer is a mixture of experts."""
+    from verl_megatron.errors import ModelConfigError
+
+    model_type = hf_config.model_type
+    num_experts = int(getattr(hf_config, "n_routed_experts", None) or 0)
+    first_dense = int(getattr(hf_config, "first_k_dense_replace", 0) or 0)
+    pattern = tuple(0 if i < first_dense else 1 for i in range(num_layers))
+    if not num_experts or not any(pattern):
+        return None
+    topk, groups = int(hf_config.num_experts_per_tok), int(getattr(hf_config, "n_group", 1) or 1)
+    group_topk = int(getattr(hf_config, "topk_group", 1) or 1)
+    if not 0 < topk <= num_experts or num_experts % groups or not 0 < group_topk <= groups:
+        raise ModelConfigError(
+            f"{model_type}: n_routed_experts={num_experts}, num_experts_per_tok={topk}, n_group={groups}, "
+            f"topk_group={group_topk}: need top-k <= experts, experts divisible by n_group, topk_group <= n_group"
+        )
+    if groups > 1 and topk // group_topk != 2:
+        raise ModelConfigError(
+            f"{model_type}: num_experts_per_tok / topk_group = {topk}/{group_topk} must be 2 with n_group > 1 "
+            "(transformers ranks a group by its top-2 scores, megatron by its top topk/topk_group)"
+        )
+    if topk > 1 and not bool(getattr(hf_config, "norm_topk_prob", True)):
+        raise ModelConfigError(
+            f"{model_type}: norm_topk_prob=false is not supported (megatron renormalises sigmoid top-k scores)"
+        )
+    shared = int(getattr(hf_config, "n_shared_experts", 0) or 0) * int(hf_config.moe_intermediate_size)
+    return MoEArchitecture(
+        num_experts=num_experts,
+        topk=topk,
+        ffn_hidden_size=int(hf_config.moe_intermediate_size),
+        norm_topk_prob=True,
+        layer_pattern=pattern,
+        aux_loss_coeff=0.0,
+        aux_loss_enabled=False,
+        shared_expert_size=shared,
+        score_function="sigmoid",
+        expert_bias=True,
+        num_groups=groups if groups > 1 else 0,
+        group_topk=group_topk if groups > 1 else 0,
+        scaling_factor=float(getattr(hf_config, "routed_scaling_factor", 1.0) or 1.0),
+        hf_shared_name="shared_experts",
     )
 
 

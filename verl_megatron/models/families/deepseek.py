@@ -23,7 +23,7 @@ same dot products. ``rope_interleave=false`` is refused. YaRN (``rope_type: yarn
 megatron's ``YarnRotaryEmbedding`` and the softmax scale ``mscale(factor, mscale_all_dim)^2 /
 sqrt(q_head_dim)``, as transformers' ``yarn_apply_mscale``.
 
-Routing (megatron's ``TopKRouter``): sigmoid scores; ``e_score_correction_bias`` is megatron's
+Routing (megatron's ``TopKRouter``; read by ``models.moe.read_sigmoid_moe``): sigmoid scores; ``e_score_correction_bias`` is megatron's
 ``router.expert_bias`` buffer (``moe_router_enable_expert_bias``), added for the choice of
 experts only; group-limited top-k over ``n_group`` groups keeping ``topk_group``; the chosen
 scores are renormalised and multiplied by ``routed_scaling_factor``; ``n_shared_experts`` shared
@@ -53,11 +53,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from verl_megatron.errors import ModelConfigError
-from verl_megatron.models.moe import EXPERT_BIAS_UPDATE_RATE, MoEArchitecture
+from verl_megatron.models.moe import EXPERT_BIAS_UPDATE_RATE
 
 MLA_MODEL_TYPES = ("deepseek_v3",)
-SIGMOID_MOE_MODEL_TYPES = ("deepseek_v3",)
-__all__ = ["EXPERT_BIAS_UPDATE_RATE", "MLAArchitecture", "read_mla_architecture", "read_sigmoid_moe"]
+__all__ = ["EXPERT_BIAS_UPDATE_RATE", "MLAArchitecture", "read_mla_architecture"]
 
 # megatron ``self_attention.<suffix>`` -> HF ``self_attn.<suffix>`` (all copied whole; TE's fused
 # norm-linear names appear too).
@@ -213,44 +212,40 @@ def hf_mla_names(rest: str) -> tuple[str, tuple[str, ...]] | None:
     return "copy", (f"self_attn.{suffix}",)
 
 
-def read_sigmoid_moe(hf_config: Any, num_layers: int) -> MoEArchitecture | None:
-    """DeepSeek-V3-style routing of ``hf_config``; None when no layer is a mixture of experts."""
-    model_type = hf_config.model_type
-    num_experts = int(getattr(hf_config, "n_routed_experts", None) or 0)
-    first_dense = int(getattr(hf_config, "first_k_dense_replace", 0) or 0)
-    pattern = tuple(0 if i < first_dense else 1 for i in range(num_layers))
-    if not num_experts or not any(pattern):
-        return None
-    topk, groups = int(hf_config.num_experts_per_tok), int(getattr(hf_config, "n_group", 1) or 1)
-    group_topk = int(getattr(hf_config, "topk_group", 1) or 1)
-    if not 0 < topk <= num_experts or num_experts % groups or not 0 < group_topk <= groups:
+def check_mla_features(*, lora_rank: int, bitwise_parity: bool, cp: int) -> None:
+    """Refuse the trainer features multi-latent attention does not have yet (ModelConfigError naming the key)."""
+    if lora_rank > 0:
         raise ModelConfigError(
-            f"{model_type}: n_routed_experts={num_experts}, num_experts_per_tok={topk}, n_group={groups}, "
-            f"topk_group={group_topk}: need top-k <= experts, experts divisible by n_group, topk_group <= n_group"
+            "model.lora_rank > 0: LoRA adapters exist for grouped-query attention (q/k/v/o_proj) and dense "
+            "MLPs; multi-latent attention's projections (q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj) "
+            "and routed experts have none yet (deepseek_v3); set model.lora_rank=0"
         )
-    if groups > 1 and topk // group_topk != 2:
+    if bitwise_parity:
         raise ModelConfigError(
-            f"{model_type}: num_experts_per_tok / topk_group = {topk}/{group_topk} must be 2 with n_group > 1 "
-            "(transformers ranks a group by its top-2 scores, megatron by its top topk/topk_group)"
+            "rollout.bitwise_parity=true: the batch-invariant kernels and the parity decoder do not cover "
+            "multi-latent attention (deepseek_v3); set it to false (algorithm.rollout_correction corrects "
+            "the rollout/training mismatch)"
         )
-    if topk > 1 and not bool(getattr(hf_config, "norm_topk_prob", True)):
+    if cp > 1:
         raise ModelConfigError(
-            f"{model_type}: norm_topk_prob=false is not supported (megatron renormalises sigmoid top-k scores)"
+            f"parallel.cp={cp}: context parallelism is not supported with multi-latent attention (deepseek_v3) "
+            "yet; use parallel.cp=1"
         )
-    shared = int(getattr(hf_config, "n_shared_experts", 0) or 0) * int(hf_config.moe_intermediate_size)
-    return MoEArchitecture(
-        num_experts=num_experts,
-        topk=topk,
-        ffn_hidden_size=int(hf_config.moe_intermediate_size),
-        norm_topk_prob=True,
-        layer_pattern=pattern,
-        aux_loss_coeff=0.0,
-        aux_loss_enabled=False,
-        shared_expert_size=shared,
-        score_function="sigmoid",
-        expert_bias=True,
-        num_groups=groups if groups > 1 else 0,
-        group_topk=group_topk if groups > 1 else 0,
-        scaling_factor=float(getattr(hf_config, "routed_scaling_factor", 1.0) or 1.0),
-        hf_shared_name="shared_experts",
-    )
+
+
+def mla_hf_shapes(mla: MLAArchitecture, prefix: str, heads: int, hidden: int) -> dict[str, tuple[int, ...]]:
+    """HF attention tensor shapes of one MLA layer (``prefix``: ``model.layers.<i>.self_attn``)."""
+    kv_width = mla.kv_lora_rank + mla.qk_rope_head_dim
+    shapes = {
+        "kv_a_proj_with_mqa.weight": (kv_width, hidden),
+        "kv_a_layernorm.weight": (mla.kv_lora_rank,),
+        "kv_b_proj.weight": (heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank),
+        "o_proj.weight": (hidden, heads * mla.v_head_dim),
+    }
+    if mla.q_lora_rank:
+        shapes["q_a_proj.weight"] = (mla.q_lora_rank, hidden)
+        shapes["q_a_layernorm.weight"] = (mla.q_lora_rank,)
+        shapes["q_b_proj.weight"] = (heads * mla.q_head_dim, mla.q_lora_rank)
+    else:
+        shapes["q_proj.weight"] = (heads * mla.q_head_dim, hidden)
+    return {f"{prefix}.{name}": shape for name, shape in shapes.items()}
