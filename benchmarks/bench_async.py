@@ -8,11 +8,22 @@ under ``torchrun --nproc_per_node=2``, one after the other in the same run:
   with token-level TIS (``algorithm.rollout_correction.rollout_is=token``): rank 1 generates the
   batch of step s+1 while rank 0 trains step s (dp=1), weights sent after every update.
 
+Same cores in both modes: the machine's thread budget (``--threads``, 2 in a full run) is split
+over the 2 processes, so every process runs ``budget // 2`` torch threads (1 on 2 cores) in both
+modes: sync's two ranks each generate and train on one core, async's trainer trains on one core
+while its rollout rank generates on the other. (Before, each process inherited the whole budget,
+so async ran 4 busy threads on 2 cores while sync alternated.) The actor's micro-batch is left
+to the product's default (a rank's share of a mini-batch: 128 rows at dp=2, 256 at dp=1).
+
 Two parts:
 
-1. throughput, on two workloads: the quickstart as shipped (4-token responses: training
-   dominates a step) and ``long`` (48-token responses, EOS ignored: generation dominates).
-   ``steps`` training steps without validation; steps per minute from the trainer's
+1. throughput, on three workloads: the quickstart as shipped (4-token responses: training
+   dominates a step), ``long`` (48-token responses, EOS ignored: every response the same
+   length, so sync wastes nothing waiting for a straggler) and ``long-tail`` (EOS left to the
+   policy, up to 128 tokens: the random-init policy stops at EOS with a small probability per
+   token, so lengths are roughly geometric, most responses short and the longest of a batch of
+   512 about 6x the mean; the table gives the mean and the longest per step, measured, not
+   assumed). ``steps`` training steps without validation; steps per minute from the trainer's
    step times (the first step, which pays start-up costs, is left out), and what each rank spent
    waiting per step: in sync mode a rank never waits for the other role, it does both in turn
    (generation and training time are given); in async mode the trainer waits for the rollout's
@@ -41,6 +52,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from common import REPO_ROOT, Section, child_env, machine_info, ratio
 
 QUICKSTART = REPO_ROOT / "configs" / "quickstart.yaml"
@@ -57,7 +69,10 @@ VAL_KEY = "val/test_score/synthetic/reverse"
 WORKLOADS = {
     "quickstart": [],
     "long": ["data.max_response_length=48", "rollout.ignore_eos=true"],
+    # EOS where the policy samples it, capped at 128 tokens: lengths as the model makes them.
+    "long-tail": ["data.max_response_length=128"],
 }
+PROCESSES = 2
 
 
 @dataclass(frozen=True)
@@ -82,18 +97,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def threads_per_process(budget: int, processes: int = PROCESSES) -> int:
+    """Torch threads each process of a run gets: the budget split evenly, at least one."""
+    return max(1, budget // processes)
+
+
+def run_env(budget: int) -> dict[str, str]:
+    """The environment of a run's processes: ``threads_per_process(budget)`` threads each."""
+    return {**child_env(), "OMP_NUM_THREADS": str(threads_per_process(budget))}
+
+
 def train(mode: str, overrides: list[str], out_dir: Path, timeout_s: int) -> list[dict[str, Any]]:
     """One 2-process quickstart run in ``mode``; its metrics rows."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={PROCESSES}",
+        f"--master_port={_free_port()}",
         "-m", "verl_megatron.train", "--config", str(QUICKSTART), *MODES[mode],
         f"trainer.default_local_dir={out_dir}", "trainer.export_hf=false", "trainer.logger=[jsonl]",
-        # a micro-batch that divides a rank's share of the mini-batch at dp=2 (sync) and dp=1 (async)
-        "actor.ppo_micro_batch_size_per_gpu=128", *overrides,
+        *overrides,
     ]  # fmt: skip
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout_s, cwd=REPO_ROOT, env=child_env()
-    )
+    env = run_env(torch.get_num_threads())
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=REPO_ROOT, env=env)
     if proc.returncode != 0:
         output = (proc.stdout + proc.stderr).strip()
         errors = [line for line in output.splitlines() if line.startswith("error:")]
@@ -116,13 +140,33 @@ def throughput_row(workload: str, mode: str, rows: list[dict[str, Any]]) -> dict
         "steps/min": 60.0 / step_s if step_s else None,
         "step_s": step_s,
         "trainer: gen_s": _mean(steps, "timing_s/gen"),
+        "trainer: old_log_prob_s": _mean(steps, "timing_s/old_log_prob"),
         "trainer: update_actor_s": _mean(steps, "timing_s/update_actor"),
         "trainer: waits for batch_s": _mean(steps, "timing_s/wait_rollout") if mode == "async" else 0.0,
         "rollout rank: gen_s": _mean(steps, "async/rollout_gen_s"),
         "rollout rank: waits for weights_s": _mean(steps, "async/rollout_wait_weights_s"),
         "staleness (mean)": _mean(steps, "async/staleness_mean") if mode == "async" else 0.0,
+        "response length (mean)": _mean(steps, "response_length/mean"),
+        "response length (max)": _mean(steps, "response_length/max"),
     }
     return row
+
+
+def _ceiling_note(workload: str, by_mode: dict[str, dict[str, Any]]) -> str:
+    """What bounds async on ``workload``: its trainer's own step time (the step less the wait for
+    the batch), against which even a perfectly hidden generation cannot win."""
+    sync, asyn = by_mode["sync"], by_mode["async"]
+    if sync["step_s"] is None or asyn["step_s"] is None:
+        return f"{workload}: no step times"
+    busy = asyn["step_s"] - (asyn["trainer: waits for batch_s"] or 0.0)
+    return (
+        f"{workload}: the async trainer is busy {busy:.3f} s a step (old log-probs "
+        f"{asyn['trainer: old_log_prob_s'] or 0.0:.3f} s + update {asyn['trainer: update_actor_s'] or 0.0:.3f} s "
+        f"of the whole batch on one process), its rollout rank generates for {asyn['rollout rank: gen_s'] or 0.0:.3f} s "
+        f"and waits {asyn['rollout rank: waits for weights_s'] or 0.0:.3f} s for weights; sync's step is "
+        f"{sync['step_s']:.3f} s, of which generation {sync['trainer: gen_s'] or 0.0:.3f} s: async cannot exceed "
+        f"{sync['step_s'] / busy:.2f}x here however its generation overlaps"
+    )
 
 
 def steps_to_target(rows: list[dict[str, Any]], target: float) -> tuple[int | None, float | None]:
@@ -139,7 +183,7 @@ def run(config: AsyncBenchConfig, workdir: Path) -> Section:
         name="async",
         title="Sync (colocated) vs async (separate, one-step off-policy) training, 2 processes",
         columns=columns,
-        config=asdict(config),
+        config={**asdict(config), "threads per process": threads_per_process(torch.get_num_threads())},
     )
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         plain = [
@@ -156,6 +200,7 @@ def run(config: AsyncBenchConfig, workdir: Path) -> Section:
             section.ratios[f"steps/min async / sync ({workload})"] = ratio(
                 by_mode["async"]["steps/min"], by_mode["sync"]["steps/min"]
             )
+            section.notes.append(_ceiling_note(workload, by_mode))
         if config.learning:
             learn = [
                 f"trainer.total_training_steps={config.learning_steps}",
@@ -182,7 +227,8 @@ def run(config: AsyncBenchConfig, workdir: Path) -> Section:
             )
     section.notes.append(
         "sync: both ranks generate then both train (dp=2), nobody waits for another role; async: rank 0 "
-        "trains (dp=1) while rank 1 generates the next batch"
+        "trains (dp=1) while rank 1 generates the next batch; every process runs "
+        f"{threads_per_process(torch.get_num_threads())} torch thread(s) in both modes"
     )
     return section
 

@@ -1,0 +1,51 @@
+"""benchmarks/bench_async.py compares sync and async on the same cores: the thread budget split
+over the run's processes in both modes, and a long-tailed workload whose lengths the policy decides
+(EOS not ignored) next to the uniform one (EOS ignored)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _bench_async():
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    return importlib.import_module("bench_async")
+
+
+def test_every_process_gets_its_share_of_the_cores():
+    bench = _bench_async()
+    assert bench.PROCESSES == 2
+    assert [bench.threads_per_process(b) for b in (1, 2, 3, 4, 16)] == [1, 1, 1, 2, 8]
+    assert bench.run_env(2)["OMP_NUM_THREADS"] == "1"
+    assert bench.run_env(4)["OMP_NUM_THREADS"] == "2"
+    # No mode pins its own thread count or micro-batch: both come from the split and the product.
+    assert not any("threads" in o or "micro_batch" in o for o in sum(bench.MODES.values(), []))
+
+
+def test_workloads_uniform_and_long_tailed():
+    bench = _bench_async()
+    assert set(bench.WORKLOADS) == {"quickstart", "long", "long-tail"}
+    assert "rollout.ignore_eos=true" in bench.WORKLOADS["long"]
+    assert bench.WORKLOADS["long-tail"] == ["data.max_response_length=128"]  # EOS where sampled
+
+
+def test_ceiling_note_is_the_sync_step_over_the_trainers_busy_time():
+    bench = _bench_async()
+    sync = bench.throughput_row("w", "sync", [])
+    sync.update({"step_s": 1.5, "trainer: gen_s": 0.5})
+    asyn = bench.throughput_row("w", "async", [])
+    asyn.update(
+        {
+            "step_s": 1.25,
+            "trainer: waits for batch_s": 0.25,
+            "trainer: old_log_prob_s": 0.25,
+            "trainer: update_actor_s": 0.75,
+        }
+    )
+    note = bench._ceiling_note("w", {"sync": sync, "async": asyn})
+    assert "busy 1.000 s" in note and note.endswith("cannot exceed 1.50x here however its generation overlaps")
