@@ -209,6 +209,20 @@ def test_grpo_lora_recipe_runs_a_step(pool1, tmp_path):
     assert keys and all(k.startswith(("layers.", "optimizer.")) for k in keys), sorted(keys)[:4]
 
 
+def test_quickstart_agent_recipe_runs_a_step(pool1, tmp_path):
+    """configs/quickstart_agent.yaml: every conversation through the endpoint, the tool in the
+    sandbox, the agent reward manager; one GRPO step, validation on the 20 held-out keys."""
+    out = str(tmp_path / "quickstart_agent")
+    small = ["trainer.total_training_steps=1", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4"]
+    small += ["rollout.n=4", "trainer.val_before_train=false"]
+    (result,) = pool1.run(f"{__name__}:recipe_job", recipe="quickstart_agent", out_dir=out, overrides=small)
+    step = {k: v for row in result["rows"] if row["step"] == 1 for k, v in row.items()}
+    assert step["reward/agent/trajectories_count"] == 16 and step["val/reward/agent/trajectories_count"] == 20
+    failures = sum(v for k, v in step.items() if k.startswith("reward/agent/failure_"))
+    assert failures == 0 and step["reward/agent/turns_count"] >= 16, step
+    assert math.isfinite(step["actor/pg_loss"]) and step["response_length/mean"] > 0
+
+
 def test_grpo_moe_recipe_runs_a_step(pool1, assets, tmp_path):
     from verl_megatron.utils.local_assets import build_bpe_tokenizer, build_tiny_hf_model
 

@@ -254,6 +254,10 @@ def _agent_harness(config: PPOConfig) -> Any:
         raise ConfigError(
             "rollout.agent.enable=true needs data.return_raw_chat=true (harnesses get the chat)"
         )
+    layout = config.parallel
+    if layout.tp * layout.pp * layout.cp > 1:
+        # Each rank runs its own endpoint and harnesses: the ranks of one model would diverge.
+        raise ConfigError("rollout.agent.enable=true supports data parallelism only (parallel.tp/pp/cp = 1)")
     from verl_megatron.reward.agents import build_harness
 
     return build_harness(config.rollout.agent)

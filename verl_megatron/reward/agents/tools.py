@@ -186,10 +186,17 @@ class ToolHarness:
 def lookup_score(
     answer: str | None, row: dict[str, Any], calls: list[ToolCallLog]
 ) -> tuple[float, list[float]]:
-    """The lookup task's reward: 0.75 for the right final answer, and 0.25 on the first turn
-    when it called ``lookup`` with the prompt's key (added, not multiplied: a format reward that
-    multiplies the accuracy never lets a random policy start learning)."""
+    """The lookup task's reward: 0.75 x the fraction of the answer's digits in place, and on the
+    first turn 0.1 for calling ``lookup`` + 0.15 x the fraction of the key's digits in place.
+    Partial credit and an added (not multiplied) tool reward let a random policy start learning:
+    an exact-match reward is never earned by chance."""
     key = str((row.get("extra_info") or {}).get("key"))
     truth = str((row.get("reward_model") or {}).get("ground_truth"))
-    used = any(c.turn == 0 and c.name == "lookup" and c.arguments.get("key") == key and c.ok for c in calls)
-    return 0.75 * float(answer is not None and answer.strip() == truth), [0.25 * float(used)]
+    first = [c for c in calls if c.turn == 0 and c.name == "lookup"]
+    used = 0.1 + 0.15 * _in_place(str(first[0].arguments.get("key", "")), key) if first else 0.0
+    return 0.75 * (_in_place(answer.strip(), truth) if answer is not None else 0.0), [used]
+
+
+def _in_place(text: str, target: str) -> float:
+    """Characters equal at the same position, over the longer length (1.0: equal)."""
+    return sum(a == b for a, b in zip(text, target)) / max(len(text), len(target), 1)
