@@ -101,6 +101,7 @@ def run_mode(config_path: str | None, overrides: Sequence[str]) -> str:
 def run(config_path: str | None, overrides: Sequence[str]) -> dict[str, float]:
     """Load, check, build and train; returns the trainer's summary (first/last validation score)."""
     from verl_megatron.reward.loading import check_reward_config
+    from verl_megatron.trainer.distill_stage import check_distill
     from verl_megatron.trainer.preflight import prepare_run
     from verl_megatron.trainer.progress import startup_line
 
@@ -111,6 +112,7 @@ def run(config_path: str | None, overrides: Sequence[str]) -> dict[str, float]:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     config, layout, data_sizes = prepare_run(config_path, overrides, world_size)
     check_reward_config(config)  # imports the scorer file in a child process, before any model
+    check_distill(config)
     if _rank() == 0:
         print(
             startup_line(config, layout, world_size, data_sizes)
@@ -123,6 +125,7 @@ def run(config_path: str | None, overrides: Sequence[str]) -> dict[str, float]:
     from verl_megatron.trainer.async_trainer import run_rollout_ranks, train_async
     from verl_megatron.trainer.components import build_components
     from verl_megatron.trainer.config import check_model_fits
+    from verl_megatron.trainer.distill_stage import build_teacher
     from verl_megatron.trainer.ppo_trainer import PPOTrainer
     from verl_megatron.trainer.quickstart import prepare_quickstart_assets
     from verl_megatron.trainer.run_dir import claim_output_dir
@@ -148,7 +151,8 @@ def run(config_path: str | None, overrides: Sequence[str]) -> dict[str, float]:
             config, components = build_components(config, runtime)
             if placement is not None:
                 return train_async(config, runtime, components, placement)
-            return PPOTrainer(config, runtime, components, stages=watchdog).fit()
+            teacher = build_teacher(config, runtime)  # algorithm.distill's teacher, or None
+            return PPOTrainer(config, runtime, components, stages=watchdog, teacher=teacher).fit()
     finally:
         # A caller that started torch.distributed itself (a test's worker pool) keeps it.
         if runtime._owns_process_group:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from verl_megatron.algos.aggregation import agg_loss
+from verl_megatron.utils.torch_functional import masked_whiten
 
 __all__ = ["reverse_kl_advantages", "reverse_kl_metrics", "sft_loss"]
 
@@ -44,6 +45,7 @@ def reverse_kl_advantages(
     response_mask: torch.Tensor,
     rule_advantages: torch.Tensor | None = None,
     coef: float = 0.0,
+    whiten: bool = False,
 ) -> torch.Tensor:
     """Per-token advantages [B, T] of on-policy distillation, 0 on masked cells.
 
@@ -52,17 +54,26 @@ def reverse_kl_advantages(
     and no baseline: the expectation of A over the student's own samples is ``-KL(student ||
     teacher)`` per position. ``rule_advantages`` (e.g. GRPO's, from a rule reward) are mixed in
     with weight ``coef``; ``coef=0`` is pure distillation.
+
+    ``whiten``: the reverse-KL term minus its mean over the batch's response tokens, divided by
+    their standard deviation, before the rule term is added. Subtracting a constant keeps the
+    policy gradient's expectation (the expected score of a sampled token is 0) and lowers its
+    variance where a confident teacher gives every wrong token a large negative value; dividing
+    rescales it.
     """
     if student_log_probs.shape != teacher_log_probs.shape or student_log_probs.shape != response_mask.shape:
         raise ValueError(
             f"reverse_kl_advantages: student {tuple(student_log_probs.shape)}, teacher "
             f"{tuple(teacher_log_probs.shape)} and mask {tuple(response_mask.shape)} must have one shape"
         )
-    advantages = teacher_log_probs.float() - student_log_probs.float()
+    mask = response_mask.bool()
+    advantages = torch.where(mask, teacher_log_probs.float() - student_log_probs.float(), 0.0)
+    if whiten and int(mask.sum()) > 1:
+        advantages = masked_whiten(advantages, mask.float())
     if rule_advantages is not None and coef != 0.0:
         advantages = advantages + coef * rule_advantages.float()
     # where, not a product: a non-finite value in the padding must not leak as NaN.
-    return torch.where(response_mask.bool(), advantages, torch.zeros_like(advantages))
+    return torch.where(mask, advantages, torch.zeros_like(advantages))
 
 
 def reverse_kl_metrics(

@@ -27,6 +27,7 @@ from verl_megatron.trainer.async_config import AsyncTrainingConfig
 from verl_megatron.trainer.guard import DivergenceGuardConfig
 from verl_megatron.trainer.ppo.rollout_correction_config import RolloutCorrectionConfig
 from verl_megatron.workers.config import ActorConfig, CriticConfig, RefConfig
+from verl_megatron.workers.teacher_config import DistillConfig
 
 
 @dataclass
@@ -95,6 +96,8 @@ class AlgorithmConfig:
     """gdpo: weight of each of those keys (null: 1 each)."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """verl's rollout correction (IS weights / rejection of off-policy rollout tokens)."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """On-policy distillation from a frozen teacher (workers/teacher_config.py)."""
 
 
 # verl's name for the algorithm section's class.

@@ -39,6 +39,7 @@ from verl_megatron.rollout.layout import gather_replicas, shard_for
 from verl_megatron.trainer import metrics as M
 from verl_megatron.trainer.components import Components, RewardFn, total_training_steps
 from verl_megatron.trainer.config import PPOConfig, to_dict
+from verl_megatron.trainer.distill_stage import DistillTeacher, distill_advantages, teacher_log_probs
 from verl_megatron.trainer.guard import DivergenceGuard
 from verl_megatron.trainer.parity_probe import parity_probe
 from verl_megatron.trainer.ppo.rollout_correction import apply_rollout_correction
@@ -89,6 +90,7 @@ class PPOTrainer:
         components: tokenizer, workers, rollout, reward functions and data loaders
             (``verl_megatron.trainer.components.build_components``).
         rollout_source: where the batches come from; None: ``LocalRollout`` (generated here).
+        teacher: on-policy distillation's frozen teacher (``trainer/distill_stage.py``), or None.
         stages: told each stage as it starts (the stall watchdog, ``trainer/stall.py``), or None.
     """
 
@@ -98,6 +100,7 @@ class PPOTrainer:
         runtime: Runtime,
         components: Components,
         rollout_source: RolloutSource | None = None,
+        teacher: DistillTeacher | None = None,
         stages: StageMarks | None = None,
     ) -> None:
         self.config = config
@@ -130,6 +133,7 @@ class PPOTrainer:
         self.guard = DivergenceGuard(config.trainer.divergence_guard, config.actor.optim.lr)
         self.routes = components.routes  # MoE routing replay (workers/routes.py), or None
         self.rollout_source: RolloutSource = LocalRollout(self) if rollout_source is None else rollout_source
+        self.teacher = teacher
         self.stages = stages
 
     # ------------------------------------------------------------------ the loop
@@ -146,6 +150,8 @@ class PPOTrainer:
     def _close_rewards(self) -> None:
         if self.model_rewards is not None:
             self.model_rewards.close()
+        if self.teacher is not None:
+            self.teacher.close()
         # Scorer worker processes end with the run, not at garbage collection.
         for reward_fn in {id(f): f for f in (self.reward_fn, self.val_reward_fn) if f is not None}.values():
             close = getattr(reward_fn, "close", None)
@@ -201,6 +207,8 @@ class PPOTrainer:
                 metrics.update(parity_probe(self.actor, batch, step, self.config.rollout, timing))
             metrics.update(apply_rollout_correction(batch, self.config.algorithm.rollout_correction))
             self._reference_and_values(batch, timing)
+            if self.teacher is not None:  # log p_teacher of the sampled tokens
+                metrics.update(teacher_log_probs(self.teacher, batch, timing))
             with self._stage("adv", timing):
                 metrics.update(self._compute_advantages(batch))
             metrics.update(self._update(batch, step, timing))
@@ -449,6 +457,8 @@ class PPOTrainer:
             **{k: v for k, v in available.items() if k in wanted and v is not None}
         )
         tensors["advantages"], tensors["returns"] = advantages, returns
+        if self.teacher is not None:  # reverse-KL advantages (+ coef x the estimator's)
+            metrics.update(distill_advantages(batch, algo.distill))
         return metrics
 
     def _report_skips(self, role: str, worker_metrics: dict[str, Any], step: int) -> dict[str, float]:

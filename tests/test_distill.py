@@ -1,0 +1,114 @@
+"""On-policy distillation end to end: the teacher's log-probs under its own tp/pp equal one
+process's, a different vocabulary stops at start-up with a named error, and
+configs/distill_quickstart.yaml trains a step whose policy loss is the reverse KL it logs."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from tests.test_actor_update import TEMPERATURE, make_batch
+from tests.test_recipes import ROOT, recipe_job  # noqa: F401  (the pool runs it by this module's name)
+
+
+def teacher_job(path: str, layouts: list[tuple[int, int]]) -> dict:
+    """Teacher log-probs of make_batch() for each teacher (tp, pp), the student's runtime at tp=pp=1."""
+    from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
+    from verl_megatron.models.config import ModelConfig
+    from verl_megatron.protocol import DataProto
+    from verl_megatron.workers.teacher import MegatronTeacher
+    from verl_megatron.workers.teacher_config import TeacherConfig
+
+    runtime = init_runtime(ParallelLayout(), seed=5)
+    out = {}
+    for tp, pp in layouts:
+        config = TeacherConfig(
+            model=ModelConfig(path=path, dtype="float32", use_te=False),
+            parallel=ParallelLayout(tp=tp, pp=pp),
+            micro_batch_size_per_gpu=3,
+            offload=True,  # a no-op on CPU, but the load/park calls run
+        )
+        teacher = MegatronTeacher(runtime, config)
+        data = DataProto.from_dict(make_batch(), meta_info={"temperature": TEMPERATURE})
+        out[f"{tp}x{pp}"] = teacher.compute_log_prob(data)
+        frozen = all(not p.requires_grad for c in teacher.chunks for p in c.parameters())
+        teacher.close()
+        assert frozen
+    return out
+
+
+def test_teacher_log_probs_under_its_own_layout(pool1, pool2, model_path):
+    (single,) = pool1.run(f"{__name__}:teacher_job", path=model_path, layouts=[(1, 1)])
+    both = pool2.run(f"{__name__}:teacher_job", path=model_path, layouts=[(2, 1), (1, 2)])
+    valid = make_batch()["attention_mask"][:, -5:].bool()
+    reference = single["1x1"]
+    assert torch.all(reference[~valid] == 0) and torch.all(reference[valid] < 0)
+    for rank in both:
+        for name, log_probs in rank.items():
+            diff = float((log_probs - reference).abs().max())
+            assert diff <= 2e-5, f"teacher {name}: log-probs differ from one process by {diff:.3g}"
+
+
+def test_a_teacher_with_another_vocabulary_stops_at_start_up(tmp_path, no_runtime):
+    from verl_megatron.train import run
+    from verl_megatron.utils.local_assets import (
+        build_bpe_tokenizer,
+        build_char_tokenizer,
+        build_tiny_hf_model,
+    )
+    from verl_megatron.workers.teacher_config import TeacherConfigError
+
+    small = {"hidden_size": 32, "num_layers": 1, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 64}
+    student, teacher = tmp_path / "student", tmp_path / "teacher"
+    build_tiny_hf_model(
+        student, "llama", tokenizer=build_char_tokenizer(student, alphabet="0123456789"), **small
+    )
+    build_tiny_hf_model(teacher, "llama", tokenizer=build_bpe_tokenizer(teacher), **small)
+    overrides = [f"model.path={student}", f"algorithm.distill.teacher.model.path={teacher}",
+                 f"trainer.default_local_dir={tmp_path / 'out'}"]  # fmt: skip
+    with pytest.raises(
+        TeacherConfigError, match=r"algorithm.distill.teacher.model.path=.*differs from the student's"
+    ):
+        run(os.path.join(ROOT, "configs", "distill_quickstart.yaml"), overrides)
+    with pytest.raises(TeacherConfigError, match=r"is not a Hugging Face checkpoint folder"):
+        run(
+            os.path.join(ROOT, "configs", "distill_quickstart.yaml"),
+            [*overrides, "algorithm.distill.teacher.model.path=/nope"],
+        )
+
+
+def test_distill_recipe_runs_a_step(pool1, tmp_path):
+    """The recipe with a small teacher that shares the quickstart's tokenizer: on the first, exactly
+    on-policy mini-batch the clipped policy loss is -mean(advantage), which without whitening is
+    the logged reverse KL."""
+    from verl_megatron.trainer.quickstart import DIGITS
+    from verl_megatron.utils.local_assets import build_char_tokenizer, build_tiny_hf_model
+
+    teacher = tmp_path / "teacher"
+    build_tiny_hf_model(teacher, "llama", hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
+                        intermediate_size=64, tokenizer=build_char_tokenizer(teacher, alphabet=DIGITS), seed=4)  # fmt: skip
+    out = str(tmp_path / "distill")
+    overrides = [f"algorithm.distill.teacher.model.path={teacher}", "quickstart.num_digits=2",
+                 "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "trainer.total_training_steps=1",
+                 "trainer.val_before_train=false", "algorithm.distill.whiten=false"]  # fmt: skip
+    (result,) = pool1.run(
+        f"{__name__}:recipe_job", recipe="distill_quickstart", out_dir=out, overrides=overrides
+    )
+    step = {k: v for row in result["rows"] if row["step"] == 1 for k, v in row.items()}
+    assert (
+        result["config"]["algorithm"]["distill"]["enable"]
+        and result["config"]["algorithm"]["distill"]["coef"] == 0.0
+    )
+    for key in (
+        "distill/reverse_kl",
+        "distill/teacher_log_prob",
+        "timing_s/teacher",
+        "distill/teacher_param_gb",
+    ):
+        assert math.isfinite(step[key]), key
+    assert step["timing_s/teacher"] > 0 and step["distill/teacher_log_prob"] < 0
+    assert step["actor/pg_loss"] == pytest.approx(step["distill/reverse_kl"], rel=1e-5, abs=1e-6)
+    assert "val/test_score/synthetic/reverse" in step and "hf_export" in result["files"]

@@ -1,0 +1,108 @@
+"""The frozen teacher of on-policy distillation: log-probs of the student's sampled tokens.
+
+Any Hugging Face causal LM with the student's tokenizer (``algorithm.distill.teacher.model.path``),
+built on megatron with its own tp/pp (``algorithm.distill.teacher.parallel``) through a
+:class:`~verl_megatron.distributed.parallel_state_slot.ParallelStateSlot` when that layout differs
+from the student's (as the reward model does), kept frozen, and with ``offload`` parked in host
+memory between its forward passes. Its log-probs come from the reference policy's forward
+(``MegatronRef``): the same packing, micro-batching and temperature as the student's.
+
+``check_teacher`` runs at start-up, before any model is built: the checkpoint exists and its
+tokenizer is the student's (the same token for every id). Distillation across tokenizers needs
+the two sequences aligned token by token, which is future work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from verl_megatron.distributed.parallel import Runtime
+from verl_megatron.protocol import DataProto
+from verl_megatron.workers.actor import MegatronRef
+from verl_megatron.workers.config import RefConfig
+from verl_megatron.workers.teacher_config import TeacherConfig, TeacherConfigError
+
+__all__ = ["MegatronTeacher", "check_teacher"]
+
+
+def check_teacher(config: TeacherConfig, student_tokenizer_path: str) -> None:
+    """TeacherConfigError unless the teacher checkpoint exists and shares the student's vocabulary."""
+    from verl_megatron.utils.tokenizer import hf_tokenizer
+
+    path = config.model.path
+    key = "algorithm.distill.teacher.model.path"
+    if not path:
+        raise TeacherConfigError(
+            f"{key} is not set (algorithm.distill.enable=true needs a teacher checkpoint)"
+        )
+    if not os.path.isfile(os.path.join(os.path.expanduser(path), "config.json")):
+        raise TeacherConfigError(f"{key}='{path}' is not a Hugging Face checkpoint folder (no config.json)")
+    teacher = hf_tokenizer(config.model.tokenizer_path or path).get_vocab()
+    student = hf_tokenizer(student_tokenizer_path).get_vocab()
+    if teacher != student:
+        differ = sorted(set(teacher.items()) ^ set(student.items()))[:3]
+        raise TeacherConfigError(
+            f"{key}='{path}': the teacher's tokenizer ({len(teacher)} tokens) differs from the student's "
+            f"({len(student)} tokens), e.g. {differ}; on-policy distillation needs one vocabulary "
+            "(cross-tokenizer distillation is not supported yet)"
+        )
+
+
+class MegatronTeacher:
+    """Frozen teacher log-probs [B, Tr] of a batch's responses; built and called on every rank."""
+
+    def __init__(self, runtime: Runtime, config: TeacherConfig) -> None:
+        from verl_megatron.distributed.parallel_state_slot import ParallelStateSlot
+        from verl_megatron.models.builder import build_gpt_chunks
+        from verl_megatron.models.config import load_hf_config
+        from verl_megatron.models.convert import load_hf_weights
+
+        self.config = config
+        layout = config.parallel.resolve(runtime.world_size)
+        self.slot = None if layout == runtime.layout else ParallelStateSlot(layout, runtime)
+        self._runtime = runtime
+        forward = RefConfig(
+            log_prob_micro_batch_size_per_gpu=config.micro_batch_size_per_gpu,
+            log_prob_use_dynamic_bsz=config.use_dynamic_bsz,
+            log_prob_max_token_len_per_gpu=config.max_token_len_per_gpu,
+            use_remove_padding=config.use_remove_padding,
+        )
+        with self.scope() as rt:
+            config.model.validate(rt.layout)
+            chunks = build_gpt_chunks(load_hf_config(config.model.path), rt, config.model)
+            load_hf_weights(chunks, config.model.path, rt, config.model)
+            self.forward = MegatronRef(rt, forward, chunks)  # frozen: no gradients, no optimizer
+        self.chunks = chunks
+        self.param_bytes = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
+        self._park()
+
+    def scope(self) -> contextlib.AbstractContextManager[Runtime]:
+        """The teacher's parallel state (its own slot, or the student's when the layouts agree)."""
+        return self.slot.active() if self.slot is not None else contextlib.nullcontext(self._runtime)
+
+    def _park(self) -> None:
+        if self.config.offload:
+            from verl_megatron.models.offload import offload_model
+
+            offload_model(self.chunks, grads=False)
+
+    def compute_log_prob(self, data: DataProto) -> torch.Tensor:
+        """log p_teacher [B, Tr] of ``data``'s response tokens at ``meta_info['temperature']``."""
+        with self.scope():
+            if self.config.offload:
+                from verl_megatron.models.offload import load_model
+
+                load_model(self.chunks)
+            try:
+                log_probs, _ = self.forward.compute_log_prob(data)
+            finally:
+                self._park()
+        return log_probs
+
+    def close(self) -> None:
+        """Destroy the teacher's own process groups."""
+        if self.slot is not None:
+            self.slot.close()
