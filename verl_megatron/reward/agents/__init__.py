@@ -2,10 +2,10 @@
 sandbox, so they live at the reward layer; the rollout layer only knows the ``Harness``
 protocol of ``verl_megatron.rollout.agent``).
 
-``rollout.agent.harness``: ``tools`` (the built-in tool loop, ``tools.py``) or
-``pkg.module:name`` / ``/path/file.py:name`` of a factory called with ``rollout.agent.kwargs``
-that returns a harness (``run(task, client) -> AgentOutcome``). ``verifiers`` and ``openenv``
-adapters are not built in yet (a named error says so).
+``rollout.agent.harness``: ``tools`` (the built-in tool loop, ``tools.py``), ``verifiers`` (a
+verifiers 0.4 taskset, ``verifiers_env.py``), or ``pkg.module:name`` / ``/path/file.py:name`` of
+a factory called with ``rollout.agent.kwargs`` that returns a harness (``run(task, client) ->
+AgentOutcome``). ``openenv`` stops with a named error: no OpenEnv package installs here.
 """
 
 from __future__ import annotations
@@ -26,10 +26,15 @@ def build_harness(agent: AgentConfig) -> Any:
         from verl_megatron.reward.agents.tools import ToolHarness
 
         return ToolHarness(agent, **kwargs)
-    if agent.harness in ("verifiers", "openenv"):
+    if agent.harness == "verifiers":
+        from verl_megatron.reward.agents.verifiers_env import VerifiersHarness
+
+        return VerifiersHarness(agent, **kwargs)
+    if agent.harness == "openenv":
         raise ConfigError(
-            f"rollout.agent.harness={agent.harness}: no built-in adapter yet; write a harness factory "
-            "('pkg.module:name') whose harness points the environment's OpenAI client at task.base_url"
+            "rollout.agent.harness=openenv: no OpenEnv package installs here (openenv, openenv-core are "
+            "not on the package index); write a harness factory ('pkg.module:name') whose environment "
+            "client calls the policy at task.base_url"
         )
     factory = load_object(agent.harness, "rollout.agent.harness")
     try:
