@@ -107,3 +107,24 @@ def test_files_are_checked_without_a_tokenizer(tmp_path):
     path.write_text(json.dumps({"prompt": "1", "response": "2"}) + "\n" + json.dumps({"prompt": "1"}) + "\n")
     with pytest.raises(DataFormatError, match=r"rows.jsonl: row 1: needs field 'messages'"):
         check_sft_files([str(path)], SFTConfig())
+
+
+def test_sft_command_names_a_bad_row_before_any_model(tmp_path, no_runtime, capsys):
+    """``verl-megatron sft`` (configs/sft_quickstart.yaml by default, trainer.mode=sft) checks every
+    row at start-up: one ``error:`` line naming the file and row, exit status 2, no process group."""
+    from verl_megatron import cli
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"prompt": "1", "response": "2"}) + "\n" + json.dumps({"messages": []}) + "\n")
+    overrides = [f"data.train_files=[{path}]", "data.train_batch_size=1", "actor.ppo_mini_batch_size=1",
+                 f"trainer.default_local_dir={tmp_path / 'out'}"]  # fmt: skip
+    assert cli.main(["sft", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert "error: " in err and "rows.jsonl: row 1: field 'messages' must be a non-empty list" in err, err
+    from verl_megatron.train import run_mode
+
+    assert run_mode(None, ["trainer.mode=sft"]) == "sft" and run_mode(None, []) == "rl"
+    from verl_megatron.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="trainer.mode='dpo'"):
+        run_mode(None, ["trainer.mode=dpo"])
