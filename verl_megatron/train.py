@@ -119,6 +119,11 @@ def run(config_path: str | None, overrides: Sequence[str]) -> dict[str, float]:
             + _derived_note(config_path, overrides, layout.dp),
             flush=True,
         )
+    from verl_megatron.trainer.trainer_checkpoint import restarted
+
+    config, restart_line = restarted(config, _rank())  # torchrun --max-restarts: from the newest checkpoint
+    if restart_line and _rank() == 0:
+        print(restart_line, flush=True)
 
     from verl_megatron.distributed.parallel import init_runtime, shutdown
     from verl_megatron.rollout.placement import init_placement

@@ -235,6 +235,29 @@ def seed_everything(seed: int) -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
 
+def attempt_prefix() -> str:
+    """Store key prefix of this torchrun attempt (``--max-restarts``: one per restart).
+
+    torchrun's agent hosts the store its workers meet in and keeps it across restarts, while
+    torch's ``env://`` set-up writes its keys without a per-attempt prefix: a restarted group read
+    the dead group's addresses and failed (gloo ``connectFullMesh ... Connection refused``) or
+    waited for ever. Every worker of one attempt shares its restart count, so the count as a key
+    prefix gives each attempt a clean namespace.
+    """
+    return f"verl_megatron/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+
+def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """This attempt's view of torchrun's agent store (None: not under the agent store)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+        is_master=False, timeout=timeout,
+    )  # fmt: skip
+    return dist.PrefixStore(attempt_prefix(), store)
+
+
 def init_process_group(timeout_minutes: float = 30) -> tuple[int, int, int, str]:
     """Start torch.distributed from torchrun's variables (or as a lone process).
 
@@ -254,7 +277,15 @@ def init_process_group(timeout_minutes: float = 30) -> tuple[int, int, int, str]
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        store = _attempt_store(timeout)
+        if store is None:
+            dist.init_process_group(backend=backend, timeout=timeout)
+        else:
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            dist.init_process_group(
+                backend=backend, timeout=timeout, store=store, rank=rank, world_size=world
+            )
     backend = dist.get_backend()
     return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), backend
 

@@ -200,7 +200,8 @@ class RolloutWorker:
         sends: list[tuple[int, list[Message]]] = []  # (step, its batch's messages)
         for step in range(start["step"] + 1, start["total_steps"] + 1):
             began = time.perf_counter()
-            while self.version < max(start["step"], step - 1 - staleness):
+            # A resumed run starts from the oldest version its next batches were generated with.
+            while self.version < max(start.get("version", start["step"]), step - 1 - staleness):
                 self._receive()
             waited = time.perf_counter() - began
             # Weights of step s-1-k came after the trainer took batch s-1-k: those buffers can go.

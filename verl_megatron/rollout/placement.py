@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from verl_megatron.distributed.parallel import attempt_prefix
 from verl_megatron.errors import PlacementError
 from verl_megatron.rollout.config import RolloutConfig
 
@@ -94,7 +95,8 @@ def init_placement(rollout: RolloutConfig, timeout_minutes: float = 30) -> Place
         )
     timeout = datetime.timedelta(minutes=timeout_minutes)
     store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-    session = dist.PrefixStore(f"verl_megatron/placement{_sessions}", store)
+    # Per torchrun attempt: the agent's store outlives a restarted group (parallel.attempt_prefix).
+    session = dist.PrefixStore(f"{attempt_prefix()}placement{_sessions}", store)
     _sessions += 1
     trainers = world - rollout.world_size
     role = TRAINER if rank < trainers else ROLLOUT

@@ -44,6 +44,7 @@ from verl_megatron.trainer.config import PPOConfig
 from verl_megatron.trainer.ppo_trainer import PPOTrainer
 from verl_megatron.trainer.rollout_source import ScoreFn
 from verl_megatron.trainer.scoring import BatchScorer
+from verl_megatron.trainer.trainer_checkpoint import RecentWeights, resumed_step_dir, save_due
 
 if TYPE_CHECKING:
     from verl_megatron.rollout.async_worker import RolloutModel
@@ -87,6 +88,10 @@ class AsyncRolloutLink:
         self.n, self.total_steps = config.rollout.n, total_steps
         self.max_staleness = config.async_training.max_staleness
         self.samples_path = os.path.join(config.trainer.default_local_dir, SAMPLES_FILE)
+        self.config = config
+        # Exact resume: the versions the rollout still generates with after a checkpoint.
+        keep = self.max_staleness if config.trainer.save_freq > 0 and runtime.is_main else 0
+        self.recent = RecentWeights(keep)
         self.sender = WeightSender(
             placement.transfer,
             placement.rollout_ranks,
@@ -97,10 +102,14 @@ class AsyncRolloutLink:
     # ------------------------------------------------------------------ start, weights, end
 
     def start(self, step: int) -> None:
-        """Tell the rollout ranks where to start (step, loader position), then send the weights."""
+        """Tell the rollout ranks where to start (step, loader position, first weight version), then
+        send the weights: after a resume from step c, first the versions c-k..c-1 kept in the
+        checkpoint, which the batches of steps c+1..c+k were generated with in the saved run."""
         if self.runtime.is_main:
+            earlier = self.recent.restore(resumed_step_dir(self.config, step)) if step > 0 else {}
             start_message = {
                 "step": step,
+                "version": min(earlier, default=step),
                 "total_steps": self.total_steps,
                 "loader": self.loader.state_dict(),
             }
@@ -108,12 +117,17 @@ class AsyncRolloutLink:
                 for work, _ in isend_object(self.placement.transfer, start_message, rank):
                     work.wait()
             self._truncate_samples(step)
+            for version, weights in earlier.items():
+                self.sender.send(((n, t.to(self.runtime.device)) for n, t in weights.items()), version)
+                self.placement.store.set(weights_key(version), "1")
         self._send_weights(step)
 
     def after_update(self, step: int, timing: dict[str, float]) -> None:
         if step < self.total_steps:
             with M.timed("send_weights", timing):
                 self._send_weights(step)
+            if self.runtime.is_main and save_due(self.config, step, self.total_steps):
+                self.recent.save(self.config.trainer.default_local_dir, step)  # published with the step
 
     def finish(self) -> None:
         self.sender.wait()  # on an error the transfer group is shut down instead (train_async)
@@ -124,7 +138,7 @@ class AsyncRolloutLink:
         self.actor.runner.gather_params()  # collective over dp: the update reaches every shard
         weights = iter_hf_weights(self.actor.chunks, self.runtime)  # collective over tp/pp
         if self.runtime.is_main:
-            self.sender.send(weights, version)
+            self.sender.send(self.recent.record(weights, version), version)
             self.placement.store.set(weights_key(version), "1")
         else:
             for _ in weights:

@@ -1,0 +1,60 @@
+"""torchrun --max-restarts restarts a killed 2-process job by itself, and the run ends as if
+never interrupted (issue 30).
+
+Rank 1 is SIGKILLed while step 3 runs (checkpoint 2 published); torchrun stops rank 0 and
+starts both again. The new group forms (it used to read the dead group's addresses from
+torchrun's store and never formed), resumes from checkpoint 2 with no user action (the run was
+started with ``trainer.resume_mode=disable``), and its metrics.jsonl equals an uninterrupted
+run's, timings aside. The uninterrupted run is a two-"node" job (two torchrun agents, c10d
+rendezvous, one process each): the same numbers also show that two nodes train like one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+from tests import restart_job as job
+
+
+def test_torchrun_restarts_a_killed_rank_and_the_run_resumes_exactly(tmp_path):
+    from verl_megatron.trainer.tracking import read_jsonl_metrics
+
+    scorer = tmp_path / "slow_scorer.py"
+    scorer.write_text(job.SLOW_SCORER)
+    steps, port = 4, job.free_port()
+    nodes = [
+        job.two_nodes(port, job.job_overrides(tmp_path / "two_nodes", scorer, 0.0, steps), n) for n in (0, 1)
+    ]
+    outputs = job.finish(nodes, timeout=600)
+    assert [proc.returncode for proc in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    reference = read_jsonl_metrics(tmp_path / "two_nodes" / "metrics.jsonl")
+    assert [r["step"] for r in reference] == list(range(steps + 1))
+
+    out = tmp_path / "restarted"
+    launcher_args = ["--nproc_per_node=2", "--max-restarts=1", f"--master-port={job.free_port()}"]
+    overrides = [*job.job_overrides(out, scorer, 0.05, steps), "trainer.resume_mode=disable"]
+    proc = subprocess.Popen(
+        job.torchrun(launcher_args, overrides), cwd=job.ROOT, env=job.env(), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        rank1 = job.worker(proc, rank=1)
+        job.wait_for_checkpoint(out, 2, [proc])
+        os.kill(rank1, signal.SIGKILL)  # step 3 is running: its reward calls take 0.05 s each
+        killed = time.monotonic()
+        output, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    took = time.monotonic() - killed
+    assert proc.returncode == 0, output[-4000:]
+    # One restart, and it resumed from the checkpoint published before the kill.
+    assert output.count("verl-megatron train: model") == 2, output[-4000:]
+    assert "torchrun restart 1 of 1: resuming from the newest intact checkpoint" in output, output[-4000:]
+    assert "resumed from step 2" in output, output[-4000:]
+    job.assert_same_metrics(read_jsonl_metrics(out / "metrics.jsonl"), reference)
+    print(f"rank 1 killed -> restarted run finished after {took:.1f} s")
