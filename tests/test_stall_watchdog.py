@@ -9,6 +9,8 @@ watchdog record in torchrun's store shows the stage of the case, then breaks the
   published stage is the actor update, the generation, the checkpoint save. The test stops rank 1
   first and kills it only if its record still names the stage (a stage mark is published at once),
   so the kill lands inside the stage;
+- ``async_stop``: ``rollout.placement=separate``, the rollout rank (1) stopped with SIGSTOP after
+  two trained steps;
 - ``reward``: a user reward function (``isolation=none``: in-process) that never returns; rewards
   are scored on rank 0 only, so rank 0 blocks in it and rank 1 waits in the broadcast;
 - ``slow`` (healthy): a scorer that computes for 8 s once, at ``stall_timeout_s=5``: the run
@@ -34,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 
+import pytest
 import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,7 +44,7 @@ STALL_TIMEOUT_S = 10
 # Slack over the stall timeout for the look interval, writing the stacks and torchrun's own exit on a
 # loaded machine: a bound far below the 30-minute process-group timeout a stalled job used to wait.
 EXIT_SLACK_S = 30
-START_LIMIT_S = 240  # start-up of 6 jobs side by side on 2 shared cores
+START_LIMIT_S = 240  # start-up of 7 jobs side by side on 2 shared cores
 # The healthy case: a scorer computing for 8 s at a 5 s stall timeout is slow, not stalled.
 SLOW_TIMEOUT_S, SLOW_BUSY_S = 5, 8
 KEY = "verl_megatron/watchdog/0/1/rank{}"  # first attempt, first watchdog session
@@ -131,6 +134,13 @@ def _overrides(name: str, tmp: str, run_dir: str) -> list[str]:
     ]
     if name == "kill_save":
         overrides.append("trainer.save_freq=1")
+    if name == "async_stop":  # rank 0 trains, rank 1 generates (the README's async command)
+        overrides += [
+            "rollout.placement=separate",
+            "rollout.world_size=1",
+            "async_training.max_staleness=1",
+            "algorithm.rollout_correction.rollout_is=token",
+        ]
     if name in ("reward", "slow"):
         scorer = os.path.join(tmp, f"{name}_scorer.py")
         with open(scorer, "w") as f:
@@ -150,8 +160,24 @@ def _connect(proc: subprocess.Popen, port: int, deadline: float) -> dist.Store:
             time.sleep(0.5)
 
 
-def _break(name: str, store: dist.Store, proc: subprocess.Popen, deadline: float) -> tuple[dict, dict]:
+def _steps_logged(run_dir: str) -> int:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        return sum(1 for _ in f)
+
+
+def _break(
+    name: str, store: dist.Store, proc: subprocess.Popen, deadline: float, run_dir: str
+) -> tuple[dict, dict]:
     """Break the job as case ``name`` says; (rank 1's record, rank 0's) at that moment."""
+    if name == "async_stop":  # the rollout rank marks no stages: stopped after 2 trained steps
+        while _steps_logged(run_dir) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "no step 2"
+            time.sleep(0.1)
+        os.kill(_record(store, 1)["pid"], signal.SIGSTOP)
+        return _record(store, 1), _record(store, 0)
     if name == "reward":
         while (_record(store, 0) or {}).get("stage") != "reward":
             assert proc.poll() is None and time.monotonic() < deadline, "no reward stage"
@@ -184,7 +210,7 @@ def _run_case(name: str, tmp: str) -> Outcome:
             records = (_record(store, 1), _record(store, 0))
             proc.wait(timeout=START_LIMIT_S)
         else:
-            records = _break(name, store, proc, deadline)
+            records = _break(name, store, proc, deadline, run_dir)
         broken = time.monotonic()
         proc.wait(timeout=STALL_TIMEOUT_S + EXIT_SLACK_S + 60)
         exit_s = time.monotonic() - broken
@@ -200,7 +226,7 @@ def _run_case(name: str, tmp: str) -> Outcome:
 
 
 def test_a_stalled_job_ends_on_every_rank_with_one_line_and_the_stacks(tmp_path):
-    names = ["stop", "kill_update", "kill_gen", "kill_save", "reward", "slow"]
+    names = ["stop", "kill_update", "kill_gen", "kill_save", "reward", "async_stop", "slow"]
     with ThreadPoolExecutor(len(names)) as pool:
         outcomes = list(pool.map(lambda n: _run_case(n, str(tmp_path)), names))
     slow = outcomes.pop()
@@ -229,6 +255,8 @@ def test_a_stalled_job_ends_on_every_rank_with_one_line_and_the_stacks(tmp_path)
         elif o.name == "stop":
             assert "rank 1 (pid" in line and "sent no heartbeat for" in line, line
             assert "in stage gen at step" in line, line
+        elif o.name == "async_stop":
+            assert "rank 1 (pid" in line and "sent no heartbeat for" in line, line
         else:
             assert "rank 1 (pid" in line and "ended without finishing its run" in line, line
             assert f"in stage {o.stage} at step" in line, line
@@ -242,3 +270,19 @@ def test_a_stalled_job_ends_on_every_rank_with_one_line_and_the_stacks(tmp_path)
         if o.name == "reward":
             with open(os.path.join(o.run_dir, "stall", "rank0.txt")) as f:
                 assert "reward_scorer.py" in f.read()
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("trainer.stall_timeout_s=2", "trainer.stall_timeout_s must be >= 5 (or 0: off), got 2.0"),
+        ("trainer.process_group_timeout_s=0", "trainer.process_group_timeout_s must be > 0, got 0.0"),
+    ],
+)
+def test_timeouts_that_cannot_work_are_named_at_start_up(override, message):
+    from verl_megatron.errors import ConfigError
+    from verl_megatron.trainer.config import default_config_path, load_config, validate_config
+
+    with pytest.raises(ConfigError) as err:
+        validate_config(load_config(default_config_path(), [override]), 1)
+    assert str(err.value) == message

@@ -141,14 +141,14 @@ def run(config_path: str | None, overrides: Sequence[str]) -> dict[str, float]:
     minutes = process_group_minutes(config.trainer)
     placement = init_placement(config.rollout, minutes)  # None unless rollout.placement=separate
     if placement is not None and not placement.is_trainer:
-        with watched(config.trainer, placement.transfer):
+        with watched(config, placement.transfer):
             return run_rollout_ranks(config, placement)
     runtime = init_runtime(config.parallel, seed=config.trainer.seed, timeout_minutes=minutes)
     group = None if placement is None else placement.transfer  # the watchdog's ranks: all of them
     try:
         # Held until the run ends: one run per output dir, and no silent overwrite of an earlier one.
         # The watchdog ends every rank when one dies or all stop progressing (trainer/stall.py).
-        with claim_output_dir(config, runtime.rank), watched(config.trainer, group) as watchdog:
+        with claim_output_dir(config, runtime.rank), watched(config, group) as watchdog:
             config = prepare_quickstart_assets(config, runtime.rank)
             check_model_fits(runtime.layout, config.model.path, config.model.sequence_parallel)
             if placement is not None:

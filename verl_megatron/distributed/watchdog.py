@@ -186,6 +186,7 @@ class Watchdog:
         self._store_failing_since: float | None = None
         self._error: BaseException | None = None
         self._ending = threading.Lock()
+        self._warned = False
 
     # ------------------------------------------------------------------ the watched thread
 
@@ -274,7 +275,18 @@ class Watchdog:
                     with contextlib.suppress(RuntimeError, OSError):
                         self._publish("running")
             if time.monotonic() >= next_look:
-                self._tick()
+                # A watchdog that died would stop the heartbeat and get a healthy job ended by its
+                # peers: an error of its own is said once, and it keeps beating.
+                try:
+                    self._tick()
+                except Exception as err:
+                    if not self._warned:
+                        print(
+                            f"warning: stall watchdog: {type(err).__name__}: {err}",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                        self._warned = True
                 next_look = time.monotonic() + self.settings.interval_s
 
     def _tick(self) -> None:
@@ -465,15 +477,18 @@ class Watchdog:
 
     def _end(self, line: str, report: bool, code: int, wake_peers: bool = False) -> None:
         self._ending.acquire()  # the main thread (stop) and the watchdog's: one ends the process
-        with contextlib.suppress(RuntimeError, OSError):
-            self._publish("stalled")
-        self._dump(line)
-        if report:
-            print(line, file=sys.stderr, flush=True)
-        _record_for_launcher(line)
-        if wake_peers:
-            self._end_stopped_peers()
-        os._exit(code)
+        try:
+            with contextlib.suppress(RuntimeError, OSError):
+                self._publish("stalled")
+            if report:
+                print(line, file=sys.stderr, flush=True)
+            with contextlib.suppress(OSError):
+                _record_for_launcher(line)
+            self._dump(line)
+            if wake_peers:
+                self._end_stopped_peers()
+        finally:  # whatever failed above (a full disk), the rank ends
+            os._exit(code)
 
     def _dump(self, line: str) -> None:
         stall_dir = os.path.join(self.settings.run_dir, "stall")

@@ -7,10 +7,11 @@ import contextlib
 from collections.abc import Iterator
 from typing import Protocol
 
+import torch
 import torch.distributed as dist
 
 from verl_megatron.distributed.watchdog import Watchdog, WatchdogSettings, start_watchdog
-from verl_megatron.trainer.config_schema import TrainerConfig
+from verl_megatron.trainer.config_schema import PPOConfig, TrainerConfig
 
 __all__ = ["StageMarks", "process_group_minutes", "watched"]
 
@@ -27,10 +28,23 @@ def process_group_minutes(trainer: TrainerConfig) -> float:
     return trainer.process_group_timeout_s / 60
 
 
+def _load_cpu_kernels(config: PPOConfig) -> None:
+    """Load (on a new machine: compile) the native engine's CPU decode kernels now, before the
+    watchdog starts: a rank waiting for another process's compile of them (torch's file lock)
+    shows no progress of its own, and on a loaded machine the compile outlasts a minute."""
+    if config.rollout.name == "native" and not torch.cuda.is_available():
+        from verl_megatron.rollout.cpu.kernels import decode_kernels
+
+        decode_kernels()
+
+
 @contextlib.contextmanager
-def watched(trainer: TrainerConfig, group: dist.ProcessGroup | None = None) -> Iterator[Watchdog | None]:
+def watched(config: PPOConfig, group: dist.ProcessGroup | None = None) -> Iterator[Watchdog | None]:
     """This rank's watchdog over ``group`` (default: the job) for the ``with`` block; None with one
     process or ``trainer.stall_timeout_s=0``. A collective: every rank of ``group`` enters together."""
+    trainer = config.trainer
+    if trainer.stall_timeout_s > 0 and dist.is_initialized():
+        _load_cpu_kernels(config)
     watchdog = start_watchdog(WatchdogSettings(trainer.stall_timeout_s, trainer.default_local_dir), group)
     if watchdog is None:
         yield None
