@@ -85,12 +85,16 @@ def role_specs(config: Any, hf_config: Any, reward_hf_config: Any = None) -> lis
     return specs
 
 
-def representative_ranks(layout: ParallelLayout, every_dp_rank: bool) -> list[int]:
-    """One global rank per pipeline stage (tp rank 0), and per dp rank when the distributed
-    optimizer shards state over dp (megatron's rank order: tp, cp, dp, pp)."""
+def representative_ranks(layout: ParallelLayout, shards_over_dp: bool) -> list[int]:
+    """The global ranks built: tp rank 0 of each pipeline stage at dp rank 0 (megatron's rank
+    order is tp, cp, dp, pp), and at the last dp rank too when the distributed optimizer shards
+    state over dp. tp, ep and middle dp ranks hold shards of the same shapes (megatron splits
+    evenly; middle dp ranks differ from dp rank 0 only by where the buffers' 64-element alignment
+    padding falls)."""
     dp = layout.dp or 1
     inner = layout.tp * layout.cp
-    return [inner * (d + dp * p) for p in range(layout.pp) for d in (range(dp) if every_dp_rank else [0])]
+    dp_ranks = sorted({0, dp - 1}) if shards_over_dp else [0]
+    return [inner * (d + dp * p) for p in range(layout.pp) for d in dp_ranks]
 
 
 def _activation_shape(hf_config: Any, model: Any, layout: ParallelLayout, pp_rank: int) -> ActivationShape:
@@ -228,12 +232,20 @@ def plan_memory(config: Any, world_size: int, gpu_bytes: int, specs: list[RoleSp
     layout = config.parallel.resolve(world_size)
     distopt = any(s.optim is not None and s.optim.use_distributed_optimizer for s in specs)
     positions = []
-    for rank in representative_ranks(layout, every_dp_rank=distopt):
+    untrained: dict[tuple[str, int], tuple[RankPosition, dict]] = {}  # no optimizer: same on every dp rank
+    for rank in representative_ranks(layout, shards_over_dp=distopt):
         roles: dict[str, RoleMemory] = {}
         position = None
         for spec in specs:
             flip = () if spec.optim is None else (not spec.optim.use_distributed_optimizer,)
-            where, states = build_role_state(spec, world_size, rank, flip)
+            stage = rank // (layout.tp * layout.cp * (layout.dp or 1))
+            key = (spec.name, stage if spec.layout == config.parallel else rank)
+            if key in untrained:
+                where, states = untrained[key]
+            else:
+                where, states = build_role_state(spec, world_size, rank, flip)
+                if spec.optim is None:
+                    untrained[key] = (where, states)
             position = position or where
             roles[spec.name] = _role_memory(config, spec, where.pp, states, flip)
         engine = _engine_bytes(config, specs[0].hf_config, layout, gpu_bytes)
