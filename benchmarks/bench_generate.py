@@ -29,18 +29,26 @@ from typing import Any
 
 import torch
 from common import (
+    FLOPS_MODEL_SPENT_NOTE,
     HEADLINE_THREADS,
     MEDIUM_SHAPE,
+    MFU_MODEL,
+    MFU_SPENT,
     QUICK_SHAPE,
     SHARED_HEAP_NOTE,
     ModelShape,
     Section,
+    best_peak,
     build_assets,
     error_text,
+    generation_flops,
     machine_info,
+    measure_matmul_peak,
+    mfu_columns,
     ratio,
     shape_text,
     time_interleaved,
+    time_once,
 )
 
 NATIVE, HF = "verl-megatron native engine", "HF generate"
@@ -161,11 +169,32 @@ def _hf_call(
 
 
 def run(cfg: GenerateBenchConfig, workdir: Path) -> Section:
-    """Build the checkpoint, check both sides agree greedily, then time them interleaved.
+    """Build the checkpoint, then :func:`measure`.
 
     Runs with the caller's torch thread count (``main`` and ``run.py`` set it; headline: 2).
     """
     model_dir, tokenizer = build_assets(workdir, cfg.shape, seed=cfg.seed)
+    return measure(cfg, model_dir, tokenizer)
+
+
+def _gemms(cfg: GenerateBenchConfig) -> list[tuple[int, int, int]]:
+    """The model's matmuls at a decoding step's rows and at the prefill's: the peak's shapes."""
+    return cfg.shape.gemm_shapes(cfg.batch) + cfg.shape.gemm_shapes(cfg.batch * cfg.prompt_len)
+
+
+def side_flops(cfg: GenerateBenchConfig, mask: torch.Tensor) -> dict[str, dict[str, float]]:
+    """Model and spent FLOPs per side: ours prefills the real prompt tokens only, HF every
+    column of the left-padded prompts; both run the LM head at a prefill's last position."""
+    b, p = cfg.batch, cfg.prompt_len
+    flops = functools.partial(generation_flops, cfg.shape, b, cache_len=p, new_tokens=cfg.new_tokens)
+    ours, theirs = flops(prefill=(int(mask.sum()), b)), flops(prefill=(b * p, b))
+    return {NATIVE: ours, HF: theirs, HF_STATIC: theirs, HF_COMPILED: theirs}
+
+
+def measure(cfg: GenerateBenchConfig, model_dir: str, tokenizer: Any) -> Section:
+    """Check both sides agree greedily on ``model_dir``, then time them interleaved; tokens/s and
+    MFU on model and on spent FLOPs against the matmul peak at the model's decoding shapes."""
+    peak_before = measure_matmul_peak(_gemms(cfg), repeats=3)
     engine, hf = _sides(model_dir, tokenizer)
     pad = tokenizer.pad_token_id
     ids, mask = make_prompts(cfg, pad)
@@ -193,11 +222,23 @@ def run(cfg: GenerateBenchConfig, workdir: Path) -> Section:
                 continue
             fns[name] = fn
     timings = time_interleaved(fns, repeats=cfg.repeats, warmup=0)
+    # One call generating a single token: our prefill (and one draw) alone, for the profile note.
+    prefill_s = time_once(lambda: _native_call(engine, ids, mask, 1))[0]
+    peak = best_peak(peak_before, measure_matmul_peak(_gemms(cfg), repeats=3))
+    flops = side_flops(cfg, mask)
     tokens = cfg.batch * cfg.new_tokens
     section = Section(
         name="generation",
         title="Generation throughput: native rollout engine vs Hugging Face generate (same weights)",
-        columns=["impl", "tokens/s (best)", "tokens/s (median)", "seconds (best)", "seconds (median)"],
+        columns=[
+            "impl",
+            "tokens/s (best)",
+            "tokens/s (median)",
+            "seconds (best)",
+            "seconds (median)",
+            MFU_MODEL,
+            MFU_SPENT,
+        ],
         config={
             "model": shape_text(cfg.shape),
             "batch": cfg.batch,
@@ -218,8 +259,10 @@ def run(cfg: GenerateBenchConfig, workdir: Path) -> Section:
                 "tokens/s (median)": tokens / timing.median,
                 "seconds (best)": timing.best,
                 "seconds (median)": timing.median,
+                **mfu_columns(flops[name], timing.best, peak["peak_gflops"]),
             }
         )
+    section.extra.update(matmul_peak=peak, flops={k: flops[k] for k in timings}, native_prefill_s=prefill_s)
     by_name = {row["impl"]: row for row in section.rows}
     native, peer = by_name[NATIVE], by_name[HF]
     section.ratios["tokens/s native / HF generate (best)"] = ratio(
@@ -233,6 +276,13 @@ def run(cfg: GenerateBenchConfig, workdir: Path) -> Section:
             section.ratios[f"tokens/s native / {name} (best)"] = ratio(
                 native["tokens/s (best)"], by_name[name]["tokens/s (best)"]
             )
+    for kind, column in (("model", MFU_MODEL), ("spent", MFU_SPENT)):
+        section.ratios[f"MFU native, {kind} FLOPs (fraction of matmul peak)"] = native[column] / 100
+    section.notes.append(
+        f"matmul peak {peak['peak_gflops']:.1f} GFLOP/s: best torch.matmul rate over the model's GEMM shapes "
+        f"at M = {cfg.batch} (a decoding step) and {cfg.batch * cfg.prompt_len} (the prefill), "
+        f"{peak['threads']} threads, float32, measured before and after the timed calls. {FLOPS_MODEL_SPENT_NOTE}"
+    )
     section.errors.update(errors)
     if not cfg.static_cache:
         section.notes.append(

@@ -25,17 +25,26 @@ from typing import Any
 
 import torch
 from common import (
+    FLOPS_MODEL_SPENT_NOTE,
+    MFU_MODEL,
+    MFU_SPENT,
     QUICK_SHAPE,
     REPO_ROOT,
     SHARED_HEAP_NOTE,
     ModelShape,
     Section,
+    best_peak,
     build_assets,
     error_text,
+    forward_flops,
+    generation_flops,
+    measure_matmul_peak,
+    mfu_columns,
     ratio,
     run_alone,
     shape_text,
     single_process_env,
+    train_flops_per_token,
 )
 
 
@@ -100,6 +109,10 @@ def make_prompts(count: int, length: int, seed: int = 0) -> list[str]:
 def digit_fraction(text: str) -> float:
     """The reward both trainers use: the fraction of characters that are digits (cheap, varied)."""
     return sum(c.isdigit() for c in text) / max(len(text), 1)
+
+
+STAGES = ("gen", "reward", "old_log_prob", "adv", "update_actor")
+OURS, OURS_ON_POLICY, TRL = "verl-megatron", "verl-megatron, on-policy", "TRL GRPOTrainer"
 
 
 # ----------------------------------------------------------------------------- TRL (the peer)
@@ -310,10 +323,6 @@ def run_ours(
 # ----------------------------------------------------------------------------- section
 
 
-STAGES = ("gen", "reward", "old_log_prob", "adv", "update_actor")
-OURS, OURS_ON_POLICY, TRL = "verl-megatron", "verl-megatron, on-policy", "TRL GRPOTrainer"
-
-
 def _row(impl: str, raw: dict[str, Any], warmup: int) -> dict[str, Any]:
     """Best and median of the timed steps (warm-up dropped), stages of the best step where known."""
     timed = raw["step_seconds"][warmup:]
@@ -332,13 +341,79 @@ def _row(impl: str, raw: dict[str, Any], warmup: int) -> dict[str, Any]:
     return row
 
 
+def _ours_shares_prompts(cfg: GRPOBenchConfig) -> bool:
+    """Whether our actor lays a micro-batch of this benchmark out with shared prompts (the
+    workers.shared_prefix rule, asked on a micro-batch of the benchmark's grouping)."""
+    from verl_megatron.workers.shared_prefix import shared_prefix_inputs
+
+    rows, t = cfg.micro_batch, cfg.prompt_len + cfg.response_len
+    ids = torch.arange(rows * t).view(rows, t) + 3
+    ids[:, : cfg.prompt_len] = (torch.arange(rows) // cfg.group)[:, None] + 3  # one prompt per group
+    mask = torch.ones_like(ids)
+    return shared_prefix_inputs(ids, mask, ids[:, cfg.prompt_len :], t) is not None
+
+
+def step_flops(cfg: GRPOBenchConfig, impl: str) -> dict[str, float]:
+    """Model and spent FLOPs of one GRPO step of ``impl`` (every response full length).
+
+    model: 2 x matmul params per generated token, a forward (old log-probs, where the side runs
+    that pass) and a forward + backward over every sequence whole. spent: ours prefills each
+    prompt once and expands its cache to the group, runs a shared prompt once per micro-batch
+    (when the layout applies) and the LM head at the response rows; TRL's generate prefills
+    every row, its fused LM head runs at the completion positions.
+    """
+    shape, p, r, batch = cfg.shape, cfg.prompt_len, cfg.response_len, cfg.prompts * cfg.group
+    t, ours = p + r, impl != TRL
+    passes = 4 if impl == OURS and cfg.recompute_old_log_prob else 3  # in forwards: + old log-probs
+    prefilled = cfg.prompts if ours else batch  # rows whose prompt runs through the prefill
+    gen = generation_flops(shape, batch, (prefilled * p, prefilled), p, r)
+    model = gen["model"] + batch * t * (train_flops_per_token(shape, t) / 3 * passes)
+    if ours and _ours_shares_prompts(cfg):
+        # prompts run per micro-batch (micro-batches hold consecutive rows), times micro-batches
+        groups = -(-cfg.micro_batch // cfg.group) * (batch // cfg.micro_batch)
+        pass_flops = forward_flops(shape, groups * p + batch * r, batch * r, groups * p * p + batch * r * t)
+    else:
+        pass_flops = forward_flops(shape, batch * t, batch * r, batch * t * t)
+    return {"model": model, "spent": gen["spent"] + passes * pass_flops}
+
+
+def _peak_shapes(cfg: GRPOBenchConfig) -> list[tuple[int, int, int]]:
+    """The model's matmuls at a decoding step's rows and at a training micro-batch's."""
+    rows = cfg.prompts * cfg.group
+    return cfg.shape.gemm_shapes(rows) + cfg.shape.gemm_shapes(
+        cfg.micro_batch * (cfg.prompt_len + cfg.response_len)
+    )
+
+
 def run(cfg: GRPOBenchConfig, workdir: Path) -> Section:
     """Both trainers on one checkpoint; a missing side is reported with its error text."""
     model_dir, tokenizer = build_assets(workdir / "grpo_model", cfg.shape, cfg.seed)
+    return measure(cfg, model_dir, tokenizer, workdir)
+
+
+def measure(
+    cfg: GRPOBenchConfig,
+    model_dir: str,
+    tokenizer: Any,
+    workdir: Path,
+    impls: tuple[str, ...] = (OURS, OURS_ON_POLICY, TRL),
+) -> Section:
+    """The sides ``impls`` on ``model_dir``, alternating for ``cfg.rounds`` rounds; seconds per
+    step, our stage times and both MFUs against the matmul peak at the model's shapes."""
+    peak_before = measure_matmul_peak(_peak_shapes(cfg), repeats=3)
     section = Section(
         name="grpo_step",
         title="Whole GRPO step (rollout + reward + log-probs + update): verl-megatron vs TRL GRPOTrainer",
-        columns=["impl", "step_s (best)", "step_s (median)", "timed steps", "mean response tokens", *STAGES],
+        columns=[
+            "impl",
+            "step_s (best)",
+            "step_s (median)",
+            "timed steps",
+            "mean response tokens",
+            *STAGES,
+            MFU_MODEL,
+            MFU_SPENT,
+        ],
         config={
             "model": shape_text(cfg.shape),
             "prompts x group": f"{cfg.prompts} x {cfg.group}",
@@ -350,10 +425,10 @@ def run(cfg: GRPOBenchConfig, workdir: Path) -> Section:
     )
     results: dict[str, dict[str, Any]] = {}
     on_policy = dataclasses.replace(cfg, recompute_old_log_prob=False)
-    sides = (
-        (OURS, run_ours, cfg),
-        (OURS_ON_POLICY, run_ours, on_policy),
-        (TRL, run_trl, cfg),
+    sides = tuple(
+        side
+        for side in ((OURS, run_ours, cfg), (OURS_ON_POLICY, run_ours, on_policy), (TRL, run_trl, cfg))
+        if side[0] in impls
     )
     for _ in range(cfg.rounds):
         for impl, fn, side_cfg in sides:
@@ -382,9 +457,13 @@ def run(cfg: GRPOBenchConfig, workdir: Path) -> Section:
                     merged.setdefault(key, []).extend(value)
                 else:
                     merged[key] = value
+    peak = best_peak(peak_before, measure_matmul_peak(_peak_shapes(cfg), repeats=3))
     for impl, _, _ in sides:
         if impl in results:
-            section.rows.append(_row(impl, results[impl], 0))
+            row = _row(impl, results[impl], 0)
+            section.rows.append(
+                {**row, **mfu_columns(step_flops(cfg, impl), row["step_s (best)"], peak["peak_gflops"])}
+            )
     by_impl = {row["impl"]: row for row in section.rows}
     trl_best = by_impl.get(TRL, {}).get("step_s (best)")
     section.ratios["step time ours / TRL (best; < 1 = ours faster)"] = ratio(
@@ -417,7 +496,17 @@ def run(cfg: GRPOBenchConfig, workdir: Path) -> Section:
         "warm-up and excluded; stage columns are ours (verl's timing_s/*), "
         "TRL does not time its stages"
     )
-    section.extra = {"raw": results, "config": asdict(cfg)}
+    section.notes.append(
+        f"matmul peak {peak['peak_gflops']:.1f} GFLOP/s: best torch.matmul rate over the model's GEMM shapes at "
+        "a decoding step's rows and a training micro-batch's, measured before and after the steps. "
+        + FLOPS_MODEL_SPENT_NOTE
+    )
+    section.extra = {
+        "raw": results,
+        "config": asdict(cfg),
+        "matmul_peak": peak,
+        "flops": {impl: step_flops(cfg, impl) for impl in results},
+    }
     return section
 
 

@@ -9,9 +9,10 @@ allowed, ``ru_maxrss`` is used instead and the result says so.
 
 - ours: ``MegatronActor.compute_log_prob`` (micro-batches of ``micro_batch``, vocabulary-parallel
   log-probs: softmax statistics per token, no log-softmax tensor).
-- peer: ``AutoModelForCausalLM`` forward on the same micro-batches and
+- peer: ``AutoModelForCausalLM`` forward on the same micro-batches, the LM head at the response
+  positions only (transformers' ``logits_to_keep``, as TRL does), and
   ``log_softmax(logits).gather(labels)``: what a user writes; and the same on the whole batch at
-  once, which holds the full [B, T, V] logits.
+  once, which holds [B, Tr + 1, V] logits.
 
 A large vocabulary (64k in the full run) makes [B, T, V] the dominant term.
 
@@ -115,8 +116,12 @@ def _hf_log_probs(model_dir: str, cfg: MemoryBenchConfig, micro_batch: int | Non
         out = []
         for start in range(0, cfg.batch, micro_batch):
             mb = {k: t[start : start + micro_batch] for k, t in batch.items()}
-            logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"]).logits
-            logits = logits[:, cfg.prompt_len - 1 : -1]
+            # The LM head at the Tr + 1 positions that predict response tokens (and the last, dropped).
+            logits = model(
+                input_ids=mb["input_ids"],
+                position_ids=mb["position_ids"],
+                logits_to_keep=cfg.response_len + 1,
+            ).logits[:, :-1]
             out.append(
                 torch.log_softmax(logits.float(), -1).gather(-1, mb["responses"].unsqueeze(-1)).squeeze(-1)
             )
@@ -195,6 +200,15 @@ def _finish(impl: str, proc: subprocess.Popen, out: Path) -> dict[str, Any]:
 def run(cfg: MemoryBenchConfig, workdir: Path) -> Section:
     """Peak RSS of the log-prob stage, ours and HF, next to the size of the full logits."""
     model_dir, _ = build_assets(workdir / "memory_model", cfg.shape, cfg.seed)
+    return measure(cfg, model_dir, workdir)
+
+
+def measure(
+    cfg: MemoryBenchConfig, model_dir: str, workdir: Path, impls: tuple[str, ...] = tuple(IMPLS)
+) -> Section:
+    """:func:`run` on an existing checkpoint, for the sides ``impls`` (keys of ``IMPLS``); the
+    children write their results to ``workdir``."""
+    workdir.mkdir(parents=True, exist_ok=True)
     full_mib = cfg.logits_bytes(cfg.batch) / MIB
     micro_mib = cfg.logits_bytes(cfg.micro_batch) / MIB
     section = Section(
@@ -220,9 +234,9 @@ def run(cfg: MemoryBenchConfig, workdir: Path) -> Section:
     cfg_file.write_text(json.dumps(asdict(cfg)))
     # Both children at once: each measures only its own process's resident set, so running them
     # side by side changes their speed, not their numbers.
-    started = {impl: _start(impl, model_dir, cfg_file, workdir) for impl in IMPLS}
+    started = {impl: _start(impl, model_dir, cfg_file, workdir) for impl in impls}
     results = {}
-    for impl, label in IMPLS.items():
+    for impl, label in ((impl, IMPLS[impl]) for impl in impls):
         try:
             results[impl] = _finish(impl, *started[impl])
         except Exception as exc:

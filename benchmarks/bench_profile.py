@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
@@ -42,6 +43,7 @@ from bench_update import (
 )
 from common import Section, build_assets, run_alone
 
+SIDES = ("ours", "peer")
 STAGES = (
     "forward (model)",
     "log-probs + loss",
@@ -148,43 +150,81 @@ def _profile_rows(clock: StageClock, total: float) -> dict[str, float]:
     return stages
 
 
+@contextlib.contextmanager
+def _side(
+    side: str, model_dir: str, cfg: UpdateBenchConfig, clock: StageClock
+) -> Iterator[Callable[[], None]]:
+    """One side's update on the benchmark batch, with ``clock`` attached while the context is open."""
+    batch = make_update_batch(cfg)
+    if side == "ours":
+        actor = build_update_actor(model_dir, cfg)
+        with _ours_patches(actor, clock):
+            yield lambda: update_policy(actor, batch)
+        return
+    peer = HFPPOUpdate(model_dir, cfg)
+    peer.clock = clock
+
+    def peer_update() -> None:
+        with _common_patches(clock):
+            peer(batch)
+
+    yield peer_update
+
+
+def profile_sides(cfg: UpdateBenchConfig, model_dir: str, together: bool = True) -> dict[str, dict[str, Any]]:
+    """Each side's update, one warm-up and ``cfg.repeats`` timed calls with a stage clock.
+
+    ``together``: both sides built at once and run interleaved (A, B, A, B); otherwise one side
+    after the other, the first freed before the second is built (two 0.5B models with their
+    gradients and Adam moments are ~16 GB). Returns per side: ``seconds`` of every repeat and,
+    for the fastest, its ``best`` total, ``stages`` (exclusive seconds) and host ``syncs``.
+    """
+    clocks = {side: StageClock() for side in SIDES}
+    results: dict[str, dict[str, Any]] = {side: {"seconds": []} for side in SIDES}
+
+    def timed(side: str, fn: Callable[[], None]) -> None:
+        clock, result = clocks[side], results[side]
+        clock.reset()
+        start = time.perf_counter()
+        fn()
+        total = time.perf_counter() - start
+        result["seconds"].append(total)
+        if total <= min(result["seconds"]):
+            result.update(
+                best=total, stages=_profile_rows(clock, total), syncs=clock.calls.get("host syncs", 0)
+            )
+
+    def run_group(group: tuple[str, ...]) -> None:
+        with contextlib.ExitStack() as stack:
+            fns = {side: stack.enter_context(_side(side, model_dir, cfg, clocks[side])) for side in group}
+            for fn in fns.values():
+                fn()  # warm-up
+            for _ in range(cfg.repeats):
+                for side, fn in fns.items():
+                    timed(side, fn)
+
+    for group in [SIDES] if together else [(side,) for side in SIDES]:
+        run_group(group)
+        gc.collect()  # the side's model, gradients and optimizer are garbage in reference cycles
+    return results
+
+
 def run(cfg: UpdateBenchConfig, workdir: Path) -> Section:
     """Profile both updates; a row per stage with seconds and share of the update."""
     model_dir, _ = build_assets(workdir / "profile_model", cfg.shape, cfg.seed)
-    batch = make_update_batch(cfg)
-    actor = build_update_actor(model_dir, cfg)
-    peer = HFPPOUpdate(model_dir, cfg)
-    clocks = {"ours": StageClock(), "peer": StageClock()}
-    peer.clock = clocks["peer"]
+    return profile_section(cfg, profile_sides(cfg, model_dir))
 
-    def ours_update() -> None:
-        update_policy(actor, batch)
 
-    def peer_update() -> None:
-        with _common_patches(clocks["peer"]):
-            peer(batch)
-
-    sides: dict[str, Callable[[], None]] = {"ours": ours_update, "peer": peer_update}
-    best: dict[str, tuple[float, dict[str, float], int]] = {}
-    for side in sides:
-        sides[side]()  # warm-up
-    with _ours_patches(actor, clocks["ours"]):
-        for _ in range(cfg.repeats):
-            for side, fn in sides.items():
-                clock = clocks[side]
-                clock.reset()
-                start = time.perf_counter()
-                fn()
-                total = time.perf_counter() - start
-                if side not in best or total < best[side][0]:
-                    best[side] = (total, _profile_rows(clock, total), clock.calls.get("host syncs", 0))
+def profile_section(cfg: UpdateBenchConfig, results: dict[str, dict[str, Any]]) -> Section:
+    """The stage table of :func:`profile_sides`' results."""
     section = Section(
         name="profile",
         title="Update profile: seconds per stage (fastest repeat), verl-megatron vs plain PyTorch",
         columns=["stage", "ours s", "ours %", "peer s", "peer %"],
         config=update_section_config(cfg),
     )
-    (ours_total, ours, ours_syncs), (peer_total, theirs, peer_syncs) = best["ours"], best["peer"]
+    ours_total, ours, ours_syncs = (results["ours"][k] for k in ("best", "stages", "syncs"))
+    peer_total, theirs, peer_syncs = (results["peer"][k] for k in ("best", "stages", "syncs"))
     for stage in STAGES:
         section.rows.append(
             {

@@ -7,11 +7,13 @@ step (lr 1e-6, weight decay 0.01), all in float32.
 
 - ours: ``MegatronActor.update_policy`` (megatron-core GPTModel, tp=1, one process, megatron's
   schedule and optimizer, log-probs from vocabulary-parallel logits).
-- peer: ``AutoModelForCausalLM`` + ``torch.optim.AdamW``; log-probs as a user would write them,
-  ``log_softmax(logits).gather(labels)``; the same ``compute_policy_loss``.
+- peer: ``AutoModelForCausalLM`` + ``torch.optim.AdamW``; the LM head only at the positions that
+  predict response tokens (transformers' ``logits_to_keep``, as TRL does), log-probs as a user
+  would write them, ``log_softmax(logits).gather(labels)``; the same ``compute_policy_loss``.
 
 Reported: tokens/s (all B * T tokens), achieved FLOP/s and its fraction of this machine's dense
-matmul peak measured at the model's own GEMM shapes with the same thread count (the CPU MFU).
+matmul peak measured at the model's own GEMM shapes with the same thread count (the CPU MFU), on
+model FLOPs and on the FLOPs each side spends (its LM head rows).
 
 Run alone: ``python benchmarks/bench_update.py [--quick]``.
 """
@@ -27,16 +29,22 @@ from typing import Any
 import torch
 from common import (
     FLOPS_FORMULA_TRAIN,
+    FLOPS_MODEL_SPENT_NOTE,
     MEDIUM_SHAPE,
+    MFU_MODEL,
+    MFU_SPENT,
     QUICK_SHAPE,
     SHARED_HEAP_NOTE,
     BatchSizes,
     Section,
+    Timing,
     best_peak,
     build_assets,
     error_text,
+    forward_flops,
     full_length_batch,
     measure_matmul_peak,
+    mfu_columns,
     ratio,
     run_alone,
     shape_text,
@@ -105,14 +113,16 @@ class HFPPOUpdate:
         for start in range(0, cfg.batch, cfg.micro_batch):
             mb = {k: t[start : start + cfg.micro_batch] for k, t in batch.items()}
             with self._stage("forward (model)"):
+                # The logit at position t predicts token t + 1: responses are predicted from
+                # Tp-1 .. T-2, so the head runs at the last Tr + 1 positions only (TRL's way).
                 logits = self.model(
                     input_ids=mb["input_ids"],
                     attention_mask=mb["attention_mask"],
                     position_ids=mb["position_ids"],
+                    logits_to_keep=PEER_HEAD_EXTRA + cfg.response_len,
                 ).logits
             with self._stage("log-probs + loss"):
-                # The logit at position t predicts token t + 1: responses are predicted from Tp-1 .. T-2.
-                logits = logits[:, cfg.prompt_len - 1 : -1]
+                logits = logits[:, :-1]
                 log_probs = (
                     torch.log_softmax(logits.float(), dim=-1)
                     .gather(-1, mb["responses"].unsqueeze(-1))
@@ -226,18 +236,73 @@ def update_section_config(cfg: UpdateBenchConfig) -> dict[str, Any]:
     }
 
 
+OURS, PEER = "verl-megatron", "HF + torch.optim.AdamW"
+# The peer's LM head runs at Tr + 1 positions (logits_to_keep keeps the last ones; the last
+# position predicts nothing and is dropped), ours at the Tr response rows.
+PEER_HEAD_EXTRA = 1
+
+
+def update_flops(cfg: UpdateBenchConfig) -> dict[str, dict[str, float]]:
+    """Model and spent FLOPs of one update per side (forward + backward = 3 x forward)."""
+    b, t, tr = cfg.batch, cfg.seq_len, cfg.response_len
+    model = b * t * train_flops_per_token(cfg.shape, t)
+    spent = {
+        impl: 3 * forward_flops(cfg.shape, b * t, b * rows, b * t * t)
+        for impl, rows in ((OURS, tr), (PEER, tr + PEER_HEAD_EXTRA))
+    }
+    return {impl: {"model": model, "spent": flops} for impl, flops in spent.items()}
+
+
+def update_rows(
+    cfg: UpdateBenchConfig, timings: dict[str, Timing], peak_gflops: float
+) -> list[dict[str, Any]]:
+    """A table row per side: tokens/s, achieved GFLOP/s (model FLOPs) and both MFUs."""
+    tokens, flops, rows = cfg.batch * cfg.seq_len, update_flops(cfg), []
+    for impl, timing in timings.items():
+        rows.append(
+            {
+                "impl": impl,
+                "tokens/s (best)": tokens / timing.best,
+                "tokens/s (median)": tokens / timing.median,
+                "step_s (best)": timing.best,
+                "GFLOP/s": flops[impl]["model"] / timing.best / 1e9,
+                **mfu_columns(flops[impl], timing.best, peak_gflops),
+            }
+        )
+    return rows
+
+
+UPDATE_COLUMNS = [
+    "impl",
+    "tokens/s (best)",
+    "tokens/s (median)",
+    "step_s (best)",
+    "GFLOP/s",
+    MFU_MODEL,
+    MFU_SPENT,
+]
+
+
+def peak_note(cfg: UpdateBenchConfig, peak: dict[str, Any]) -> str:
+    """How the update's matmul peak was measured, and what each MFU counts."""
+    return (
+        f"matmul peak {peak['peak_gflops']:.1f} GFLOP/s: best torch.matmul rate over the model's GEMM shapes "
+        f"(M = micro_batch * T = {cfg.micro_batch * cfg.seq_len}), {peak['threads']} threads, float32, "
+        f"measured before and after the updates. {FLOPS_MODEL_SPENT_NOTE}"
+    )
+
+
 def run(cfg: UpdateBenchConfig, workdir: Path) -> Section:
     """Time both updates interleaved on one batch; tokens/s, FLOP/s and CPU MFU per side."""
     model_dir, _ = build_assets(workdir / "update_model", cfg.shape, cfg.seed)
     batch = make_update_batch(cfg)
-    tokens = cfg.batch * cfg.seq_len
     flops_per_token = train_flops_per_token(cfg.shape, cfg.seq_len)
     gemms = cfg.shape.gemm_shapes(cfg.micro_batch * cfg.seq_len)
     peak_before = measure_matmul_peak(gemms)
     section = Section(
         name="update",
         title="Actor update (forward + backward + AdamW): verl-megatron vs plain PyTorch on the HF model",
-        columns=["impl", "tokens/s (best)", "tokens/s (median)", "step_s (best)", "GFLOP/s", "CPU MFU %"],
+        columns=UPDATE_COLUMNS,
         config={
             "model": shape_text(cfg.shape),  # first, as in update_section_config (it is set again there)
             "matmul params": cfg.shape.matmul_params,
@@ -245,11 +310,11 @@ def run(cfg: UpdateBenchConfig, workdir: Path) -> Section:
         },
     )
     section.notes.append(SHARED_HEAP_NOTE)
-    section.notes.append(f"FLOPs per token = {FLOPS_FORMULA_TRAIN} = {flops_per_token / 1e6:.1f} MFLOP")
+    section.notes.append(f"model FLOPs per token = {FLOPS_FORMULA_TRAIN} = {flops_per_token / 1e6:.1f} MFLOP")
     updates: dict[str, Callable[[], Any]] = {}
     for impl, build in (
-        ("verl-megatron", lambda: build_ours(model_dir, cfg)),
-        ("HF + torch.optim.AdamW", lambda: HFPPOUpdate(model_dir, cfg)),
+        (OURS, lambda: build_ours(model_dir, cfg)),
+        (PEER, lambda: HFPPOUpdate(model_dir, cfg)),
     ):
         try:
             update = build()
@@ -261,38 +326,33 @@ def run(cfg: UpdateBenchConfig, workdir: Path) -> Section:
     timings = time_interleaved(updates, cfg.repeats, warmup=0) if updates else {}
     # Measured before and after the updates, best of both: the same conditions the best update saw.
     peak = best_peak(peak_before, measure_matmul_peak(gemms))
-    for impl, timing in timings.items():
-        gflops = tokens / timing.best * flops_per_token / 1e9
-        section.rows.append(
-            {
-                "impl": impl,
-                "tokens/s (best)": tokens / timing.best,
-                "tokens/s (median)": tokens / timing.median,
-                "step_s (best)": timing.best,
-                "GFLOP/s": gflops,
-                "CPU MFU %": 100 * gflops / peak["peak_gflops"],
-            }
-        )
-    section.notes.append(
-        f"matmul peak {peak['peak_gflops']:.1f} GFLOP/s: best torch.matmul rate over the model's GEMM shapes "
-        f"(M = micro_batch * T = {cfg.micro_batch * cfg.seq_len}), {peak['threads']} threads, float32, "
-        "measured before and after the updates"
-    )
-    rows = {row["impl"]: row for row in section.rows}
-    section.ratios["tokens/s ours / HF (best)"] = ratio(
-        rows.get("verl-megatron", {}).get("tokens/s (best)"),
-        rows.get("HF + torch.optim.AdamW", {}).get("tokens/s (best)"),
-    )
-    ours_mfu = rows.get("verl-megatron", {}).get("CPU MFU %")
-    section.ratios["CPU MFU ours (fraction of matmul peak)"] = None if ours_mfu is None else ours_mfu / 100
+    section.rows = update_rows(cfg, timings, peak["peak_gflops"])
+    section.notes.append(peak_note(cfg, peak))
+    section.ratios.update(update_ratios(section.rows))
     section.extra = {
         "matmul_peak": peak,
         "flops_per_token": flops_per_token,
         "flops_formula": FLOPS_FORMULA_TRAIN,
+        "flops": update_flops(cfg),
         "timings": {impl: t.as_dict() for impl, t in timings.items()},
         "config": asdict(cfg),
     }
     return section
+
+
+def update_ratios(rows: list[dict[str, Any]]) -> dict[str, float | None]:
+    """tokens/s ours / peer and our MFU on model and on spent FLOPs (fractions of the peak)."""
+    by_impl = {row["impl"]: row for row in rows}
+    ours = by_impl.get(OURS, {})
+    ratios = {
+        "tokens/s ours / HF (best)": ratio(
+            ours.get("tokens/s (best)"), by_impl.get(PEER, {}).get("tokens/s (best)")
+        )
+    }
+    for key, column in (("", MFU_MODEL), (", spent FLOPs", MFU_SPENT)):
+        mfu = ours.get(column)
+        ratios[f"CPU MFU ours{key} (fraction of matmul peak)"] = None if mfu is None else mfu / 100
+    return ratios
 
 
 def main() -> None:

@@ -221,6 +221,8 @@ class ModelShape:
     num_heads: int
     num_kv_heads: int
     intermediate_size: int
+    tie_word_embeddings: bool = False
+    """the LM head is the input embedding table (Qwen2.5-0.5B); FLOPs are the same either way"""
 
     @property
     def head_dim(self) -> int:
@@ -235,7 +237,12 @@ class ModelShape:
         """Weights used in a matmul per token: q, k, v, o, gate/up/down per layer, plus the LM head."""
         h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
         per_layer = h * self.d_attn + 2 * h * kv + self.d_attn * h + 3 * h * self.intermediate_size
-        return self.num_layers * per_layer + h * self.vocab_size
+        return self.num_layers * per_layer + self.head_params
+
+    @property
+    def head_params(self) -> int:
+        """Weights of the LM head (h x V), a part of :attr:`matmul_params`."""
+        return self.hidden_size * self.vocab_size
 
     def gemm_shapes(self, tokens: int) -> list[tuple[int, int, int]]:
         """(M, K, N) of the forward matmuls for ``tokens`` rows: the shapes the peak is measured at."""
@@ -259,6 +266,8 @@ QUICK_SHAPE = ModelShape(
 MEDIUM_SHAPE = ModelShape(
     vocab_size=32000, hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=2, intermediate_size=1408
 )
+# Qwen2.5-0.5B's sizes (494M parameters, the LM head tied to the embedding): the real_shape section.
+QWEN25_05B_SHAPE = ModelShape(151936, 896, 24, 14, 2, 4864, tie_word_embeddings=True)
 # The full-run model of the sections that time many whole GRPO steps (scaling sweeps, bypass).
 SMALL_SHAPE = ModelShape(
     vocab_size=2048, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=352
@@ -273,6 +282,50 @@ def train_flops_per_token(shape: ModelShape, seq_len: int) -> float:
 def forward_flops_per_token(shape: ModelShape, seq_len: int) -> float:
     """Forward FLOPs per token; see FLOPS_FORMULA_FORWARD."""
     return 2.0 * shape.matmul_params + 4.0 * shape.num_layers * seq_len * shape.d_attn
+
+
+# Model FLOPs and spent FLOPs, side by side in every section that reports an MFU.
+FLOPS_MODEL_SPENT_NOTE = (
+    "MFU on model FLOPs counts the conventional work (training: every position of every sequence "
+    "through every matmul, the LM head included; generation: 2 x matmul params per generated token); "
+    "MFU on spent FLOPs counts what each side runs (the LM head only at the rows it computes, a "
+    "shared prompt once, a prefill at the positions it runs). Attention in both: 4 x layers x d_attn "
+    "per query-key pair, every key up to the sequence's (or the cache's) length."
+)
+MFU_MODEL, MFU_SPENT = "MFU % (model FLOPs)", "MFU % (spent FLOPs)"
+
+
+def forward_flops(shape: ModelShape, positions: float, head_rows: float, pairs: float) -> float:
+    """Forward FLOPs of a pass that runs the layers at ``positions`` positions, the LM head at
+    ``head_rows`` of them and attention over ``pairs`` query-key pairs (a training pass: 3x)."""
+    body = shape.matmul_params - shape.head_params
+    return (
+        2.0 * (body * positions + shape.head_params * head_rows)
+        + 4.0 * shape.num_layers * shape.d_attn * pairs
+    )
+
+
+def generation_flops(
+    shape: ModelShape, batch: int, prefill: tuple[int, int], cache_len: int, new_tokens: int
+) -> dict[str, float]:
+    """``model`` and ``spent`` FLOPs of generating ``new_tokens`` for ``batch`` rows.
+
+    model: 2 x matmul params per generated token. spent: a prefill of ``prefill`` = (positions,
+    rows) (the LM head at each row's last position; queries against ``cache_len`` prompt keys),
+    then ``new_tokens - 1`` one-token steps per row against the growing cache.
+    """
+    (positions, rows), steps = prefill, batch * (new_tokens - 1)
+    pairs = positions * cache_len + batch * sum(cache_len + k for k in range(1, new_tokens))
+    return {
+        "model": 2.0 * shape.matmul_params * batch * new_tokens,
+        "spent": forward_flops(shape, positions + steps, rows + steps, pairs),
+    }
+
+
+def mfu_columns(flops: dict[str, float], seconds: float, peak_gflops: float) -> dict[str, float]:
+    """``MFU % (model FLOPs)`` and ``MFU % (spent FLOPs)`` of ``flops`` done in ``seconds``."""
+    rate = 1e9 * peak_gflops * seconds
+    return {MFU_MODEL: 100 * flops["model"] / rate, MFU_SPENT: 100 * flops["spent"] / rate}
 
 
 def measure_matmul_peak(
@@ -291,6 +344,16 @@ def measure_matmul_peak(
         per_shape.append({"m": m, "k": k, "n": n, "gflops": 2.0 * m * k * n / best / 1e9})
     peak = max(row["gflops"] for row in per_shape)
     return {"peak_gflops": peak, "threads": torch.get_num_threads(), "dtype": str(dtype), "shapes": per_shape}
+
+
+def measure_copy_bandwidth(mib: int = 256, repeats: int = 3) -> float:
+    """Best GB/s of copying a ``mib`` MiB float32 tensor (bytes read + bytes written): the rate
+    that bounds a step which streams every weight once."""
+    src = torch.ones(mib * 2**18)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up: first touch of the pages
+    best = min(time_once(lambda: dst.copy_(src))[0] for _ in range(repeats))
+    return 2 * src.numel() * 4 / best / 1e9
 
 
 def best_peak(*measurements: dict[str, Any]) -> dict[str, Any]:
@@ -366,7 +429,7 @@ def shape_text(shape: ModelShape) -> str:
     """``llama L4 h512 heads 8/2 ffn 1408 V32000``: the model, in one table cell."""
     return (
         f"llama L{shape.num_layers} h{shape.hidden_size} heads {shape.num_heads}/{shape.num_kv_heads} "
-        f"ffn {shape.intermediate_size} V{shape.vocab_size}"
+        f"ffn {shape.intermediate_size} V{shape.vocab_size}{' tied' if shape.tie_word_embeddings else ''}"
     )
 
 

@@ -124,6 +124,7 @@ RUNNERS: dict[str, Callable[[bool, Path], Section]] = {
     "async": lambda quick, workdir: __import__("bench_async").run_section(quick, workdir),
     "sandbox": _module_section("sandbox"),  # code-execution rewards, sandboxed vs plain subprocess
     "lora": _module_section("lora"),
+    "real_shape": _module_section("real_shape"),  # the comparisons at Qwen2.5-0.5B's shape
 }
 SECTIONS = tuple(RUNNERS)
 

@@ -65,6 +65,7 @@ def test_render_marks_targets():
             },
             "memory": {"ratios": {"stage peak ours / full [B,T,V] float32 logits": 0.125}},
             "other": {"ratios": {"x / y": None}, "errors": {"peer": "boom"}},
+            "real_shape": {"ratios": {"log-prob stage peak ours / full [B,T,V] float32 logits": 0.25}},
         },
     }
     lines = report.render(results).splitlines()
@@ -73,6 +74,10 @@ def test_render_marks_targets():
     assert "| memory | stage peak ours / full [B,T,V] float32 logits | 0.12 | <= 0.25: met |" in lines
     assert "| other | x / y | n/a |  |" in lines
     assert "| other | peer could not run (see other.md) | n/a | |" in lines
+    assert (
+        "| real_shape | log-prob stage peak ours / full [B,T,V] float32 logits | 0.25 | <= 0.2: not met |"
+        in lines
+    )
 
 
 def test_replace_block_keeps_the_rest():

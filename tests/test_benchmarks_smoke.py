@@ -31,6 +31,7 @@ SECTIONS = (
     "async",
     "sandbox",
     "lora",
+    "real_shape",
 )
 
 
@@ -62,6 +63,17 @@ def test_flop_counts_match_hand_computation():
     assert shape.gemm_shapes(32) == [
         (32, 64, 64), (32, 64, 32), (32, 64, 64), (32, 64, 128), (32, 128, 64), (32, 64, 512)
     ]  # fmt: skip
+    # Spent FLOPs: body 73728 weights at 10 positions, head 32768 at 3 rows, 7 query-key pairs.
+    assert shape.head_params == 32768
+    assert common.forward_flops(shape, 10, 3, 7) == 2 * (73728 * 10 + 32768 * 3) + 4 * 2 * 64 * 7 == 1674752
+    # Generating 3 tokens for 2 rows after a prefill of 9 positions in 2 rows, 5 prompt columns:
+    # 2 steps per row, keys 5 + 1 and 5 + 2; model FLOPs 2 x N per generated token.
+    flops = common.generation_flops(shape, 2, (9, 2), 5, 3)
+    assert flops == {
+        "model": 2 * 106496 * 6,
+        "spent": common.forward_flops(shape, 13, 6, 9 * 5 + 2 * (6 + 7)),
+    }
+    assert common.QWEN25_05B_SHAPE.matmul_params == 493_961_216  # Qwen2.5-0.5B: 494M less norms and biases
 
 
 def test_fit_exponent_recovers_power_laws():
@@ -149,13 +161,22 @@ def test_update_section(quick_run):
     rows = _rows(results, "update")
     ours, peer = rows["verl-megatron"], rows["HF + torch.optim.AdamW"]
     for row in (ours, peer):
-        for column in ("tokens/s (best)", "tokens/s (median)", "step_s (best)", "GFLOP/s", "CPU MFU %"):
+        for column in ("tokens/s (best)", "tokens/s (median)", "step_s (best)", "GFLOP/s", common.MFU_MODEL):
             assert _positive(row[column]), (row["impl"], column, row[column])
-        assert row["CPU MFU %"] <= 100.0
+        assert row[common.MFU_MODEL] <= 100.0
         # 4 sequences of 16 tokens: tokens/s is exactly 64 / seconds.
         assert row["tokens/s (best)"] == pytest.approx(64 / row["step_s (best)"], rel=1e-12)
     section = results["sections"]["update"]
     assert section["extra"]["flops_per_token"] == 663552.0  # see test_flop_counts_match_hand_computation
+    # Model FLOPs: 64 tokens x 663552. Spent: 3 x forward_flops(64 positions, head rows, 4 x 16^2
+    # pairs): ours' head at the 8 response rows of each sequence, the peer's at 9 (logits_to_keep).
+    model, ours_spent, peer_spent = 42467328, 3 * (2 * (73728 * 64 + 32768 * 32) + 524288), 36962304
+    assert section["extra"]["flops"] == {
+        "verl-megatron": {"model": model, "spent": ours_spent},
+        "HF + torch.optim.AdamW": {"model": model, "spent": peer_spent},
+    }
+    for row, spent in ((ours, ours_spent), (peer, peer_spent)):
+        assert row[common.MFU_SPENT] == pytest.approx(row[common.MFU_MODEL] * spent / model, rel=1e-12)
     assert section["ratios"]["tokens/s ours / HF (best)"] == pytest.approx(
         ours["tokens/s (best)"] / peer["tokens/s (best)"], rel=1e-12
     )
@@ -257,6 +278,12 @@ def test_reward_and_generation_sections(quick_run):
     assert len(generation) >= 2  # native engine and HF generate
     for row in generation.values():
         assert any(_positive(v) for k, v in row.items() if "tokens/s" in k), row
+        assert _positive(row[common.MFU_MODEL]) and _positive(row[common.MFU_SPENT])
+    # Model FLOPs: 2 x 106496 per token of 4 x 8; ours prefills only the real prompt tokens, HF the
+    # padded 4 x 8, so ours' spent FLOPs are the smaller.
+    flops = results["sections"]["generation"]["extra"]["flops"]
+    assert flops["verl-megatron native engine"]["model"] == flops["HF generate"]["model"] == 2 * 106496 * 32
+    assert flops["verl-megatron native engine"]["spent"] < flops["HF generate"]["spent"]
 
 
 def test_profile_section(quick_run):
@@ -313,3 +340,55 @@ def test_sandbox_section(quick_run):
         assert section["ratios"][f"samples/s {workload}: sandboxed / plain"] == pytest.approx(
             ours["samples_per_s"] / peer["samples_per_s"], rel=1e-12
         )
+
+
+def test_real_shape_section(quick_run):
+    """The quick run of the Qwen2.5-0.5B-shape section (a tiny tied model here): every stage ran,
+    every ratio named after issue 32's targets is there and is the one of its stage's rows."""
+    _, results, _ = quick_run
+    section = results["sections"]["real_shape"]
+    assert not section["errors"], section["errors"]
+    assert list(section["ratios"]) == [
+        "generation tokens/s native / HF generate (best; same weights, sampling)",
+        "generation MFU native, model FLOPs (2 x params x tokens/s / matmul peak)",
+        "generation MFU native, spent FLOPs (fraction of matmul peak)",
+        "update tokens/s ours / plain PyTorch + AdamW (best)",
+        "update CPU MFU ours, model FLOPs (fraction of matmul peak)",
+        "update CPU MFU ours, spent FLOPs (fraction of matmul peak)",
+        "GRPO step time ours on-policy / TRL GRPOTrainer (best; same passes)",
+        "log-prob stage peak ours / full [B,T,V] float32 logits",
+    ]
+    assert all(_positive(v) for v in section["ratios"].values()), section["ratios"]
+    rows = {(r["stage"], r["impl"]): r for r in section["rows"]}
+    assert sorted(rows) == sorted([
+        ("generation", "verl-megatron native engine"), ("generation", "HF generate"),
+        ("update", "verl-megatron"), ("update", "HF + torch.optim.AdamW"),
+        ("GRPO step", "verl-megatron, on-policy"), ("GRPO step", "TRL GRPOTrainer"),
+        ("log-prob memory", "verl-megatron compute_log_prob"),
+        ("log-prob memory", "HF forward + log_softmax, whole batch at once"),
+    ])  # fmt: skip
+    ratios = section["ratios"]
+    gen, upd = ("generation", "verl-megatron native engine"), ("update", "verl-megatron")
+    assert ratios["update tokens/s ours / plain PyTorch + AdamW (best)"] == pytest.approx(
+        rows[upd]["tokens/s (best)"] / rows[("update", "HF + torch.optim.AdamW")]["tokens/s (best)"],
+        rel=1e-12,
+    )
+    assert ratios["update CPU MFU ours, model FLOPs (fraction of matmul peak)"] == pytest.approx(
+        rows[upd][common.MFU_MODEL] / 100, rel=1e-12
+    )
+    assert ratios[
+        "generation MFU native, model FLOPs (2 x params x tokens/s / matmul peak)"
+    ] == pytest.approx(rows[gen][common.MFU_MODEL] / 100, rel=1e-12)
+    grpo = [
+        rows[("GRPO step", impl)]["seconds (best)"]
+        for impl in ("verl-megatron, on-policy", "TRL GRPOTrainer")
+    ]
+    assert ratios["GRPO step time ours on-policy / TRL GRPOTrainer (best; same passes)"] == pytest.approx(
+        grpo[0] / grpo[1], rel=1e-12
+    )
+    assert ratios["log-prob stage peak ours / full [B,T,V] float32 logits"] == pytest.approx(
+        rows[("log-prob memory", "verl-megatron compute_log_prob")]["peak / full logits"], rel=1e-12
+    )
+    assert section["notes"][0].startswith("targets missed: ")
+    assert any(note.startswith("update, where the time goes") for note in section["notes"])
+    assert set(section["extra"]["stage_seconds"]) == {"generation", "update", "grpo_step", "memory"}

@@ -18,7 +18,9 @@ What it does, in order (each stage's numbers go into the printed JSON summary):
    reward, GRPO advantages, old log-probs, one policy update; tokens/s of generation and update,
    and the update's MFU against the devices' peak bf16 FLOP/s, twice: on the FLOPs the update
    spends (each shared prompt once, the LM head at response positions only) and on the usual
-   model FLOPs (every sequence whole, the head everywhere), which read 1.3-1.6x higher;
+   model FLOPs (every sequence whole, the head everywhere), which read 1.3-1.6x higher; the
+   generation's MFU the same two ways (model: 2 x params per generated token; spent: each prompt
+   prefilled once for its group, then one-token steps);
 4. log-probs of the bf16 model against the same checkpoint in float32 (max and mean |diff|);
 5. offload round trip: ``torch.cuda.memory_allocated`` before, while offloaded, after reload,
    and the weights bit-identical after the round trip.
@@ -279,19 +281,41 @@ def update_flops(batch: Any, sizes: dict[str, int], micro_batch: int, shares_pro
             "shared_prompt_micro_batches": shared_micro_batches}  # fmt: skip
 
 
+def generation_flops(sizes: dict[str, int], args: argparse.Namespace) -> dict:
+    """Forward FLOPs of the native engine's generation of the whole batch (every response full
+    length). ``model``: 2 x params per generated token (the LM head included), how decoding MFU
+    is usually quoted. ``spent``: each prompt prefilled once (its cache then serves the group's
+    ``--group`` rows) with the LM head at its last position, then ``response_len - 1`` one-token
+    steps per row, each query against the prompt and the tokens before it.
+    """
+    body, head, pair = (cost / 3 for cost in _unit_costs(sizes))  # forward = a third of fwd + bwd
+    p, r, rows = args.prompt_len, args.response_len, args.prompts * args.group
+    steps = rows * (r - 1)
+    pairs = args.prompts * p * p + rows * sum(p + k for k in range(1, r))
+    return {
+        "model": (body + head) * rows * r,
+        "spent": body * (args.prompts * p + steps) + head * (args.prompts + steps) + pair * pairs,
+    }
+
+
 def _speed(step: dict, actor: Any, hf_config: Any, args: argparse.Namespace) -> dict:
-    """tokens/s of generation and update (all ranks together) and the update's MFU, on spent and
-    on model FLOPs, against ``world size x`` the device's peak."""
+    """tokens/s of generation and update (all ranks together) and their MFU, on spent and on
+    model FLOPs, against ``world size x`` the device's peak."""
     from verl_megatron.models.config import read_hf_architecture
     from verl_megatron.trainer import metrics as M
 
     arch = read_hf_architecture(hf_config)
     sizes = {arg: getattr(arch, field) for arg, field in M._FLOPS_SIZES.items()}
     flops = update_flops(step["batch"], sizes, args.micro_batch, actor.runner.prefix_sharing is not None)
+    gen = generation_flops(sizes, args)
     peak, devices = M.device_peak_flops(args.peak_tflops), actor.runtime.world_size
     return {
         "generation_tokens_per_s": step["gen_tokens"] / step["gen_s"],
         "update_tokens_per_s": step["update_tokens"] / step["update_s"],
+        "generation_flops": gen,
+        "generation_mfu": {
+            kind: M.compute_mfu(gen[kind], step["gen_s"], devices, peak) for kind in ("spent", "model")
+        },
         "update_flops": flops,
         "actor_mfu": {
             kind: M.compute_mfu(flops[kind], step["update_s"], devices, peak) for kind in ("spent", "model")

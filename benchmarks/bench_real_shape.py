@@ -1,0 +1,302 @@
+"""The comparisons at a real model's shape: Qwen2.5-0.5B's sizes, float32, on the headline threads.
+
+The other sections use a 28M-parameter model. Here one random-init checkpoint of Qwen2.5-0.5B's
+shape (24 layers, hidden 896, 14 heads / 2 KV heads, FFN 4864, vocabulary 151936, LM head tied
+to the embedding: 494M parameters; llama layout, i.e. without Qwen2's q/k/v biases, 0.006% of
+the weights) is built on the spot and the other sections' code runs on it, sized to a few
+minutes on 2 cores:
+
+- generation: ``bench_generate`` (native engine vs HF ``generate``, same weights, sampling, EOS
+  ignored), plus a one-token call of ours that times its prefill alone;
+- update: ``bench_update``'s two PPO updates (ours vs plain PyTorch + AdamW with
+  ``logits_to_keep``) under ``bench_profile``'s stage clock, one side after the other (both at
+  once would hold ~16 GB of weights, gradients and Adam moments);
+- GRPO step: ``bench_grpo_step``, ours on-policy vs TRL ``GRPOTrainer`` (the same passes);
+- log-prob memory: ``bench_memory``, each side in its own process.
+
+One table, a row per stage and side; the ratios are named after issue 32's targets
+(``report.TARGETS``), and for each stage a note says where the time goes and what bounds it.
+
+Run alone: ``python benchmarks/bench_real_shape.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import bench_generate
+import bench_grpo_step
+import bench_memory
+import bench_profile
+import bench_update
+import torch
+from bench_generate import GenerateBenchConfig, GreedyCheck
+from bench_grpo_step import GRPOBenchConfig
+from bench_memory import MemoryBenchConfig
+from bench_update import UpdateBenchConfig
+from common import (
+    FLOPS_MODEL_SPENT_NOTE,
+    MFU_MODEL,
+    MFU_SPENT,
+    QUICK_SHAPE,
+    QWEN25_05B_SHAPE,
+    ModelShape,
+    Section,
+    Timing,
+    best_peak,
+    build_assets,
+    error_text,
+    measure_copy_bandwidth,
+    measure_matmul_peak,
+    run_alone,
+    shape_text,
+)
+from report import TARGETS, target_text
+
+NAME = "real_shape"
+GEN = "generation tokens/s native / HF generate (best; same weights, sampling)"
+GEN_MFU = "generation MFU native, model FLOPs (2 x params x tokens/s / matmul peak)"
+GEN_MFU_SPENT = "generation MFU native, spent FLOPs (fraction of matmul peak)"
+UPDATE = "update tokens/s ours / plain PyTorch + AdamW (best)"
+UPDATE_MFU = "update CPU MFU ours, model FLOPs (fraction of matmul peak)"
+UPDATE_MFU_SPENT = "update CPU MFU ours, spent FLOPs (fraction of matmul peak)"
+GRPO = "GRPO step time ours on-policy / TRL GRPOTrainer (best; same passes)"
+MEMORY = "log-prob stage peak ours / full [B,T,V] float32 logits"
+RATIOS = (GEN, GEN_MFU, GEN_MFU_SPENT, UPDATE, UPDATE_MFU, UPDATE_MFU_SPENT, GRPO, MEMORY)
+COLUMNS = ["stage", "impl", "seconds (best)", "tokens/s (best)", MFU_MODEL, MFU_SPENT, "peak / full logits"]
+
+
+@dataclass(frozen=True)
+class RealShapeConfig:
+    """Each stage's sizes; all four run on one checkpoint of ``generation.shape``."""
+
+    generation: GenerateBenchConfig
+    update: UpdateBenchConfig
+    grpo: GRPOBenchConfig
+    memory: MemoryBenchConfig
+
+    def __post_init__(self) -> None:
+        shapes = {stage: getattr(self, stage).shape for stage in ("update", "grpo", "memory")}
+        wrong = [stage for stage, shape in shapes.items() if shape != self.shape]
+        if wrong:
+            raise ValueError(
+                f"RealShapeConfig: {wrong} must run on the generation stage's model {self.shape}"
+            )
+
+    @property
+    def shape(self) -> ModelShape:
+        return self.generation.shape
+
+
+FULL = RealShapeConfig(
+    generation=GenerateBenchConfig(
+        QWEN25_05B_SHAPE, batch=16, prompt_len=32, new_tokens=32, repeats=2, check=GreedyCheck(2, 8),
+        static_cache=False,
+    ),
+    update=UpdateBenchConfig(
+        shape=QWEN25_05B_SHAPE, batch=4, prompt_len=32, response_len=96, micro_batch=2, repeats=2
+    ),
+    grpo=GRPOBenchConfig(
+        QWEN25_05B_SHAPE, prompts=2, group=4, prompt_len=32, response_len=32, micro_batch=4, steps=1,
+        warmup=1, rounds=1,
+    ),
+    memory=MemoryBenchConfig(shape=QWEN25_05B_SHAPE, batch=8, prompt_len=32, response_len=96, micro_batch=1),
+)  # fmt: skip
+_TINY = replace(QUICK_SHAPE, tie_word_embeddings=True)
+QUICK = RealShapeConfig(
+    generation=replace(bench_generate.QUICK, shape=_TINY),
+    update=replace(bench_update.QUICK, shape=_TINY),
+    grpo=replace(bench_grpo_step.QUICK, shape=_TINY),
+    memory=replace(bench_memory.QUICK, shape=_TINY),  # one checkpoint for all stages: V 512
+)
+
+
+# ----------------------------------------------------------------------------- stages
+
+
+def _generation(cfg: RealShapeConfig, model_dir: str, tokenizer: Any, section: Section) -> Section:
+    part = bench_generate.measure(cfg.generation, model_dir, tokenizer)
+    rows = {row["impl"]: row for row in part.rows}
+    for impl in (bench_generate.NATIVE, bench_generate.HF):
+        if impl in rows:
+            section.rows.append(_row("generation", impl, rows[impl], "seconds (best)", "tokens/s (best)"))
+    section.ratios[GEN] = part.ratios.get("tokens/s native / HF generate (best)")
+    section.ratios[GEN_MFU] = part.ratios.get("MFU native, model FLOPs (fraction of matmul peak)")
+    section.ratios[GEN_MFU_SPENT] = part.ratios.get("MFU native, spent FLOPs (fraction of matmul peak)")
+    if bench_generate.NATIVE in rows:
+        section.notes.append(
+            _generation_note(cfg, rows[bench_generate.NATIVE], part.extra, measure_copy_bandwidth())
+        )
+    return part
+
+
+def _generation_note(cfg: RealShapeConfig, native: dict[str, Any], extra: dict, bandwidth: float) -> str:
+    """Where ours' generation time goes (prefill, steps) and the two floors of a step's time."""
+    g, shape, prefill_s = cfg.generation, cfg.shape, extra["native_prefill_s"]
+    step_ms = 1000 * (native["seconds (best)"] - prefill_s) / max(g.new_tokens - 1, 1)
+    weights_gb = 4 * shape.matmul_params / 1e9
+    bound = f"; at the measured copy bandwidth {bandwidth:.1f} GB/s reading them takes >= {1000 * weights_gb / bandwidth:.0f} ms"
+    return (
+        f"generation, where the time goes: ours {native['seconds (best)']:.2f} s = prefill of {g.batch} prompts "
+        f"{prefill_s:.2f} s + {g.new_tokens - 1} one-token steps of {g.batch} rows at {step_ms:.0f} ms each. "
+        f"What bounds it: a step reads every weight once ({weights_gb:.2f} GB float32){bound}, and does "
+        f"{2 * g.batch} FLOPs per weight ({g.batch / 2:.0f} FLOPs per byte); at the matmul peak "
+        f"{extra['matmul_peak']['peak_gflops']:.0f} GFLOP/s its matmuls take >= "
+        f"{2e3 * shape.matmul_params * g.batch / extra['matmul_peak']['peak_gflops'] / 1e9:.0f} ms"
+    )
+
+
+def _update(cfg: RealShapeConfig, model_dir: str, section: Section) -> dict[str, Any]:
+    u = cfg.update
+    gemms = u.shape.gemm_shapes(u.micro_batch * u.seq_len)
+    peak_before = measure_matmul_peak(gemms, repeats=3)
+    profiles = bench_profile.profile_sides(u, model_dir, together=False)
+    peak = best_peak(peak_before, measure_matmul_peak(gemms, repeats=3))
+    impls = {"ours": bench_update.OURS, "peer": bench_update.PEER}
+    timings = {impls[side]: Timing(result["seconds"]) for side, result in profiles.items()}
+    rows = bench_update.update_rows(u, timings, peak["peak_gflops"])
+    for row in rows:
+        section.rows.append(_row("update", row["impl"], row, "step_s (best)", "tokens/s (best)"))
+    ratios = bench_update.update_ratios(rows)
+    section.ratios[UPDATE] = ratios["tokens/s ours / HF (best)"]
+    section.ratios[UPDATE_MFU] = ratios["CPU MFU ours (fraction of matmul peak)"]
+    section.ratios[UPDATE_MFU_SPENT] = ratios["CPU MFU ours, spent FLOPs (fraction of matmul peak)"]
+    section.notes.append(bench_update.peak_note(u, peak))
+    section.notes.append(_update_note(profiles))
+    return {"profile": profiles, "matmul_peak": peak, "flops": bench_update.update_flops(u)}
+
+
+def _update_note(profiles: dict[str, dict[str, Any]]) -> str:
+    def stages(side: str) -> str:
+        result = profiles[side]
+        parts = [f"{name} {s:.2f} s" for name, s in result["stages"].items() if s >= 0.01 * result["best"]]
+        return f"{result['best']:.2f} s = " + ", ".join(parts)
+
+    return (
+        f"update, where the time goes (stage clock of bench_profile, fastest repeat): ours {stages('ours')}; "
+        f"peer {stages('peer')}. What bounds it: forward and backward are float32 matmuls on both sides "
+        "(their rate against the matmul peak is the MFU); the optimizer step streams the weights, "
+        "gradients and both Adam moments (4 x 4 bytes per parameter read and written) and is memory-bound"
+    )
+
+
+def _grpo(cfg: RealShapeConfig, model_dir: str, tokenizer: Any, workdir: Path, section: Section) -> Section:
+    impls = (bench_grpo_step.OURS_ON_POLICY, bench_grpo_step.TRL)
+    workdir.mkdir(parents=True, exist_ok=True)
+    part = bench_grpo_step.measure(cfg.grpo, model_dir, tokenizer, workdir, impls=impls)
+    g = cfg.grpo
+    tokens = g.prompts * g.group * (g.prompt_len + g.response_len)
+    rows = {row["impl"]: row for row in part.rows}
+    for impl in impls:
+        if impl in rows:
+            row = {**rows[impl], "tokens/s": tokens / rows[impl]["step_s (best)"]}
+            section.rows.append(_row("GRPO step", impl, row, "step_s (best)", "tokens/s"))
+    section.ratios[GRPO] = part.ratios.get("step time ours on-policy / TRL (best; same passes as TRL)")
+    ours, trl = rows.get(bench_grpo_step.OURS_ON_POLICY), rows.get(bench_grpo_step.TRL)
+    if ours is not None and trl is not None:
+        stages = ", ".join(
+            f"{stage} {ours[stage]:.2f} s" for stage in bench_grpo_step.STAGES if ours.get(stage) is not None
+        )
+        floor = (ours.get("update_actor") or 0.0) / trl["step_s (best)"]
+        section.notes.append(
+            f"GRPO step, where the time goes: ours on-policy {ours['step_s (best)']:.2f} s ({stages}); TRL "
+            f"{trl['step_s (best)']:.2f} s (it does not time its stages). What bounds it: the update is float32 "
+            "matmuls on both sides at nearly the same FLOPs (ours runs a shared prompt once per group), so "
+            f"with everything else free the ratio would still be our update / TRL's step = {floor:.2f}"
+        )
+    return part
+
+
+def _memory(cfg: RealShapeConfig, model_dir: str, workdir: Path, section: Section) -> Section:
+    # Ours and the whole-batch HF forward (the full logits): each a fresh process of ~2 GB of weights.
+    part = bench_memory.measure(cfg.memory, model_dir, workdir, impls=("ours", "hf_whole_batch"))
+    for row in part.rows:
+        section.rows.append(
+            {"stage": "log-prob memory", "impl": row["impl"], "peak / full logits": row["peak / full logits"]}
+        )
+    section.ratios[MEMORY] = part.ratios.get("stage peak ours / full [B,T,V] float32 logits")
+    m = cfg.memory
+    section.notes.append(
+        f"log-prob memory: full [B,T,V] float32 logits of B={m.batch}, T={m.seq_len}, V={m.shape.vocab_size} are "
+        f"{m.logits_bytes(m.batch) / 2**20:.0f} MiB; one micro-batch's response logits "
+        f"[{m.micro_batch}, {m.response_len}, V] are {m.micro_batch * m.response_len * m.shape.vocab_size * 4 / 2**20:.0f} MiB; "
+        "stage peaks in MiB are in the memory part of extra.parts"
+    )
+    return part
+
+
+def _row(stage: str, impl: str, row: dict[str, Any], seconds: str, tokens: str) -> dict[str, Any]:
+    return {
+        "stage": stage,
+        "impl": impl,
+        "seconds (best)": row.get(seconds),
+        "tokens/s (best)": row.get(tokens),
+        MFU_MODEL: row.get(MFU_MODEL),
+        MFU_SPENT: row.get(MFU_SPENT),
+    }
+
+
+# ----------------------------------------------------------------------------- section
+
+
+def run(cfg: RealShapeConfig, workdir: Path) -> Section:
+    """Build the checkpoint once, run the four stages on it (each frees its models before the
+    next), and gather one table; a stage that fails records its error and the rest still run."""
+    model_dir, tokenizer = build_assets(workdir / "real_shape_model", cfg.shape)
+    section = Section(
+        name=NAME,
+        title="At Qwen2.5-0.5B's shape: generation, update, GRPO step and log-prob memory vs their peers",
+        columns=COLUMNS,
+        config={
+            "model": shape_text(cfg.shape),
+            "params": cfg.shape.matmul_params,
+            "generation": f"batch {cfg.generation.batch}, prompts {cfg.generation.prompt_len // 2}-"
+            f"{cfg.generation.prompt_len}, {cfg.generation.new_tokens} new tokens",
+            "update": f"batch {cfg.update.batch} x {cfg.update.prompt_len}+{cfg.update.response_len}, micro-batch {cfg.update.micro_batch}",
+            "GRPO": f"{cfg.grpo.prompts} prompts x {cfg.grpo.group}, {cfg.grpo.prompt_len}+{cfg.grpo.response_len}, micro-batch {cfg.grpo.micro_batch}",
+            "memory": f"B={cfg.memory.batch}, T={cfg.memory.seq_len}, micro-batch {cfg.memory.micro_batch}",
+            "threads": torch.get_num_threads(),
+        },
+        extra={"config": asdict(cfg), "parts": {}, "stage_seconds": {}},
+    )
+    stages = (
+        ("generation", lambda: _generation(cfg, model_dir, tokenizer, section)),
+        ("update", lambda: _update(cfg, model_dir, section)),
+        ("grpo_step", lambda: _grpo(cfg, model_dir, tokenizer, workdir / "grpo", section)),
+        ("memory", lambda: _memory(cfg, model_dir, workdir / "memory", section)),
+    )
+    for stage, fn in stages:
+        start = time.perf_counter()
+        try:
+            part = fn()
+        except Exception as exc:
+            section.errors[stage] = error_text(exc)
+            part = None
+        section.extra["stage_seconds"][stage] = time.perf_counter() - start
+        if isinstance(part, Section):
+            section.errors.update({f"{stage}: {who}": err for who, err in part.errors.items()})
+        section.extra["parts"][stage] = asdict(part) if isinstance(part, Section) else part
+        gc.collect()  # the stage's models are garbage in reference cycles: free them for the next
+    for key in RATIOS:
+        section.ratios.setdefault(key, None)
+    missed = [
+        key for key in RATIOS if "not met" in target_text(section.ratios[key], TARGETS.get((NAME, key)))
+    ]
+    section.notes.insert(
+        0,
+        f"targets missed: {'; '.join(missed) if missed else 'none'}; each stage's note below says where its time goes",
+    )
+    section.notes.append(FLOPS_MODEL_SPENT_NOTE)
+    return section
+
+
+def main() -> None:
+    run_alone(__doc__, run, FULL, QUICK)
+
+
+if __name__ == "__main__":
+    main()
