@@ -240,6 +240,7 @@ def build_gpt_chunks(
             share_embeddings_and_output_weights=info.tied_embeddings,
             position_embedding_type="rope",
             rotary_base=rope.theta,
+            rotary_percent=rope.rotary_percent,
             seq_len_interpolation_factor=rope.factor if rope.rope_type == "linear" else None,
             vp_stage=vp_stage,
         )

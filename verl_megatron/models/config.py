@@ -23,7 +23,6 @@ import torch
 from verl_megatron.distributed.parallel import ParallelLayout
 from verl_megatron.errors import ModelConfigError
 from verl_megatron.models.families.deepseek import (
-    MLA_MODEL_TYPES,
     MLAArchitecture,
     check_mla_split,
     mla_transformer_config,
@@ -31,6 +30,7 @@ from verl_megatron.models.families.deepseek import (
 )
 from verl_megatron.models.moe import (
     MOE_MODEL_TYPES,
+    SIGMOID_MOE_MODEL_TYPES,
     MoEArchitecture,
     check_dispatcher,
     moe_transformer_config,
@@ -39,7 +39,8 @@ from verl_megatron.models.moe import (
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", *MOE_MODEL_TYPES, *MLA_MODEL_TYPES)
+# Sigmoid-routed families: deepseek_v3 (multi-latent attention) and glm4_moe (grouped-query).
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", *MOE_MODEL_TYPES, *SIGMOID_MOE_MODEL_TYPES)
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _RECOMPUTE_KEYS = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules")
@@ -243,6 +244,8 @@ class RopeSettings:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    rotary_percent: float = 1.0
+    """Share of each head's dimensions that rotate (HF ``partial_rotary_factor``, GLM-4.5's 0.5)."""
 
 
 @dataclass(frozen=True)
@@ -301,6 +304,13 @@ def read_rope_settings(hf_config: Any) -> RopeSettings:
     )
 
 
+def _with_partial_rotary(rope: RopeSettings, hf_config: Any) -> RopeSettings:
+    """``rope`` rotating only the share ``partial_rotary_factor`` of each head (as transformers)."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    percent = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
+    return rope if percent in (None, 1.0) else dataclasses.replace(rope, rotary_percent=float(percent))
+
+
 def read_hf_architecture(hf_config: Any) -> HFArchitecture:
     """Read and check a Llama-family HF config; unsupported models raise ModelConfigError."""
     model_type = getattr(hf_config, "model_type", None)
@@ -317,6 +327,11 @@ def read_hf_architecture(hf_config: Any) -> HFArchitecture:
     mla = read_mla_architecture(hf_config)
     qkv_bias, linear_bias = (False, False) if mla else _bias_layout(hf_config)
     num_layers = hf_config.num_hidden_layers
+    rope = (
+        RopeSettings(theta=mla.rope_theta)
+        if mla
+        else _with_partial_rotary(read_rope_settings(hf_config), hf_config)
+    )
     return HFArchitecture(
         model_type=model_type,
         num_layers=hf_config.num_hidden_layers,
@@ -330,10 +345,10 @@ def read_hf_architecture(hf_config: Any) -> HFArchitecture:
         rms_norm_eps=hf_config.rms_norm_eps,
         qkv_bias=qkv_bias,
         linear_bias=linear_bias,
-        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        qk_norm=model_type in ("qwen3", "qwen3_moe") or bool(getattr(hf_config, "use_qk_norm", False)),
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         max_position_embeddings=hf_config.max_position_embeddings,
-        rope=RopeSettings(theta=mla.rope_theta) if mla else read_rope_settings(hf_config),
+        rope=rope,
         initializer_range=getattr(hf_config, "initializer_range", 0.02),
         moe=read_moe_architecture(hf_config, num_layers),
         mla=mla,
@@ -350,6 +365,8 @@ def _bias_layout(hf_config: Any) -> tuple[bool, bool]:
         return True, False  # Qwen2 always has q/k/v biases and nothing else
     if hf_config.model_type == "qwen2_moe":
         return bool(getattr(hf_config, "qkv_bias", True)), False
+    if hf_config.model_type == "glm4_moe":  # attention_bias: q/k/v only (o_proj has none)
+        return bool(getattr(hf_config, "attention_bias", False)), False
     attention_bias = bool(getattr(hf_config, "attention_bias", False))
     mlp_bias = bool(getattr(hf_config, "mlp_bias", False)) if hf_config.model_type == "llama" else False
     if attention_bias != mlp_bias:

@@ -59,6 +59,7 @@ _GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
 _CLASS_PREFIX = {
     "llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral",
     "qwen3_moe": "Qwen3Moe", "qwen2_moe": "Qwen2Moe", "mixtral": "Mixtral",
+    "deepseek_v3": "DeepseekV3", "glm4_moe": "Glm4Moe",
 }  # fmt: skip
 
 # Suffix of a megatron layer parameter -> (kind, HF suffixes). Both the local spec's names and

@@ -7,8 +7,10 @@ Supported families (``model_type``) and how their routers map onto megatron's Mo
   ``sigmoid(shared_expert_gate(x))`` (megatron's ``moe_shared_expert_gate``); q/k/v biases.
 - ``mixtral``: softmax router, top-k always renormalised; experts named ``w1`` (gate),
   ``w3`` (up), ``w2`` (down) under ``block_sparse_moe``.
-- ``deepseek_v3``: sigmoid router with an expert bias, group-limited top-k, scaled weights,
-  shared experts, first layers dense (:func:`read_sigmoid_moe`; ``models/families/deepseek.py``).
+- ``deepseek_v3``, ``glm4_moe`` (GLM-4.5): sigmoid router with an expert bias, group-limited top-k,
+  scaled weights, shared experts, first layers dense (:func:`read_sigmoid_moe`;
+  ``models/families/deepseek.py``). GLM-4.5 has grouped-query attention with q/k/v biases, optional
+  QK-norm and a partial rotary embedding (``partial_rotary_factor``, megatron's ``rotary_percent``).
 
 Softmax-then-top-k without renormalisation is megatron's ``moe_router_pre_softmax=True``;
 with renormalisation it is top-k-then-softmax (``pre_softmax=False``), the same numbers.
@@ -31,7 +33,7 @@ from typing import Any
 
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
 # Sigmoid routing with expert bias and groups (DeepSeek-V3): read by :func:`read_sigmoid_moe`.
-SIGMOID_MOE_MODEL_TYPES = ("deepseek_v3",)
+SIGMOID_MOE_MODEL_TYPES = ("deepseek_v3", "glm4_moe")
 EXPERT_BIAS_UPDATE_RATE = 1e-3
 """megatron's ``moe_router_bias_update_rate`` for sigmoid routers with an expert bias (DeepSeek-V3's
 bias update speed; ``model.override_transformer_config.moe_router_bias_update_rate=0`` freezes it)."""
