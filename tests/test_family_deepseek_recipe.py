@@ -61,8 +61,8 @@ def test_grpo_deepseek_v3_recipe_runs_a_step(pool1, ds_assets, tmp_path):
 
 
 REFUSED = [
-    ("lora", ["model.lora_rank=8"], "model.lora_rank > 0: LoRA adapters exist for grouped-query attention"),
-    ("parity", ["rollout.bitwise_parity=true"], "rollout.bitwise_parity=true: the batch-invariant kernels"),
+    ("lora", ["model.lora_rank=8"], "model.lora_rank > 0: LoRA is not supported with multi-latent attention"),
+    ("parity", ["rollout.bitwise_parity=true"], "rollout.bitwise_parity=true is not supported with multi-latent"),
 ]  # fmt: skip
 
 
@@ -78,12 +78,19 @@ def test_missing_mla_features_are_one_named_line(
     assert expected in err[0], err[0]
 
 
-def test_context_parallelism_is_refused_with_mla():
+def test_unverified_features_are_refused_for_both_families():
     from verl_megatron.errors import ConfigError
-    from verl_megatron.models.families.deepseek import check_mla_features
+    from verl_megatron.models.families.deepseek import check_family_features
 
     with pytest.raises(
         ConfigError, match=r"parallel.cp=2: context parallelism is not supported with multi-latent"
     ):
-        check_mla_features(lora_rank=0, bitwise_parity=False, cp=2)
-    check_mla_features(lora_rank=0, bitwise_parity=False, cp=1)
+        check_family_features("deepseek_v3", lora_rank=0, bitwise_parity=False, cp=2)
+    with pytest.raises(ConfigError, match=r"rollout.bitwise_parity=true is not supported with glm4_moe"):
+        check_family_features("glm4_moe", lora_rank=0, bitwise_parity=True, cp=1)
+    with pytest.raises(ConfigError, match=r"model.lora_rank > 0: LoRA is not supported with glm4_moe"):
+        check_family_features("glm4_moe", lora_rank=4, bitwise_parity=False, cp=1)
+    check_family_features("deepseek_v3", lora_rank=0, bitwise_parity=False, cp=1)
+    check_family_features(
+        "qwen3_moe", lora_rank=4, bitwise_parity=True, cp=2
+    )  # other families: their own checks

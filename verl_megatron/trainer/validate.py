@@ -23,7 +23,7 @@ from verl_megatron.errors import ConfigError, ModelConfigError, ParallelConfigEr
 from verl_megatron.models import routing_replay
 from verl_megatron.models.checkpoint_check import check_hf_weights
 from verl_megatron.models.config import check_layout, load_hf_config, read_hf_architecture
-from verl_megatron.models.families.deepseek import check_mla_features
+from verl_megatron.models.families.deepseek import check_family_features
 from verl_megatron.models.moe import MOE_MODEL_TYPES, check_trainable
 from verl_megatron.reward.loading import resolve_reward_manager_cls
 from verl_megatron.reward.model_rewards import check_model_rewards
@@ -357,11 +357,12 @@ def check_model_fits(layout: ParallelLayout, model_path: str, sequence_parallel:
 
 def _check_family_features(config: PPOConfig, layout: ParallelLayout) -> None:
     """Trainer features a model family does not have yet (models/families/), named at start-up."""
-    arch = read_hf_architecture(load_hf_config(config.model.path))
-    if arch.mla is not None:
-        check_mla_features(
-            lora_rank=config.model.lora_rank, bitwise_parity=config.rollout.bitwise_parity, cp=layout.cp
-        )
+    check_family_features(
+        load_hf_config(config.model.path).model_type,
+        lora_rank=config.model.lora_rank,
+        bitwise_parity=config.rollout.bitwise_parity,
+        cp=layout.cp,
+    )
 
 
 def _resolve_layout(config: PPOConfig, world_size: int) -> ParallelLayout:

@@ -212,24 +212,30 @@ def hf_mla_names(rest: str) -> tuple[str, tuple[str, ...]] | None:
     return "copy", (f"self_attn.{suffix}",)
 
 
-def check_mla_features(*, lora_rank: int, bitwise_parity: bool, cp: int) -> None:
-    """Refuse the trainer features multi-latent attention does not have yet (ModelConfigError naming the key)."""
+def check_family_features(model_type: str, *, lora_rank: int, bitwise_parity: bool, cp: int) -> None:
+    """Refuse the trainer features the DeepSeek-V3 / GLM-4.5 families do not have (or have not been
+    verified with) yet: ModelConfigError naming the key."""
+    if model_type not in ("deepseek_v3", "glm4_moe"):
+        return
+    what = (
+        "multi-latent attention (deepseek_v3)"
+        if model_type == "deepseek_v3"
+        else "glm4_moe (not verified yet)"
+    )
     if lora_rank > 0:
         raise ModelConfigError(
-            "model.lora_rank > 0: LoRA adapters exist for grouped-query attention (q/k/v/o_proj) and dense "
-            "MLPs; multi-latent attention's projections (q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj) "
-            "and routed experts have none yet (deepseek_v3); set model.lora_rank=0"
+            f"model.lora_rank > 0: LoRA is not supported with {what}: adapters exist for grouped-query "
+            "attention (q/k/v/o_proj) and dense MLPs, not for MLA's q_a_proj/q_b_proj/kv_a_proj_with_mqa/"
+            "kv_b_proj or routed experts; set model.lora_rank=0"
         )
     if bitwise_parity:
         raise ModelConfigError(
-            "rollout.bitwise_parity=true: the batch-invariant kernels and the parity decoder do not cover "
-            "multi-latent attention (deepseek_v3); set it to false (algorithm.rollout_correction corrects "
-            "the rollout/training mismatch)"
+            f"rollout.bitwise_parity=true is not supported with {what}: set it to false "
+            "(algorithm.rollout_correction corrects the rollout/training mismatch)"
         )
     if cp > 1:
         raise ModelConfigError(
-            f"parallel.cp={cp}: context parallelism is not supported with multi-latent attention (deepseek_v3) "
-            "yet; use parallel.cp=1"
+            f"parallel.cp={cp}: context parallelism is not supported with {what}; use parallel.cp=1"
         )
 
 
