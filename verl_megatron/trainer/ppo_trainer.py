@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-import os
 import sys
 import weakref
 from collections.abc import Iterator
@@ -40,6 +39,7 @@ from verl_megatron.trainer import metrics as M
 from verl_megatron.trainer.components import Components, RewardFn, total_training_steps
 from verl_megatron.trainer.config import PPOConfig, to_dict
 from verl_megatron.trainer.distill_stage import DistillTeacher, distill_advantages, teacher_log_probs
+from verl_megatron.trainer.final_export import export_final_model
 from verl_megatron.trainer.guard import DivergenceGuard
 from verl_megatron.trainer.parity_probe import parity_probe
 from verl_megatron.trainer.ppo.rollout_correction import apply_rollout_correction
@@ -538,17 +538,12 @@ class PPOTrainer:
 
     def _finish(self) -> dict[str, float]:
         trainer = self.config.trainer
-        if trainer.export_hf:
-            from verl_megatron.models.convert import export_hf_weights
-
-            out_dir = os.path.join(trainer.default_local_dir, "hf_export")
-            export_hf_weights(self.actor.chunks, self.runtime, out_dir, self.hf_config, self.tokenizer)
+        if trainer.export_hf:  # hf_export/ (and lora_adapter/ with LoRA)
+            out_dir = export_final_model(
+                self.actor.chunks, self.runtime, trainer.default_local_dir, self.hf_config, self.tokenizer,
+                self.config.model,
+            )  # fmt: skip
             self.tracker.print(f"exported the final actor as a Hugging Face model to {out_dir}")
-            from verl_megatron.models.lora_export import export_final_adapter
-
-            export_final_adapter(
-                self.actor.chunks, self.runtime, trainer.default_local_dir, self.config.model
-            )
         png = self.tracker.finish()
         if png:
             self.tracker.print(f"metrics: {self.tracker.jsonl_path}; curves: {png}")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ import torch
 from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.trainer import metrics as M
 from verl_megatron.trainer.config import PPOConfig, load_config, to_dict, validate_config
+from verl_megatron.trainer.final_export import export_final_model
 from verl_megatron.trainer.guard import DivergenceGuard
 from verl_megatron.trainer.progress import DataSizes
 from verl_megatron.trainer.tracking import Tracking
@@ -255,17 +255,11 @@ class SFTTrainer:
     def _finish(self) -> dict[str, float]:
         trainer = self.config.trainer
         if trainer.export_hf:
-            from verl_megatron.models.convert import export_hf_weights
-            from verl_megatron.models.lora_export import export_final_adapter
-
-            out_dir = os.path.join(trainer.default_local_dir, "hf_export")
-            export_hf_weights(
-                self.actor.chunks, self.runtime, out_dir, self.parts.hf_config, self.parts.tokenizer
-            )
+            out_dir = export_final_model(
+                self.actor.chunks, self.runtime, trainer.default_local_dir, self.parts.hf_config,
+                self.parts.tokenizer, self.config.model,
+            )  # fmt: skip
             self.tracker.print(f"exported the final model as a Hugging Face model to {out_dir}")
-            export_final_adapter(
-                self.actor.chunks, self.runtime, trainer.default_local_dir, self.config.model
-            )
         png = self.tracker.finish()
         if png:
             self.tracker.print(f"metrics: {self.tracker.jsonl_path}; curves: {png}")
