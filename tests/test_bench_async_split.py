@@ -24,7 +24,8 @@ def test_every_process_gets_its_share_of_the_cores():
     assert bench.run_env(2)["OMP_NUM_THREADS"] == "1"
     assert bench.run_env(4)["OMP_NUM_THREADS"] == "2"
     # No mode pins its own thread count or micro-batch: both come from the split and the product.
-    assert not any("threads" in o or "micro_batch" in o for o in sum(bench.MODES.values(), []))
+    overrides = [o for mode in bench.MODES.values() for o in mode]
+    assert not any("threads" in o or "micro_batch" in o for o in overrides)
 
 
 def test_workloads_uniform_and_long_tailed():
@@ -48,4 +49,15 @@ def test_ceiling_note_is_the_sync_step_over_the_trainers_busy_time():
         }
     )
     note = bench._ceiling_note("w", {"sync": sync, "async": asyn})
-    assert "busy 1.000 s" in note and note.endswith("cannot exceed 1.50x here however its generation overlaps")
+    assert "busy 1.000 s" in note and note.endswith(
+        "cannot exceed 1.50x here however its generation overlaps"
+    )
+
+
+def test_bypass_bound_is_the_step_without_its_old_log_prob_stage():
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    bench = importlib.import_module("bench_bypass")
+    assert bench.bypass_bound(0.5, 0.055) == (0.5 - 0.055) / 0.5  # 0.89: the stage's 11% share
+    assert bench.bypass_bound(None, 0.1) is None and bench.bypass_bound(0.5, None) is None
+    assert bench.FULL.rounds == 3 and bench.FULL.steps == 3  # 9 timed steps a variant, alternating
