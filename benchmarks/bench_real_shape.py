@@ -222,8 +222,8 @@ def _memory(cfg: RealShapeConfig, model_dir: str, workdir: Path, section: Sectio
     m = cfg.memory
     section.notes.append(
         f"log-prob memory: full [B,T,V] float32 logits of B={m.batch}, T={m.seq_len}, V={m.shape.vocab_size} are "
-        f"{m.logits_bytes(m.batch) / 2**20:.0f} MiB; one micro-batch's response logits "
-        f"[{m.micro_batch}, {m.response_len}, V] are {m.micro_batch * m.response_len * m.shape.vocab_size * 4 / 2**20:.0f} MiB; "
+        f"{m.logits_bytes(m.batch) / 2**20:.1f} MiB; one micro-batch's response logits "
+        f"[{m.micro_batch}, {m.response_len}, V] are {m.micro_batch * m.response_len * m.shape.vocab_size * 4 / 2**20:.1f} MiB; "
         "stage peaks in MiB are in the memory part of extra.parts"
     )
     return part
