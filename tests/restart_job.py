@@ -3,6 +3,7 @@ rank's worker process, wait for a checkpoint, compare two runs' metrics (every k
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -71,53 +72,67 @@ def torchrun(launcher_args: list[str], overrides: list[str]) -> list[str]:
     ]  # fmt: skip
 
 
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a launcher and every process under it (torchrun starts each worker in a session of
+    its own: killing the launcher's process group would leave the workers running)."""
+    import psutil
+
+    try:
+        family = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
+    except psutil.NoSuchProcess:
+        family = []
+    for member in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            member.kill()
+    proc.communicate()
+
+
 def run_group(
     command: list[str], timeout: float, cwd: str | os.PathLike = ROOT
 ) -> subprocess.CompletedProcess:
-    """Run a launcher in its own session; on timeout its whole process group goes (no orphaned workers)."""
-    import signal
-
+    """Run a launcher; on timeout it and its workers go (none left running)."""
     proc = subprocess.Popen(
-        command, cwd=cwd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
+        command, cwd=cwd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )  # fmt: skip
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        kill_tree(proc)
+        out, err = "", ""
         raise AssertionError(f"{command[:6]} ran over {timeout} s:\n{out[-3000:]}\n{err[-5000:]}") from None
     return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
 def two_nodes(port: int, overrides: list[str], node: int, restarts: int = 0) -> subprocess.Popen:
     """Node ``node`` of a two-"node" job on this machine: its own torchrun agent (c10d rendezvous
-    on localhost), one process, in its own session (a whole node can be killed)."""
+    on localhost), one process."""
     launcher = [
         "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1", "--rdzv-backend=c10d",
         f"--rdzv-endpoint=localhost:{port}", "--rdzv-id=two-nodes", f"--max-restarts={restarts}",
     ]  # fmt: skip
     return subprocess.Popen(
         torchrun(launcher, overrides), cwd=ROOT, env=env(), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
 
 
 def finish(procs: list[subprocess.Popen], timeout: float) -> list[str]:
-    """Wait for launchers started in their own sessions; on a timeout kill their process groups."""
-    import signal
-
+    """Wait for launchers; any still running after ``timeout`` goes with its workers."""
     try:
         return [proc.communicate(timeout=timeout)[0] for proc in procs]
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate()
+        stop(procs)
 
 
-def worker(launcher: subprocess.Popen, rank: int, deadline_s: float = 300.0) -> int:
-    """The pid of the training process of global ``rank`` started by this torchrun."""
+def stop(procs: list[subprocess.Popen]) -> None:
+    """Kill, with their workers, the launchers still running."""
+    for proc in procs:
+        if proc.poll() is None:
+            kill_tree(proc)
+
+
+def worker(launcher: subprocess.Popen, rank: int | None, deadline_s: float = 300.0) -> int:
+    """The pid of the training process of global ``rank`` (None: any) started by this torchrun."""
     import psutil
 
     end = time.monotonic() + deadline_s
@@ -127,7 +142,9 @@ def worker(launcher: subprocess.Popen, rank: int, deadline_s: float = 300.0) -> 
                 environ = child.environ()
             except psutil.Error:
                 continue
-            if environ.get("RANK") == str(rank) and "verl_megatron.train" in " ".join(child.cmdline()):
+            if rank in (None, int(environ.get("RANK", -1))) and "verl_megatron.train" in " ".join(
+                child.cmdline()
+            ):
                 return child.pid
         time.sleep(0.05)
     raise AssertionError(f"no rank {rank} worker under torchrun pid {launcher.pid} within {deadline_s} s")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -31,15 +30,12 @@ def test_a_killed_node_ends_the_other_within_the_deadline(tmp_path):
     nodes = [job.two_nodes(port, overrides, node) for node in (0, 1)]
     try:
         job.wait_for_checkpoint(out, 2, nodes)
-        os.killpg(nodes[1].pid, signal.SIGKILL)  # node 1: its agent and its worker
+        job.kill_tree(nodes[1])  # node 1 is lost: its agent and its worker
         killed = time.monotonic()
         output, _ = nodes[0].communicate(timeout=DEADLINE_S)
         took = time.monotonic() - killed
     finally:
-        for proc in nodes:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+        job.stop(nodes)
     assert nodes[0].returncode not in (0, None), output[-3000:]
     assert took < DEADLINE_S
     print(f"node 1 killed -> node 0's torchrun exited with {nodes[0].returncode} after {took:.1f} s")

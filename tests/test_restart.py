@@ -38,7 +38,7 @@ def test_torchrun_restarts_a_killed_rank_and_the_run_resumes_exactly(tmp_path):
     overrides = [*job.job_overrides(out, scorer, 0.05, steps), "trainer.resume_mode=disable"]
     proc = subprocess.Popen(
         job.torchrun(launcher_args, overrides), cwd=job.ROOT, env=job.env(), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
         rank1 = job.worker(proc, rank=1)
@@ -47,9 +47,7 @@ def test_torchrun_restarts_a_killed_rank_and_the_run_resumes_exactly(tmp_path):
         killed = time.monotonic()
         output, _ = proc.communicate(timeout=600)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+        job.stop([proc])
     took = time.monotonic() - killed
     assert proc.returncode == 0, output[-4000:]
     # One restart, and it resumed from the checkpoint published before the kill.
@@ -58,3 +56,37 @@ def test_torchrun_restarts_a_killed_rank_and_the_run_resumes_exactly(tmp_path):
     assert "resumed from step 2" in output, output[-4000:]
     job.assert_same_metrics(read_jsonl_metrics(out / "metrics.jsonl"), reference)
     print(f"rank 1 killed -> restarted run finished after {took:.1f} s")
+
+
+def test_a_restart_before_the_first_checkpoint_starts_over(tmp_path, monkeypatch):
+    """No checkpoint yet: the attempt starts over, dropping only a metrics.jsonl this job wrote
+    (newer than its launcher); with a checkpoint it resumes, even from resume_mode=disable."""
+    from verl_megatron.trainer.config import default_config_path, load_config
+    from verl_megatron.trainer.trainer_checkpoint import restarted
+
+    config = load_config(
+        default_config_path(), [f"trainer.default_local_dir={tmp_path}", "trainer.resume_mode=disable"]
+    )
+    assert restarted(config, rank=0) == (config, None)  # the first attempt
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 0}\n')
+    os.utime(metrics, (1e9, 1e9))  # written before this process's launcher started: another run's
+    assert restarted(config, rank=0)[1] == "torchrun restart 1 of 2: no checkpoint yet, starting over"
+    assert metrics.exists()
+    os.utime(metrics)  # written now: this job's own
+    restarted(config, rank=1)
+    assert metrics.exists()  # rank 0 alone drops it
+    restarted(config, rank=0)
+    assert not metrics.exists()
+
+    step = tmp_path / "global_step_2"
+    step.mkdir()
+    (step / "checkpoint_complete.json").write_text('{"format_version": 1, "step": 2, "parts": []}')
+    resumed, line = restarted(config, rank=0)
+    from verl_megatron.checkpoint import find_latest_checkpoint
+
+    assert find_latest_checkpoint(tmp_path) == step, "the fake checkpoint should count as complete"
+    assert line == "torchrun restart 1 of 2: resuming from the newest intact checkpoint"
+    assert resumed.trainer.resume_mode == "auto" and config.trainer.resume_mode == "disable"
