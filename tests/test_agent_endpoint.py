@@ -191,7 +191,7 @@ def test_limits_failures_and_deadline(char_tokenizer):
             messages = list(task.messages)
             if kind == "4":  # hangs after one call
                 client.chat(messages)
-                release.wait(60)
+                release.wait(600)
             for _ in range(5):
                 reply = client.chat(messages)  # the 4th raises EndpointError(max_turns)
                 messages += [reply["choices"][0]["message"], {"role": "user", "content": "1"}]
@@ -218,7 +218,7 @@ def test_limits_failures_and_deadline(char_tokenizer):
     assert list(cols["agent_turns"]) == [3, 1, 1, 1]
     mask = out.batch["response_mask"].sum(-1).tolist()
     assert mask[0] == 6 and mask[1:] == [0, 0, 0]  # truncated: trained; the environment's failures: not
-    assert 3.0 <= elapsed < 3.0 + 10.0, elapsed  # bounded by the deadline, not by the hang (60 s)
+    assert 3.0 <= elapsed < 300.0, elapsed  # the deadline (3 s) ended it, not the hang (600 s)
     assert not any(t.name == "policy-endpoint" for t in threading.enumerate())
     host, port = url.split("//")[1].split("/")[0].split(":")
     with pytest.raises(ConnectionRefusedError), socket.create_connection((host, int(port)), timeout=2):

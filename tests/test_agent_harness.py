@@ -35,7 +35,7 @@ def test_tools_run_in_the_sandbox_with_per_call_limits(tmp_path):
 
     hang = tmp_path / "hang.py"
     hang.write_text("def spin(x):\n    while True:\n        pass\n")
-    agent = AgentConfig(enable=True, harness="tools", tool_wall_s=1.0, tool_cpu_s=1.0,
+    agent = AgentConfig(enable=True, harness="tools", tool_wall_s=30.0, tool_cpu_s=1.0,
                         kwargs={"tools": {"lookup": LOOKUP, "spin": {"function": f"{hang}:spin", "parameters": ["x"]}},
                                 "score": "verl_megatron.reward.agents.tools:lookup_score"})  # fmt: skip
     harness = build_harness(agent)
@@ -44,7 +44,8 @@ def test_tools_run_in_the_sandbox_with_per_call_limits(tmp_path):
     assert harness._run(call, 0, calls) == lookup_value("37", 0) == calls[0].result
     start = time.monotonic()
     spun = harness._run({"function": {"name": "spin", "arguments": '{"x": "1"}'}}, 1, calls)
-    assert spun.startswith("tool error: ") and time.monotonic() - start < 10
+    assert spun == "tool error: timeout" or spun == "tool error: cpu_limit", spun  # killed: it never ends
+    assert time.monotonic() - start < 120
     assert harness._run({"function": {"name": "nope", "arguments": "{}"}}, 1, calls).startswith(
         "tool error: no tool"
     )
@@ -59,8 +60,6 @@ def test_tools_run_in_the_sandbox_with_per_call_limits(tmp_path):
         0.375,
         [0.1 + 0.075],
     )
-    with pytest.raises(ConfigError, match=r"rollout\.agent\.harness=verifiers"):
-        build_harness(AgentConfig(enable=True, harness="verifiers"))
     with pytest.raises(ConfigError, match=r"rollout\.agent\.kwargs\.tools\.bad\.function"):
         build_harness(
             AgentConfig(
