@@ -5,7 +5,7 @@ multi-latent attention with q/kv latents, YaRN rotary scaling with mscale, a fir
 8 routed experts in 4 groups with an ``e_score_correction_bias`` large enough to change the
 choice, one shared expert and ``routed_scaling_factor``; and a dense MLA model without a query
 latent (``q_lora_rank=None``). float32 logits must equal transformers' to 1e-4 at tp=1, tp=2,
-pp=2 and ep=2, and the export (under ep=2 and pp=2) must be byte-identical to the file it was
+pp=2, ep=2 and ep=2 x pp=2 (4 processes), and the export (under ep=2 and pp=2) must be byte-identical to the file it was
 loaded from, the expert biases included.
 """
 
@@ -79,3 +79,22 @@ def test_deepseek_export_is_byte_identical(pool2, ds_models, tmp_path, layout):
     for name, path in paths.items():
         original, exported = os.path.join(path, "model.safetensors"), tmp_path / name / "model.safetensors"
         assert filecmp.cmp(original, exported, shallow=False), f"{name}: export differs from {original}"
+
+
+@pytest.fixture(scope="module")
+def pool4():
+    """Four processes: expert parallelism inside a pipeline stage (ep=2 x pp=2, dp=2)."""
+    from verl_megatron.distributed.dist_pool import DistPool
+
+    pool = DistPool(4)
+    yield pool
+    pool.close()
+
+
+def test_deepseek_logits_match_transformers_ep2_pp2(pool4, ds_models, ds_reference):
+    layout = dict(ep=2, pp=2)
+    results = pool4.run(
+        "tests.test_moe_models:moe_parity_job", paths=_moe_only(ds_models, layout), layout=layout
+    )
+    for rank in (2, 3):  # the last pipeline stage: its two expert-parallel ranks
+        _assert_matches(results[rank], ds_reference)
