@@ -43,7 +43,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STALL_TIMEOUT_S = 10
 # Slack over the stall timeout for the look interval, writing the stacks and torchrun's own exit on a
 # loaded machine: a bound far below the 30-minute process-group timeout a stalled job used to wait.
-EXIT_SLACK_S = 30
+EXIT_SLACK_S = 60
 START_LIMIT_S = 240  # start-up of 7 jobs side by side on 2 shared cores
 # The healthy case: a scorer computing for 8 s at a 5 s stall timeout is slow, not stalled.
 SLOW_TIMEOUT_S, SLOW_BUSY_S = 5, 8

@@ -33,7 +33,6 @@ import contextlib
 import faulthandler
 import json
 import os
-import resource
 import select
 import signal
 import socket
@@ -48,6 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from verl_megatron.distributed.procfs import boot_id, cpu_by_process, proc_state, same_process, stat_fields
 from verl_megatron.errors import is_user_error
 
 __all__ = ["STALL_EXIT_CODE", "Watchdog", "WatchdogSettings", "start_watchdog"]
@@ -81,60 +81,8 @@ class _Seen:
     record: dict[str, Any] | None
     beat_at: float
     progress_at: float
-
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return socket.gethostname()
-
-
-def _proc_state(pid: int) -> tuple[str, str] | None:
-    """(state letter, start time) of a process of this machine, None when there is none."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return fields[0], fields[19]
-
-
-def _cpu_by_process(pid: int, own_thread_s: float) -> dict[int, float]:
-    """CPU seconds of process ``pid`` (less ``own_thread_s``, the calling thread's) and of each of
-    its live descendants, read from /proc."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    cpu = {pid: usage.ru_utime + usage.ru_stime - own_thread_s}
-    tick = os.sysconf("SC_CLK_TCK")
-    parents = [pid]
-    while parents:
-        parent = parents.pop()
-        try:
-            tasks = os.listdir(f"/proc/{parent}/task")
-        except OSError:
-            continue
-        for task in tasks:
-            try:
-                with open(f"/proc/{parent}/task/{task}/children") as f:
-                    children = [int(c) for c in f.read().split()]
-            except OSError:
-                continue
-            for child in children:
-                try:
-                    with open(f"/proc/{child}/stat") as f:
-                        fields = f.read().rsplit(")", 1)[1].split()
-                except OSError:
-                    continue
-                cpu[child] = (int(fields[11]) + int(fields[12])) / tick
-                parents.append(child)
-    return cpu
-
-
-def _same_process(record: dict[str, Any]) -> bool:
-    """Whether the record's process still runs on this machine (a zombie has ended)."""
-    state = _proc_state(record["pid"])
-    return state is not None and state[0] != "Z" and state[1] == record["started"]
+    cpu: str = ""
+    """utime + stime of its process (same machine only), when its heartbeat is late."""
 
 
 def _first_sentence(error: BaseException) -> str:
@@ -147,7 +95,7 @@ def _first_sentence(error: BaseException) -> str:
 
 def _ranks(ranks: list[int]) -> str:
     """``rank 3`` / ``ranks 0-2,5``."""
-    parts: list[str] = []
+    parts: list[tuple[int, int]] = []
     for r in sorted(ranks):
         if parts and parts[-1][1] == r - 1:
             parts[-1] = (parts[-1][0], r)
@@ -181,8 +129,8 @@ class Watchdog:
         self._seen: dict[int, _Seen] = {}
         self._wake: tuple[socket.socket, socket.socket] | None = None
         self._previous: tuple[Any, int] | None = None
-        self._identity = {"host": socket.gethostname(), "boot": _boot_id(), "pid": os.getpid()}
-        self._identity["started"] = (_proc_state(os.getpid()) or ("", ""))[1]
+        self._identity = {"host": socket.gethostname(), "boot": boot_id(), "pid": os.getpid()}
+        self._identity["started"] = (proc_state(os.getpid()) or ("", ""))[1]
         self._store_failing_since: float | None = None
         self._error: BaseException | None = None
         self._ending = threading.Lock()
@@ -316,7 +264,7 @@ class Watchdog:
         """Bump the progress counter when this rank worked since the last look: a stage mark, CPU
         time of this process (the watchdog's thread aside) or of a process it started (a scorer
         worker, a compiler), or a change of the watched thread's Python stack."""
-        cpu = _cpu_by_process(os.getpid(), time.thread_time())
+        cpu = cpu_by_process(os.getpid(), time.thread_time())
         frame, stack = sys._current_frames().get(self._watched), []
         while frame is not None:
             stack.append((id(frame.f_code), frame.f_lasti))
@@ -376,6 +324,22 @@ class Watchdog:
             if seen.record is None or record["progress"] != seen.record["progress"]:
                 seen.progress_at = now
             seen.record = record
+            if now - seen.beat_at > 2 * self.settings.interval_s and record["boot"] == self._identity["boot"]:
+                self._look_at_process(seen, now)
+
+    @staticmethod
+    def _look_at_process(seen: _Seen, now: float) -> None:
+        """A late heartbeat of a process of this machine that still burns CPU is a rank starved of
+        CPU or of the interpreter lock (a long C call, an overloaded machine), not a stopped one:
+        alive and working."""
+        record = seen.record or {}
+        fields = stat_fields(record["pid"])
+        if fields is None or fields[19] != record["started"]:
+            return
+        cpu = f"{fields[11]}+{fields[12]}"
+        if seen.cpu and cpu != seen.cpu:
+            seen.beat_at = seen.progress_at = now
+        seen.cpu = cpu
 
     # ------------------------------------------------------------------ deciding and ending
 
@@ -472,7 +436,7 @@ class Watchdog:
         if record is None or record["state"] not in ("running", "stalled"):
             return False
         if record["boot"] == self._identity["boot"]:
-            return not _same_process(record)
+            return not same_process(record["pid"], record["started"])
         return time.monotonic() - seen.beat_at > 2 * self.settings.interval_s + 1
 
     def _end(self, line: str, report: bool, code: int, wake_peers: bool = False) -> None:
@@ -518,14 +482,14 @@ class Watchdog:
             and now - beat_at > 2 * self.settings.interval_s + 1
             and record["boot"] == self._identity["boot"]
             and record["state"] == "running"
-            and _same_process(record)
+            and same_process(record["pid"], record["started"])
         ]
         for pid in stopped:
             os.kill(pid, signal.SIGCONT)
         deadline = time.monotonic() + _PEER_GRACE_S
         while stopped and time.monotonic() < deadline:
             time.sleep(0.1)
-            stopped = [pid for pid in stopped if (_proc_state(pid) or ("Z",))[0] != "Z"]
+            stopped = [pid for pid in stopped if (proc_state(pid) or ("Z",))[0] != "Z"]
         for pid in stopped:
             os.kill(pid, signal.SIGKILL)
 

@@ -43,7 +43,8 @@ def watched(config: PPOConfig, group: dist.ProcessGroup | None = None) -> Iterat
     """This rank's watchdog over ``group`` (default: the job) for the ``with`` block; None with one
     process or ``trainer.stall_timeout_s=0``. A collective: every rank of ``group`` enters together."""
     trainer = config.trainer
-    if trainer.stall_timeout_s > 0 and dist.is_initialized():
+    world = 0 if not dist.is_initialized() else dist.get_world_size() if group is None else group.size()
+    if trainer.stall_timeout_s > 0 and world > 1:  # one process has no watchdog
         _load_cpu_kernels(config)
     watchdog = start_watchdog(WatchdogSettings(trainer.stall_timeout_s, trainer.default_local_dir), group)
     if watchdog is None:
