@@ -101,3 +101,23 @@ def test_agent_reward_manager_places_turn_and_trajectory_rewards():
     ] == [2.0, 0.0]
     with pytest.raises(ValueError, match=r"rollout\.agent\.enable=true"):
         manager(DataProto.from_dict({"responses": torch.zeros(1, 2), "attention_mask": torch.ones(1, 4)}))
+
+
+def test_agent_config_errors_name_the_key():
+    from verl_megatron.errors import RolloutConfigError
+    from verl_megatron.rollout.config import RolloutConfig
+
+    tools = AgentConfig(enable=True, harness="tools")
+    cases = [
+        ({"agent": AgentConfig(enable=True)}, r"needs rollout\.agent\.harness"),
+        ({"agent": tools, "placement": "separate", "world_size": 1}, r"rollout\.placement=colocated"),
+        ({"agent": tools, "name": "vllm"}, r"rollout\.name=native"),
+        ({"agent": AgentConfig(enable=True, harness="x", tool_call_format="xml")}, r"tool_call_format"),
+        (
+            {"agent": AgentConfig(enable=True, harness="x", max_turns=0)},
+            r"rollout\.agent\.max_turns must be > 0",
+        ),
+    ]
+    for fields, message in cases:
+        with pytest.raises(RolloutConfigError, match=message):
+            RolloutConfig(**fields)

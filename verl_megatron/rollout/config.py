@@ -287,10 +287,15 @@ def _check_agent(rollout: RolloutConfig) -> None:
             "rollout.agent.enable=true needs rollout.agent.harness (verifiers, openenv, tools, or "
             "'pkg.module:name' / '/path/file.py:name' of a harness factory)"
         )
-    if rollout.multi_turn.enable or rollout.bitwise_parity or rollout.name != "native":
+    if (
+        rollout.multi_turn.enable
+        or rollout.bitwise_parity
+        or rollout.name != "native"
+        or rollout.placement != "colocated"
+    ):
         raise RolloutConfigError(
-            "rollout.agent.enable=true needs rollout.name=native without rollout.multi_turn and "
-            "rollout.bitwise_parity (the endpoint serves the native engine)"
+            "rollout.agent.enable=true needs rollout.name=native, rollout.placement=colocated, without "
+            "rollout.multi_turn and rollout.bitwise_parity (the endpoint serves the colocated native engine)"
         )
     if agent.tool_call_format not in ("hermes", "bare", "none"):
         raise RolloutConfigError(
