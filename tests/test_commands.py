@@ -128,6 +128,13 @@ def test_every_printed_command_is_known():
         "torchrun --nproc_per_node=8 -m verl_megatron.train --config configs/ppo.yaml model.path=/path/to/hf/checkpoint"
         " parallel.tp=2 parallel.pp=2",
         "verl-megatron check-hf /path/to/hf/checkpoint --tp 2 --pp 1",
+        "verl-megatron sft",  # run, and the template checked, in tests/test_sft_commands.py
+        "verl-megatron sft --config configs/sft.yaml model.path=/path/to/hf data.train_files=[train.parquet]"
+        " data.val_files=[val.parquet]",
+        "verl-megatron train --config configs/distill_quickstart.yaml",
+        # run by tests/test_plan_cli.py
+        "verl-megatron plan --config configs/grpo.yaml model.path=verl_megatron/planner/configs/Qwen3-8B"
+        " parallel.tp=2 actor.optim.use_distributed_optimizer=true --gpus 8 --gpu-memory 80GiB",
         "verl-megatron --version",
         RUN[4],
         "verl-megatron check-hf DIR --ep 2",
@@ -144,6 +151,11 @@ def test_every_printed_command_is_known():
     for name in ("dapo", "grpo", "grpo_moe", "grpo_rm"):
         assert len(headers[f"configs/{name}.yaml"]) == 1, name
     assert len(headers["launch/single_node.sh"]) == 1 and len(headers["launch/slurm.sbatch"]) == 1
+    # SFT and distillation (tests/test_sft_commands.py): the quickstarts run, the templates checked.
+    assert len(headers["configs/sft.yaml"]) == 2
+    assert headers["configs/sft_quickstart.yaml"][0] == "verl-megatron sft"
+    distill = ["verl-megatron sft", "verl-megatron train --config configs/distill_quickstart.yaml"]
+    assert headers["configs/distill_quickstart.yaml"] == distill
 
 
 def _free_port() -> int:

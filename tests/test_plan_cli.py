@@ -110,3 +110,14 @@ def test_planning_leaves_no_process_group_behind(config_only, capsys):
     assert main([*_plan(config_only), "--gpus", "8", "parallel.pp=1"]) == 0
     assert not dist.is_initialized() and not state.is_initialized()
     assert dist.new_group is new_group
+
+
+def test_readme_plan_command_runs_and_fits(capsys):
+    """The README's command, as printed (a shipped config.json of Qwen3-8B at tp=2 on 8 GPUs)."""
+    import shlex
+
+    from tests.test_commands import readme_commands
+
+    (command,) = [c for c in readme_commands() if c.startswith("verl-megatron plan")]
+    assert main(shlex.split(command)[1:]) == 0
+    assert "verdict: FITS" in capsys.readouterr().out
