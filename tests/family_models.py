@@ -24,10 +24,10 @@ DEEPSEEK_V3 = dict(
 )  # fmt: skip
 
 
-# GLM-4.5's layout (vocabulary 96, as the native-rollout tests' prompts): grouped-query attention (4 heads, 2 kv groups, head 16) with q/k/v biases and
+# GLM-4.5's layout: grouped-query attention (4 heads, 2 kv groups, head 16) with q/k/v biases and
 # QK-norm, half of each head rotating; the DeepSeek-V3 routing above.
 GLM4_MOE = dict(
-    vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+    vocab_size=131, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_bias=True, use_qk_norm=True,
     n_shared_experts=1, n_routed_experts=8, routed_scaling_factor=2.5, n_group=4, topk_group=2,
     num_experts_per_tok=4, first_k_dense_replace=1, norm_topk_prob=True, max_position_embeddings=128,
