@@ -286,3 +286,38 @@ def test_sample_softmax_draws_the_python_paths_tokens(kernels):
     assert float(gap.max()) <= 2 * max(floor, 1e-7), (
         f"log-probs: max diff {float(gap.max()):.3g} to float64 at row {int(gap.argmax())}; Python path {floor:.3g}"
     )
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_and_builds_are_serialized(tmp_path, monkeypatch):
+    """torch's loader waits for ever on a ``lock`` file that a killed compile left behind; the
+    build removes it under an OS lock that dies with its holder, and two builds never overlap."""
+    import threading
+    import time
+
+    import torch.utils.cpp_extension as cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    name = cpu_kernels.build_name("generic")
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "lock").write_text("")  # what a compile killed mid-way leaves
+    inside, overlaps = [], []
+
+    def fake_load(name, **kwargs):
+        assert not (folder / "lock").exists(), "torch's loader would wait on the stale lock"
+        overlaps.append(len(inside))
+        inside.append(name)
+        time.sleep(0.2)
+        inside.pop()
+        return name
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    results = []
+    with pytest.warns(UserWarning, match="left by a build that was killed"):
+        threads = [threading.Thread(target=lambda: results.append(cpu_kernels._build("generic"))) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert results == [name, name]
+    assert overlaps == [0, 0], f"builds overlapped: {overlaps}"

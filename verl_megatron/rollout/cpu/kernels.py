@@ -142,14 +142,43 @@ def _build(arch: str) -> ModuleType:
         if ninja.BIN_DIR not in path.split(os.pathsep):
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
 
-    module = load(
-        name=build_name(arch),
-        sources=[str(_SOURCE)],
-        extra_cflags=_flags(arch),
-        extra_ldflags=["-fopenmp"],
-        verbose=False,
-    )
-    return module
+    name = build_name(arch)
+    with _build_flock(name):
+        return load(
+            name=name,
+            sources=[str(_SOURCE)],
+            extra_cflags=_flags(arch),
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+
+
+@contextlib.contextmanager
+def _build_flock(name: str):
+    """Hold an OS lock on the build while torch's loader runs, and drop a lock torch left behind.
+
+    Why: torch's loader guards a build with a plain ``lock`` file that only the process that made
+    it removes. A process killed mid-compile (kill -9, a stalled job ended, out of memory) leaves
+    it, and every later process waits on it for ever, silently. ``flock`` is released by the
+    kernel when its holder dies, so while we hold it no live process of ours is building this
+    name and a ``lock`` file found there is stale.
+    """
+    import fcntl
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    folder = Path(_get_build_directory(name, verbose=False))
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f"{name}.flock", "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = folder / "lock"
+            if stale.exists():
+                warnings.warn(f"removing {stale}, left by a build that was killed", stacklevel=4)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def decode_kernels(arch: str | None = None) -> ModuleType | None:
