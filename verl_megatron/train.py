@@ -119,6 +119,11 @@ def run(config_path: str | None, overrides: Sequence[str]) -> dict[str, float]:
             + _derived_note(config_path, overrides, layout.dp),
             flush=True,
         )
+    from verl_megatron.planner.memory_check import check_memory, device_memory_bytes
+
+    memory_line = check_memory(config, world_size, device_memory_bytes())  # before any weights
+    if memory_line and _rank() == 0:
+        print(memory_line, flush=True)
     from verl_megatron.trainer.trainer_checkpoint import restarted
 
     config, restart_line = restarted(config, _rank())  # torchrun --max-restarts: from the newest checkpoint

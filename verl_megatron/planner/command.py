@@ -14,7 +14,7 @@ from typing import Any
 
 from verl_megatron.errors import ConfigError, is_user_error, report_user_error
 
-__all__ = ["EXIT_DOES_NOT_FIT", "main", "parse_memory"]
+__all__ = ["EXIT_DOES_NOT_FIT", "main", "parse_memory", "plan_config"]
 
 EXIT_DOES_NOT_FIT = 3
 GiB = 2**30
@@ -81,19 +81,25 @@ def _hf_config(path: str, key: str) -> Any:
 
 def build_plan(args: argparse.Namespace) -> Any:
     """Load the config and the model's config.json, build and return the MemoryPlan."""
-    from verl_megatron.planner.plan import plan_memory, role_specs
     from verl_megatron.trainer.config import default_config_path, load_config
 
     if args.gpus < 1:
         raise ConfigError(f"--gpus must be >= 1, got {args.gpus}")
     gpu_bytes = parse_memory(args.gpu_memory)
     config = load_config(args.config or default_config_path(), args.overrides)
+    return plan_config(config, args.gpus, gpu_bytes)
+
+
+def plan_config(config: Any, world_size: int, gpu_bytes: int) -> Any:
+    """The MemoryPlan of a loaded config (a PPOConfig) on ``world_size`` GPUs of ``gpu_bytes``."""
+    from verl_megatron.planner.plan import plan_memory, role_specs
+
     hf_config = _hf_config(config.model.path, "model.path")
     reward = None
     if config.reward_model.enable:
         reward = _hf_config(config.reward_model.model.path, "reward_model.model.path")
-    config.parallel.resolve(args.gpus)  # a layout that cannot exist is bad input, not "does not fit"
-    return plan_memory(config, args.gpus, gpu_bytes, role_specs(config, hf_config, reward))
+    config.parallel.resolve(world_size)  # a layout that cannot exist is bad input, not "does not fit"
+    return plan_memory(config, world_size, gpu_bytes, role_specs(config, hf_config, reward))
 
 
 def main(argv: list[str]) -> int:

@@ -225,6 +225,13 @@ class TrainerConfig:
     device_peak_tflops: float | None = None
     stall_timeout_s: float = 60.0
     process_group_timeout_s: float = 1800.0
+    memory_check: str = "error"
+    """At start-up, before any weights are loaded, plan every rank's GPU memory as ``verl-megatron plan``
+    does (planner/memory_check.py): "error" stops a job that cannot fit with one line, "warn" prints
+    that line and starts it, "off" skips the check. Skipped on CPU unless ``memory_check_gpu_memory``
+    is set, and while ``model.path`` is empty (the quickstart's model)."""
+    memory_check_gpu_memory: str | None = None
+    """Memory of one GPU for ``memory_check`` (``80GiB``, ``141GB``); None: this GPU's total memory."""
     mode: str = "rl"
     """"rl": the PPO-family loop; "sft": supervised fine-tuning on the actor (``verl-megatron sft``,
     the ``sft`` section, trainer/sft_trainer.py)."""

@@ -60,6 +60,8 @@ REFUSED_ON_RESUME = (
     "data.apply_chat_template_kwargs",
     "rollout.n",
     "trainer.seed",
+    "trainer.mode",  # an SFT checkpoint resumed as RL (or back) is another run
+    "sft",  # every sft.* key decides which tokens an SFT step trains on
     "model.path",
     "model.tokenizer_path",
     "model.override_transformer_config",
