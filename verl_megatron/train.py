@@ -121,7 +121,9 @@ def run(config_path: str | None, overrides: Sequence[str]) -> dict[str, float]:
         )
     from verl_megatron.planner.memory_check import check_memory, device_memory_bytes
 
-    memory_line = check_memory(config, world_size, device_memory_bytes())  # before any weights
+    # Before any weights; over the ranks that train (rollout.placement=separate keeps some apart).
+    trainer_ranks = layout.tp * layout.pp * layout.cp * layout.dp
+    memory_line = check_memory(config, trainer_ranks, device_memory_bytes())
     if memory_line and _rank() == 0:
         print(memory_line, flush=True)
     from verl_megatron.trainer.trainer_checkpoint import restarted
