@@ -11,6 +11,10 @@ watchdog record in torchrun's store shows the stage of the case, then breaks the
   so the kill lands inside the stage;
 - ``async_stop``: ``rollout.placement=separate``, the rollout rank (1) stopped with SIGSTOP after
   two trained steps;
+- ``async_kill_send``: ``rollout.placement=separate`` with 1 MB buckets, the trainer rank (0) killed
+  with SIGKILL (stopped first, as above) while its published stage is the weight push to the
+  rollout rank (``send_weights``, step >= 2): a weight transfer interrupted halfway, the rollout
+  rank waiting for the rest;
 - ``reward``: a user reward function (``isolation=none``: in-process) that never returns; rewards
   are scored on rank 0 only, so rank 0 blocks in it and rank 1 waits in the broadcast;
 - ``slow`` (healthy): a scorer that computes for 8 s once, at ``stall_timeout_s=5``: the run
@@ -48,6 +52,7 @@ START_LIMIT_S = 240  # start-up of 7 jobs side by side on 2 shared cores
 # The healthy case: a scorer computing for 8 s at a 5 s stall timeout is slow, not stalled.
 SLOW_TIMEOUT_S, SLOW_BUSY_S = 5, 8
 KEY = "verl_megatron/watchdog/0/1/rank{}"  # first attempt, first watchdog session
+SEND_CASES = ("async_kill_send",)  # the trainer rank (0) broken in its weight push
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "verl_megatron.train")
 _LAUNCH_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR")  # set by torchrun
 
@@ -104,23 +109,25 @@ def _alive(pid: int) -> bool:
     return False
 
 
-def _break_at(store: dist.Store, stage: str, min_step: int, deadline: float, kill: bool) -> tuple[dict, dict]:
-    """Stop rank 1 when its record names ``stage`` (step >= min_step); kill it when ``kill`` and the
-    record still names the stage once it is stopped. Returns both ranks' records."""
+def _break_at(
+    store: dist.Store, stage: str, min_step: int, deadline: float, kill: bool, rank: int = 1
+) -> tuple[dict, dict]:
+    """Stop ``rank`` when its record names ``stage`` (step >= min_step); kill it when ``kill`` and the
+    record still names the stage once it is stopped. Returns its record and the other rank's."""
     while time.monotonic() < deadline:
-        record = _record(store, 1)
+        record = _record(store, rank)
         if record and record["stage"] == stage and (record["step"] or 0) >= min_step:
             os.kill(record["pid"], signal.SIGSTOP)
             time.sleep(0.3)  # a mark published just before the stop arrives by now
-            after = _record(store, 1)
+            after = _record(store, rank)
             if not kill:
-                return after, _record(store, 0)
+                return after, _record(store, 1 - rank)
             if after["stage"] == stage and after["step"] == record["step"]:
                 os.kill(record["pid"], signal.SIGKILL)
-                return after, _record(store, 0)
+                return after, _record(store, 1 - rank)
             os.kill(record["pid"], signal.SIGCONT)
         time.sleep(0.01)
-    raise AssertionError(f"rank 1 never reached stage {stage} at step >= {min_step}")
+    raise AssertionError(f"rank {rank} never reached stage {stage} at step >= {min_step}")
 
 
 def _overrides(name: str, tmp: str, run_dir: str) -> list[str]:
@@ -134,7 +141,9 @@ def _overrides(name: str, tmp: str, run_dir: str) -> list[str]:
     ]
     if name == "kill_save":
         overrides.append("trainer.save_freq=1")
-    if name == "async_stop":  # rank 0 trains, rank 1 generates (the README's async command)
+    if name in SEND_CASES:  # several buckets: the push is a transfer with a middle
+        overrides.append("rollout.update_weights_bucket_megabytes=1")
+    if name.startswith("async"):  # rank 0 trains, rank 1 generates (the README's async command)
         overrides += [
             "rollout.placement=separate",
             "rollout.world_size=1",
@@ -183,6 +192,8 @@ def _break(
             assert proc.poll() is None and time.monotonic() < deadline, "no reward stage"
             time.sleep(0.05)
         return _record(store, 1), _record(store, 0)
+    if name in SEND_CASES:  # the trainer rank, in the middle of pushing weights
+        return _break_at(store, "send_weights", 2, deadline, kill=True, rank=0)
     stage = {"stop": "gen", "kill_update": "update_actor", "kill_gen": "gen", "kill_save": "save_checkpoint"}
     return _break_at(store, stage[name], 3 if name == "stop" else 2, deadline, kill=name != "stop")
 
@@ -226,7 +237,7 @@ def _run_case(name: str, tmp: str) -> Outcome:
 
 
 def test_a_stalled_job_ends_on_every_rank_with_one_line_and_the_stacks(tmp_path):
-    names = ["stop", "kill_update", "kill_gen", "kill_save", "reward", "async_stop", "slow"]
+    names = ["stop", "kill_update", "kill_gen", "kill_save", "reward", "async_stop", *SEND_CASES, "slow"]
     with ThreadPoolExecutor(len(names)) as pool:
         outcomes = list(pool.map(lambda n: _run_case(n, str(tmp_path)), names))
     slow = outcomes.pop()
@@ -238,8 +249,10 @@ def test_a_stalled_job_ends_on_every_rank_with_one_line_and_the_stacks(tmp_path)
     assert steps[0]["timing_s/reward"] > SLOW_TIMEOUT_S, steps[0]["timing_s/reward"]
     assert not os.path.exists(os.path.join(slow.run_dir, "stall"))
     for o in outcomes:
+        broken = 0 if o.name in SEND_CASES else 1
         print(
-            f"{o.name}: every rank ended {o.exit_s:.1f} s after the break (rank 1 in {o.stage}), rc {o.returncode}"
+            f"{o.name}: every rank ended {o.exit_s:.1f} s after the break "
+            f"(rank {broken} in {o.stage}), rc {o.returncode}"
         )
     for o in outcomes:
         where = f"{o.name} (output in {o.run_dir}):\n{o.output[-4000:]}"
@@ -257,10 +270,13 @@ def test_a_stalled_job_ends_on_every_rank_with_one_line_and_the_stacks(tmp_path)
             assert "in stage gen at step" in line, line
         elif o.name == "async_stop":
             assert "rank 1 (pid" in line and "sent no heartbeat for" in line, line
-        else:
-            assert "rank 1 (pid" in line and "ended without finishing its run" in line, line
+        else:  # killed: rank 1, or the trainer rank 0 in its weight push
+            broken = 0 if o.name in SEND_CASES else 1
+            assert f"rank {broken} (pid" in line and "ended without finishing its run" in line, line
             assert f"in stage {o.stage} at step" in line, line
-        live = [0] if o.name.startswith("kill") else [0, 1]
+        if o.name in SEND_CASES:
+            assert o.stage == "send_weights", o.stage
+        live = [0] if o.name.startswith("kill") else [1] if o.name == "async_kill_send" else [0, 1]
         for rank in live:
             path = os.path.join(o.run_dir, "stall", f"rank{rank}.txt")
             with open(path) as f:

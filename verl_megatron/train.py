@@ -162,7 +162,7 @@ def run(config_path: str | None, overrides: Sequence[str]) -> dict[str, float]:
                 placement.barrier()  # the rollout ranks may read the quickstart's assets now
             config, components = build_components(config, runtime)
             if placement is not None:
-                return train_async(config, runtime, components, placement)
+                return train_async(config, runtime, components, placement, stages=watchdog)
             teacher = build_teacher(config, runtime)  # algorithm.distill's teacher, or None
             return PPOTrainer(config, runtime, components, stages=watchdog, teacher=teacher).fit()
     finally:

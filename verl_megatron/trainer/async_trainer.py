@@ -38,12 +38,12 @@ from verl_megatron.protocol import DataProto
 from verl_megatron.rollout.async_worker import weights_key
 from verl_megatron.rollout.placement import Placement
 from verl_megatron.rollout.weight_sync import WeightSender, isend_object, recv_object
-from verl_megatron.trainer import metrics as M
 from verl_megatron.trainer.components import Components, build_rollout_model, total_training_steps
 from verl_megatron.trainer.config import PPOConfig
 from verl_megatron.trainer.ppo_trainer import PPOTrainer
 from verl_megatron.trainer.rollout_source import ScoreFn
 from verl_megatron.trainer.scoring import BatchScorer
+from verl_megatron.trainer.stall import StageMarks, timed_stage
 from verl_megatron.trainer.trainer_checkpoint import RecentWeights, resumed_step_dir, save_due
 
 if TYPE_CHECKING:
@@ -71,6 +71,8 @@ class AsyncRolloutLink:
         actor: the trained actor, whose weights are sent.
         score: scores a received batch in place (``trainer/scoring.py``'s ``BatchScorer``).
         total_steps: the run's last step (no weights are sent after it).
+        stages: told each of the link's stages as it starts (``wait_rollout``, ``reward``,
+            ``send_weights``: the stall watchdog, ``trainer/stall.py``), or None.
     """
 
     def __init__(
@@ -82,8 +84,9 @@ class AsyncRolloutLink:
         actor: MegatronActor,
         score: ScoreFn,
         total_steps: int,
+        stages: StageMarks | None = None,
     ) -> None:
-        self.runtime, self.placement = runtime, placement
+        self.runtime, self.placement, self.stages = runtime, placement, stages
         self.loader, self.actor, self.score = loader, actor, score
         self.n, self.total_steps = config.rollout.n, total_steps
         self.max_staleness = config.async_training.max_staleness
@@ -105,6 +108,8 @@ class AsyncRolloutLink:
         """Tell the rollout ranks where to start (step, loader position, first weight version), then
         send the weights: after a resume from step c, first the versions c-k..c-1 kept in the
         checkpoint, which the batches of steps c+1..c+k were generated with in the saved run."""
+        if self.stages is not None:
+            self.stages.mark("send_weights", step)
         if self.runtime.is_main:
             earlier = self.recent.restore(resumed_step_dir(self.config, step)) if step > 0 else {}
             start_message = {
@@ -124,7 +129,7 @@ class AsyncRolloutLink:
 
     def after_update(self, step: int, timing: dict[str, float]) -> None:
         if step < self.total_steps:
-            with M.timed("send_weights", timing):
+            with timed_stage(self.stages, "send_weights", step, timing):
                 self._send_weights(step)
             if self.runtime.is_main and save_due(self.config, step, self.total_steps):
                 self.recent.save(self.config.trainer.default_local_dir, step)  # published with the step
@@ -147,7 +152,7 @@ class AsyncRolloutLink:
     # ------------------------------------------------------------------ the batch
 
     def next_batch(self, step: int, timing: dict[str, float]) -> tuple[DataProto, dict[str, float]]:
-        with M.timed("wait_rollout", timing):
+        with timed_stage(self.stages, "wait_rollout", step, timing):
             batch = self._receive_batch()
         info = batch.meta_info.pop("async")
         prompts = self.loader.next_batch()
@@ -161,7 +166,7 @@ class AsyncRolloutLink:
         metrics = self._staleness(batch, step)
         metrics["async/rollout_wait_weights_s"] = float(info["rollout_wait_weights_s"])
         metrics["async/rollout_gen_s"] = float(info["rollout_gen_s"])
-        with M.timed("reward", timing):
+        with timed_stage(self.stages, "reward", step, timing):
             metrics.update(self.score(batch))
         self._log_samples(step, batch)
         return batch, metrics
@@ -216,16 +221,21 @@ class AsyncRolloutLink:
 
 
 def train_async(
-    config: PPOConfig, runtime: Runtime, components: Components, placement: Placement
+    config: PPOConfig,
+    runtime: Runtime,
+    components: Components,
+    placement: Placement,
+    stages: StageMarks | None = None,
 ) -> dict[str, float]:
-    """A trainer rank's run (``train.run`` with ``rollout.placement=separate``)."""
+    """A trainer rank's run (``train.run`` with ``rollout.placement=separate``); ``stages``: the
+    stall watchdog's handle (``trainer/stall.py``), told every stage of the trainer's steps."""
     score = BatchScorer(components.reward_fn, runtime, components.model_rewards)
     total_steps = total_training_steps(config, len(components.train_loader))
     try:
         link = AsyncRolloutLink(
-            config, runtime, placement, components.train_loader, components.actor, score, total_steps
+            config, runtime, placement, components.train_loader, components.actor, score, total_steps, stages
         )
-        summary = PPOTrainer(config, runtime, components, rollout_source=link).fit()
+        summary = PPOTrainer(config, runtime, components, rollout_source=link, stages=stages).fit()
         placement.barrier()  # the rollout ranks have finished too
         return summary
     finally:

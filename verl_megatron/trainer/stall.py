@@ -11,9 +11,10 @@ import torch
 import torch.distributed as dist
 
 from verl_megatron.distributed.watchdog import Watchdog, WatchdogSettings, start_watchdog
+from verl_megatron.trainer import metrics as M
 from verl_megatron.trainer.config_schema import PPOConfig, TrainerConfig
 
-__all__ = ["StageMarks", "process_group_minutes", "watched"]
+__all__ = ["StageMarks", "process_group_minutes", "timed_stage", "watched"]
 
 
 class StageMarks(Protocol):
@@ -21,6 +22,15 @@ class StageMarks(Protocol):
     names)."""
 
     def mark(self, stage: str, step: int | None = None) -> None: ...
+
+
+def timed_stage(
+    stages: StageMarks | None, name: str, step: int, timing: dict[str, float]
+) -> contextlib.AbstractContextManager[None]:
+    """Time stage ``name`` of ``step`` into ``timing[name]``, telling ``stages`` (if any) that it starts."""
+    if stages is not None:
+        stages.mark(name, step)
+    return M.timed(name, timing)
 
 
 def process_group_minutes(trainer: TrainerConfig) -> float:
