@@ -29,7 +29,10 @@ def compat_job() -> dict:
         torch.ones(1).cuda().device.type,
         torch.ones(1).to("cuda").device.type,
         torch.tensor([1.0], device="cuda:0", pin_memory=True).device.type,
+        torch.ones(1).new_empty(2, 3, device="cuda").device.type,
     ]
+    # new_empty's positional ints are sizes, not a device index (transformers' DeepSeek-V3 calls it so).
+    out["new_empty_shape"] = list(torch.ones(1).new_empty(2, 3, 4).shape)
     # CUDA RNG functions drive the CPU generator: restoring a state replays numbers.
     state = torch.cuda.get_rng_state()
     first = torch.rand(4)
@@ -66,7 +69,8 @@ def compat_job() -> dict:
 def test_layer_answers_megatron_cuda_calls_on_cpu(pool1):
     (out,) = pool1.run(f"{__name__}:compat_job")
     assert out["installed"] and out["runtime_flag"]
-    assert out["devices"] == ["cpu"] * 5
+    assert out["devices"] == ["cpu"] * 6
+    assert out["new_empty_shape"] == [2, 3, 4]
     assert out["rng_replay"]
     assert out["tracker_restores_default"] and out["tracker_reproducible"]
     assert abs(out["grad_norm"] - 13.0) < 1e-6

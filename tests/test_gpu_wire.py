@@ -168,6 +168,7 @@ class _Runner:
 def test_the_weight_send_gathers_the_update_before_reading_it(monkeypatch, is_main) -> None:
     import verl_megatron.models.convert as convert
     from verl_megatron.trainer.async_trainer import AsyncRolloutLink
+    from verl_megatron.trainer.trainer_checkpoint import RecentWeights
 
     calls: list[str] = []
 
@@ -181,11 +182,13 @@ def test_the_weight_send_gathers_the_update_before_reading_it(monkeypatch, is_ma
     link.actor = SimpleNamespace(runner=_Runner(calls), chunks=[])
     link.sender = SimpleNamespace(send=lambda weights, version: calls.append(f"send {len(list(weights))}"))
     link.placement = SimpleNamespace(store=SimpleNamespace(set=lambda key, value: calls.append(key)))
+    link.recent = RecentWeights(keep=1)  # the host copy an exact async resume re-sends
     link._send_weights(5)
     # every trainer rank gathers (a collective over dp) before the stream is read
     assert calls == (
         ["gather_params", "read", "send 1", "weights/5"] if is_main else ["gather_params", "read"]
     )
+    assert list(link.recent.versions) == ([5] if is_main else [])
 
 
 def test_the_runner_gathers_through_megatrons_param_sync() -> None:

@@ -150,7 +150,7 @@ def test_manager_by_import_path_and_unknown_names(tok):
         assert type(load_reward_manager(config(name), tok)) is LengthRewardManager
     assert type(load_reward_manager(config("parallel"), tok)) is ParallelRewardManager
     with pytest.raises(
-        ValueError, match=r"Unknown reward manager: fancy; registered reward managers: batch, dapo"
+        ValueError, match=r"Unknown reward manager: fancy; registered reward managers: agent, batch, dapo"
     ):
         load_reward_manager(config("fancy"), tok)
     with pytest.raises(ValueError, match=r"cannot import module 'no_such_pkg'.*registered reward managers"):

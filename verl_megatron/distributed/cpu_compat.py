@@ -52,7 +52,8 @@ class _CudaToCpuMode(TorchFunctionMode):
         if kwargs.get("pin_memory"):
             # Pinned memory needs a CUDA driver.
             kwargs = {**kwargs, "pin_memory": False}
-        if func in (torch.Tensor.to, torch.Tensor.new_empty) and len(args) > 1 and _is_cuda_device(args[1]):
+        # Only Tensor.to takes a device positionally; new_empty's positional ints are sizes.
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], "cpu", *args[2:])
         return func(*args, **kwargs)
 
