@@ -231,10 +231,11 @@ class ChunkDecoder:
             are padding.
         """
         batch, s = positions.shape
-        cos = self.cos[positions].transpose(0, 1).unsqueeze(2)  # [s, B, 1, R]
-        sin = self.sin[positions].transpose(0, 1).unsqueeze(2)
         if self.mla is not None:  # MLA layers rotate with megatron's own function: angles in ``cos``
             cos, sin = self.mla.at(positions), None
+        else:
+            cos = self.cos[positions].transpose(0, 1).unsqueeze(2)  # [s, B, 1, R]
+            sin = self.sin[positions].transpose(0, 1).unsqueeze(2)
         if self.parity_length is None:
             mask = self._mask(key_valid, start, s)
         else:

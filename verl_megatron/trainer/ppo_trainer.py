@@ -46,7 +46,7 @@ from verl_megatron.trainer.ppo.rollout_correction import apply_rollout_correctio
 from verl_megatron.trainer.rollout_phase import rollout_phase
 from verl_megatron.trainer.rollout_source import RolloutSource
 from verl_megatron.trainer.scoring import Reward, combined_reward, store_scores
-from verl_megatron.trainer.stall import StageMarks
+from verl_megatron.trainer.stall import StageMarks, timed_stage
 from verl_megatron.trainer.tracking import Tracking
 from verl_megatron.trainer.trainer_checkpoint import load_resume_state, publish_step, save_step
 
@@ -277,9 +277,7 @@ class PPOTrainer:
 
     def _stage(self, name: str, timing: dict[str, float]) -> contextlib.AbstractContextManager[None]:
         """Time stage ``name`` of the current step, telling ``self.stages`` that it starts."""
-        if self.stages is not None:
-            self.stages.mark(name, self.global_step)
-        return M.timed(name, timing)
+        return timed_stage(self.stages, name, self.global_step, timing)
 
     def _batch_metrics(self, batch: DataProto, timing: dict[str, float]) -> dict[str, float]:
         """The batch's statistics, stage times, throughput and the actor update's MFU."""
