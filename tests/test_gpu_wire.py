@@ -183,6 +183,8 @@ def test_the_weight_send_gathers_the_update_before_reading_it(monkeypatch, is_ma
     link.sender = SimpleNamespace(send=lambda weights, version: calls.append(f"send {len(list(weights))}"))
     link.placement = SimpleNamespace(store=SimpleNamespace(set=lambda key, value: calls.append(key)))
     link.recent = RecentWeights(keep=1)  # the host copy an exact async resume re-sends
+    link.config = SimpleNamespace(trainer=SimpleNamespace(save_freq=1))  # step 6 saves: version 5 is kept
+    link.total_steps = 10
     link._send_weights(5)
     # every trainer rank gathers (a collective over dp) before the stream is read
     assert calls == (

@@ -143,7 +143,10 @@ class AsyncRolloutLink:
         self.actor.runner.gather_params()  # collective over dp: the update reaches every shard
         weights = iter_hf_weights(self.actor.chunks, self.runtime)  # collective over tp/pp
         if self.runtime.is_main:
-            self.sender.send(self.recent.record(weights, version), version)
+            # A host copy only of the versions a coming checkpoint holds (steps version+1..+keep).
+            saved = range(version + 1, version + self.recent.keep + 1)
+            needed = any(save_due(self.config, c, self.total_steps) for c in saved)
+            self.sender.send(self.recent.record(weights, version, needed), version)
             self.placement.store.set(weights_key(version), "1")
         else:
             for _ in weights:

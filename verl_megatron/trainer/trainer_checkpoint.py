@@ -177,10 +177,11 @@ class RecentWeights:
         self.versions: dict[int, dict[str, torch.Tensor]] = {}
 
     def record(
-        self, weights: Iterable[tuple[str, torch.Tensor]], version: int
+        self, weights: Iterable[tuple[str, torch.Tensor]], version: int, needed: bool = True
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Pass ``weights`` (version ``version``) through, keeping a host copy of each tensor."""
-        if self.keep <= 0:
+        """Pass ``weights`` (version ``version``) through, keeping a host copy of each tensor when
+        a checkpoint will hold the version (``needed``; else nothing is copied)."""
+        if self.keep <= 0 or not needed:
             yield from weights
             return
         copy: dict[str, torch.Tensor] = {}
@@ -195,7 +196,7 @@ class RecentWeights:
         """Stage the versions before ``step`` as a part of checkpoint ``step`` (this rank only)."""
         from verl_megatron.checkpoint.tensor_files import save_tensor_part
 
-        older = {f"v{v}": w for v, w in self.versions.items() if v < step}
+        older = {f"v{v}": w for v, w in self.versions.items() if step - self.keep <= v < step}
         if self.keep > 0 and older:
             save_tensor_part(root, step, ROLLOUT_WEIGHTS, older)
 
