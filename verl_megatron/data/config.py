@@ -33,6 +33,11 @@ class DataConfig:
         truncation: what to do with an over-long prompt that was not filtered:
             "error" (raise naming the file and row), "left"/"right"/"middle" (cut tokens).
         apply_chat_template_kwargs: extra keyword arguments for ``tokenizer.apply_chat_template``.
+        image_key: column holding a row's images (verl's ``data.image_key``); each ``<image>`` in
+            the prompt stands for the next one (see ``data/multimodal.py``).
+        max_image_pixels: images with more pixels (width x height) are refused at start-up, naming
+            the row (the image processor resizes every image to its own pixel budget anyway; this
+            guards against huge or corrupt files). None: no limit.
     """
 
     train_files: list[str] = field(default_factory=list)
@@ -51,3 +56,5 @@ class DataConfig:
     filter_overlong_prompts: bool = False
     truncation: str = "error"
     apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    image_key: str = "images"
+    max_image_pixels: int | None = 4096 * 4096

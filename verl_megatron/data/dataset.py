@@ -116,14 +116,27 @@ def check_data_files(files: Sequence[str], config: DataConfig) -> int:
     """Read and check every row of ``files`` (no tokenizer); return the number of rows.
 
     Cheap enough for the launching process: it finds a missing file or a malformed
-    row before any worker starts.
+    row before any worker starts. Rows with images (``config.image_key``) have every image
+    decoded and checked (``data/multimodal.py``; relative paths are under the data file's folder).
     """
     total = 0
     for path in files:
         for row_no, row in enumerate(read_rows(path)):
             _check_row(row, f"{path}: row {row_no}", config)
+            if isinstance(row, dict) and row.get(config.image_key) is not None:
+                _check_images(row, f"{path}: row {row_no}", config, os.path.dirname(os.path.abspath(path)))
             total += 1
     return total
+
+
+def _check_images(row: dict[str, Any], where: str, config: DataConfig, base_dir: str) -> None:
+    """Every image of a multimodal row decodes, fits ``data.max_image_pixels`` and has its ``<image>``."""
+    from verl_megatron.data.multimodal import check_multimodal_row
+
+    check_multimodal_row(
+        row, where, prompt_key=config.prompt_key, image_key=config.image_key,
+        max_pixels=config.max_image_pixels, base_dir=base_dir,
+    )  # fmt: skip
 
 
 @dataclass

@@ -131,9 +131,11 @@ def hf_processor(name_or_path: str | os.PathLike, **kwargs: Any) -> Any | None:
     name = _local_name(name_or_path, kwargs, "processor")
     try:
         processor = AutoProcessor.from_pretrained(name, **kwargs)
-    except (OSError, ValueError, KeyError) as err:
+    except (OSError, ValueError, KeyError, ImportError) as err:
         # A text-only checkpoint has no processor files; a missing checkpoint is reported by
-        # hf_tokenizer / the model loader with a better message than AutoProcessor's.
+        # hf_tokenizer / the model loader with a better message than AutoProcessor's. ImportError:
+        # Qwen2-VL's processor also builds a video processor, which needs torchvision (as verl,
+        # any failure means no processor; data.multimodal loads the image half without it).
         warnings.warn(
             f"no multimodal processor for '{name}' ({type(err).__name__}); using text only", stacklevel=2
         )
