@@ -230,9 +230,14 @@ def build_gpt_chunks(
     rope = arch.rope
 
     def make_chunk(pre_process: bool, post_process: bool, vp_stage: int | None) -> torch.nn.Module:
+        spec = _layer_spec(arch, use_te, config, vp_stage)
+        if arch.gpt_oss is not None:  # sinks, sliding windows, YaRN (families/gpt_oss_layers.py)
+            from verl_megatron.models.families import gpt_oss_layers
+
+            gpt_oss_layers.use_sink_attention(spec, arch.gpt_oss)
         model = GPTModel(
             config=config,
-            transformer_layer_spec=_layer_spec(arch, use_te, config, vp_stage),
+            transformer_layer_spec=spec,
             vocab_size=info.padded_vocab_size,
             max_sequence_length=arch.max_position_embeddings,
             pre_process=pre_process,
@@ -247,6 +252,8 @@ def build_gpt_chunks(
         if rope.rope_type == "llama3":
             rotary = model.rotary_pos_emb
             rotary.inv_freq = llama3_inv_freq(rotary.inv_freq, rope)
+        if arch.gpt_oss is not None:
+            gpt_oss_layers.use_yarn_rotary(model.rotary_pos_emb, arch.gpt_oss)
         if value_head and post_process:
             model.output_layer = ValueHead(config.hidden_size, config, runtime.seed, runtime.device)
         _cast_parameters(model, config.params_dtype)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from verl_megatron.errors import UserInputError
 from verl_megatron.models.config import HFArchitecture
 from verl_megatron.models.families.deepseek import mla_hf_shapes
+from verl_megatron.models.families.gpt_oss import gpt_oss_hf_shapes
 
 __all__ = [
     "HFWeightsError",
@@ -165,6 +166,8 @@ def _layer_shapes(arch: HFArchitecture, layer: int) -> dict[str, tuple[int, ...]
         shapes[f"{attn}.o_proj.bias"] = (h,)
     if arch.qk_norm:
         shapes.update({f"{attn}.q_norm.weight": (d,), f"{attn}.k_norm.weight": (d,)})
+    if arch.gpt_oss is not None:  # sinks, biased router, stacked experts
+        return {**shapes, **gpt_oss_hf_shapes(arch, layer)}
     moe = arch.moe
     if moe is None or not moe.layer_pattern[layer]:
         mlp, i = f"model.layers.{layer}.mlp", arch.intermediate_size

@@ -28,6 +28,13 @@ from verl_megatron.models.families.deepseek import (
     mla_transformer_config,
     read_mla_architecture,
 )
+from verl_megatron.models.families.gpt_oss import (
+    GPT_OSS_MODEL_TYPES,
+    GptOssArchitecture,
+    gpt_oss_transformer_config,
+    read_gpt_oss_architecture,
+    read_gpt_oss_moe,
+)
 from verl_megatron.models.moe import (
     MOE_MODEL_TYPES,
     SIGMOID_MOE_MODEL_TYPES,
@@ -40,7 +47,9 @@ from verl_megatron.models.moe import (
 logger = logging.getLogger(__name__)
 
 # Sigmoid-routed families: deepseek_v3 (multi-latent attention) and glm4_moe (grouped-query).
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", *MOE_MODEL_TYPES, *SIGMOID_MOE_MODEL_TYPES)
+SUPPORTED_MODEL_TYPES = (
+    "llama", "qwen2", "qwen3", "mistral", *MOE_MODEL_TYPES, *SIGMOID_MOE_MODEL_TYPES, *GPT_OSS_MODEL_TYPES
+)  # fmt: skip
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _RECOMPUTE_KEYS = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules")
@@ -272,6 +281,8 @@ class HFArchitecture:
     """Router and experts of a mixture-of-experts model; None for a dense one."""
     mla: MLAArchitecture | None = None
     """Multi-latent attention (DeepSeek-V3); None for grouped-query attention."""
+    gpt_oss: GptOssArchitecture | None = None
+    """GPT-OSS's sinks, sliding windows, clamped SwiGLU and YaRN (``families/gpt_oss.py``)."""
 
 
 def read_rope_settings(hf_config: Any) -> RopeSettings:
@@ -327,11 +338,12 @@ def read_hf_architecture(hf_config: Any) -> HFArchitecture:
     mla = read_mla_architecture(hf_config)
     qkv_bias, linear_bias = (False, False) if mla else _bias_layout(hf_config)
     num_layers = hf_config.num_hidden_layers
+    gpt_oss = read_gpt_oss_architecture(hf_config)
     rope = (
         RopeSettings(theta=mla.rope_theta)
         if mla
         else _with_partial_rotary(read_rope_settings(hf_config), hf_config)
-    )
+    ) if gpt_oss is None else RopeSettings(theta=gpt_oss.rope_theta)  # fmt: skip
     return HFArchitecture(
         model_type=model_type,
         num_layers=hf_config.num_hidden_layers,
@@ -350,8 +362,9 @@ def read_hf_architecture(hf_config: Any) -> HFArchitecture:
         max_position_embeddings=hf_config.max_position_embeddings,
         rope=rope,
         initializer_range=getattr(hf_config, "initializer_range", 0.02),
-        moe=read_moe_architecture(hf_config, num_layers),
+        moe=read_gpt_oss_moe(hf_config, num_layers) if gpt_oss else read_moe_architecture(hf_config, num_layers),
         mla=mla,
+        gpt_oss=gpt_oss,
     )
 
 
@@ -365,6 +378,8 @@ def _bias_layout(hf_config: Any) -> tuple[bool, bool]:
         return True, False  # Qwen2 always has q/k/v biases and nothing else
     if hf_config.model_type == "qwen2_moe":
         return bool(getattr(hf_config, "qkv_bias", True)), False
+    if hf_config.model_type == "gpt_oss":  # biases everywhere (attention_bias checked in families/gpt_oss.py)
+        return True, True
     if hf_config.model_type == "glm4_moe":  # attention_bias: q/k/v only (o_proj has none)
         return bool(getattr(hf_config, "attention_bias", False)), False
     attention_bias = bool(getattr(hf_config, "attention_bias", False))
@@ -460,6 +475,8 @@ def hf_to_transformer_config(hf_config: Any, layout: ParallelLayout, model_cfg: 
 
         kwargs.update(mla_transformer_config(arch.mla, use_te))
         config_class = MLATransformerConfig
+    if arch.gpt_oss is not None:
+        kwargs.update(gpt_oss_transformer_config(arch.gpt_oss, arch.head_dim, use_te))
     kwargs.update(model_cfg.recompute_settings())
     kwargs.update(model_cfg.override_transformer_config)
     check_dispatcher(kwargs, on_gpu=torch.cuda.is_available())

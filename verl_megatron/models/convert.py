@@ -41,6 +41,7 @@ from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.models.builder import ModelInfo, model_info
 from verl_megatron.models.config import ModelConfig, read_hf_architecture
 from verl_megatron.models.export_io import publish_folder
+from verl_megatron.models.families import gpt_oss
 from verl_megatron.models.families.deepseek import hf_mla_names
 from verl_megatron.models.moe import expert_index, hf_moe_names
 from verl_megatron.models.sharding import (
@@ -57,7 +58,7 @@ _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 _GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
 _CLASS_PREFIX = {
-    "llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral",
+    "llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "gpt_oss": "GptOss",
     "qwen3_moe": "Qwen3Moe", "qwen2_moe": "Qwen2Moe", "mixtral": "Mixtral",
     "deepseek_v3": "DeepseekV3", "glm4_moe": "Glm4Moe",
 }  # fmt: skip
@@ -90,12 +91,17 @@ class HFMapping:
     hf_names: tuple[str, ...]
     export: bool = True  # False: a duplicate (tied output weight) that export skips
     optional: bool = False  # may be absent from a checkpoint (a critic's new value head)
+    expert: int | None = None  # GPT-OSS: this expert's slice of a stacked HF tensor
 
 
 def hf_mapping(name: str, info: ModelInfo) -> HFMapping:
     """The Hugging Face tensors behind megatron parameter ``name`` (global layer numbering)."""
     match = _LAYER_RE.match(name)
     moe = info.arch.moe
+    if match and info.arch.gpt_oss is not None:
+        found = gpt_oss.hf_gpt_oss_names(int(match.group(1)), match.group(2))
+        if found is not None:
+            return HFMapping(*found)
     if match and moe is not None:
         found = hf_moe_names(moe, int(match.group(1)), match.group(2))
         if found is not None:
@@ -123,6 +129,8 @@ def hf_mapping(name: str, info: ModelInfo) -> HFMapping:
 def to_megatron(mapping: HFMapping, tensors: list[torch.Tensor], info: ModelInfo, tp: int) -> torch.Tensor:
     """The whole megatron tensor from its Hugging Face tensors (in ``mapping.hf_names`` order)."""
     arch = info.arch
+    if mapping.expert is not None:
+        return gpt_oss.expert_to_megatron(mapping.kind, tensors[0], mapping.expert)
     if mapping.kind == "copy":
         return tensors[0]
     if mapping.kind == "vocab":
@@ -149,6 +157,8 @@ def to_megatron(mapping: HFMapping, tensors: list[torch.Tensor], info: ModelInfo
 def to_hf(mapping: HFMapping, whole: torch.Tensor, info: ModelInfo, tp: int) -> list[torch.Tensor]:
     """Inverse of :func:`to_megatron`: the Hugging Face tensors of one whole megatron tensor."""
     arch = info.arch
+    if mapping.expert is not None:
+        return [gpt_oss.expert_to_hf(mapping.kind, whole)]
     if mapping.kind == "copy":
         return [whole]
     if mapping.kind == "vocab":
@@ -340,6 +350,7 @@ def iter_hf_weights(
         _check_same_model(info, hf_config)
     local = {name: p for name, p in _named_parameters(chunks) if hf_mapping(name, info).export}
     merge = lora_merger(chunks, runtime) if merge_lora else (lambda name, tensor: tensor)
+    stacker = gpt_oss.ExpertStacker(info.arch.moe.num_experts) if info.arch.gpt_oss else None
     for name, owner, ep_owner, shape, dtype in _ordered_entries(local, runtime):
         group, tp, _ = tp_placement(name)
         if name in local:
@@ -351,7 +362,10 @@ def iter_hf_weights(
         if runtime.layout.pp > 1:
             dist.broadcast(whole, group=runtime.pp_group(), group_src=owner)
         mapping = hf_mapping(name, info)
-        yield from ((n, merge(n, t)) for n, t in zip(mapping.hf_names, to_hf(mapping, whole, info, tp)))
+        pairs = list(zip(mapping.hf_names, to_hf(mapping, whole, info, tp)))
+        if mapping.expert is not None:  # GPT-OSS: whole once every expert's slice is in
+            pairs = stacker.add(*mapping.hf_names, mapping.expert, pairs[0][1])
+        yield from ((n, merge(n, t)) for n, t in pairs)
 
 
 def _expert_order(layer_rest: str) -> int:
