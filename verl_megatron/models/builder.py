@@ -167,7 +167,12 @@ def _layer_spec(arch: HFArchitecture, use_te: bool, config: Any = None, vp_stage
     from megatron.core.models.gpt import gpt_layer_specs
 
     if arch.moe is not None:
-        return _moe_block_spec(config, use_te, vp_stage)
+        block = _moe_block_spec(config, use_te, vp_stage)
+        if arch.linear is not None:  # Qwen3-Next: gated DeltaNet layers, zero-centred norms
+            from verl_megatron.models.families.qwen3_next_layers import use_qwen3_next_layers
+
+            use_qwen3_next_layers(block, arch.linear, config, vp_stage)
+        return block
     mla = arch.mla is not None
     if use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(

@@ -18,6 +18,7 @@ from verl_megatron.errors import UserInputError
 from verl_megatron.models.config import HFArchitecture
 from verl_megatron.models.families.deepseek import mla_hf_shapes
 from verl_megatron.models.families.gpt_oss import gpt_oss_hf_shapes
+from verl_megatron.models.families.qwen3_next import linear_layer_shapes
 
 __all__ = [
     "HFWeightsError",
@@ -166,6 +167,8 @@ def _layer_shapes(arch: HFArchitecture, layer: int) -> dict[str, tuple[int, ...]
         shapes[f"{attn}.o_proj.bias"] = (h,)
     if arch.qk_norm:
         shapes.update({f"{attn}.q_norm.weight": (d,), f"{attn}.k_norm.weight": (d,)})
+    if arch.linear is not None:  # Qwen3-Next: DeltaNet layers, gated q_proj
+        shapes = linear_layer_shapes(arch.linear, layer, shapes, h)
     if arch.gpt_oss is not None:  # sinks, biased router, stacked experts
         return {**shapes, **gpt_oss_hf_shapes(arch, layer)}
     moe = arch.moe

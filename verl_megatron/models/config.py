@@ -28,6 +28,12 @@ from verl_megatron.models.families.deepseek import (
     mla_transformer_config,
     read_mla_architecture,
 )
+from verl_megatron.models.families.qwen3_next import (
+    LinearAttentionArchitecture,
+    check_linear_split,
+    linear_transformer_config,
+    read_linear_attention,
+)
 from verl_megatron.models.families.gpt_oss import (
     GPT_OSS_MODEL_TYPES,
     GptOssArchitecture,
@@ -283,6 +289,8 @@ class HFArchitecture:
     """Multi-latent attention (DeepSeek-V3); None for grouped-query attention."""
     gpt_oss: GptOssArchitecture | None = None
     """GPT-OSS's sinks, sliding windows, clamped SwiGLU and YaRN (``families/gpt_oss.py``)."""
+    linear: LinearAttentionArchitecture | None = None
+    """Gated DeltaNet layers (Qwen3-Next); None when every layer has full attention."""
 
 
 def read_rope_settings(hf_config: Any) -> RopeSettings:
@@ -357,7 +365,8 @@ def read_hf_architecture(hf_config: Any) -> HFArchitecture:
         rms_norm_eps=hf_config.rms_norm_eps,
         qkv_bias=qkv_bias,
         linear_bias=linear_bias,
-        qk_norm=model_type in ("qwen3", "qwen3_moe") or bool(getattr(hf_config, "use_qk_norm", False)),
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "qwen3_next")
+        or bool(getattr(hf_config, "use_qk_norm", False)),
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         max_position_embeddings=hf_config.max_position_embeddings,
         rope=rope,
@@ -365,6 +374,7 @@ def read_hf_architecture(hf_config: Any) -> HFArchitecture:
         moe=read_gpt_oss_moe(hf_config, num_layers) if gpt_oss else read_moe_architecture(hf_config, num_layers),
         mla=mla,
         gpt_oss=gpt_oss,
+        linear=read_linear_attention(hf_config),
     )
 
 
@@ -477,6 +487,9 @@ def hf_to_transformer_config(hf_config: Any, layout: ParallelLayout, model_cfg: 
         config_class = MLATransformerConfig
     if arch.gpt_oss is not None:
         kwargs.update(gpt_oss_transformer_config(arch.gpt_oss, arch.head_dim, use_te))
+    if arch.linear is not None:
+        check_linear_split(arch.linear, layout.tp, use_te)
+        kwargs.update(linear_transformer_config())
     kwargs.update(model_cfg.recompute_settings())
     kwargs.update(model_cfg.override_transformer_config)
     check_dispatcher(kwargs, on_gpu=torch.cuda.is_available())

@@ -41,6 +41,7 @@ from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.models.builder import ModelInfo, model_info
 from verl_megatron.models.config import ModelConfig, read_hf_architecture
 from verl_megatron.models.export_io import publish_folder
+from verl_megatron.models.families import qwen3_next
 from verl_megatron.models.families import gpt_oss
 from verl_megatron.models.families.deepseek import hf_mla_names
 from verl_megatron.models.moe import expert_index, hf_moe_names
@@ -60,7 +61,7 @@ _GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
 _CLASS_PREFIX = {
     "llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "gpt_oss": "GptOss",
     "qwen3_moe": "Qwen3Moe", "qwen2_moe": "Qwen2Moe", "mixtral": "Mixtral",
-    "deepseek_v3": "DeepseekV3", "glm4_moe": "Glm4Moe",
+    "deepseek_v3": "DeepseekV3", "glm4_moe": "Glm4Moe", "qwen3_next": "Qwen3Next",
 }  # fmt: skip
 
 # Suffix of a megatron layer parameter -> (kind, HF suffixes). Both the local spec's names and
@@ -106,6 +107,10 @@ def hf_mapping(name: str, info: ModelInfo) -> HFMapping:
         found = hf_moe_names(moe, int(match.group(1)), match.group(2))
         if found is not None:
             return HFMapping(*found)
+    if match and info.arch.linear is not None:
+        found = qwen3_next.hf_linear_names(info.arch.linear, int(match.group(1)), match.group(2))
+        if found is not None:
+            return HFMapping(*found)
     if match and info.arch.mla is not None:
         found = hf_mla_names(match.group(2))
         if found is not None:
@@ -131,6 +136,8 @@ def to_megatron(mapping: HFMapping, tensors: list[torch.Tensor], info: ModelInfo
     arch = info.arch
     if mapping.expert is not None:
         return gpt_oss.expert_to_megatron(mapping.kind, tensors[0], mapping.expert)
+    if mapping.kind in qwen3_next.KINDS:
+        return qwen3_next.to_megatron(mapping.kind, tensors, arch, tp)
     if mapping.kind == "copy":
         return tensors[0]
     if mapping.kind == "vocab":
@@ -159,6 +166,8 @@ def to_hf(mapping: HFMapping, whole: torch.Tensor, info: ModelInfo, tp: int) -> 
     arch = info.arch
     if mapping.expert is not None:
         return [gpt_oss.expert_to_hf(mapping.kind, whole)]
+    if mapping.kind in qwen3_next.KINDS:
+        return qwen3_next.to_hf(mapping.kind, whole, arch, tp)
     if mapping.kind == "copy":
         return [whole]
     if mapping.kind == "vocab":
