@@ -239,7 +239,7 @@ def build_gpt_chunks(
         if arch.gpt_oss is not None:  # sinks, sliding windows, YaRN (families/gpt_oss_layers.py)
             from verl_megatron.models.families import gpt_oss_layers
 
-            gpt_oss_layers.use_sink_attention(spec, arch.gpt_oss)
+            gpt_oss_layers.use_gpt_oss_layers(spec, arch.gpt_oss)
         model = GPTModel(
             config=config,
             transformer_layer_spec=spec,

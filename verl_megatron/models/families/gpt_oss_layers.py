@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+from megatron.core.tensor_parallel import RowParallelLinear, set_tensor_model_parallel_attributes
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from verl_megatron.models.families.gpt_oss import (
@@ -20,12 +20,30 @@ from verl_megatron.models.families.gpt_oss import (
 from verl_megatron.models.sdpa_attention import SDPADotProductAttention
 
 
-def use_sink_attention(block_spec: Any, gpt: GptOssArchitecture) -> None:
-    """Point every layer spec of ``block_spec`` at :class:`SinkWindowAttention` with the windows."""
+def use_gpt_oss_layers(block_spec: Any, gpt: GptOssArchitecture) -> None:
+    """Point every layer spec of ``block_spec`` at :class:`SinkWindowAttention` with the windows,
+    and its experts' down projection at :class:`ExpertDownLinear`."""
     for layer_spec in block_spec.layer_specs:
         layer_spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
             module=SinkWindowAttention, params={"layer_windows": gpt.layer_windows}
         )
+        layer_spec.submodules.mlp.submodules.experts.submodules.linear_fc2 = ExpertDownLinear
+
+
+class ExpertDownLinear(RowParallelLinear):
+    """An expert's down projection whose output megatron may add the weighted bias to in place.
+
+    megatron-core 0.16.1's expert MLP adds ``bias * routing weight`` to the down projection's
+    output in place; at expert tp 1 that output is the input of a tp reduction returned as it is,
+    which autograd refuses to modify while training. Training gets a copy (forward passes, which
+    build no graph, do not need one).
+    """
+
+    def forward(self, *args: Any, **kwargs: Any) -> tuple:
+        output, bias = super().forward(*args, **kwargs)
+        if bias is not None and torch.is_grad_enabled():
+            output = output.clone()
+        return output, bias
 
 
 def use_yarn_rotary(rotary: torch.nn.Module, gpt: GptOssArchitecture) -> None:
