@@ -166,7 +166,7 @@ def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
 def _layer_spec(arch: HFArchitecture, use_te: bool, config: Any = None, vp_stage: int | None = None):
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if arch.moe is not None:
+    if arch.moe is not None or arch.linear is not None:
         block = _moe_block_spec(config, use_te, vp_stage)
         if arch.linear is not None:  # Qwen3-Next: gated DeltaNet layers, zero-centred norms
             from verl_megatron.models.families.qwen3_next_layers import use_qwen3_next_layers

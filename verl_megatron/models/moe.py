@@ -97,6 +97,8 @@ def read_moe_architecture(hf_config: Any, num_layers: int) -> MoEArchitecture | 
     from verl_megatron.errors import ModelConfigError
 
     num_experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
+    if model_type == "qwen3_next" and not num_experts:
+        return None  # every layer a dense MLP
     topk = hf_config.num_experts_per_tok
     if not num_experts or not 0 < topk <= num_experts:
         raise ModelConfigError(

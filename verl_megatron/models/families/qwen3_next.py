@@ -91,8 +91,6 @@ def read_linear_attention(hf_config: Any) -> LinearAttentionArchitecture | None:
             f"{model_type}: layer_types must name linear_attention or full_attention for each of the "
             f"{hf_config.num_hidden_layers} layers, got {kinds}"
         )
-    if not int(getattr(hf_config, "num_experts", 0) or 0):
-        raise ModelConfigError(f"{model_type}: num_experts=0 (a dense Qwen3-Next) is not supported")
     arch = LinearAttentionArchitecture(
         layer_pattern=tuple(int(k == "linear_attention") for k in kinds),
         norm_eps=float(hf_config.rms_norm_eps),
