@@ -47,6 +47,12 @@ from verl_megatron.rollout.cpu.kernels import decode_kernels
 from verl_megatron.rollout.cpu.lean_layer import LeanLayer, lean_layer
 from verl_megatron.rollout.cpu.packed_linear import packed_linears
 from verl_megatron.rollout.mla_decode import MLARotary, mla_cache_shapes, mla_query_key_value
+from verl_megatron.rollout.qwen3_next_decode import (
+    apply_output_gate,
+    gdn_empty_states,
+    gdn_layer_step,
+    is_gdn_layer,
+)
 
 __all__ = ["ChunkDecoder", "inference_mode_for"]
 
@@ -88,8 +94,6 @@ def _check_supported(chunk: torch.nn.Module) -> None:
         raise NotImplementedError(f"{where}: interleaved rotary embeddings are not supported")
     if config.context_parallel_size > 1:
         raise NotImplementedError(f"{where}: context parallelism is not supported for generation")
-    if getattr(config, "attention_output_gate", False):
-        raise NotImplementedError(f"{where}: gated attention output is not supported")
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -199,6 +203,8 @@ class ChunkDecoder:
                         self.lean_skipped.append(reason)
 
     def _empty_cache(self, layer: torch.nn.Module, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if is_gdn_layer(layer):  # Qwen3-Next's DeltaNet: conv and recurrent states (qwen3_next_decode.py)
+            return gdn_empty_states(layer, batch, self.dtype)
         attn = layer.self_attention
         groups, head_dim = attn.num_query_groups_per_partition, attn.hidden_size_per_attention_head
         shapes = [(batch, groups, self.max_len, head_dim)] * 2
@@ -258,7 +264,8 @@ class ChunkDecoder:
                 if lean is None:
                     if packed:
                         hidden, packed = self._unpack(hidden, real, s, batch), False
-                    hidden = self._layer(layer, hidden, k_cache, v_cache, cos, sin, mask, start)
+                    valid = key_valid[:, start : start + s]
+                    hidden = self._layer(layer, hidden, k_cache, v_cache, cos, sin, mask, start, valid)
                     continue
                 attend = functools.partial(self._attend_qkv, k_cache, v_cache, cos, sin, mask, start)
                 if real is not None:
@@ -301,12 +308,16 @@ class ChunkDecoder:
         allowed = (key_col[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, s, L]
         return {"rows": rows, "cols": cols, "slots": positions[rows, cols], "allowed": allowed}
 
-    def _layer(self, layer, hidden, k_cache, v_cache, cos, sin, mask, start: int) -> torch.Tensor:
-        attn = layer.self_attention
+    def _layer(self, layer, hidden, k_cache, v_cache, cos, sin, mask, start: int, valid) -> torch.Tensor:
+        if is_gdn_layer(layer):
+            return gdn_layer_step(layer, hidden, k_cache, v_cache, valid)
+        attn, gate = layer.self_attention, []
         if self.mla is not None:
             query, key, value = mla_query_key_value(attn, layer.input_layernorm(hidden), cos, self.mla.mscale)
         else:
-            query, key, value = attn.get_query_key_value_tensors(layer.input_layernorm(hidden), None)
+            query, key, value, *gate = attn.get_query_key_value_tensors(
+                layer.input_layernorm(hidden), None, output_gate=attn.config.attention_output_gate
+            )
             query, key = self.rotate(query, cos, sin), self.rotate(key, cos, sin)
         s = query.shape[0]
         if self.parity_length is not None:
@@ -320,6 +331,8 @@ class ChunkDecoder:
             context = out.permute(2, 0, 1, 3).reshape(s, out.shape[0], -1)
         else:
             context = self._store_and_attend(k_cache, v_cache, query, key, value, mask, start)
+        if gate:  # Qwen3-Next's gated attention
+            context = apply_output_gate(context, gate[0])
         out, bias = attn.linear_proj(context)
         hidden = hidden + out if bias is None else hidden + out + bias
         out, bias = layer.mlp(layer.pre_mlp_layernorm(hidden))

@@ -24,6 +24,7 @@ from verl_megatron.models import routing_replay
 from verl_megatron.models.checkpoint_check import check_hf_weights
 from verl_megatron.models.config import check_layout, load_hf_config, read_hf_architecture
 from verl_megatron.models.families.deepseek import check_family_features
+from verl_megatron.models.families.qwen3_next import check_linear_features
 from verl_megatron.models.moe import MOE_MODEL_TYPES, check_trainable
 from verl_megatron.reward.loading import resolve_reward_manager_cls
 from verl_megatron.reward.model_rewards import check_model_rewards
@@ -362,6 +363,14 @@ def _check_family_features(config: PPOConfig, layout: ParallelLayout) -> None:
         lora_rank=config.model.lora_rank,
         bitwise_parity=config.rollout.bitwise_parity,
         cp=layout.cp,
+    )
+    check_linear_features(  # Qwen3-Next (gated DeltaNet)
+        load_hf_config(config.model.path).model_type,
+        lora_rank=config.model.lora_rank,
+        bitwise_parity=config.rollout.bitwise_parity,
+        cp=layout.cp,
+        routing_replay=config.rollout.enable_rollout_routing_replay
+        or config.actor.megatron.router_replay.mode != "disabled",
     )
 
 

@@ -117,6 +117,29 @@ def check_linear_split(arch: LinearAttentionArchitecture, tp: int, use_te: bool)
         )
 
 
+def check_linear_features(
+    model_type: str, *, lora_rank: int, bitwise_parity: bool, cp: int, routing_replay: bool
+) -> None:
+    """Refuse the trainer features Qwen3-Next does not have (or has not been verified with) yet:
+    ModelConfigError naming the key. Packing and dynamic batch sizes are supported (the DeltaNet
+    recurrence restarts at each packed sequence)."""
+    if model_type not in LINEAR_ATTENTION_MODEL_TYPES:
+        return
+    refused = [
+        (lora_rank > 0, "model.lora_rank > 0: LoRA adapters cover q/k/v/o_proj and dense MLPs, not the "
+         "DeltaNet's in_proj/out_proj or routed experts; set model.lora_rank=0"),
+        (bitwise_parity, "rollout.bitwise_parity=true: the DeltaNet decode step has no batch-invariant "
+         "form; set it to false (algorithm.rollout_correction corrects the mismatch)"),
+        (cp > 1, f"parallel.cp={cp}: the DeltaNet recurrence is not split over context-parallel ranks; "
+         "use parallel.cp=1"),
+        (routing_replay, "routing replay (actor.megatron.router_replay.mode=R3 / "
+         "rollout.enable_rollout_routing_replay) is not verified with qwen3_next; disable it"),
+    ]  # fmt: skip
+    for bad, why in refused:
+        if bad:
+            raise ModelConfigError(f"{why} (model_type {model_type}: gated DeltaNet layers)")
+
+
 def linear_transformer_config() -> dict[str, Any]:
     """TransformerConfig fields of Qwen3-Next's full-attention layers."""
     # Zero-centred norms: megatron's torch norms refuse the flag, so a norm left unreplaced fails loudly.

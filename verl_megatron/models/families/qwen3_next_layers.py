@@ -78,9 +78,11 @@ def _tp_parameter(shape: tuple[int, ...], config: Any, device: torch.device) -> 
 class GatedDeltaNet(MegatronModule):
     """Gated DeltaNet token mixer of one layer: [s, B, H] -> ([s, B, H], None), this tp rank's heads.
 
-    ``forward`` is the training / log-prob path (states start at zero); :meth:`step` continues
+    ``forward`` is the training / log-prob path (states start at zero); :meth:`run` continues
     from a (conv state [B, C/tp, K-1], recurrent state [B, nv/tp, dk, dv]) pair for decoding.
     """
+
+    core_attention = None  # no softmax attention inside (code probing a layer's core attention sees None)
 
     def __init__(self, config: Any, linear: LinearAttentionArchitecture, layer_number: int = 1,
                  pg_collection: Any = None, **kwargs: Any) -> None:  # fmt: skip
@@ -113,16 +115,21 @@ class GatedDeltaNet(MegatronModule):
             self.dt_bias.fill_(1.0)
             self.A_log.copy_(torch.empty(self.nv).uniform_(1, 16).log())
 
-    def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _project(self, hidden: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         """hidden [s, B, H] -> mixed q/k/v [B, C/tp, s] (before the convolution), z [B, s, nv, dv],
-        beta and the log decay g [B, s, nv] (float32)."""
+        beta and the log decay g [B, s, nv] (float32). Tokens not ``valid`` [B, s] get zero q/k/v,
+        beta and g: they leave the recurrent state as it is."""
         mixed, _ = self.in_proj(hidden)
         mixed = mixed.transpose(0, 1)
         conv_width = 2 * self.nk * self.dk + self.nv * self.dv
         qkv, z, b, a = mixed.split([conv_width, self.nv * self.dv, self.nv, self.nv], dim=-1)
         z = z.reshape(*z.shape[:2], self.nv, self.dv)
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        return qkv.transpose(1, 2), z, b.sigmoid(), g
+        beta = b.sigmoid()
+        if valid is not None:
+            keep = valid[..., None]
+            qkv, beta, g = qkv * keep, beta * keep, g * keep
+        return qkv.transpose(1, 2), z, beta, g
 
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Convolved [B, C/tp, s] -> q, k [B, s, nv, dk] (l2-normalised, repeated per value head), v."""
@@ -166,10 +173,12 @@ class GatedDeltaNet(MegatronModule):
         return torch.cat(rows, dim=1), None
 
     def run(self, hidden: torch.Tensor, conv_state: torch.Tensor | None = None,
-            state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+            state: torch.Tensor | None = None, valid: torch.Tensor | None = None,
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
         """hidden [s, B, H] from the given states (None: zero) -> (out [s, B, H], conv state
-        [B, C/tp, K-1], recurrent state [B, nv/tp, dk, dv] float32) after the s tokens."""
-        qkv, z, beta, g = self._project(hidden)
+        [B, C/tp, K-1], recurrent state [B, nv/tp, dk, dv] float32) after the s tokens.
+        ``valid`` [B, s]: see :meth:`_project` (None: all)."""
+        qkv, z, beta, g = self._project(hidden, valid)
         weight = self.conv1d.weight
         kernels = fast_kernels(qkv) if conv_state is None and state is None else None
         width = self.linear.conv_kernel - 1
