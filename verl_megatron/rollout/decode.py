@@ -46,6 +46,7 @@ from verl_megatron.models import batch_invariant
 from verl_megatron.rollout.cpu.kernels import decode_kernels
 from verl_megatron.rollout.cpu.lean_layer import LeanLayer, lean_layer
 from verl_megatron.rollout.cpu.packed_linear import packed_linears
+from verl_megatron.rollout.gpt_oss_decode import SinkWindows
 from verl_megatron.rollout.mla_decode import MLARotary, mla_cache_shapes, mla_query_key_value
 from verl_megatron.rollout.qwen3_next_decode import (
     apply_output_gate,
@@ -160,6 +161,10 @@ class ChunkDecoder:
             if self.parity_length is not None:
                 raise NotImplementedError("rollout.bitwise_parity: multi-latent attention is not supported")
             self.mla = MLARotary(chunks[0].decoder.layers[0].self_attention, max_len)
+        # GPT-OSS: attention sinks and per-layer sliding windows (gpt_oss_decode.py).
+        self.sinks = SinkWindows.of(chunks)
+        if self.sinks is not None and self.parity_length is not None:
+            raise NotImplementedError("rollout.bitwise_parity: attention sinks are not supported")
         self.hidden_size = config.hidden_size
         self.dtype = config.params_dtype
         self.device = next(chunks[0].parameters()).device
@@ -185,6 +190,7 @@ class ChunkDecoder:
             and self.device.type == "cpu"
             and self.dtype == torch.float32
             and self.mla is None
+            and self.sinks is None
             else None
         )
         self.caches: list[list[tuple[torch.Tensor, torch.Tensor]]] = [
@@ -244,6 +250,8 @@ class ChunkDecoder:
             sin = self.sin[positions].transpose(0, 1).unsqueeze(2)
         if self.parity_length is None:
             mask = self._mask(key_valid, start, s)
+            if self.sinks is not None:  # one visibility mask per window size
+                mask = self.sinks.masks(mask, positions, key_valid, start)
         else:
             mask = self._canonical_slots(positions, key_valid[:, start : start + s])
         # A prefill of left-padded prompts: lean layers run their token-wise work (norms, linears)
@@ -329,6 +337,8 @@ class ChunkDecoder:
                 query.permute(1, 2, 0, 3), k_cache, v_cache, mask["allowed"], scale
             )
             context = out.permute(2, 0, 1, 3).reshape(s, out.shape[0], -1)
+        elif self.sinks is not None:
+            context = self.sinks.store_and_attend(attn, k_cache, v_cache, query, key, value, mask, start)
         else:
             context = self._store_and_attend(k_cache, v_cache, query, key, value, mask, start)
         if gate:  # Qwen3-Next's gated attention
