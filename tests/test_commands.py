@@ -324,6 +324,7 @@ OWN_COMMAND_TESTS = (
     "configs/distill_quickstart.yaml",
     "configs/quickstart_agent.yaml",
     "configs/grpo_deepseek_v3.yaml",
+    "configs/grpo_gpt_oss.yaml",
 )
 
 

@@ -21,18 +21,28 @@ from verl_megatron import cli
 
 @pytest.fixture(scope="module")
 def ds_assets(tmp_path_factory) -> dict[str, str]:
+    return family_recipe_assets(
+        tmp_path_factory.mktemp("dsv3_recipe"),
+        lambda path, **ids: build_deepseek_v3(
+            path, hidden_size=32, moe_intermediate_size=16, intermediate_size=64, **ids
+        ),
+    )
+
+
+def family_recipe_assets(root, build) -> dict[str, str]:
+    """A byte-level BPE tokenizer and ``build(path, vocab_size=, eos_token_id=, pad_token_id=)``'s
+    model in ``root/model``, GSM8K-style parquet files in ``root/gsm8k``."""
     import json
 
     from verl_megatron.data import gsm8k_format
     from verl_megatron.utils.local_assets import build_bpe_tokenizer
 
-    root = tmp_path_factory.mktemp("dsv3_recipe")
     model = root / "model"
     tokenizer = build_bpe_tokenizer(model)
     ids = dict(
         vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )
-    build_deepseek_v3(str(model), hidden_size=32, moe_intermediate_size=16, intermediate_size=64, **ids)
+    build(str(model), **ids)
     for split, n, offset in (("train", 8, 0), ("test", 2, 100)):
         raw = root / f"gsm8k_{split}.jsonl"
         raw.write_text("".join(json.dumps(r) + "\n" for r in _gsm8k_rows(n, offset)))

@@ -98,6 +98,11 @@ def _check_moe_checkpoint(model_path: str) -> None:
         hf_config = load_hf_config(model_path)
     except (ValueError, OSError):
         return  # check_model_fits names an unreadable checkpoint
+    if hf_config.model_type == "gpt_oss":
+        raise ConfigError(
+            "rollout.enable_rollout_routing_replay=true is not supported with gpt_oss yet (not verified); "
+            "set it to false"
+        )
     if read_moe_architecture(hf_config, hf_config.num_hidden_layers) is None:
         raise ConfigError(
             f"rollout.enable_rollout_routing_replay=true needs a mixture-of-experts model; model.path="

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from megatron.core.tensor_parallel import RowParallelLinear, set_tensor_model_parallel_attributes
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from verl_megatron.models.families.gpt_oss import (
     GptOssArchitecture,
@@ -70,6 +71,14 @@ class SinkWindowAttention(SDPADotProductAttention):
             torch.zeros(self.num_attention_heads_per_partition, dtype=self.config.params_dtype, device=device)
         )
         set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """The sinks in distributed checkpoints, split by head over tp (megatron's own method saves
+        ``softmax_offset`` only for ``softmax_type='learnable'``)."""
+        return make_sharded_tensors_for_checkpoint(
+            {"softmax_offset": self.softmax_offset}, prefix, {"softmax_offset": 0}, sharded_offsets,
+            tp_group=self.tp_group, dp_cp_group=(metadata or {}).get("dp_cp_group"),
+        )  # fmt: skip
 
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
