@@ -223,8 +223,10 @@ class SafetensorsCheckpoint(contextlib.AbstractContextManager):
     def __contains__(self, name: str) -> bool:
         return name in self._files
 
-    def get(self, name: str) -> torch.Tensor:
-        return self._open(self._files[name]).get_tensor(name)
+    def get(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        """Tensor ``name``, or only its ``rows`` (first axis) when given."""
+        handle = self._open(self._files[name])
+        return handle.get_tensor(name) if rows is None else handle.get_slice(name)[rows]
 
     def __exit__(self, *exc: Any) -> None:
         self._stack.close()
@@ -259,7 +261,10 @@ def load_hf_weights(
                     f"checkpoint '{hf_dir}' has no tensor {missing} (for megatron parameter {name})"
                 )
             _, tp, tp_rank = tp_placement(name)
-            whole = _whole_from_hf(mapping, [ckpt.get(n) for n in mapping.hf_names], info, tp)
+            rows = None if mapping.expert is None else slice(mapping.expert, mapping.expert + 1)
+            if rows is not None:  # GPT-OSS: read this expert's row of the stacked tensor only
+                mapping = HFMapping(mapping.kind, mapping.hf_names, expert=0)
+            whole = _whole_from_hf(mapping, [ckpt.get(n, rows) for n in mapping.hf_names], info, tp)
             expected = whole_shape(param, tp)
             if whole is None or tuple(whole.shape) != expected:
                 shapes = {n: tuple(ckpt.get(n).shape) for n in mapping.hf_names}
