@@ -27,3 +27,15 @@ def build_qwen3_next(out_dir: str, seed: int = 0, **overrides: Any) -> Any:
     from transformers import Qwen3NextConfig
 
     return build_sigmoid_moe(out_dir, Qwen3NextConfig(**{**QWEN3_NEXT, **overrides}), seed)
+
+
+def build_qwen3_5(out_dir: str, moe: bool, seed: int = 0, **overrides: Any) -> Any:
+    """A random Qwen3.5 text decoder (``qwen3_5_moe_text`` or the dense ``qwen3_5_text``) of the same
+    shapes: the DeltaNet projections stored apart (in_proj_qkv / z / b / a)."""
+    from transformers import Qwen3_5TextConfig
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+
+    qwen3_next_only = ("mlp_only_layers", "decoder_sparse_step", "norm_topk_prob")
+    spec = {k: v for k, v in QWEN3_NEXT.items() if k not in qwen3_next_only}
+    config_class = Qwen3_5MoeTextConfig if moe else Qwen3_5TextConfig
+    return build_sigmoid_moe(out_dir, config_class(**{**spec, **overrides}), seed)

@@ -2,7 +2,8 @@
 
 A tiny random Qwen3-Next (``tests/qwen3_next_models.py``: DeltaNet and gated-attention layers
 alternating, a dense first layer, 4 experts with a gated shared expert, zero-centred norms,
-random norm weights, ``A_log`` and ``dt_bias``) is loaded by ``load_hf_weights``. float32 logits
+random norm weights, ``A_log`` and ``dt_bias``) and Qwen3.5 text decoders of the same shapes
+(MoE; dense at tp=1 only) are loaded by ``load_hf_weights``. float32 logits
 must equal transformers' to 1e-4 at tp=1, tp=2 (DeltaNet heads split over tp), pp=2 and ep=2, and
 the export (tp=2: the tp-dependent fused layout; ep=2 x... pp=2) must be byte-identical to the
 file it was loaded from. The torch gated delta rule (chunked and token by token) must equal
@@ -18,16 +19,24 @@ import pytest
 import torch
 
 from tests.helpers import hf_reference_logits
-from tests.qwen3_next_models import build_qwen3_next
+from tests.qwen3_next_models import build_qwen3_5, build_qwen3_next
 from tests.test_family_deepseek import _assert_matches
 from tests.test_models_parity import SEQUENCES
 
 
 @pytest.fixture(scope="module")
 def q3n_models(tmp_path_factory) -> dict[str, str]:
-    path = str(tmp_path_factory.mktemp("tiny_qwen3_next") / "moe")
-    build_qwen3_next(path)
-    return {"moe": path}
+    root = tmp_path_factory.mktemp("tiny_qwen3_next")
+    build_qwen3_next(str(root / "moe"))
+    build_qwen3_5(str(root / "qwen3_5_moe"), moe=True)
+    return {"moe": str(root / "moe"), "qwen3_5_moe": str(root / "qwen3_5_moe")}
+
+
+@pytest.fixture(scope="module")
+def q35_dense(tmp_path_factory) -> dict[str, str]:
+    path = str(tmp_path_factory.mktemp("tiny_qwen3_5") / "dense")
+    build_qwen3_5(path, moe=False)
+    return {"qwen3_5_dense": path}
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +69,10 @@ def test_gated_delta_rule_matches_transformers():
             assert diff.max() <= 1e-5, f"{rule.__name__} {what}: max diff {diff.max():.3g} at {where}"
 
 
-def test_qwen3_next_logits_match_transformers_one_process(pool1, q3n_models, q3n_reference):
-    (results,) = pool1.run("tests.test_moe_models:moe_parity_job", paths=q3n_models, layout={})
-    _assert_matches(results, q3n_reference)
+def test_qwen3_next_logits_match_transformers_one_process(pool1, q3n_models, q3n_reference, q35_dense):
+    paths = {**q3n_models, **q35_dense}
+    (results,) = pool1.run("tests.test_moe_models:moe_parity_job", paths=paths, layout={})
+    _assert_matches(results, {**q3n_reference, **hf_reference_logits(q35_dense, SEQUENCES)})
 
 
 @pytest.mark.parametrize("layout", [dict(tp=2), dict(pp=2), dict(ep=2)], ids=["tp2", "pp2", "ep2"])

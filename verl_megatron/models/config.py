@@ -54,7 +54,8 @@ logger = logging.getLogger(__name__)
 
 # Sigmoid-routed families: deepseek_v3 (multi-latent attention) and glm4_moe (grouped-query).
 SUPPORTED_MODEL_TYPES = (
-    "llama", "qwen2", "qwen3", "mistral", *MOE_MODEL_TYPES, *SIGMOID_MOE_MODEL_TYPES, *GPT_OSS_MODEL_TYPES
+    "llama", "qwen2", "qwen3", "mistral", *MOE_MODEL_TYPES, *SIGMOID_MOE_MODEL_TYPES, *GPT_OSS_MODEL_TYPES,
+    "qwen3_5_text",
 )  # fmt: skip
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -365,7 +366,7 @@ def read_hf_architecture(hf_config: Any) -> HFArchitecture:
         rms_norm_eps=hf_config.rms_norm_eps,
         qkv_bias=qkv_bias,
         linear_bias=linear_bias,
-        qk_norm=model_type in ("qwen3", "qwen3_moe", "qwen3_next")
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
         or bool(getattr(hf_config, "use_qk_norm", False)),
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         max_position_embeddings=hf_config.max_position_embeddings,

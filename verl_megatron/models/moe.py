@@ -5,7 +5,7 @@ Supported families (``model_type``) and how their routers map onto megatron's Mo
 - ``qwen3_moe``: softmax router, top-k, renormalised when ``norm_topk_prob``; QK-norm.
 - ``qwen2_moe``: as qwen3_moe plus one shared expert whose output is scaled by
   ``sigmoid(shared_expert_gate(x))`` (megatron's ``moe_shared_expert_gate``); q/k/v biases.
-- ``qwen3_next``: qwen2_moe's block (no q/k/v biases; its layers: ``models/families/qwen3_next.py``).
+- ``qwen3_next``, ``qwen3_5_moe_text``: qwen2_moe's block (no q/k/v biases; its layers: ``models/families/qwen3_next.py``).
 - ``mixtral``: softmax router, top-k always renormalised; experts named ``w1`` (gate),
   ``w3`` (up), ``w2`` (down) under ``block_sparse_moe``.
 - ``deepseek_v3``, ``glm4_moe`` (GLM-4.5): sigmoid router with an expert bias, group-limited top-k,
@@ -32,11 +32,11 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next", "qwen3_5_moe_text")
 # Sigmoid routing with expert bias and groups (DeepSeek-V3): read by :func:`read_sigmoid_moe`.
 SIGMOID_MOE_MODEL_TYPES = ("deepseek_v3", "glm4_moe")
 # Qwen3-Next's MoE block is Qwen2-MoE's (one shared expert with a sigmoid gate).
-_GATED_SHARED_EXPERT = ("qwen2_moe", "qwen3_next")
+_GATED_SHARED_EXPERT = ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text")
 EXPERT_BIAS_UPDATE_RATE = 1e-3
 """megatron's ``moe_router_bias_update_rate`` for sigmoid routers with an expert bias (DeepSeek-V3's
 bias update speed; ``model.override_transformer_config.moe_router_bias_update_rate=0`` freezes it)."""
@@ -130,7 +130,8 @@ def read_moe_architecture(hf_config: Any, num_layers: int) -> MoEArchitecture | 
     shared = int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0)
     return MoEArchitecture(
         ffn_hidden_size=hf_config.moe_intermediate_size,
-        norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)),
+        # Qwen3.5-MoE's router always renormalises (its config has no norm_topk_prob).
+        norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)) or model_type == "qwen3_5_moe_text",
         layer_pattern=pattern,
         shared_expert_size=shared if model_type in _GATED_SHARED_EXPERT else 0,
         shared_expert_gate=model_type in _GATED_SHARED_EXPERT and shared > 0,

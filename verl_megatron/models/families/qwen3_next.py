@@ -23,6 +23,13 @@ zero-centred) is replicated.
 
 Gated attention: HF's ``q_proj`` rows are per head [query (d); gate (d)]; megatron's
 ``linear_qkv`` holds per key/value group [queries; gates; key; value] of the group's heads.
+
+Qwen3.5's text decoders (``qwen3_5_text`` dense, ``qwen3_5_moe_text`` with Qwen2-MoE's block and an
+always-renormalised router) have the same layers; their DeltaNet stores ``in_proj_qkv`` ([q; k; v]
+of all heads), ``in_proj_z``, ``in_proj_b`` and ``in_proj_a`` apart (``fused_in_proj=False``).
+Their multimodal rotary sections turn text positions (the same id on every section) as the plain
+rotary does. Checkpoints of the whole vision-language model (``model.language_model.*``) are not
+read.
 """
 
 from __future__ import annotations
@@ -34,7 +41,9 @@ import torch
 
 from verl_megatron.errors import ModelConfigError
 
-LINEAR_ATTENTION_MODEL_TYPES = ("qwen3_next",)
+# Qwen3.5's text decoders (dense, MoE) have the same layers with the DeltaNet projections stored apart.
+QWEN3_5_TEXT_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
+LINEAR_ATTENTION_MODEL_TYPES = ("qwen3_next", *QWEN3_5_TEXT_MODEL_TYPES)
 # HF DeltaNet suffix (under ``linear_attn.``) <- megatron suffix (under ``self_attention.``).
 _GDN_COPY = {
     "conv1d.weight": "conv1d.weight",
@@ -50,7 +59,7 @@ _LINEAR_FIELDS = {
     "conv_kernel": "linear_conv_kernel_dim",
 }  # fmt: skip
 # Mapping kinds this module converts (models/convert.py hands them here).
-KINDS = ("gdn_in", "gdn_conv", "qkv_gate")
+KINDS = ("gdn_in", "gdn_in_split", "gdn_conv", "qkv_gate")
 
 
 @dataclass(frozen=True)
@@ -65,6 +74,9 @@ class LinearAttentionArchitecture:
     value_head_dim: int
     conv_kernel: int
     norm_eps: float
+    fused_in_proj: bool = True
+    """Qwen3-Next's per-key-head ``in_proj_qkvz`` / ``in_proj_ba``; False: Qwen3.5's ``in_proj_qkv``
+    ([q; k; v] of all heads, the convolution's channel order), ``in_proj_z``, ``in_proj_b``, ``in_proj_a``."""
 
     @property
     def key_dim(self) -> int:
@@ -94,6 +106,7 @@ def read_linear_attention(hf_config: Any) -> LinearAttentionArchitecture | None:
     arch = LinearAttentionArchitecture(
         layer_pattern=tuple(int(k == "linear_attention") for k in kinds),
         norm_eps=float(hf_config.rms_norm_eps),
+        fused_in_proj=model_type == "qwen3_next",
         **{name: int(getattr(hf_config, key)) for name, key in _LINEAR_FIELDS.items()},
     )
     if arch.num_value_heads % arch.num_key_heads:
@@ -158,10 +171,9 @@ def hf_linear_names(
         return None
     suffix = rest.removeprefix("self_attention.")
     if suffix == "in_proj.weight":
-        return "gdn_in", (
-            f"{prefix}.linear_attn.in_proj_qkvz.weight",
-            f"{prefix}.linear_attn.in_proj_ba.weight",
-        )
+        parts = ("qkvz", "ba") if arch.fused_in_proj else ("qkv", "z", "b", "a")
+        kind = "gdn_in" if arch.fused_in_proj else "gdn_in_split"
+        return kind, tuple(f"{prefix}.linear_attn.in_proj_{p}.weight" for p in parts)
     if suffix == "conv1d.weight":
         return "gdn_conv", (f"{prefix}.linear_attn.conv1d.weight",)
     if suffix in _GDN_COPY:
@@ -169,15 +181,25 @@ def hf_linear_names(
     return None
 
 
-def _gdn_in_parts(
-    arch: LinearAttentionArchitecture, qkvz: torch.Tensor, ba: torch.Tensor
-) -> list[torch.Tensor]:
-    """HF's fused rows -> [q, k, v, z, b, a], each [nk, rows per key head, H]."""
+def _gdn_in_parts(arch: LinearAttentionArchitecture, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """HF's projection rows -> [q, k, v, z, b, a], each [rows, H] in head order."""
+    if not arch.fused_in_proj:
+        qkv, z, b, a = tensors
+        return [*qkv.split([arch.key_dim, arch.key_dim, arch.value_dim]), z, b, a]
+    qkvz, ba = tensors
     r = arch.num_value_heads // arch.num_key_heads
     nk, dk, dv = arch.num_key_heads, arch.key_head_dim, arch.value_head_dim
     q, k, v, z = qkvz.reshape(nk, -1, qkvz.shape[-1]).split([dk, dk, r * dv, r * dv], dim=1)
     b, a = ba.reshape(nk, -1, ba.shape[-1]).split([r, r], dim=1)
-    return [q, k, v, z, b, a]
+    return [t.reshape(-1, t.shape[-1]) for t in (q, k, v, z, b, a)]
+
+
+def _gdn_in_hf(arch: LinearAttentionArchitecture, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Inverse of :func:`_gdn_in_parts`."""
+    if not arch.fused_in_proj:
+        return [torch.cat(parts[:3]), *parts[3:]]
+    heads = [p.reshape(arch.num_key_heads, -1, p.shape[-1]) for p in parts]
+    return [torch.cat(group, dim=1).reshape(-1, parts[0].shape[-1]) for group in (heads[:4], heads[4:])]
 
 
 def to_megatron(kind: str, tensors: list[torch.Tensor], arch: Any, tp: int) -> torch.Tensor:
@@ -190,9 +212,9 @@ def to_megatron(kind: str, tensors: list[torch.Tensor], arch: Any, tp: int) -> t
         query, gate = (per_head[:, i].reshape(groups, -1, q.shape[-1]) for i in (0, 1))
         k, v = k.reshape(groups, hd, -1), v.reshape(groups, hd, -1)
         return torch.cat([query, gate, k, v], dim=1).reshape(-1, q.shape[-1])
-    if kind == "gdn_in":
-        parts = [p.chunk(tp) for p in _gdn_in_parts(linear, *tensors)]
-        return torch.cat([p[t].reshape(-1, p[t].shape[-1]) for t in range(tp) for p in parts])
+    if kind in ("gdn_in", "gdn_in_split"):
+        parts = [p.chunk(tp) for p in _gdn_in_parts(linear, tensors)]
+        return torch.cat([p[t] for t in range(tp) for p in parts])
     if kind == "gdn_conv":
         (conv,) = tensors
         parts = conv.split([linear.key_dim, linear.key_dim, linear.value_dim])
@@ -212,15 +234,10 @@ def to_hf(kind: str, whole: torch.Tensor, arch: Any, tp: int) -> list[torch.Tens
         heads = [t.reshape(arch.num_attention_heads, 1, hd, -1) for t in (query, gate)]
         return [torch.cat(heads, dim=1).reshape(-1, whole.shape[-1]), k.reshape(-1, whole.shape[-1]),
                 v.reshape(-1, whole.shape[-1])]  # fmt: skip
-    if kind == "gdn_in":
-        r, nk = linear.num_value_heads // linear.num_key_heads, linear.num_key_heads // tp
-        dk, dv = linear.key_head_dim, linear.value_head_dim
-        widths = [dk, dk, r * dv, r * dv, r, r]
-        shards = [s.split([nk * w for w in widths]) for s in whole.chunk(tp)]
-        parts = [torch.cat([s[i] for s in shards]).reshape(linear.num_key_heads, -1, whole.shape[-1])
-                 for i in range(6)]  # fmt: skip
-        qkvz, ba = torch.cat(parts[:4], dim=1), torch.cat(parts[4:], dim=1)
-        return [qkvz.reshape(-1, whole.shape[-1]), ba.reshape(-1, whole.shape[-1])]
+    if kind in ("gdn_in", "gdn_in_split"):
+        kd, vd, nv = linear.key_dim // tp, linear.value_dim // tp, linear.num_value_heads // tp
+        shards = [shard.split([kd, kd, vd, vd, nv, nv]) for shard in whole.chunk(tp)]
+        return _gdn_in_hf(linear, [torch.cat([shard[i] for shard in shards]) for i in range(6)])
     if kind == "gdn_conv":
         widths = [linear.key_dim // tp, linear.key_dim // tp, linear.value_dim // tp]
         shards = [s.split(widths) for s in whole.chunk(tp)]
@@ -245,11 +262,17 @@ def _linear_hf_shapes(
     arch: LinearAttentionArchitecture, layer: int, hidden: int
 ) -> dict[str, tuple[int, ...]]:
     """HF tensor shapes of DeltaNet layer ``layer`` (its ``linear_attn`` module)."""
-    r = arch.num_value_heads // arch.num_key_heads
     prefix = f"model.layers.{layer}.linear_attn"
-    shapes = {
-        "in_proj_qkvz.weight": (2 * arch.key_dim + 2 * arch.value_dim, hidden),
-        "in_proj_ba.weight": (2 * r * arch.num_key_heads, hidden),
+    nv = arch.num_value_heads
+    if arch.fused_in_proj:
+        shapes = {
+            "in_proj_qkvz.weight": (arch.conv_dim + arch.value_dim, hidden),
+            "in_proj_ba.weight": (2 * nv, hidden),
+        }
+    else:
+        shapes = {"in_proj_qkv.weight": (arch.conv_dim, hidden), "in_proj_z.weight": (arch.value_dim, hidden),
+                  "in_proj_b.weight": (nv, hidden), "in_proj_a.weight": (nv, hidden)}  # fmt: skip
+    shapes |= {
         "conv1d.weight": (arch.conv_dim, 1, arch.conv_kernel),
         "dt_bias": (arch.num_value_heads,),
         "A_log": (arch.num_value_heads,),
