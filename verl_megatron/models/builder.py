@@ -227,6 +227,8 @@ def build_gpt_chunks(
     """
     from megatron.core.models.gpt import GPTModel
 
+    from verl_megatron.models.families.qwen2_vl_model import vl_model_class
+
     config = hf_to_transformer_config(hf_config, runtime.layout, model_cfg)
     arch = read_hf_architecture(hf_config)
     padded = padded_vocab_size(arch.vocab_size, runtime.layout.tp, model_cfg.make_vocab_size_divisible_by)
@@ -240,7 +242,8 @@ def build_gpt_chunks(
             from verl_megatron.models.families import gpt_oss_layers
 
             gpt_oss_layers.use_gpt_oss_layers(spec, arch.gpt_oss)
-        model = GPTModel(
+        model_class, vl_kwargs = (GPTModel, {}) if arch.vl is None else vl_model_class(arch.vl, runtime.seed, model_cfg, value_head)
+        model = model_class(
             config=config,
             transformer_layer_spec=spec,
             vocab_size=info.padded_vocab_size,
@@ -248,11 +251,12 @@ def build_gpt_chunks(
             pre_process=pre_process,
             post_process=post_process,
             share_embeddings_and_output_weights=info.tied_embeddings,
-            position_embedding_type="rope",
+            position_embedding_type="rope" if arch.vl is None else "mrope",
             rotary_base=rope.theta,
             rotary_percent=rope.rotary_percent,
             seq_len_interpolation_factor=rope.factor if rope.rope_type == "linear" else None,
             vp_stage=vp_stage,
+            **vl_kwargs,
         )
         if rope.rope_type == "llama3":
             rotary = model.rotary_pos_emb

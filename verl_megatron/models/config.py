@@ -28,6 +28,12 @@ from verl_megatron.models.families.deepseek import (
     mla_transformer_config,
     read_mla_architecture,
 )
+from verl_megatron.models.families.qwen2_vl import (
+    VLArchitecture,
+    check_vl_settings,
+    read_vl_architecture,
+    vl_transformer_config,
+)
 from verl_megatron.models.families.qwen3_next import (
     LinearAttentionArchitecture,
     check_linear_split,
@@ -124,6 +130,9 @@ class ModelConfig:
     """Projections taken out of target_modules."""
     lora_dropout: float = 0.0
     """Dropout on the adapters' input while training (PEFT's lora_dropout)."""
+    freeze_vision_tower: bool = False
+    """Vision-language models: the vision tower (patch embedding, blocks, merger) gets no gradient
+    and no optimizer state; only the language model trains."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -288,6 +297,8 @@ class HFArchitecture:
     """Router and experts of a mixture-of-experts model; None for a dense one."""
     mla: MLAArchitecture | None = None
     """Multi-latent attention (DeepSeek-V3); None for grouped-query attention."""
+    vl: VLArchitecture | None = None
+    """Vision tower and 3-D rotary of a vision-language model (Qwen2.5-VL); None for text only."""
     gpt_oss: GptOssArchitecture | None = None
     """GPT-OSS's sinks, sliding windows, clamped SwiGLU and YaRN (``families/gpt_oss.py``)."""
     linear: LinearAttentionArchitecture | None = None
@@ -333,6 +344,10 @@ def _with_partial_rotary(rope: RopeSettings, hf_config: Any) -> RopeSettings:
 
 def read_hf_architecture(hf_config: Any) -> HFArchitecture:
     """Read and check a Llama-family HF config; unsupported models raise ModelConfigError."""
+    vl = read_vl_architecture(hf_config)
+    if vl is not None:  # Qwen2.5-VL: a Qwen2 decoder behind a vision tower (families/qwen2_vl.py)
+        arch = read_hf_architecture(vl.language_config)
+        return dataclasses.replace(arch, model_type=hf_config.model_type, vl=vl)
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ModelConfigError(
@@ -491,6 +506,9 @@ def hf_to_transformer_config(hf_config: Any, layout: ParallelLayout, model_cfg: 
     if arch.linear is not None:
         check_linear_split(arch.linear, layout.tp, use_te)
         kwargs.update(linear_transformer_config())
+    if arch.vl is not None or model_cfg.freeze_vision_tower:
+        check_vl_settings(arch.vl, sequence_parallel=model_cfg.sequence_parallel, freeze=model_cfg.freeze_vision_tower)
+        kwargs.update(vl_transformer_config(arch.vl))
     kwargs.update(model_cfg.recompute_settings())
     kwargs.update(model_cfg.override_transformer_config)
     check_dispatcher(kwargs, on_gpu=torch.cuda.is_available())

@@ -44,6 +44,7 @@ from verl_megatron.models.export_io import publish_folder
 from verl_megatron.models.families import qwen3_next
 from verl_megatron.models.families import gpt_oss
 from verl_megatron.models.families.deepseek import hf_mla_names
+from verl_megatron.models.families.qwen2_vl import VISION_PREFIX, hf_vision_name
 from verl_megatron.models.moe import expert_index, hf_moe_names
 from verl_megatron.models.sharding import (
     gather_tp,
@@ -118,6 +119,8 @@ def hf_mapping(name: str, info: ModelInfo) -> HFMapping:
     if match and match.group(2) in _LAYER_RULES:
         kind, suffixes = _LAYER_RULES[match.group(2)]
         return HFMapping(kind, tuple(f"model.layers.{match.group(1)}.{s}" for s in suffixes))
+    if info.arch.vl is not None and name.startswith(VISION_PREFIX):  # the replicated vision tower
+        return HFMapping("copy", (hf_vision_name(name),))
     if name == "embedding.word_embeddings.weight":
         return HFMapping("vocab", ("model.embed_tokens.weight",))
     if name == "decoder.final_layernorm.weight":

@@ -26,6 +26,7 @@ from verl_megatron.errors import UserInputError, report_user_error
 from verl_megatron.models.builder import build_gpt_chunks, model_info
 from verl_megatron.models.config import ModelConfig, load_hf_config
 from verl_megatron.models.convert import load_hf_weights
+from verl_megatron.models.families.qwen2_vl import VL_MODEL_TYPES
 from verl_megatron.tools.check_common import check_prompts, verdict
 
 DEFAULT_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.25}
@@ -190,6 +191,11 @@ def run_check(args: argparse.Namespace) -> int:
 
     if is_sequence_classification(hf_config):  # a reward model: scores, not logits
         return run_reward_check(args, runtime, hf_config)
+    if getattr(hf_config, "model_type", None) in VL_MODEL_TYPES:  # logits on image + text prompts
+        from verl_megatron.tools.check_hf_vl import run_vl_check
+
+        tolerance = DEFAULT_TOLERANCE[args.dtype] if args.tolerance is None else args.tolerance
+        return run_vl_check(args, runtime, hf_config, tolerance)
     model_cfg = ModelConfig(path=args.path, dtype=args.dtype)
     chunks = build_gpt_chunks(hf_config, runtime, model_cfg)
     load_hf_weights(chunks, args.path, runtime)

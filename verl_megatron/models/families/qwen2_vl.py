@@ -1,0 +1,195 @@
+"""Qwen2.5-VL (``qwen2_5_vl``) in this project's terms: a vision tower in front of a Qwen2 decoder.
+
+- **Language model**: a Qwen2 decoder (q/k/v biases) whose rotary embedding is 3-D
+  ("mrope", ``utils/mrope.py``): megatron's ``GPTModel`` with ``position_embedding_type="mrope"``
+  and the checkpoint's ``mrope_section``; its weights have Qwen2's names (``model.layers.*``,
+  ``model.embed_tokens``, ``model.norm``, ``lm_head``), so the Qwen2 rules of ``convert.py``
+  load them. :func:`read_vl_architecture` reads the text config as a Qwen2 config.
+- **Vision tower** (``qwen2_vl_vision.py``): patch embedding (a 3-D convolution over
+  temporal_patch x patch x patch pixels), ``depth`` pre-norm blocks with 2-D rotary attention,
+  window attention except in ``fullatt_block_indexes``, and the patch merger (m x m patches ->
+  one language-model token). Its parameters are named as HF's ``visual.*`` under ``vision.*``
+  and are copied whole.
+
+The vision tower is **replicated** on every tensor-parallel rank of the first pipeline stage, not
+split: at Qwen2.5-VL's sizes (0.67B parameters at 7B, the same tower for 3B..72B) it is a small
+share of the weights and of the compute of a prompt's tokens, it runs once per prompt, and a
+replicated copy needs no collectives and gives every tp layout the same numbers bit for bit. Its
+gradient is identical on every tp rank (the decoder's first layer all-reduces the gradient of
+its input over tp), and megatron treats its parameters like the layer norms'
+(not tensor-parallel: counted once in the gradient norm). Splitting it over tp is a later
+optimisation for towers that do not fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from verl_megatron.errors import ModelConfigError
+
+VL_MODEL_TYPES = ("qwen2_5_vl",)
+VISION_PREFIX = "vision."
+HF_VISION_PREFIX = "visual."
+
+__all__ = [
+    "HF_VISION_PREFIX",
+    "VISION_PREFIX",
+    "VL_MODEL_TYPES",
+    "VLArchitecture",
+    "VisionArchitecture",
+    "check_vl_settings",
+    "hf_vision_name",
+    "read_vl_architecture",
+    "vl_transformer_config",
+]
+
+
+@dataclass(frozen=True)
+class VisionArchitecture:
+    """Shapes of a Qwen2.5-VL vision tower (HF ``vision_config``)."""
+
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    in_channels: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    window_size: int
+    """Window side in pixels: windows of ``window_size / patch_size / spatial_merge_size`` merged tokens."""
+    fullatt_block_indexes: tuple[int, ...]
+    """Blocks with full attention (over each image); the others attend within windows."""
+    out_hidden_size: int
+    """The language model's hidden size (the merger's output)."""
+    rope_theta: float
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def merge_unit(self) -> int:
+        return self.spatial_merge_size**2
+
+    @property
+    def window_tokens(self) -> int:
+        """Merged tokens per window side."""
+        return self.window_size // self.spatial_merge_size // self.patch_size
+
+
+@dataclass(frozen=True)
+class VLArchitecture:
+    """What a vision-language checkpoint adds to its language model."""
+
+    vision: VisionArchitecture
+    mrope_section: tuple[int, ...]
+    """Rotary frequencies rotated by the temporal, height and width ids (sums to head_dim / 2)."""
+    image_token_id: int
+    video_token_id: int
+    language_config: Any = field(compare=False, repr=False)
+    """The text config as a transformers Qwen2Config (what ``read_hf_architecture`` reads)."""
+
+
+def _read_vision(vision_config: Any, model_type: str) -> VisionArchitecture:
+    act = getattr(vision_config, "hidden_act", "silu")
+    if act != "silu":
+        raise ModelConfigError(f"{model_type}: vision_config.hidden_act={act!r}; only silu is supported")
+    rope = dict(getattr(vision_config, "rope_parameters", None) or {})
+    arch = VisionArchitecture(
+        depth=int(vision_config.depth),
+        hidden_size=int(vision_config.hidden_size),
+        intermediate_size=int(vision_config.intermediate_size),
+        num_heads=int(vision_config.num_heads),
+        in_channels=int(vision_config.in_channels),
+        patch_size=int(vision_config.patch_size),
+        temporal_patch_size=int(vision_config.temporal_patch_size),
+        spatial_merge_size=int(vision_config.spatial_merge_size),
+        window_size=int(vision_config.window_size),
+        fullatt_block_indexes=tuple(int(i) for i in vision_config.fullatt_block_indexes),
+        out_hidden_size=int(vision_config.out_hidden_size),
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+    )
+    if arch.hidden_size % arch.num_heads or arch.head_dim % 4:
+        raise ModelConfigError(
+            f"{model_type}: vision_config hidden_size={arch.hidden_size} / num_heads={arch.num_heads} must be "
+            "a head size divisible by 4 (2-D rotary: half of it per axis, in pairs)"
+        )
+    if arch.window_tokens < 1:
+        raise ModelConfigError(
+            f"{model_type}: vision_config.window_size={arch.window_size} is smaller than one merged token "
+            f"({arch.patch_size * arch.spatial_merge_size} pixels)"
+        )
+    return arch
+
+
+def read_vl_architecture(hf_config: Any) -> VLArchitecture | None:
+    """The vision-language facts of ``hf_config`` (None for a text-only model)."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in VL_MODEL_TYPES:
+        return None
+    from transformers import Qwen2Config
+
+    text = hf_config.text_config
+    rope = dict(getattr(text, "rope_parameters", None) or {})
+    if (rope.get("rope_type") or "default") != "default":
+        raise ModelConfigError(
+            f"{model_type}: text_config rope type {rope.get('rope_type')!r}; only mrope is supported"
+        )
+    section = tuple(int(s) for s in rope.get("mrope_section") or ())
+    head_dim = text.hidden_size // text.num_attention_heads
+    if len(section) != 3 or sum(section) * 2 != head_dim:
+        raise ModelConfigError(
+            f"{model_type}: rope_parameters.mrope_section={list(section)} must be 3 numbers adding up to "
+            f"head_dim / 2 = {head_dim // 2}"
+        )
+    language = Qwen2Config(
+        vocab_size=text.vocab_size, hidden_size=text.hidden_size, intermediate_size=text.intermediate_size,
+        num_hidden_layers=text.num_hidden_layers, num_attention_heads=text.num_attention_heads,
+        num_key_value_heads=text.num_key_value_heads, hidden_act=text.hidden_act,
+        max_position_embeddings=text.max_position_embeddings, rms_norm_eps=text.rms_norm_eps,
+        initializer_range=getattr(text, "initializer_range", 0.02),
+        attention_dropout=float(getattr(text, "attention_dropout", 0.0) or 0.0),
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        use_sliding_window=bool(getattr(text, "use_sliding_window", False)),
+        sliding_window=getattr(text, "sliding_window", None),
+        rope_parameters={"rope_type": "default", "rope_theta": float(rope.get("rope_theta", 1e6))},
+    )  # fmt: skip
+    return VLArchitecture(
+        vision=_read_vision(hf_config.vision_config, model_type),
+        mrope_section=section,
+        image_token_id=int(hf_config.image_token_id),
+        video_token_id=int(hf_config.video_token_id),
+        language_config=language,
+    )
+
+
+def vl_transformer_config(vl: VLArchitecture) -> dict[str, Any]:
+    """The TransformerConfig fields of the 3-D rotary embedding."""
+    return {"mrope_section": list(vl.mrope_section)}
+
+
+def check_vl_settings(
+    vl: VLArchitecture | None, *, sequence_parallel: bool, freeze: bool = False, value_head: bool = False
+) -> None:
+    """Refuse what the vision-language path does not do (yet): ModelConfigError naming the key."""
+    if vl is None:
+        if freeze:
+            raise ModelConfigError(
+                "model.freeze_vision_tower=true but the checkpoint is not a vision-language model "
+                f"(supported: {list(VL_MODEL_TYPES)}); set it to false"
+            )
+        return
+    if sequence_parallel:
+        raise ModelConfigError(
+            "model.sequence_parallel=True is not supported for vision-language models yet (image "
+            "features are placed into the full-sequence embeddings); set it to false"
+        )
+    if value_head:
+        raise ModelConfigError("a critic (value head) on a vision-language model is not supported yet")
+
+
+def hf_vision_name(name: str) -> str:
+    """HF tensor name of megatron vision parameter ``vision.<...>`` (the same suffix under ``visual.``)."""
+    return HF_VISION_PREFIX + name.removeprefix(VISION_PREFIX)
