@@ -7,7 +7,8 @@ random norm weights, ``A_log`` and ``dt_bias``) and Qwen3.5 text decoders of the
 must equal transformers' to 1e-4 at tp=1, tp=2 (DeltaNet heads split over tp), pp=2 and ep=2, and
 the export (tp=2: the tp-dependent fused layout; ep=2 x... pp=2) must be byte-identical to the
 file it was loaded from. The torch gated delta rule (chunked and token by token) must equal
-transformers' torch reference.
+transformers' torch reference, and the GPU kernel path's glue (fla / causal-conv1d stand-ins with
+their signatures) must give the torch path's logits.
 """
 
 from __future__ import annotations
@@ -89,3 +90,48 @@ def test_qwen3_next_logits_match_and_export_round_trips(pool2, q3n_models, q3n_r
     for name, path in paths.items():
         original, exported = os.path.join(path, "model.safetensors"), tmp_path / name / "model.safetensors"
         assert filecmp.cmp(original, exported, shallow=False), f"{name} ({layout}): export differs"
+
+
+def fla_glue_job(path: str) -> tuple[float, int]:
+    """Max |logits with the GPU kernel path - torch path|, the kernels replaced by torch stand-ins
+    with fla's and causal-conv1d's signatures (no GPU here): checks the glue around the calls."""
+    from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
+    from verl_megatron.models.builder import build_gpt_chunks
+    from verl_megatron.models.config import ModelConfig, load_hf_config
+    from verl_megatron.models.convert import load_hf_weights
+    from verl_megatron.models.families import gated_delta_rule, qwen3_next_layers
+    from verl_megatron.tools.check_hf import megatron_logits
+
+    def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                               cu_seqlens=None, use_qk_l2norm_in_kernel=False):  # fmt: skip
+        assert scale is None and initial_state is None and not use_qk_l2norm_in_kernel
+        calls.append(q.shape)
+        assert q.dtype == k.dtype == v.dtype and all(t.is_contiguous() for t in (q, k, v, beta))
+        out, state = gated_delta_rule.chunk_gated_delta_rule(q, k, v, g, beta)
+        return out.to(v.dtype), state if output_final_state else None
+
+    def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, activation=None):
+        assert weight.dim() == 2 and x.shape[1] == weight.shape[0] and x.is_contiguous()
+        assert activation == "silu" and bias is None and initial_states is None
+        return gated_delta_rule.causal_conv(
+            x, weight.unsqueeze(1), x.new_zeros(*x.shape[:2], weight.shape[1] - 1)
+        )
+
+    calls: list = []
+    runtime = init_runtime(ParallelLayout())
+    chunks = build_gpt_chunks(load_hf_config(path), runtime, ModelConfig(path=path, dtype="float32"))
+    load_hf_weights(chunks, path, runtime)
+    torch_path = megatron_logits(chunks, runtime, SEQUENCES)
+    real = qwen3_next_layers.fast_kernels
+    qwen3_next_layers.fast_kernels = lambda x: (chunk_gated_delta_rule, causal_conv1d_fn)
+    try:  # the pool's worker process lives on: put the real selector back
+        kernel_path = megatron_logits(chunks, runtime, SEQUENCES)
+    finally:
+        qwen3_next_layers.fast_kernels = real
+    return max(float((a - b).abs().max()) for a, b in zip(torch_path, kernel_path, strict=True)), len(calls)
+
+
+def test_kernel_path_glue_matches_torch_path(pool1, q3n_models):
+    ((diff, calls),) = pool1.run(f"{__name__}:fla_glue_job", path=q3n_models["moe"])
+    assert calls == 2 * len(SEQUENCES)  # both DeltaNet layers, every sequence
+    assert diff <= 1e-5, f"logits through the kernel calls differ from the torch path by {diff:.3g}"

@@ -186,10 +186,12 @@ class GatedDeltaNet(MegatronModule):
         new_conv_state = torch.cat([history, qkv], dim=-1)[..., -width:]
         if kernels is not None:
             fla_chunk, conv_fn = kernels
-            mixed = conv_fn(x=qkv, weight=weight.squeeze(1), bias=None, activation="silu")
+            mixed = conv_fn(x=qkv.contiguous(), weight=weight.squeeze(1), bias=None, activation="silu")
             q, k, v = self._heads(mixed)
-            core, new_state = fla_chunk(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=True,
-                                        use_qk_l2norm_in_kernel=False)  # fmt: skip
+            # Contiguous, q/k in the model's dtype: as megatron-core 0.16.1's GatedDeltaNet passes them.
+            q, k, v = (t.to(mixed.dtype).contiguous() for t in (q, k, v))
+            core, new_state = fla_chunk(q, k, v, g=g, beta=beta.contiguous(), initial_state=None,
+                                        output_final_state=True, use_qk_l2norm_in_kernel=False)  # fmt: skip
         else:
             q, k, v = self._heads(causal_conv(qkv, weight, history))
             rule = recurrent_gated_delta_rule if hidden.shape[0] == 1 else chunk_gated_delta_rule
