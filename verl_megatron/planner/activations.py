@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ActivationShape", "activation_bytes", "forward_bytes"]
+__all__ = ["ActivationShape", "activation_bytes", "forward_bytes", "logits_bytes"]
 
 
 @dataclass(frozen=True)
@@ -92,13 +92,7 @@ def activation_bytes(
     rotary = 8 * shape.head_dim * 4 * (positions or tokens)  # float32 cos / sin tables and their uses
     # The additive float32 copy of a dense mask, kept by every layer that keeps its activations.
     mask = tokens * tokens * 4 if dense_mask else 0
-    output = 0.0
-    if shape.last_stage:
-        vocab = shape.padded_vocab / shape.tp
-        chunk_rows = min(tokens, max(1, shape.logits_chunk_bytes // int(vocab * 4)))
-        # Logits and their gradient meet at the start of the backward, with one float32
-        # chunk's log-softmax, gradient and scatter.
-        output = 2 * tokens * vocab * d + 3 * chunk_rows * vocab * 4
+    output = _output(shape, tokens, backward=True)
     kept = tokens * (in_flight * stored + ends)
     if recompute:  # tables and mask live only while a layer runs
         peak = kept + max(output, tokens * rebuild + rotary + mask)
@@ -113,9 +107,23 @@ def forward_bytes(shape: ActivationShape, tokens: int) -> int:
     tokens = -(-tokens // shape.cp)
     d = shape.dtype_bytes
     hidden = shape.hidden / (shape.tp if shape.sequence_parallel else 1) * d
-    peak = tokens * (_layer_elements(shape) * d + 3 * hidden)
-    if shape.last_stage:
-        vocab = shape.padded_vocab / shape.tp
-        chunk_rows = min(tokens, max(1, shape.logits_chunk_bytes // int(vocab * 4)))
-        peak += tokens * vocab * d + 2 * chunk_rows * vocab * 4
+    peak = tokens * (_layer_elements(shape) * d + 3 * hidden) + _output(shape, tokens, backward=False)
     return int(peak)
+
+
+def _output(shape: ActivationShape, tokens: int, backward: bool) -> float:
+    """The last stage's logits and the log-prob function's float32 chunk (``tokens`` per cp rank).
+    Training: the logits and their gradient meet at the start of the backward, with one chunk's
+    log-softmax, gradient and scatter; forward only: the logits, one chunk's log-softmax and gather."""
+    if not shape.last_stage:
+        return 0.0
+    vocab = shape.padded_vocab / shape.tp
+    chunk_rows = min(tokens, max(1, shape.logits_chunk_bytes // int(vocab * 4)))
+    copies, chunks = (2, 3) if backward else (1, 2)
+    return copies * tokens * vocab * shape.dtype_bytes + chunks * chunk_rows * vocab * 4
+
+
+def logits_bytes(shape: ActivationShape, tokens: int, backward: bool = True) -> int:
+    """The part of ``activation_bytes`` (``backward``) or ``forward_bytes`` that is the logits
+    and the log-prob chunk, for a micro-batch of ``tokens`` tokens."""
+    return int(_output(shape, -(-tokens // shape.cp), backward))

@@ -90,16 +90,23 @@ def build_plan(args: argparse.Namespace) -> Any:
     return plan_config(config, args.gpus, gpu_bytes)
 
 
-def plan_config(config: Any, world_size: int, gpu_bytes: int) -> Any:
-    """The MemoryPlan of a loaded config (a PPOConfig) on ``world_size`` GPUs of ``gpu_bytes``."""
+def plan_config(config: Any, world_size: int, gpu_bytes: int, savings: bool | None = True) -> Any:
+    """The MemoryPlan of a loaded config (a PPOConfig) on ``world_size`` GPUs of ``gpu_bytes``,
+    with the changes that save the most (``savings``: always, or None: only when it does not fit)."""
     from verl_megatron.planner.plan import plan_memory, role_specs
+    from verl_megatron.planner.savings import plan_savings
 
     hf_config = _hf_config(config.model.path, "model.path")
     reward = None
     if config.reward_model.enable:
         reward = _hf_config(config.reward_model.model.path, "reward_model.model.path")
     config.parallel.resolve(world_size)  # a layout that cannot exist is bad input, not "does not fit"
-    return plan_memory(config, world_size, gpu_bytes, role_specs(config, hf_config, reward))
+    specs = role_specs(config, hf_config, reward)
+    built: dict = {}
+    plan = plan_memory(config, world_size, gpu_bytes, specs, built, other_optimizer=bool(savings))
+    if savings or (savings is None and not plan.fits):
+        plan.savings = plan_savings(config, plan, specs, built)
+    return plan
 
 
 def main(argv: list[str]) -> int:

@@ -48,8 +48,7 @@ def _gpu_bytes(setting: Any, device_bytes: int | None) -> int | None:
 
 def does_not_fit_line(plan: Any, source: str) -> str:
     """One line: where and when the peak exceeds the GPU, by how much, and the biggest saving."""
-    worst = max(plan.positions, key=lambda p: p.peak)
-    phase = max(worst.phases, key=worst.phases.get)
+    worst, phase = plan.worst, plan.peak_phase
     saving = (
         f"; biggest saving: {plan.savings[0][0]} ({plan.savings[0][1] / GiB:.2f} GiB)" if plan.savings else ""
     )
@@ -77,7 +76,7 @@ def check_memory(config: Any, world_size: int, device_bytes: int | None) -> str 
         return None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # megatron's and the CPU layer's start-up notes
-        plan = plan_config(config, world_size, gpu_bytes)
+        plan = plan_config(config, world_size, gpu_bytes, savings=None)
     if plan.fits:
         return None
     given = trainer.memory_check_gpu_memory

@@ -15,10 +15,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from verl_megatron.distributed.parallel import ParallelLayout
-from verl_megatron.planner.activations import ActivationShape, activation_bytes, forward_bytes
+from verl_megatron.planner.activations import ActivationShape, activation_bytes, forward_bytes, logits_bytes
 from verl_megatron.planner.shards import RankPosition, RoleSpec, StateBytes, build_role_state
 
-__all__ = ["MemoryPlan", "PositionPlan", "RoleMemory", "plan_memory", "role_specs"]
+__all__ = [
+    "MemoryPlan",
+    "PositionPlan",
+    "RoleMemory",
+    "offload_schedule",
+    "phase_bytes",
+    "plan_memory",
+    "role_specs",
+]
 
 PHASES = ("rollout", "log_probs", "update")
 
@@ -32,8 +40,8 @@ class RoleMemory:
     state_other_optimizer: StateBytes | None
     train_activations: int
     infer_activations: int
-    train_recompute: int = 0  # training activations with full recomputation
-    train_half: int = 0  # training activations at half the micro-batch
+    train_logits: int = 0  # of train_activations: the logits (and their gradient) + the log-prob chunk
+    infer_logits: int = 0  # of infer_activations: the logits + the log-prob chunk
 
 
 @dataclass
@@ -42,6 +50,7 @@ class PositionPlan:
     roles: dict[str, RoleMemory]
     engine: dict[str, int]  # weights and kv_cache of the rollout engine (bytes on this GPU)
     phases: dict[str, int] = field(default_factory=dict)
+    offload: list[dict[str, Any]] = field(default_factory=list)  # see offload_schedule
 
     @property
     def peak(self) -> int:
@@ -63,6 +72,17 @@ class MemoryPlan:
     @property
     def fits(self) -> bool:
         return self.peak <= self.gpu_bytes
+
+    @property
+    def worst(self) -> PositionPlan:
+        """The rank position with the highest peak."""
+        return max(self.positions, key=lambda p: p.peak)
+
+    @property
+    def peak_phase(self) -> str:
+        """The phase in which the worst rank peaks."""
+        phases = self.worst.phases
+        return max(phases, key=phases.get)
 
 
 def role_specs(config: Any, hf_config: Any, reward_hf_config: Any = None) -> list[RoleSpec]:
@@ -145,12 +165,16 @@ def micro_batch_tokens(config: Any, role: str) -> tuple[int, int]:
         return 0, infer
     if worker.use_dynamic_bsz:
         return train, worker.ppo_infer_max_token_len_per_gpu
-    infer_rows = config.rollout.log_prob_micro_batch_size_per_gpu if role == "actor" else None
-    return train, (infer_rows or worker.ppo_micro_batch_size_per_gpu) * length
+    rows = worker.infer_micro_batch_size  # ppo_infer_micro_batch_size_per_gpu, else the training one
+    if role == "actor":
+        rows = config.rollout.log_prob_micro_batch_size_per_gpu or rows
+    return train, rows * length
 
 
-def _role_memory(config: Any, spec: RoleSpec, pp_rank: int, states: dict, flip: tuple) -> RoleMemory:
-    """A role's state and activations on a rank of pipeline stage ``pp_rank``."""
+def _role_memory(config: Any, spec: RoleSpec, pp_rank: int, states: dict) -> RoleMemory:
+    """A role's state and activations on a rank of pipeline stage ``pp_rank``. ``states``: the
+    built state bytes, under None (a role that is only run) or under each value of
+    ``use_distributed_optimizer`` (a trained role)."""
     shape = _activation_shape(spec.hf_config, spec.model, spec.layout, pp_rank)
     train_tokens, infer_tokens = micro_batch_tokens(config, spec.name)
     length = config.rollout.prompt_length + config.rollout.response_length
@@ -169,14 +193,14 @@ def _role_memory(config: Any, spec: RoleSpec, pp_rank: int, states: dict, flip: 
             in_flight=spec.layout.pp - pp_rank,  # 1F1B: the first stage holds pp micro-batches
         )
 
-    recompute = _recomputes(spec.model)
+    distopt = None if spec.optim is None else spec.optim.use_distributed_optimizer
     return RoleMemory(
-        state=states[None],
-        state_other_optimizer=states.get(flip[0]) if flip else None,
-        train_activations=train(train_tokens, recompute),
+        state=states[distopt],
+        state_other_optimizer=None if distopt is None else states.get(not distopt),
+        train_activations=train(train_tokens, _recomputes(spec.model)),
         infer_activations=forward_bytes(shape, infer_tokens),
-        train_recompute=train(train_tokens, True),
-        train_half=train(max(1, train_tokens // 2), recompute),
+        train_logits=0 if spec.optim is None else logits_bytes(shape, train_tokens),
+        infer_logits=logits_bytes(shape, infer_tokens, backward=False),
     )
 
 
@@ -201,20 +225,52 @@ def _offload(config: Any, role: str) -> Any:
     return getattr(section, "megatron", None)
 
 
+def _moved(config: Any, role: str) -> dict[str, bool]:
+    """Which parts of ``role``'s state its offload switches move to host memory between uses."""
+    off = _offload(config, role)
+    return {
+        part: bool(off is not None and getattr(off, f"{part}_offload"))
+        for part in ("param", "grad", "optimizer")
+    }
+
+
+def _part_bytes(state: StateBytes) -> dict[str, int]:
+    return {"param": state.params, "grad": state.grads, "optimizer": state.optimizer}
+
+
+def offload_schedule(config: Any, roles: dict[str, RoleMemory]) -> list[dict[str, Any]]:
+    """What offload moves off the GPU and when it is back: one entry per offloaded part of a
+    role (its bytes on this rank and the phases in which it is on the GPU; off in the others).
+    Parameters come back for the role's own forward (its log-probs / values, its update, and the
+    native engine's decoding for the actor); gradients and optimizer state for its update."""
+    native = config.rollout.name == "native"
+    schedule = []
+    for role, memory in roles.items():
+        trains = memory.train_activations > 0
+        for part, moved in _moved(config, role).items():
+            size = _part_bytes(memory.state)[part]
+            if not moved or not size:
+                continue
+            if part == "param":
+                back = (
+                    ["rollout"] * (role == "actor" and native)
+                    + ["log_probs (own)"]
+                    + ["update (own)"] * trains
+                )
+            else:
+                back = ["update (own)"] if trains else []
+            schedule.append({"role": role, "part": part, "bytes": size, "on_gpu_in": back})
+    return schedule
+
+
 def phase_bytes(config: Any, roles: dict[str, RoleMemory], engine: dict[str, int]) -> dict[str, int]:
     """Bytes on the GPU in each phase: what each role keeps there (offloaded parts only while
     the phase uses them) + the phase's engine or activations."""
 
     def resident(role: str, memory: RoleMemory, uses_params: bool, trains: bool) -> int:
-        off = _offload(config, role)
-        s = memory.state
-        moved = {
-            k: bool(off is not None and getattr(off, k))
-            for k in ("param_offload", "grad_offload", "optimizer_offload")
-        }
-        total = 0 if (moved["param_offload"] and not (uses_params or trains)) else s.params
-        total += 0 if (moved["grad_offload"] and not trains) else s.grads
-        return total + (0 if (moved["optimizer_offload"] and not trains) else s.optimizer)
+        moved, parts = _moved(config, role), _part_bytes(memory.state)
+        needed = {"param": uses_params or trains, "grad": trains, "optimizer": trains}
+        return sum(size for part, size in parts.items() if needed[part] or not moved[part])
 
     def on_gpu(params_of: str | None, trained: str | None) -> int:
         return sum(resident(r, m, r == params_of, r == trained) for r, m in roles.items())
@@ -227,66 +283,56 @@ def phase_bytes(config: Any, roles: dict[str, RoleMemory], engine: dict[str, int
     return out
 
 
-def plan_memory(config: Any, world_size: int, gpu_bytes: int, specs: list[RoleSpec]) -> MemoryPlan:
-    """Build every role at each distinct rank position and add up each phase."""
+def _built_state(
+    spec: RoleSpec, world_size: int, rank: int, built: dict, other_optimizer: bool
+) -> tuple[RankPosition, dict]:
+    """``spec`` built at ``rank`` (cached in ``built``): its position and state bytes, under None
+    for a role that is only run, else under its ``use_distributed_optimizer`` (and the other
+    value with ``other_optimizer``). A role that is only run holds the same state on every dp
+    rank of a stage: built once a stage."""
+    layout = spec.layout.resolve(world_size)
+    shape = dataclasses.astuple(spec.layout)
+    if spec.optim is None:
+        key = (spec.name, shape, "stage", rank // (layout.tp * layout.cp * (layout.dp or 1)))
+        if key not in built:
+            built[key] = build_role_state(spec, world_size, rank)
+        return built[key]
+    key = (spec.name, shape, rank)
+    where, states = built.get(key, (None, {}))
+    distopt = spec.optim.use_distributed_optimizer
+    missing = tuple(v for v in (distopt, not distopt)[: 1 + other_optimizer] if v not in states)
+    if missing:
+        where, new = build_role_state(spec, world_size, rank, missing, configured=False)
+        states = {**states, **new}
+        built[key] = where, states
+    return where, states
+
+
+def plan_memory(
+    config: Any,
+    world_size: int,
+    gpu_bytes: int,
+    specs: list[RoleSpec],
+    built: dict | None = None,
+    other_optimizer: bool = True,
+) -> MemoryPlan:
+    """Build every role at each distinct rank position and add up each phase. ``built`` caches
+    the builds (keyed by role, layout and rank) for plans of changed configs of the same job;
+    ``other_optimizer``: also build the trained roles with the distributed optimizer switched."""
     layout = config.parallel.resolve(world_size)
     distopt = any(s.optim is not None and s.optim.use_distributed_optimizer for s in specs)
+    built = {} if built is None else built
     positions = []
-    untrained: dict[tuple[str, int], tuple[RankPosition, dict]] = {}  # no optimizer: same on every dp rank
     for rank in representative_ranks(layout, shards_over_dp=distopt):
         roles: dict[str, RoleMemory] = {}
         position = None
         for spec in specs:
-            flip = () if spec.optim is None else (not spec.optim.use_distributed_optimizer,)
-            stage = rank // (layout.tp * layout.cp * (layout.dp or 1))
-            key = (spec.name, stage if spec.layout == config.parallel else rank)
-            if key in untrained:
-                where, states = untrained[key]
-            else:
-                where, states = build_role_state(spec, world_size, rank, flip)
-                if spec.optim is None:
-                    untrained[key] = (where, states)
+            where, states = _built_state(spec, world_size, rank, built, other_optimizer)
             position = position or where
-            roles[spec.name] = _role_memory(config, spec, where.pp, states, flip)
+            roles[spec.name] = _role_memory(config, spec, where.pp, states)
         engine = _engine_bytes(config, specs[0].hf_config, layout, gpu_bytes)
         plan = PositionPlan(position, roles, engine)
         plan.phases = phase_bytes(config, roles, engine)
+        plan.offload = offload_schedule(config, roles)
         positions.append(plan)
-    result = MemoryPlan(world_size, gpu_bytes, layout, positions)
-    result.savings = _savings(config, result)
-    return result
-
-
-def _with_section(config: Any, section: str, **changes: Any) -> Any:
-    return dataclasses.replace(config, **{section: dataclasses.replace(getattr(config, section), **changes)})
-
-
-def _worst_peak(config: Any, plan: MemoryPlan, change: Any = None) -> int:
-    """The worst rank's peak with each RoleMemory passed through ``change`` (None: as planned)."""
-    worst = 0
-    for p in plan.positions:
-        roles = {name: (change(m) if change else m) for name, m in p.roles.items()}
-        worst = max(worst, max(phase_bytes(config, roles, p.engine).values()))
-    return worst
-
-
-def _savings(config: Any, plan: MemoryPlan) -> list[tuple[str, int]]:
-    """The three changes that lower the worst rank's peak the most, with the bytes each saves."""
-    peak = plan.peak
-    options: list[tuple[str, int]] = []
-    if not config.actor.optim.use_distributed_optimizer and (plan.layout.dp or 1) > 1:
-        swap = lambda m: dataclasses.replace(m, state=m.state_other_optimizer or m.state)  # noqa: E731
-        options.append(("actor.optim.use_distributed_optimizer=true", peak - _worst_peak(config, plan, swap)))
-    for section in ("actor", "ref", "critic"):
-        off = getattr(getattr(config, section), "megatron", None)
-        for switch in ("optimizer_offload", "grad_offload", "param_offload"):
-            if off is None or getattr(off, switch) or (section == "actor" and switch == "param_offload"):
-                continue
-            changed = _with_section(config, section, megatron=dataclasses.replace(off, **{switch: True}))
-            options.append((f"{section}.megatron.{switch}=true", peak - _worst_peak(changed, plan)))
-    if not _recomputes(config.model):
-        rec = lambda m: dataclasses.replace(m, train_activations=m.train_recompute)  # noqa: E731
-        options.append(("model.enable_gradient_checkpointing=true", peak - _worst_peak(config, plan, rec)))
-    half = lambda m: dataclasses.replace(m, train_activations=m.train_half)  # noqa: E731
-    options.append(("half the training micro-batch (tokens)", peak - _worst_peak(config, plan, half)))
-    return sorted((o for o in options if o[1] > 0), key=lambda o: -o[1])[:3]
+    return MemoryPlan(world_size, gpu_bytes, layout, positions)

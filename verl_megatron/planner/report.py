@@ -26,10 +26,16 @@ def _position_lines(p: PositionPlan) -> list[str]:
         lines.append(
             f"  {name:<13} params {_gib(s.params)}  grads {_gib(s.grads)}  optimizer {_gib(s.optimizer)} "
             f"(master {_gib(s.master)} + moments {_gib(s.moments)})  activations train {_gib(m.train_activations)}"
-            f" / forward {_gib(m.infer_activations)}{other}"
+            f" / forward {_gib(m.infer_activations)} (logits + log-prob chunk {_gib(m.train_logits)} / "
+            f"{_gib(m.infer_logits)}){other}"
         )
     for name, value in p.engine.items():
         lines.append(f"  {'rollout':<13} {name} {_gib(value)}")
+    for moved in p.offload:
+        back = ", ".join(moved["on_gpu_in"]) or "never (not used)"
+        lines.append(
+            f"  offload       {moved['role']} {moved['part']} {_gib(moved['bytes'])} in host memory; on the GPU in: {back}"
+        )
     lines.append("  phases (GiB): " + "  ".join(f"{k} {_gib(v)}" for k, v in p.phases.items()))
     return lines
 
@@ -43,8 +49,7 @@ def render(plan: MemoryPlan) -> str:
     ]
     for p in plan.positions:
         lines.extend(_position_lines(p))
-    worst = max(plan.positions, key=lambda p: p.peak)
-    phase = max(worst.phases, key=worst.phases.get)
+    worst, phase = plan.worst, plan.peak_phase
     margin = plan.gpu_bytes - plan.peak
     verdict = "FITS" if plan.fits else "DOES NOT FIT"
     lines.append(
@@ -52,7 +57,9 @@ def render(plan: MemoryPlan) -> str:
         f"margin {_gib(margin)} GiB"
     )
     for change, saved in plan.savings:
-        lines.append(f"  saves {_gib(saved)} GiB: {change}")
+        after = plan.peak - saved
+        then = "fits" if after <= plan.gpu_bytes else "still too big"
+        lines.append(f"  saves {_gib(saved)} GiB: {change} (peak {_gib(after)} GiB: {then})")
     return "\n".join(lines)
 
 
@@ -64,6 +71,8 @@ def plan_dict(plan: MemoryPlan) -> dict[str, Any]:
         "layout": {k: getattr(plan.layout, k) for k in ("tp", "pp", "cp", "ep", "dp", "vpp", "etp")},
         "fits": plan.fits,
         "peak_bytes": plan.peak,
+        "peak_rank": plan.worst.position.rank,
+        "peak_phase": plan.peak_phase,
         "margin_bytes": plan.gpu_bytes - plan.peak,
         "savings": [{"change": c, "saved_bytes": s} for c, s in plan.savings],
         "positions": [
@@ -80,11 +89,15 @@ def plan_dict(plan: MemoryPlan) -> dict[str, Any]:
                         else vars(m.state_other_optimizer),
                         "train_activations": m.train_activations,
                         "forward_activations": m.infer_activations,
+                        "train_logits": m.train_logits,
+                        "forward_logits": m.infer_logits,
                     }
                     for name, m in p.roles.items()
                 },
                 "engine": p.engine,
+                "offload": p.offload,
                 "phases": p.phases,
+                "peak_bytes": p.peak,
             }
             for p in plan.positions
         ],

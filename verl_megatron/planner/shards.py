@@ -153,17 +153,24 @@ def _build(spec: RoleSpec, runtime: Runtime, use_distributed_optimizer: bool | N
 
 
 def build_role_state(
-    spec: RoleSpec, world_size: int, rank: int, distributed_optimizer: tuple[bool, ...] = ()
+    spec: RoleSpec,
+    world_size: int,
+    rank: int,
+    distributed_optimizer: tuple[bool, ...] = (),
+    *,
+    configured: bool = True,
 ) -> tuple[RankPosition, dict[bool | None, StateBytes]]:
     """Build ``spec``'s model at ``rank`` of a ``world_size`` job on the meta device.
 
-    Returns the rank's position and its state bytes: under key None as configured, and under
-    each value of ``distributed_optimizer`` with ``use_distributed_optimizer`` set so (trained roles).
+    Returns the rank's position and its state bytes: under key None as configured (unless
+    ``configured`` is false), and under each value of ``distributed_optimizer`` with
+    ``use_distributed_optimizer`` set so (trained roles).
     """
     with fake_runtime(spec.layout, world_size, rank) as runtime:
         position = RankPosition(
             rank=rank, tp=runtime.tp_rank, pp=runtime.pp_rank, dp=runtime.dp_rank, ep=state.rank("ep")
         )
-        variants: list[bool | None] = [None, *(distributed_optimizer if spec.optim is not None else ())]
+        variants: list[bool | None] = [None] * configured
+        variants += list(distributed_optimizer if spec.optim is not None else ())
         with meta_device():
             return position, {variant: _build(spec, runtime, variant) for variant in variants}
