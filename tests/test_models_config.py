@@ -112,7 +112,8 @@ def test_padded_vocab_is_a_multiple_of_tp_and_the_same_for_every_tp_dividing_the
 def test_unsupported_model_type_lists_the_supported_ones():
     with pytest.raises(
         ModelConfigError,
-        match=r"'gpt2' is not supported.*\['llama', 'qwen2', 'qwen3', 'mistral', 'qwen3_moe', 'qwen2_moe', 'mixtral', 'deepseek_v3', 'glm4_moe'\]",
+        match=r"'gpt2' is not supported.*\['llama', 'qwen2', 'qwen3', 'mistral', 'qwen3_moe', 'qwen2_moe', 'mixtral', "
+        r"'qwen3_next', 'qwen3_5_moe_text', 'deepseek_v3', 'glm4_moe', 'gpt_oss', 'qwen3_5_text'\]",
     ):
         hf_to_transformer_config(AutoConfig.for_model("gpt2"), ParallelLayout(), FP32)
 
