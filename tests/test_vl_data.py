@@ -134,3 +134,16 @@ def test_prompt_encoding_expands_image_tokens(vl_path):
 def test_processor_needs_an_image_processor(tmp_path):
     with pytest.raises(ImageDataError, match=r"no preprocessor_config\.json"):
         load_image_text_processor(tmp_path)
+
+
+def test_trainer_dataset_refuses_image_rows_until_it_carries_them(tmp_path, vl_path):
+    from verl_megatron.data.dataset import DataFormatError, RLHFDataset
+    from verl_megatron.utils.tokenizer import hf_tokenizer
+
+    path = tmp_path / "rows.jsonl"
+    text_only = _row([], "What colour is a tomato?")
+    path.write_text(json.dumps(text_only) + "\n" + json.dumps(_row([{"path": "a.png"}])))
+    with pytest.raises(DataFormatError, match=r"rows\.jsonl: row 1: field 'images' holds images"):
+        RLHFDataset([str(path)], hf_tokenizer(vl_path), DataConfig())
+    path.write_text(json.dumps(text_only))
+    assert len(RLHFDataset([str(path)], hf_tokenizer(vl_path), DataConfig()).items) == 1

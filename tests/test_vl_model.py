@@ -150,3 +150,41 @@ def test_vl_logits_match_transformers_two_processes(pool2, vl_path, reference, l
         original, exported = (load_file(f"{d}/model.safetensors") for d in (vl_path, export))
         assert sorted(exported) == sorted(original)
         assert all(torch.equal(exported[name], tensor) for name, tensor in original.items())
+
+
+def test_training_a_vl_checkpoint_is_refused_at_start_up(vl_path, no_runtime):
+    from verl_megatron.errors import ModelConfigError
+    from verl_megatron.trainer.config import load_config
+    from verl_megatron.trainer.validate import validate_config
+
+    overrides = [f"model.path={vl_path}", "model.dtype=float32", f"data.train_files=[{vl_path}/rows.jsonl]"]
+    config = load_config(None, overrides)
+    with pytest.raises(ModelConfigError, match=r"qwen2_5_vl \(vision-language\) checkpoint: RL training"):
+        validate_config(config, world_size=1)
+
+
+TEXT_IDS = [1, 40, 77, 101, 9, 250, 33, 2]
+
+
+def vl_text_logits_job(path: str) -> torch.Tensor:
+    """One process: logits [T, V] of a text-only prompt with [B, T] positions (no images)."""
+    from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
+    from verl_megatron.models.builder import build_gpt_chunks, model_info
+    from verl_megatron.models.config import ModelConfig, load_hf_config
+    from verl_megatron.models.convert import load_hf_weights
+
+    runtime = init_runtime(ParallelLayout())
+    chunks = build_gpt_chunks(load_hf_config(path), runtime, ModelConfig(path=path, dtype="float32"))
+    load_hf_weights(chunks, path, runtime)
+    ids = torch.tensor([TEXT_IDS])
+    with torch.no_grad():
+        logits = chunks[0](ids, torch.arange(len(TEXT_IDS)).unsqueeze(0), None)
+    return logits[0, :, : model_info(chunks).vocab_size]
+
+
+def test_text_only_prompt_with_1d_positions_matches_transformers(pool1, vl_path, hf_model):
+    (got,) = pool1.run(f"{__name__}:vl_text_logits_job", path=vl_path)
+    with torch.no_grad():
+        want = hf_model(input_ids=torch.tensor([TEXT_IDS])).logits[0]
+    assert want.abs().max() > 1.0
+    _assert_close(got, want, "text-only prompt")

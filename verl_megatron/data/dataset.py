@@ -279,6 +279,13 @@ class RLHFDataset:
         for row_no, row in enumerate(read_rows(path)):
             where = f"{path}: row {row_no}"
             fields = _check_row(row, where, self.config)
+            if row.get(self.config.image_key) is not None and len(row[self.config.image_key]) > 0:
+                # Checked and decodable (check_data_files), but the prompt batches carry no images
+                # yet: training on the text alone would silently drop them.
+                raise DataFormatError(
+                    f"{where}: field '{self.config.image_key}' holds images, which RL training does not "
+                    "use yet (vision-language training is in progress); remove them for text-only rows"
+                )
             ids = self._tokenize(fields["messages"])
             if len(ids) > max_len:
                 if self.config.filter_overlong_prompts:

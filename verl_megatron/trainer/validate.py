@@ -25,6 +25,7 @@ from verl_megatron.models.checkpoint_check import check_hf_weights
 from verl_megatron.models.config import check_layout, load_hf_config, read_hf_architecture
 from verl_megatron.models.families.deepseek import check_family_features
 from verl_megatron.models.families.gpt_oss import check_gpt_oss_features
+from verl_megatron.models.families.qwen2_vl import check_vl_features
 from verl_megatron.models.families.qwen3_next import check_linear_features
 from verl_megatron.models.moe import MOE_MODEL_TYPES, check_trainable
 from verl_megatron.reward.loading import resolve_reward_manager_cls
@@ -360,7 +361,7 @@ def check_model_fits(layout: ParallelLayout, model_path: str, sequence_parallel:
 def _check_family_features(config: PPOConfig, layout: ParallelLayout) -> None:
     """Trainer features a model family does not have yet (models/families/), named at start-up."""
     model_type = load_hf_config(config.model.path).model_type
-    for check in (check_family_features, check_gpt_oss_features):
+    for check in (check_family_features, check_gpt_oss_features, check_vl_features):
         check(
             model_type,
             lora_rank=config.model.lora_rank,

@@ -38,6 +38,7 @@ __all__ = [
     "VL_MODEL_TYPES",
     "VLArchitecture",
     "VisionArchitecture",
+    "check_vl_features",
     "check_vl_settings",
     "hf_vision_name",
     "read_vl_architecture",
@@ -188,6 +189,18 @@ def check_vl_settings(
         )
     if value_head:
         raise ModelConfigError("a critic (value head) on a vision-language model is not supported yet")
+
+
+def check_vl_features(model_type: str, *, lora_rank: int, bitwise_parity: bool, cp: int) -> None:
+    """The trainer's start-up check: vision-language checkpoints are not trained yet (the batching,
+    rollout and actor do not carry images); ModelConfigError pointing at what does work."""
+    del lora_rank, bitwise_parity, cp  # the same signature as the other families' checks
+    if model_type in VL_MODEL_TYPES:
+        raise ModelConfigError(
+            f"model.path is a {model_type} (vision-language) checkpoint: RL training of vision-language "
+            "models is not supported yet (its weights load and match transformers: verl-megatron check-hf "
+            "DIR; the trainer's batching, rollout and actor do not carry images yet)"
+        )
 
 
 def hf_vision_name(name: str) -> str:

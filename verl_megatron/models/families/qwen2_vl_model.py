@@ -6,7 +6,8 @@ How to call a chunk (``GPTModel.forward`` plus two keyword arguments)::
                 pixel_values=None, image_grid_thw=None, ...)
 
 - ``position_ids``: [3, B, T] multimodal rotary ids (``utils/mrope.py``), needed on every
-  pipeline stage (each computes its layers' rotary embedding from them).
+  pipeline stage (each computes its layers' rotary embedding from them); [B, T] text positions
+  are taken as equal temporal, height and width ids (plain 1-D rope, as transformers).
 - ``pixel_values`` [P, C*tp*p*p] and ``image_grid_thw`` [n, 3]: the images of the whole
   micro-batch, in the order their tokens appear in ``input_ids`` read row by row. The first stage
   embeds the tokens, runs the vision tower and puts image feature ``i`` in place of the ``i``-th
@@ -79,6 +80,8 @@ class Qwen2VLGPTModel(GPTModel):
         image_grid_thw: torch.Tensor | None = None,
         **kwargs: Any,
     ):
+        if position_ids is not None and position_ids.dim() == 2:  # text only: t = h = w = the position
+            position_ids = position_ids.unsqueeze(0).expand(3, -1, -1)
         if decoder_input is None and self.pre_process and pixel_values is not None:
             embeddings = self.embedding(input_ids=input_ids, position_ids=None)
             features = self.vision(pixel_values.to(embeddings.device), image_grid_thw)
