@@ -317,7 +317,7 @@ TEMPLATES = [
 
 
 # Recipes whose header commands are run by their own tests (other model families, SFT, distillation,
-# agents: test_sft_commands.py, test_distill.py, test_family_deepseek_recipe.py, test_recipes.py).
+# agents: test_sft_commands.py, test_distill.py, test_family_*_recipe.py, test_recipes.py).
 OWN_COMMAND_TESTS = (
     "configs/sft.yaml",
     "configs/sft_quickstart.yaml",
@@ -325,6 +325,7 @@ OWN_COMMAND_TESTS = (
     "configs/quickstart_agent.yaml",
     "configs/grpo_deepseek_v3.yaml",
     "configs/grpo_gpt_oss.yaml",
+    "configs/grpo_qwen3_next.yaml",
 )
 
 
