@@ -9,10 +9,11 @@ per rank, ``A_log``, ``dt_bias``, ``out_norm``, ``out_proj``) and runs one of tw
 - the torch forms in ``gated_delta_rule.py`` (CPU, and any GPU without the kernels);
 - on CUDA tensors when ``fla`` (flash-linear-attention) and ``causal_conv1d`` import, their
   ``chunk_gated_delta_rule`` and ``causal_conv1d_fn``, called as megatron-core 0.16.1's
-  ``GatedDeltaNet.forward`` calls them. :func:`fast_kernels` says which; the single-token decode
-  step always uses the torch recurrence (a few small matmuls per token).
+  ``GatedDeltaNet.forward`` calls them. :func:`fast_kernels` says which. Runs that start from
+  given states (the native rollout's prefill and decode steps) always use the torch forms: the
+  token-by-token recurrence for one new token (a few small matmuls), the chunked one for a prefill.
 
-Imported by the builder only (it needs megatron).
+Imported by the builder and the native decoder (they need megatron).
 """
 
 from __future__ import annotations
