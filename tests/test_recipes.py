@@ -223,6 +223,30 @@ def test_quickstart_agent_recipe_runs_a_step(pool1, tmp_path):
     assert math.isfinite(step["actor/pg_loss"]) and step["response_length/mean"] > 0
 
 
+def test_sft_agent_recipe_then_grpo_from_its_export(pool1, tmp_path):
+    """configs/sft_agent.yaml (one step on the lookup task's tool-use chats, HF export), then
+    configs/quickstart_agent.yaml from that export: the README's two-command agent recipe."""
+    from verl_megatron.data.dataset import read_rows
+
+    sft_out, small = str(tmp_path / "sft_agent"), ["trainer.total_training_steps=1"]
+    (sft,) = pool1.run(f"{__name__}:recipe_job", recipe="sft_agent", out_dir=sft_out, overrides=small)
+    steps = {row["step"]: row for row in sft["rows"]}
+    assert sft["config"]["trainer"]["mode"] == "sft" and "hf_export" in sft["files"]
+    assert math.isfinite(steps[0]["val/loss"]) and steps[1]["val/loss"] < steps[0]["val/loss"], steps
+    chats = read_rows(os.path.join(sft_out, "assets", "data", "sft", "train.parquet"))
+    roles = [m["role"] for m in chats[0]["messages"]]
+    assert len(chats) == 80 and roles == ["user", "assistant", "tool", "assistant"], roles
+    small += ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=2"]
+    small += ["trainer.test_freq=-1", f"model.path={sft_out}/hf_export"]  # validation: the test above
+    out = str(tmp_path / "agent_from_sft")
+    (result,) = pool1.run(f"{__name__}:recipe_job", recipe="quickstart_agent", out_dir=out, overrides=small)
+    step = {k: v for row in result["rows"] if row["step"] == 1 for k, v in row.items()}
+    assert result["config"]["model"]["path"].endswith("hf_export"), result["config"]["model"]
+    failures = sum(v for k, v in step.items() if k.startswith("reward/agent/failure_"))
+    assert step["reward/agent/trajectories_count"] == 8 and failures == 0, step
+    assert step["reward/agent/turns_count"] >= 8 and math.isfinite(step["actor/pg_loss"]), step
+
+
 def test_grpo_moe_recipe_runs_a_step(pool1, assets, tmp_path):
     from verl_megatron.utils.local_assets import build_bpe_tokenizer, build_tiny_hf_model
 

@@ -7,6 +7,7 @@ answer as ground truth) into prompt/response rows, so SFT and GRPO see the same 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 from verl_megatron.data.dataset import read_rows
@@ -27,11 +28,15 @@ def sft_rows_from_rl(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
-def write_sft_from_rl(rl_paths: list[str], out_dir: str) -> list[str]:
-    """The SFT version of each RL parquet file, written to ``out_dir`` under the same name."""
+def write_sft_from_rl(
+    rl_paths: list[str],
+    out_dir: str,
+    convert: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] = sft_rows_from_rl,
+) -> list[str]:
+    """The SFT version (``convert``) of each RL parquet file, written to ``out_dir`` under the same name."""
     written = []
     for path in rl_paths:
         out = os.path.join(out_dir, os.path.basename(path))
-        write_parquet(sft_rows_from_rl(read_rows(path)), out)
+        write_parquet(convert(read_rows(path)), out)
         written.append(out)
     return written

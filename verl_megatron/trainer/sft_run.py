@@ -2,7 +2,8 @@
 
 ``train.run`` hands a config whose ``trainer.mode`` is ``sft`` to :func:`run_sft`. With
 ``quickstart.enable`` and no data files, the synthetic task's rows are written as prompt /
-correct-answer SFT rows (``data/synthetic_sft.py``) next to the quickstart's RL data.
+correct-answer SFT rows (``data/synthetic_sft.py``; the lookup task's as tool-use chats,
+``data/agent_sft.py``) next to the quickstart's RL data.
 """
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ __all__ = ["quickstart_sft_data", "run_sft"]
 
 def quickstart_sft_data(config: PPOConfig, rank: int) -> PPOConfig:
     """The config with the quickstart's RL data files replaced by SFT rows of the same split."""
+    from verl_megatron.data.agent_sft import write_lookup_sft_from_rl
     from verl_megatron.data.synthetic_sft import write_sft_from_rl
 
+    write = write_lookup_sft_from_rl if config.quickstart.task == "lookup" else write_sft_from_rl
     data = config.data
     out_dir = os.path.join(os.path.dirname(data.train_files[0]), "sft")
     names = [os.path.join(out_dir, os.path.basename(p)) for p in [*data.train_files, *data.val_files]]
     if rank == 0:
-        write_sft_from_rl([*data.train_files, *data.val_files], out_dir)
+        write([*data.train_files, *data.val_files], out_dir)
     if dist.is_initialized():
         dist.barrier()
     train, val = names[: len(data.train_files)], names[len(data.train_files) :]
