@@ -28,7 +28,7 @@ from verl_megatron.models.logprobs import vocab_parallel_log_probs
 from verl_megatron.models.megatron_model import attach_schedule_hooks
 from verl_megatron.models.routing import ROW_ID_KEY
 from verl_megatron.protocol import DataProto
-from verl_megatron.workers import moe
+from verl_megatron.workers import moe, vl_inputs
 from verl_megatron.workers.batching import MicroBatch
 from verl_megatron.workers.config import ActorConfig, PolicyLossSettings, RefConfig
 from verl_megatron.workers.model_runner import ModelRunner, StepResult, dp_share
@@ -42,7 +42,8 @@ _POLICY_METRICS = ("pg_loss", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower", "ent
 
 
 def batch_tensors(data: DataProto, keys: tuple[str, ...], where: str) -> dict[str, torch.Tensor]:
-    """The named [B, ...] tensors of ``data`` on the CPU; KeyError naming what is missing."""
+    """The named [B, ...] tensors of ``data`` on the CPU (and ``vl_inputs.ROW_IMAGES`` where rows carry
+    images); KeyError naming what is missing."""
     if data.batch is None:
         raise KeyError(f"{where}: the DataProto has no tensor batch; it needs {list(keys)}")
     # TensorDict refuses `in` on itself: membership goes through keys().
@@ -63,6 +64,7 @@ def batch_tensors(data: DataProto, keys: tuple[str, ...], where: str) -> dict[st
             f"{where}: attention_mask {tuple(out['attention_mask'].shape)} and input_ids "
             f"{tuple(out['input_ids'].shape)} differ in shape"
         )
+    out.update(vl_inputs.row_images(data, where))  # image rows: their images and 3-D positions
     return out
 
 

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from verl_megatron.workers import shared_prefix
 from verl_megatron.workers.model_inputs import PAD_ID, ModelInputs, response_columns
+from verl_megatron.workers.vl_inputs import ROW_IMAGES, attach_images
 
 __all__ = [
     "MicroBatch",
@@ -305,6 +306,9 @@ def build_micro_batches(
         share_prefix: lay out rows that share a prompt as one model row with the prompt once
             (``workers.shared_prefix``) where that saves positions; the caller checks that the
             model's attention and rotary embedding take that layout.
+
+    ``batch[ROW_IMAGES]`` (``workers.vl_inputs.RowImages``), where present, gives each
+    micro-batch its rows' images and 3-D positions.
     """
     if cp_size > 1 and not (pack and thd):
         raise ValueError(
@@ -329,6 +333,8 @@ def build_micro_batches(
             inputs = _packed_inputs(ids, mask, resp, width, thd, cp_size)
         elif inputs is None:
             inputs = _padded_inputs(ids, mask, resp, (num, width))
+        if ROW_IMAGES in batch:  # image rows: their images and 3-D positions go with them
+            inputs = attach_images(inputs, batch[ROW_IMAGES][rows], ids, mask, thd=thd, cp_size=cp_size)
         tensors = {key: batch[key][rows] for key in tensor_keys}
         out.append(MicroBatch(rows=rows, inputs=inputs, tensors=tensors))
     return out

@@ -65,6 +65,11 @@ class ModelInputs:
     padding: torch.Tensor | None = None
     shared_prefix: SharedPrefix | None = None
     """The layout where rows sharing a prompt share one model row (``workers.shared_prefix``)."""
+    pixel_values: torch.Tensor | None = None
+    """Image rows (``workers.vl_inputs``): the micro-batch's image patches, its rows' images in row order;
+    ``position_ids`` are then [3, b, S] (3-D rotary ids)."""
+    image_grid_thw: torch.Tensor | None = None
+    """[n, 3] (t, h, w) patches of each image of ``pixel_values``."""
 
     @classmethod
     def laid_out(

@@ -43,7 +43,7 @@ from verl_megatron.models.batch_invariant import BatchInvariance
 from verl_megatron.models.megatron_model import gather_updated_params, zero_grads
 from verl_megatron.models.rotary_positions import rotary_positions
 from verl_megatron.models.shared_prefix_attention import SharedPrefixParams
-from verl_megatron.workers import context_parallel, moe, shared_prefix
+from verl_megatron.workers import context_parallel, moe, shared_prefix, vl_inputs
 from verl_megatron.workers.batching import (
     MicroBatch,
     ModelInputs,
@@ -386,6 +386,7 @@ class ModelRunner:
                 None if inputs.attention_mask is None else inputs.attention_mask.to(device),
                 packed_seq_params=_packed_params(inputs, device),
                 **(moe.model_kwargs(inputs, device) if self.moe else {}),
+                **vl_inputs.model_kwargs(inputs, device),
             )
 
     def _rotary_index(self, inputs: ModelInputs) -> torch.Tensor | None:

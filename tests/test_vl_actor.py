@@ -1,0 +1,230 @@
+"""Qwen2.5-VL through MegatronActor: image + text rows give the one-process update under every layout.
+
+Four rows (verl's layout: left-padded prompts, right-padded responses, ``position_ids`` [B, 3, T],
+``non_tensor_batch["multi_modal_inputs"]``): the ``check-hf`` prompts with one and with two images,
+a text-only prompt, and the two-image prompt again with another response. Each variant runs
+compute_log_prob and one update_policy (one mini-batch of 4 rows: one optimizer step, the
+KL-loss settings of ``test_actor_update``) on the tiny Qwen2.5-VL. Micro-batches of 2 rows in
+padded rows are the reference; micro-batches of 1, packed rows and token-budget micro-batches
+must give its numbers, and so must tp=2 and pp=2. As in ``test_family_qwen3_next_actor``, the
+optimizer is SGD at learning rate 1 with clipping at 1.0, so weight differences are gradient
+differences: log-probs within 1e-5 (float32 sums in another order; log-probs about 5), metrics
+within 1e-6 + 1e-4 relative, weights (language model and vision tower) within WEIGHT_ATOL.
+
+``model.freeze_vision_tower``: Adam keeps no state for the vision tower (its parameters are not in
+the optimizer), the tower's weights are unchanged bit for bit, the language model's move.
+The log-prob stage runs the LM head on the response positions only (no full-vocabulary logits for
+image or prompt positions): the head's input rows are counted.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.closeness import assert_close_report
+from tests.helpers import saved_model
+from tests.test_actor_update import KL_SHIFT, TEMPERATURE, full_weights, kl_actor_config
+from verl_megatron.utils.local_vl_assets import build_tiny_qwen2_5_vl
+
+TR = 5
+WEIGHT_ATOL = 1e-5
+RESPONSES = [[5, 17, 33, 8, 2], [40, 9, 11, 0, 0], [7, 7, 21, 60, 0], [12, 3, 90, 44, 6]]
+TEXT_PROMPT = [15, 27, 39, 51, 63, 75]
+
+
+@pytest.fixture(scope="module")
+def vl_path(tmp_path_factory) -> str:
+    return saved_model(tmp_path_factory, "tiny_qwen2_5_vl_actor", build_tiny_qwen2_5_vl)
+
+
+def vl_batch(path: str, hf_config) -> tuple[dict[str, torch.Tensor], np.ndarray]:
+    """(tensors, multi_modal_inputs) of the four rows; advantages drawn from a fixed seed."""
+    from verl_megatron.tools.check_hf_vl import vl_check_samples
+    from verl_megatron.utils.mrope import mrope_position_ids_batch
+
+    one, two = vl_check_samples(path, hf_config)
+    prompts = [one, two, None, two]
+    ids = [s.input_ids if s is not None else torch.tensor(TEXT_PROMPT) for s in prompts]
+    tp = max(len(i) for i in ids)
+    batch_ids = torch.zeros(len(ids), tp + TR, dtype=torch.long)
+    mask = torch.zeros_like(batch_ids)
+    for row, (prompt, response) in enumerate(zip(ids, RESPONSES)):
+        batch_ids[row, tp - len(prompt) : tp] = prompt
+        batch_ids[row, tp:] = torch.tensor(response)
+        mask[row, tp - len(prompt) : tp] = 1
+        mask[row, tp:] = torch.tensor(response) != 0
+    grids = [s.image_grid_thw if s is not None else None for s in prompts]
+    positions = mrope_position_ids_batch(
+        batch_ids, mask, grids, image_token_id=int(hf_config.image_token_id), spatial_merge_size=2
+    )
+    response_mask = mask[:, tp:].float()
+    advantages = torch.randn(len(ids), TR, generator=torch.Generator().manual_seed(3)) * response_mask
+    tensors = {
+        "input_ids": batch_ids,
+        "attention_mask": mask,
+        "responses": batch_ids[:, tp:],
+        "response_mask": response_mask,
+        "advantages": advantages,
+        "position_ids": positions.transpose(0, 1).contiguous(),  # [B, 3, T], verl's layout
+    }
+    images = np.empty(len(prompts), dtype=object)
+    for row, s in enumerate(prompts):
+        images[row] = (
+            None if s is None else {"pixel_values": s.pixel_values, "image_grid_thw": s.image_grid_thw}
+        )
+    return tensors, images
+
+
+VARIANTS = {
+    "mb2": {},
+    "mb1": {"ppo_micro_batch_size_per_gpu": 1},
+    "packed": {"use_remove_padding": True},
+    "dynamic": {"use_remove_padding": True, "use_dynamic_bsz": True},
+}
+
+
+def _head_rows(chunks) -> list[int]:
+    """Rows the LM head sees per call (appended by a forward hook on the last stage's output layer)."""
+    from verl_megatron.distributed.modules import unwrap
+
+    rows: list[int] = []
+    model = unwrap(chunks[-1])
+    if model.post_process:
+        model.output_layer.register_forward_hook(
+            lambda m, args, out: rows.append(args[0].shape[0] * args[0].shape[1])
+        )
+    return rows
+
+
+def vl_actor_job(path: str, layout: dict, variants: list[str], freeze: bool = False) -> dict:
+    """Per variant: log-probs, metrics and updated weights (rank 0), the LM head's rows in the
+    log-prob pass; with ``freeze``: Adam, and which parameters the optimizer holds state for."""
+    from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
+    from verl_megatron.models.builder import build_gpt_chunks
+    from verl_megatron.models.config import ModelConfig, load_hf_config
+    from verl_megatron.models.convert import load_hf_weights
+    from verl_megatron.models.megatron_model import build_optimizer, wrap_ddp
+    from verl_megatron.protocol import DataProto
+    from verl_megatron.workers.actor import MegatronActor
+    from verl_megatron.workers.config import OptimConfig
+    from verl_megatron.workers.lr_schedule import build_lr_scheduler, optim_settings
+
+    runtime = init_runtime(ParallelLayout(**layout), seed=5)
+    hf_config = load_hf_config(path)
+    tensors, images = vl_batch(path, hf_config)
+    budget = int(tensors["attention_mask"].sum(-1).max()) + 8  # two rows never fit: several micro-batches
+    optim = (
+        OptimConfig(lr=1e-2, weight_decay=0.0, clip_grad=1.0)
+        if freeze
+        else OptimConfig(optimizer="sgd", lr=1.0, weight_decay=0.0, clip_grad=1.0)
+    )
+    out = {}
+    for variant in variants:
+        settings = {"ppo_micro_batch_size_per_gpu": 2, "optim": optim, **VARIANTS[variant]}
+        cfg = kl_actor_config(
+            ppo_max_token_len_per_gpu=budget, ppo_infer_max_token_len_per_gpu=budget, **settings
+        )
+        model_cfg = ModelConfig(path=path, dtype="float32", use_te=False, freeze_vision_tower=freeze)
+        chunks = build_gpt_chunks(hf_config, runtime, model_cfg)
+        load_hf_weights(chunks, path, runtime, model_cfg)
+        chunks = wrap_ddp(chunks)
+        optimizer = build_optimizer(chunks, optim_settings(cfg.optim))
+        actor = MegatronActor(runtime, cfg, chunks, optimizer, build_lr_scheduler(optimizer, cfg.optim))
+        record = {"before": full_weights(chunks, runtime), "head_rows": _head_rows(chunks)}
+        data = DataProto.from_dict(tensors, {"multi_modal_inputs": images}, {"temperature": TEMPERATURE})
+        record["old_log_probs"] = actor.compute_log_prob(data)[0]
+        record["head_rows"] = list(record["head_rows"])  # the log-prob pass's calls only
+        data.batch["old_log_probs"] = record["old_log_probs"]
+        data.batch["ref_log_prob"] = record["old_log_probs"] - KL_SHIFT * data.batch["response_mask"]
+        record.update(metrics=actor.update_policy(data), weights=full_weights(chunks, runtime))
+        if freeze:
+            subs = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+            held = {id(p) for sub in subs for group in sub.optimizer.param_groups for p in group["params"]}
+            state = {id(p) for sub in subs for p in sub.optimizer.state}
+            names = {id(p): n for c in chunks for n, p in c.named_parameters()}
+            record["optimizer_params"] = sorted(names[i] for i in held if i in names)
+            record["state_params"] = sorted(names[i] for i in state if i in names)
+        out[variant] = record
+    return out
+
+
+def _assert_same_update(run: dict, ref: dict, what: str) -> None:
+    assert_close_report(
+        run["old_log_probs"], ref["old_log_probs"], rtol=0, atol=1e-5, what=f"{what} log-probs"
+    )
+    assert_close_report(run["metrics"], ref["metrics"], rtol=1e-4, atol=1e-6, what=f"{what} metrics")
+    assert_close_report(
+        run["weights"], ref["weights"], rtol=0, atol=WEIGHT_ATOL, what=f"{what} weights after SGD"
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(pool1, vl_path) -> dict:
+    (single,) = pool1.run(
+        f"{__name__}:vl_actor_job", path=vl_path, layout={}, variants=["mb2", "mb1", "dynamic"]
+    )
+    return single
+
+
+def test_micro_batch_splits_and_packing_give_the_same_update(reference):
+    ref = reference["mb2"]
+    assert ref["old_log_probs"].abs().max() > 1.0 and ref["metrics"]["actor/pg_loss"][0] != 0.0
+    vision = [n for n in ref["weights"] if n.startswith("visual.")]
+    assert len(vision) > 10  # the tower trains: its weights moved
+    assert max(float((ref["weights"][n] - ref["before"][n]).abs().max()) for n in vision) > 1e-3
+    # LM head rows in the log-prob pass: response positions only (2 micro-batches x 2 rows x 5).
+    assert ref["head_rows"] == [2 * TR, 2 * TR], ref["head_rows"]
+    assert reference["mb1"]["head_rows"] == [TR] * 4
+    assert len(reference["dynamic"]["head_rows"]) >= 3  # the token budget splits the rows
+    for variant in ("mb1", "dynamic"):
+        _assert_same_update(reference[variant], ref, variant)
+
+
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(pp=2)], ids=["tp2", "pp2"])
+def test_layouts_match_single_process(pool2, vl_path, reference, layout):
+    ranks = pool2.run(f"{__name__}:vl_actor_job", path=vl_path, layout=layout, variants=["mb2"])
+    _assert_same_update(ranks[0]["mb2"], reference["mb2"], f"{layout} rank 0")
+    assert_close_report(
+        ranks[1]["mb2"]["old_log_probs"],
+        reference["mb2"]["old_log_probs"],
+        rtol=0,
+        atol=1e-5,
+        what="rank 1 log-probs",
+    )
+
+
+def test_freeze_vision_tower_keeps_it_out_of_the_optimizer(pool1, vl_path):
+    (run,) = pool1.run(f"{__name__}:vl_actor_job", path=vl_path, layout={}, variants=["mb2"], freeze=True)
+    record = run["mb2"]
+    assert record["state_params"] and not [n for n in record["optimizer_params"] if "vision." in n]
+    assert not [n for n in record["state_params"] if "vision." in n]
+    assert "module.embedding.word_embeddings.weight" in record["optimizer_params"] or any(
+        n.endswith("embedding.word_embeddings.weight") for n in record["optimizer_params"]
+    )
+    for name, weight in record["weights"].items():
+        moved = float((weight - record["before"][name]).abs().max())
+        assert (moved == 0.0) == name.startswith("visual."), f"{name} moved by {moved:.3e}"
+
+
+def test_malformed_image_rows_and_thd_are_refused_by_name():
+    from verl_megatron.errors import ParallelConfigError
+    from verl_megatron.protocol import DataProto
+    from verl_megatron.workers.batching import build_micro_batches
+    from verl_megatron.workers.vl_inputs import ROW_IMAGES, row_images
+
+    ids = torch.tensor([[3, 4, 5, 6]])
+    tensors = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "responses": ids[:, 2:]}
+    image = {"pixel_values": torch.zeros(16, 8), "image_grid_thw": torch.tensor([[1, 4, 4]])}
+    with pytest.raises(KeyError, match=r"need batch\['position_ids'\] \[B, 3, T\] = \[1, 3, 4\]"):
+        row_images(DataProto.from_dict(tensors, {"multi_modal_inputs": [image]}), "where")
+    tensors["position_ids"] = torch.arange(4).expand(1, 3, 4)
+    bad = {"pixel_values": torch.zeros(15, 8), "image_grid_thw": torch.tensor([[1, 4, 4]])}
+    with pytest.raises(ValueError, match=r"row 0: image_grid_thw \(1, 3\) \(t\*h\*w summing to 16\)"):
+        row_images(DataProto.from_dict(tensors, {"multi_modal_inputs": [bad]}), "where")
+    assert row_images(DataProto.from_dict(tensors, {"multi_modal_inputs": [None]}), "where") == {}
+    batch = {**tensors, **row_images(DataProto.from_dict(tensors, {"multi_modal_inputs": [image]}), "w")}
+    assert batch[ROW_IMAGES].image_grid_thw[0].tolist() == [[1, 4, 4]]
+    with pytest.raises(ParallelConfigError, match="cannot be packed as THD sequences"):
+        build_micro_batches(batch, [[0]], pack=True, thd=True)
