@@ -192,14 +192,15 @@ def check_vl_settings(
 
 
 def check_vl_features(model_type: str, *, lora_rank: int, bitwise_parity: bool, cp: int) -> None:
-    """The trainer's start-up check: vision-language checkpoints are not trained yet (the batching,
-    rollout and actor do not carry images); ModelConfigError pointing at what does work."""
+    """The trainer's start-up check: vision-language checkpoints are not trained yet (the actor and
+    reference take image rows, ``workers/vl_inputs.py``; the dataset's prompt batches and the
+    rollout do not carry images yet); ModelConfigError pointing at what does work."""
     del lora_rank, bitwise_parity, cp  # the same signature as the other families' checks
     if model_type in VL_MODEL_TYPES:
         raise ModelConfigError(
             f"model.path is a {model_type} (vision-language) checkpoint: RL training of vision-language "
             "models is not supported yet (its weights load and match transformers: verl-megatron check-hf "
-            "DIR; the trainer's batching, rollout and actor do not carry images yet)"
+            "DIR; the actor takes image rows; the trainer's prompt batches and rollout do not carry images yet)"
         )
 
 
