@@ -17,6 +17,7 @@ import torch
 from verl_megatron.distributed import cpu_compat, state
 from verl_megatron.distributed.modules import unwrap
 from verl_megatron.distributed.parallel import Runtime
+from verl_megatron.errors import WorkerConfigError
 
 # make_chunk(pre_process, post_process, vp_stage) -> megatron module
 ChunkFactory = Callable[[bool, bool, "int | None"], torch.nn.Module]
@@ -112,6 +113,9 @@ class OptimSettings:
     """Gradient buffers (and their reduction) in float32 whatever the params' dtype."""
     bucket_size: int | None = None
     """Elements per gradient bucket (None: megatron's default)."""
+    optimizer_cpu_offload: bool = False
+    """Step ``optimizer_offload_fraction`` of the parameters on the CPU (megatron's HybridDeviceOptimizer)."""
+    optimizer_offload_fraction: float = 1.0
 
 
 def _check_ddp_matches(chunks: list[torch.nn.Module], settings: OptimSettings) -> None:
@@ -127,17 +131,21 @@ def _check_ddp_matches(chunks: list[torch.nn.Module], settings: OptimSettings) -
                 )
 
 
-def build_optimizer(chunks: list[torch.nn.Module], settings: OptimSettings):
-    """Megatron optimizer over all chunks (fp32 master weights; clipping by global norm)."""
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-    if settings.overlap_param_gather and not settings.use_distributed_optimizer:
-        raise ValueError(
-            "optim.overlap_param_gather=True needs optim.use_distributed_optimizer=True "
-            "(without it every rank holds the whole updated parameters: nothing to gather)"
+def check_cpu_offload_device(where: str = "optim") -> None:
+    """Refuse ``optimizer_cpu_offload`` without CUDA: megatron's HybridDeviceOptimizer steps host
+    copies of CUDA parameters, and a parameter already on the host has none (its step raises)."""
+    if not torch.cuda.is_available():
+        raise WorkerConfigError(
+            f"{where}.optimizer_cpu_offload=true needs CUDA parameters (megatron's HybridDeviceOptimizer "
+            "copies them to the host to step them there); on this CPU-only machine set it to false"
         )
-    _check_ddp_matches(chunks, settings)
-    config = OptimizerConfig(
+
+
+def optimizer_config(settings: OptimSettings):
+    """megatron's OptimizerConfig for ``settings``."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(
         optimizer=settings.optimizer,
         lr=settings.lr,
         min_lr=settings.min_lr,
@@ -150,8 +158,28 @@ def build_optimizer(chunks: list[torch.nn.Module], settings: OptimSettings):
         params_dtype=torch.bfloat16 if settings.bf16 else torch.float32,
         use_distributed_optimizer=settings.use_distributed_optimizer,
         overlap_param_gather=settings.overlap_param_gather,
+        optimizer_cpu_offload=settings.optimizer_cpu_offload,
+        optimizer_offload_fraction=settings.optimizer_offload_fraction
+        if settings.optimizer_cpu_offload
+        else 0.0,
+        # As verl's script: one CPU optimizer per parameter, its grads copied to the host while the others step.
+        overlap_cpu_optimizer_d2h_h2d=settings.optimizer_cpu_offload,
     )
-    return get_megatron_optimizer(config, chunks)
+
+
+def build_optimizer(chunks: list[torch.nn.Module], settings: OptimSettings):
+    """Megatron optimizer over all chunks (fp32 master weights; clipping by global norm)."""
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    if settings.optimizer_cpu_offload:
+        check_cpu_offload_device()
+    if settings.overlap_param_gather and not settings.use_distributed_optimizer:
+        raise ValueError(
+            "optim.overlap_param_gather=True needs optim.use_distributed_optimizer=True "
+            "(without it every rank holds the whole updated parameters: nothing to gather)"
+        )
+    _check_ddp_matches(chunks, settings)
+    return get_megatron_optimizer(optimizer_config(settings), chunks)
 
 
 def gather_updated_params(chunks: list[torch.nn.Module]) -> None:

@@ -297,7 +297,8 @@ def _built_state(
         if key not in built:
             built[key] = build_role_state(spec, world_size, rank)
         return built[key]
-    key = (spec.name, shape, rank)
+    optim = spec.optim
+    key = (spec.name, shape, rank, optim.optimizer_cpu_offload and optim.optimizer_offload_fraction)
     where, states = built.get(key, (None, {}))
     distopt = spec.optim.use_distributed_optimizer
     missing = tuple(v for v in (distopt, not distopt)[: 1 + other_optimizer] if v not in states)

@@ -25,7 +25,9 @@ def _position_lines(p: PositionPlan) -> list[str]:
             other = f" | other dist. optimizer setting: grads {_gib(o.grads)} optimizer {_gib(o.optimizer)}"
         lines.append(
             f"  {name:<13} params {_gib(s.params)}  grads {_gib(s.grads)}  optimizer {_gib(s.optimizer)} "
-            f"(master {_gib(s.master)} + moments {_gib(s.moments)})  activations train {_gib(m.train_activations)}"
+            f"(master {_gib(s.master)} + moments {_gib(s.moments)}"
+            + (f"; CPU step's state in host memory {_gib(s.host)}" if s.host else "")
+            + f")  activations train {_gib(m.train_activations)}"
             f" / forward {_gib(m.infer_activations)} (logits + log-prob chunk {_gib(m.train_logits)} / "
             f"{_gib(m.infer_logits)}){other}"
         )
@@ -84,6 +86,7 @@ def plan_dict(plan: MemoryPlan) -> dict[str, Any]:
                         "grads": m.state.grads,
                         "optimizer_master": m.state.master,
                         "optimizer_moments": m.state.moments,
+                        "optimizer_host": m.state.host,
                         "other_distributed_optimizer": None
                         if m.state_other_optimizer is None
                         else vars(m.state_other_optimizer),

@@ -1,7 +1,7 @@
 """The changes that lower a plan's peak the most, each measured by planning the changed job.
 
 A candidate is a changed config, planned by ``plan_memory`` exactly as the original job is:
-the distributed optimizer, offloading, recomputation and a halved micro-batch (training and
+the distributed optimizer, offloading, the optimizer step on the CPU, recomputation and a halved micro-batch (training and
 log-probs), and the layout changes (tp doubled within a node, pp doubled, ep doubled for a MoE
 model whose expert count allows it; dp shrinks so the world size stays the same). Layout changes
 build every rank's shards again on the meta device under the changed layout; the others reuse
@@ -79,6 +79,19 @@ def _micro_batch_changes(config: Any, roles: set[str]) -> list[tuple[str, Any]]:
     return [change for change in (_halved(config, train), _halved(config, infer)) if change is not None]
 
 
+def _cpu_step(config: Any, section: str) -> tuple[str, Any]:
+    """The optimizer step of every parameter on the CPU (which replaces the section's
+    optimizer_offload: the config refuses both)."""
+    worker = getattr(config, section)
+    optim = dataclasses.replace(worker.optim, optimizer_cpu_offload=True, optimizer_offload_fraction=1.0)
+    change = f"{section}.optim.optimizer_cpu_offload=true"
+    if worker.megatron.optimizer_offload:
+        change += f" {section}.megatron.optimizer_offload=false"
+    return change, _with(
+        config, section, optim=optim, megatron=dataclasses.replace(worker.megatron, optimizer_offload=False)
+    )
+
+
 def _layout_changes(config: Any, hf_config: Any, world_size: int) -> list[tuple[str, Any]]:
     """tp x2 (within a node), pp x2, ep x2 (MoE), each a layout the model and world size admit."""
     from verl_megatron.models.config import check_layout, read_hf_architecture
@@ -115,6 +128,8 @@ def candidate_changes(config: Any, hf_config: Any, world_size: int, roles: set[s
         ):
             changed = _with(config, section, optim=dataclasses.replace(optim, use_distributed_optimizer=True))
             out.append((f"{section}.optim.use_distributed_optimizer=true", changed))
+        if section in roles and not optim.optimizer_cpu_offload:
+            out.append(_cpu_step(config, section))
     # What each role can offload: the actor keeps its parameters (the config refuses
     # actor.megatron.param_offload); the reference has only parameters.
     offloadable = (("actor", "actor", ("optimizer", "grad")), ("ref", "reference", ("param",)))

@@ -12,8 +12,13 @@ What is counted (the categories a test sums from the real tensors of a CPU job):
 - ``grads``: megatron's gradient buffers (``main_grad``), padding included;
 - ``master``: the optimizer's own fp32 copies of bf16 parameters (sharded over dp with the
   distributed optimizer);
-- ``moments``: the optimizer state of every parameter it steps (Adam: ``exp_avg`` and
-  ``exp_avg_sq`` in the master parameter's dtype, and a float32 ``step``).
+- ``moments``: the optimizer state of every parameter it steps on the GPU (Adam: ``exp_avg`` and
+  ``exp_avg_sq`` in the master parameter's dtype, and a float32 ``step``);
+- ``host``: with ``optimizer_cpu_offload``, host memory of the parameters megatron's
+  HybridDeviceOptimizer steps on the CPU (the first ``optimizer_offload_fraction`` of each
+  optimizer's parameters by element count, in its order): their moments and step, a float32
+  copy of each and a float32 gradient copy. The mixed-precision optimizer's fp32 masters of
+  those parameters stay on the GPU (counted in ``master``).
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ class StateBytes:
     grads: int = 0
     master: int = 0
     moments: int = 0
+    host: int = 0
+    """Not on the GPU: the CPU optimizer step's state (not in ``optimizer`` or ``total``)."""
 
     @property
     def optimizer(self) -> int:
@@ -104,16 +111,30 @@ def _master_bytes(inner: Any) -> int:
     return sum(_nbytes(p) for group in groups for p in group)
 
 
-def _moment_bytes(inner: Any) -> int:
+def _moment_bytes(inner: Any, offload_fraction: float) -> tuple[int, int]:
+    """(GPU, host) bytes of the Adam state, the first ``offload_fraction`` of the parameters (by
+    element count, as megatron's HybridDeviceOptimizer picks them) stepped on the host."""
     torch_optimizer = inner.optimizer
     if not isinstance(torch_optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         raise NotImplementedError(f"optimizer state of {type(torch_optimizer).__name__} is not modelled")
     params = [p for group in torch_optimizer.param_groups for p in group["params"]]
-    return sum(2 * _nbytes(p) + _ADAM_STEP_BYTES for p in params)
+    threshold = offload_fraction * sum(p.numel() for p in params)
+    gpu = host = offloaded = 0
+    for p in params:
+        moments = 2 * _nbytes(p) + _ADAM_STEP_BYTES
+        if offloaded < threshold:
+            offloaded += p.numel()
+            host += moments + 2 * 4 * p.numel()  # + its float32 copy and float32 gradient copy
+        else:
+            gpu += moments
+    return gpu, host
 
 
-def count_state(chunks: list[torch.nn.Module], optimizer: Any = None) -> StateBytes:
-    """The bytes of built (possibly meta) chunks and their megatron optimizer, by category."""
+def count_state(
+    chunks: list[torch.nn.Module], optimizer: Any = None, offload_fraction: float = 0.0
+) -> StateBytes:
+    """The bytes of built (possibly meta) chunks and their megatron optimizer, by category;
+    ``offload_fraction``: the optimizer's, when built without its CPU step (see ``host``)."""
     buffers = [b for chunk in chunks for b in _megatron_buffers(chunk)]
     in_param_buffer = {id(p) for b in buffers if b.param_data is not None for p in b.params}
     loose = {id(p): p for chunk in chunks for p in unwrap(chunk).parameters() if id(p) not in in_param_buffer}
@@ -123,11 +144,13 @@ def count_state(chunks: list[torch.nn.Module], optimizer: Any = None) -> StateBy
     if optimizer is None:
         return StateBytes(params=params, grads=grads)
     inners = _inner_optimizers(optimizer)
+    moments = [_moment_bytes(o, offload_fraction) for o in inners]
     return StateBytes(
         params=params,
         grads=grads,
         master=sum(_master_bytes(o) for o in inners),
-        moments=sum(_moment_bytes(o) for o in inners),
+        moments=sum(gpu for gpu, _ in moments),
+        host=sum(host for _, host in moments),
     )
 
 
@@ -147,9 +170,14 @@ def _build(spec: RoleSpec, runtime: Runtime, use_distributed_optimizer: bool | N
         optim = replace(
             optim, use_distributed_optimizer=use_distributed_optimizer, overlap_param_gather=False
         )
-    settings = optim_settings(optim, bf16=spec.model.dtype == "bfloat16")
+    # The CPU step is counted from the plain build (megatron's hybrid optimizer needs CUDA
+    # parameters to offload; its split is reproduced by count_state).
+    fraction = optim.optimizer_offload_fraction if optim.optimizer_cpu_offload else 0.0
+    settings = optim_settings(
+        replace(optim, optimizer_cpu_offload=False), bf16=spec.model.dtype == "bfloat16"
+    )
     chunks = wrap_ddp(chunks, settings)
-    return count_state(chunks, build_optimizer(chunks, settings))
+    return count_state(chunks, build_optimizer(chunks, settings), fraction)
 
 
 def build_role_state(

@@ -65,8 +65,19 @@ class OptimConfig:
     """Reduce gradient buckets while the backward pass runs (megatron DDP)."""
     overlap_param_gather: bool = False
     """With the distributed optimizer: all-gather the updated parameters during the next forward."""
+    optimizer_cpu_offload: bool = False
+    """Run the optimizer step for a fraction of the parameters on the CPU, their Adam moments (and a
+    float32 copy of their master weights) kept in host memory (megatron's HybridDeviceOptimizer).
+    The fp32 master weights of the mixed-precision optimizer stay on the GPU."""
+    optimizer_offload_fraction: float = 1.0
+    """With optimizer_cpu_offload: the fraction of the parameters (by element count, in
+    megatron's parameter order) whose optimizer step runs on the CPU."""
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.optimizer_offload_fraction <= 1.0:
+            raise WorkerConfigError(
+                f"optim.optimizer_offload_fraction must be in [0, 1], got {self.optimizer_offload_fraction}"
+            )
         if self.lr < 0 or self.min_lr < 0 or self.lr_warmup_init < 0:
             raise WorkerConfigError(
                 f"optim: lr, min_lr and lr_warmup_init must be >= 0, got {self.lr}, {self.min_lr}, {self.lr_warmup_init}"
@@ -243,6 +254,11 @@ class PPOWorkerConfig:
         self._check_role()
         if self.rollout_n < 1:
             raise WorkerConfigError(f"{where}.rollout_n must be >= 1, got {self.rollout_n}")
+        if self.optim.optimizer_cpu_offload and self.megatron.optimizer_offload:
+            raise WorkerConfigError(
+                f"{where}.optim.optimizer_cpu_offload keeps the offloaded optimizer state in host memory "
+                f"already: set {where}.megatron.optimizer_offload=false"
+            )
 
     def _check_role(self) -> None:
         """The role's own construction checks (between loss_agg_mode and rollout_n, as before)."""
@@ -254,6 +270,10 @@ class PPOWorkerConfig:
     def validate(self) -> None:
         """What a role that will train needs set (checked when the worker is built)."""
         _require_micro_batch(self.role, self.ppo_micro_batch_size_per_gpu, self.use_dynamic_bsz)
+        if self.optim.optimizer_cpu_offload:
+            from verl_megatron.models.megatron_model import check_cpu_offload_device
+
+            check_cpu_offload_device(f"{self.role}.optim")
 
     @property
     def infer_micro_batch_size(self) -> int | None:

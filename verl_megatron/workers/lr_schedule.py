@@ -29,6 +29,8 @@ def optim_settings(optim: OptimConfig, *, bf16: bool = False) -> OptimSettings:
         use_distributed_optimizer=optim.use_distributed_optimizer,
         overlap_grad_reduce=optim.overlap_grad_reduce,
         overlap_param_gather=optim.overlap_param_gather,
+        optimizer_cpu_offload=optim.optimizer_cpu_offload,
+        optimizer_offload_fraction=optim.optimizer_offload_fraction,
     )
 
 
