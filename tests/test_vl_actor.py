@@ -227,5 +227,9 @@ def test_malformed_image_rows_and_thd_are_refused_by_name():
     assert row_images(DataProto.from_dict(tensors, {"multi_modal_inputs": [None]}), "where") == {}
     batch = {**tensors, **row_images(DataProto.from_dict(tensors, {"multi_modal_inputs": [image]}), "w")}
     assert batch[ROW_IMAGES].image_grid_thw[0].tolist() == [[1, 4, 4]]
+    # verl's [B, 4, T] (a text-position row, then the 3-D ids): the last three rows are used.
+    tensors["position_ids"] = torch.cat([torch.full((1, 1, 4), 9), torch.arange(12).view(1, 3, 4)], dim=1)
+    four = row_images(DataProto.from_dict(tensors, {"multi_modal_inputs": [image]}), "w")[ROW_IMAGES]
+    assert torch.equal(four.position_ids, torch.arange(12).view(1, 3, 4))
     with pytest.raises(ParallelConfigError, match="cannot be packed as THD sequences"):
         build_micro_batches(batch, [[0]], pack=True, thd=True)

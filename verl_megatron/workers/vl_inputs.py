@@ -6,7 +6,8 @@ A vision-language batch (verl's layout) carries, besides the text tensors:
   ``pixel_values`` [P_i, C*t*p*p] and ``image_grid_thw`` [n_i, 3] (the image processor's
   outputs), or None / ``{}`` for a row without images;
 - ``batch["position_ids"]`` [B, 3, T]: the 3-D rotary ids of every column (``utils/mrope.py``,
-  0 at padding), aligned with ``input_ids``.
+  0 at padding), aligned with ``input_ids``; or verl's newer [B, 4, T], a text-position row
+  followed by those three (the first row is then not used).
 
 :func:`row_images` reads them into :class:`RowImages`, which the worker's batch dict carries under
 :data:`ROW_IMAGES` as an explicit entry; indexing it with row indices (mini-batches, dp shares,
@@ -100,19 +101,19 @@ def row_images(data, where: str) -> dict[str, RowImages]:
     if (
         positions is None
         or positions.dim() != 3
-        or positions.shape[1] != 3
+        or positions.shape[1] not in (3, 4)
         or positions.shape[::2] != ids.shape
     ):
         got = "missing" if positions is None else f"of shape {tuple(positions.shape)}"
         raise KeyError(
             f"{where}: rows with images need batch['position_ids'] [B, 3, T] = {[ids.shape[0], 3, ids.shape[1]]} "
-            f"(3-D rotary ids, utils/mrope.mrope_position_ids_batch); it is {got}"
+            f"(3-D rotary ids, utils/mrope.mrope_position_ids_batch; or verl's [B, 4, T]); it is {got}"
         )
     return {
         ROW_IMAGES: RowImages(
             pixel_values=tuple(p for p, _ in entries),
             image_grid_thw=tuple(g for _, g in entries),
-            position_ids=positions.cpu().long(),
+            position_ids=positions[:, -3:].cpu().long(),  # [B, 4, T]: the text row first
         )
     }
 
