@@ -4,8 +4,8 @@ A tiny random GLM-4.5 (``tests/family_models.py``): grouped-query attention with
 QK-norm and half of each head rotating (``partial_rotary_factor`` 0.5), a dense first layer and
 DeepSeek-V3's routing (sigmoid scores, ``e_score_correction_bias``, 8 experts in 4 groups, a
 shared expert, ``routed_scaling_factor``). float32 logits must equal transformers' within 1e-4
-at tp=1 and ep=2; the export at ep=2 must be byte-identical to the loaded file; native-rollout
-log-probs must equal a cache-free forward within 1e-4.
+at tp=1, ep=2, tp=2 and pp=2; the export after each two-process load must be byte-identical to the
+loaded file; native-rollout log-probs must equal a cache-free forward within 1e-4.
 """
 
 from __future__ import annotations
@@ -31,14 +31,17 @@ def test_glm_logits_match_transformers(pool1, pool2, glm_models, tmp_path):
     reference = hf_reference_logits(glm_models, SEQUENCES)
     (single,) = pool1.run("tests.test_moe_models:moe_parity_job", paths=glm_models, layout={})
     _assert_matches(single, reference)
-    export = str(tmp_path / "export")
-    ranks = pool2.run(
-        "tests.test_moe_models:moe_parity_job", paths=glm_models, layout=dict(ep=2), export_dir=export
-    )
-    for result in ranks:
-        _assert_matches(result, reference)
     original = os.path.join(glm_models["glm4_moe"], "model.safetensors")
-    assert filecmp.cmp(original, os.path.join(export, "glm4_moe", "model.safetensors"), shallow=False)
+    for layout in (dict(ep=2), dict(tp=2), dict(pp=2)):
+        export = str(tmp_path / "_".join(f"{k}{v}" for k, v in layout.items()))
+        ranks = pool2.run(
+            "tests.test_moe_models:moe_parity_job", paths=glm_models, layout=layout, export_dir=export
+        )
+        assert set(ranks[-1]) == {"glm4_moe"}, layout
+        for result in ranks if layout.get("pp", 1) == 1 else ranks[-1:]:
+            _assert_matches(result, reference)
+        exported = os.path.join(export, "glm4_moe", "model.safetensors")
+        assert filecmp.cmp(original, exported, shallow=False), f"{layout}: export differs from {original}"
 
 
 def test_glm_rollout_log_probs_equal_full_forward(pool1, tmp_path_factory):
