@@ -233,3 +233,32 @@ def test_malformed_image_rows_and_thd_are_refused_by_name():
     assert torch.equal(four.position_ids, torch.arange(12).view(1, 3, 4))
     with pytest.raises(ParallelConfigError, match="cannot be packed as THD sequences"):
         build_micro_batches(batch, [[0]], pack=True, thd=True)
+
+
+def vl_ref_job(path: str) -> torch.Tensor:
+    """MegatronRef (frozen, unwrapped chunks) log-probs of the four rows, token-budget micro-batches."""
+    from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
+    from verl_megatron.models.builder import build_gpt_chunks
+    from verl_megatron.models.config import ModelConfig, load_hf_config
+    from verl_megatron.models.convert import load_hf_weights
+    from verl_megatron.protocol import DataProto
+    from verl_megatron.workers.actor import MegatronRef
+    from verl_megatron.workers.config import RefConfig
+
+    runtime = init_runtime(ParallelLayout(), seed=5)
+    hf_config = load_hf_config(path)
+    model_cfg = ModelConfig(path=path, dtype="float32", use_te=False)
+    chunks = build_gpt_chunks(hf_config, runtime, model_cfg)
+    load_hf_weights(chunks, path, runtime, model_cfg)
+    tensors, images = vl_batch(path, hf_config)
+    budget = int(tensors["attention_mask"].sum(-1).max()) + 8
+    ref = MegatronRef(
+        runtime, RefConfig(log_prob_use_dynamic_bsz=True, log_prob_max_token_len_per_gpu=budget), chunks
+    )
+    data = DataProto.from_dict(tensors, {"multi_modal_inputs": images}, {"temperature": TEMPERATURE})
+    return ref.compute_log_prob(data)[0]
+
+
+def test_reference_policy_takes_image_rows(pool1, vl_path, reference):
+    (log_probs,) = pool1.run(f"{__name__}:vl_ref_job", path=vl_path)
+    assert_close_report(log_probs, reference["mb2"]["old_log_probs"], rtol=0, atol=1e-5, what="ref log-probs")
