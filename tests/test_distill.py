@@ -10,12 +10,13 @@ import os
 import pytest
 import torch
 
-from tests.test_actor_update import TEMPERATURE, make_batch
+from tests.test_actor_update import TEMPERATURE, VOCAB, make_batch
 from tests.test_recipes import ROOT, recipe_job  # noqa: F401  (the pool runs it by this module's name)
 
 
 def teacher_job(path: str, layouts: list[tuple[int, int]]) -> dict:
-    """Teacher log-probs of make_batch() for each teacher (tp, pp), the student's runtime at tp=pp=1."""
+    """Teacher log-probs and logits [B, Tr, V] of make_batch() for each teacher (tp, pp), the
+    student's runtime at tp=pp=1."""
     from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
     from verl_megatron.models.config import ModelConfig
     from verl_megatron.protocol import DataProto
@@ -34,6 +35,7 @@ def teacher_job(path: str, layouts: list[tuple[int, int]]) -> dict:
         teacher = MegatronTeacher(runtime, config)
         data = DataProto.from_dict(make_batch(), meta_info={"temperature": TEMPERATURE})
         out[f"{tp}x{pp}"] = teacher.compute_log_prob(data)
+        out[f"{tp}x{pp}:logits"] = teacher.compute_logits(data)
         frozen = all(not p.requires_grad for c in teacher.chunks for p in c.parameters())
         teacher.close()
         assert frozen
@@ -44,12 +46,22 @@ def test_teacher_log_probs_under_its_own_layout(pool1, pool2, model_path):
     (single,) = pool1.run(f"{__name__}:teacher_job", path=model_path, layouts=[(1, 1)])
     both = pool2.run(f"{__name__}:teacher_job", path=model_path, layouts=[(2, 1), (1, 2)])
     valid = make_batch()["attention_mask"][:, -5:].bool()
-    reference = single["1x1"]
+    reference, logits = single["1x1"], single["1x1:logits"]
     assert torch.all(reference[~valid] == 0) and torch.all(reference[valid] < 0)
+    assert logits.shape == (*reference.shape, VOCAB) and torch.all(logits[~valid] == 0)
+    # The logits the GKD loss gets give the log-probs the reverse-KL path gets.
+    labels = make_batch()["responses"]
+    from_logits = torch.log_softmax(logits.double() / TEMPERATURE, -1).gather(-1, labels[..., None])[..., 0]
+    diff = float((from_logits[valid] - reference[valid].double()).abs().max())
+    assert diff <= 1e-5, f"log-probs of the teacher's logits differ from its log-probs by {diff:.3g}"
     for rank in both:
-        for name, log_probs in rank.items():
-            diff = float((log_probs - reference).abs().max())
-            assert diff <= 2e-5, f"teacher {name}: log-probs differ from one process by {diff:.3g}"
+        for name, value in rank.items():
+            expected = logits if name.endswith(":logits") else reference
+            diff = (value - expected).abs()
+            where = [int(i) for i in torch.unravel_index(diff.argmax(), diff.shape)]
+            assert float(diff.max()) <= 2e-5, (
+                f"teacher {name}: differs from one process by {float(diff.max()):.3g} at {where}"
+            )
 
 
 def test_a_teacher_with_another_vocabulary_stops_at_start_up(tmp_path, no_runtime):
@@ -80,10 +92,12 @@ def test_a_teacher_with_another_vocabulary_stops_at_start_up(tmp_path, no_runtim
         )
 
 
-def test_distill_recipe_runs_a_step(pool1, tmp_path):
-    """The recipe with a small teacher that shares the quickstart's tokenizer: on the first, exactly
-    on-policy mini-batch the clipped policy loss is -mean(advantage), which without whitening is
-    the logged reverse KL."""
+@pytest.mark.parametrize("loss", ["reverse_kl", "gkd_jsd"])
+def test_distill_recipe_runs_a_step(pool1, tmp_path, loss):
+    """The recipe with a small teacher that shares the quickstart's tokenizer. reverse_kl: on the
+    first, exactly on-policy mini-batch the clipped policy loss is -mean(advantage), which without
+    whitening is the logged reverse KL. gkd_jsd: the advantages are 0 (coef 0), the loss is the
+    generalized JSD, and the teacher's logits are in the batch."""
     from verl_megatron.trainer.quickstart import DIGITS
     from verl_megatron.utils.local_assets import build_char_tokenizer, build_tiny_hf_model
 
@@ -93,7 +107,8 @@ def test_distill_recipe_runs_a_step(pool1, tmp_path):
     out = str(tmp_path / "distill")
     overrides = [f"algorithm.distill.teacher.model.path={teacher}", "quickstart.num_digits=2",
                  "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "trainer.total_training_steps=1",
-                 "trainer.val_before_train=false", "algorithm.distill.whiten=false"]  # fmt: skip
+                 "trainer.val_before_train=false", "algorithm.distill.whiten=false",
+                 f"algorithm.distill.loss={loss}"]  # fmt: skip
     (result,) = pool1.run(
         f"{__name__}:recipe_job", recipe="distill_quickstart", out_dir=out, overrides=overrides
     )
@@ -110,5 +125,9 @@ def test_distill_recipe_runs_a_step(pool1, tmp_path):
     ):
         assert math.isfinite(step[key]), key
     assert step["timing_s/teacher"] > 0 and step["distill/teacher_log_prob"] < 0
-    assert step["actor/pg_loss"] == pytest.approx(step["distill/reverse_kl"], rel=1e-5, abs=1e-6)
+    if loss == "reverse_kl":
+        assert step["actor/pg_loss"] == pytest.approx(step["distill/reverse_kl"], rel=1e-5, abs=1e-6)
+    else:  # a generalized JSD lies in [0, H(beta)], H(beta) <= log 2
+        assert step["actor/pg_loss"] == 0.0 and 0.0 < step["actor/gkd_jsd"] < math.log(2)
+        assert step["distill/teacher_logits_gb"] > 0
     assert "val/test_score/synthetic/reverse" in step and "hf_export" in result["files"]

@@ -124,3 +124,19 @@ def test_whitened_reverse_kl_is_a_constant_baseline_and_scale():
     assert torch.all(white[~kept] == 0)
     mixed = reverse_kl_advantages(student, teacher, mask, rule, coef=2.0, whiten=True)
     torch.testing.assert_close(mixed[kept], white[kept] + 2.0 * rule[kept])
+
+
+@pytest.mark.parametrize(
+    ("setting", "key"),
+    [
+        ({"jsd_beta": 1.5}, "jsd_beta"),
+        ({"jsd_temperature": 0.0}, "jsd_temperature"),
+        ({"loss": "gkd"}, "loss"),
+    ],
+)
+def test_distill_config_names_a_bad_setting(setting, key):
+    from verl_megatron.workers.teacher_config import DistillConfig, TeacherConfigError
+
+    with pytest.raises(TeacherConfigError, match=rf"^algorithm\.distill\.{key}"):
+        DistillConfig(**setting)
+    assert DistillConfig(loss="gkd_jsd", jsd_beta=0.0, jsd_temperature=0.5).loss == "gkd_jsd"

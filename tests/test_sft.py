@@ -56,16 +56,16 @@ def sgd_config(**settings):
     return ActorConfig(ppo_mini_batch_size=ROWS, share_prompt_prefix=False, optim=optim, **settings)
 
 
-def sft_job(path: str, tp: int, pp: int, variants: list[str]) -> dict:
+def sft_job(path: str, variants: list[str], **layout) -> dict:
     """Per variant: the token log-probs before the step, the step's loss and grad norm, and the
-    gradient (weights before - after, HF names)."""
+    gradient (weights before - after, HF names), under ``ParallelLayout(**layout)``."""
     from tests.test_actor_update import build_model
     from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
     from verl_megatron.models.megatron_model import build_optimizer
     from verl_megatron.workers.lr_schedule import build_lr_scheduler, optim_settings
     from verl_megatron.workers.sft import SFTActor
 
-    runtime = init_runtime(ParallelLayout(tp=tp, pp=pp), seed=5)
+    runtime = init_runtime(ParallelLayout(**layout), seed=5)
     out = {}
     for variant in variants:
         cfg = sgd_config(**VARIANTS[variant])
@@ -87,14 +87,15 @@ def sft_job(path: str, tp: int, pp: int, variants: list[str]) -> dict:
     return out
 
 
-def hf_reference(path: str, dtype: torch.dtype, mode: str) -> dict:
-    """transformers in ``dtype``: target log-probs [B, L-1], the aggregated loss and its gradients."""
+def hf_reference(path: str, dtype: torch.dtype, mode: str, **load) -> dict:
+    """transformers in ``dtype``: target log-probs [B, L-1], the aggregated loss and its gradients
+    (``load``: more from_pretrained arguments)."""
     from transformers import AutoModelForCausalLM
 
     from verl_megatron.algos.distill import sft_loss
 
     batch = sft_batch().batch
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, **load)
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
     log_probs = torch.log_softmax(logits, -1).gather(-1, batch["responses"][..., None])[..., 0]
     mask = batch["response_mask"].to(dtype)
@@ -108,21 +109,26 @@ def hf_reference(path: str, dtype: torch.dtype, mode: str) -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def references(model_path) -> dict:
+def float32_error(exact: dict, single: dict) -> dict:
+    """How far a float32 reference's log-probs and gradients are from the float64 one's."""
+    return {
+        "log_probs": float((single["log_probs"] - exact["log_probs"]).abs().max()),
+        "grads": {n: float((single["grads"][n] - exact["grads"][n]).abs().max()) for n in exact["grads"]},
+    }
+
+
+def hf_references(path: str, modes: tuple[str, ...] = MODES, **load) -> dict:
     """Per aggregation mode: transformers' float64 reference and its float32 error."""
     out = {}
-    for mode in MODES:
-        exact, single = (
-            hf_reference(model_path, torch.float64, mode),
-            hf_reference(model_path, torch.float32, mode),
-        )
-        error = {
-            "log_probs": float((single["log_probs"] - exact["log_probs"]).abs().max()),
-            "grads": {n: float((single["grads"][n] - exact["grads"][n]).abs().max()) for n in exact["grads"]},
-        }
-        out[mode] = (exact, error)
+    for mode in modes:
+        exact = hf_reference(path, torch.float64, mode, **load)
+        out[mode] = (exact, float32_error(exact, hf_reference(path, torch.float32, mode, **load)))
     return out
+
+
+@pytest.fixture(scope="module")
+def references(model_path) -> dict:
+    return hf_references(model_path)
 
 
 def _mode(variant: str) -> str:

@@ -10,6 +10,11 @@ For student and teacher distributions S and T over the vocabulary at one positio
 ``GKDTrainer.generalized_jsd_loss``.) Logits are [B, T, V] in any dtype: each chunk of
 ``chunk_tokens`` positions is upcast to float32, reduced over V, and (when a gradient is needed)
 recomputed in the backward pass, so the float32 [B, T, V] tensors never exist at once.
+
+With tensor parallelism (``tp_group``) each rank holds its own columns of both logits (the
+vocabulary split like megatron's LM head): only per-position scalars cross the group (the row
+maximum, the softmax normaliser and each KL's partial sum forward; the normaliser's gradient
+backward), and each rank's gradient reaches its own columns, as in ``models/logprobs.py``.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 __all__ = ["generalized_jsd_loss", "generalized_jsd_per_token"]
@@ -24,18 +30,97 @@ __all__ = ["generalized_jsd_loss", "generalized_jsd_per_token"]
 REDUCTIONS = ("batchmean", "sum", "mean", "none")
 
 
+def _kl_parts(s: torch.Tensor, t: torch.Tensor, beta: float) -> torch.Tensor:
+    """[n, k] the KL sums over the columns of log-probs s, t [n, V]: KL(T || S) (beta 0), KL(S || T)
+    (beta 1), else KL(T || M) and KL(S || M) with log M = logaddexp(log beta + t, log(1 - beta) + s)."""
+    if beta == 0.0:
+        return (t.exp() * (t - s)).sum(-1, keepdim=True)
+    if beta == 1.0:
+        return (s.exp() * (s - t)).sum(-1, keepdim=True)
+    mixture = torch.logaddexp(s + math.log1p(-beta), t + math.log(beta))
+    return torch.stack([(t.exp() * (t - mixture)).sum(-1), (s.exp() * (s - mixture)).sum(-1)], dim=-1)
+
+
+def _combine(parts: torch.Tensor, beta: float) -> torch.Tensor:
+    """[n] JSD_beta from :func:`_kl_parts`' sums."""
+    if parts.shape[-1] == 1:
+        return parts[:, 0]
+    return beta * parts[:, 0] + (1.0 - beta) * parts[:, 1]
+
+
 def _jsd_rows(student: torch.Tensor, teacher: torch.Tensor, beta: float, temperature: float) -> torch.Tensor:
     """[n] generalized JSD of n positions' logits [n, V], computed in float32."""
     s = torch.log_softmax(student.float() / temperature, dim=-1)
     t = torch.log_softmax(teacher.float() / temperature, dim=-1)
-    if beta == 0.0:
-        return (t.exp() * (t - s)).sum(-1)
-    if beta == 1.0:
-        return (s.exp() * (s - t)).sum(-1)
-    mixture = torch.logaddexp(s + math.log1p(-beta), t + math.log(beta))
-    kl_teacher = (t.exp() * (t - mixture)).sum(-1)
-    kl_student = (s.exp() * (s - mixture)).sum(-1)
-    return beta * kl_teacher + (1.0 - beta) * kl_student
+    return _combine(_kl_parts(s, t, beta), beta)
+
+
+# Tensor parallelism: the collectives stay out of the checkpointed (recomputed) pieces, so every
+# rank runs them once, in the same order, in the forward and backward passes.
+class _SumOverRanks(torch.autograd.Function):
+    """Forward: the sum over the group of each rank's partial sums. Backward: the gradient as it
+    is (every rank holds the same replicated result; each rank's partial came from its columns)."""
+
+    @staticmethod
+    def forward(ctx, partial, group):
+        total = partial.clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        return grad_total, None
+
+
+class _SharedOverRanks(torch.autograd.Function):
+    """Forward: a per-position value every rank then uses on its own columns, unchanged.
+    Backward: the sum over the group of the ranks' gradients (each saw its columns only)."""
+
+    @staticmethod
+    def forward(ctx, value, group):
+        ctx.group = group
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad, None
+
+
+def _local_exp_sum(logits: torch.Tensor, row_max: torch.Tensor, temperature: float) -> torch.Tensor:
+    return (logits.float() / temperature - row_max.unsqueeze(-1)).exp().sum(-1)
+
+
+def _local_kl_parts(student, teacher, lse_s, lse_t, beta: float, temperature: float) -> torch.Tensor:
+    s = student.float() / temperature - lse_s.unsqueeze(-1)
+    t = teacher.float() / temperature - lse_t.unsqueeze(-1)
+    return _kl_parts(s, t, beta)
+
+
+def _maybe_checkpoint(fn, needs_grad: bool, *args):
+    """``fn(*args)``; with a gradient, its float32 [n, Vl] work is recomputed in the backward."""
+    return checkpoint(fn, *args, use_reentrant=False) if needs_grad else fn(*args)
+
+
+def _log_normalizer(logits: torch.Tensor, temperature: float, group, needs_grad: bool) -> torch.Tensor:
+    """[n] log-sum-exp over the whole vocabulary of logits / temperature given as [n, Vl] columns."""
+    with torch.no_grad():  # the shift cancels in the result: no gradient through the maximum
+        local = logits.float() / temperature
+        row_max = local.amax(-1) if local.shape[-1] else local.new_full(local.shape[:-1], float("-inf"))
+        del local
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+    partial = _maybe_checkpoint(_local_exp_sum, needs_grad, logits, row_max, temperature)
+    return row_max + _SumOverRanks.apply(partial, group).log()
+
+
+def _jsd_rows_tp(student, teacher, beta: float, temperature: float, group, needs_grad: bool) -> torch.Tensor:
+    """[n] generalized JSD of [n, Vl] column slices of a vocabulary split over ``group``."""
+    lse_s = _SharedOverRanks.apply(_log_normalizer(student, temperature, group, needs_grad), group)
+    with torch.no_grad():
+        lse_t = _log_normalizer(teacher, temperature, group, False)
+    parts = _maybe_checkpoint(_local_kl_parts, needs_grad, student, teacher, lse_s, lse_t, beta, temperature)
+    return _combine(_SumOverRanks.apply(parts, group), beta)
 
 
 def generalized_jsd_per_token(
@@ -44,8 +129,15 @@ def generalized_jsd_per_token(
     beta: float = 0.5,
     temperature: float = 1.0,
     chunk_tokens: int = 1024,
+    tp_group=None,
 ) -> torch.Tensor:
-    """Per-position generalized JSD, float32, of logits [..., V] (same shape): shape [...]."""
+    """Per-position generalized JSD, float32, of logits [..., V] (same shape): shape [...].
+
+    ``tp_group``: the logits are this rank's columns [..., Vl] of a vocabulary split over the
+    group (the same columns of both; padded columns already dropped); every rank gets the
+    whole per-position values, and the gradient reaches the student only (the teacher is
+    detached). None: the logits hold the whole vocabulary.
+    """
     if student_logits.shape != teacher_logits.shape:
         raise ValueError(
             f"generalized_jsd: student logits {tuple(student_logits.shape)} and teacher logits "
@@ -58,15 +150,20 @@ def generalized_jsd_per_token(
     if chunk_tokens < 1:
         raise ValueError(f"generalized_jsd: chunk_tokens must be >= 1, got {chunk_tokens}")
     shape, vocab = student_logits.shape[:-1], student_logits.shape[-1]
-    student, teacher = student_logits.reshape(-1, vocab), teacher_logits.reshape(-1, vocab)
+    rows = math.prod(shape)  # explicit: a rank may hold no column of the vocabulary (vocab 0)
+    student, teacher = student_logits.reshape(rows, vocab), teacher_logits.reshape(rows, vocab)
     needs_grad = torch.is_grad_enabled() and (student.requires_grad or teacher.requires_grad)
+    if tp_group is not None and (not dist.is_initialized() or dist.get_world_size(tp_group) == 1):
+        tp_group = None
+    if tp_group is not None:
+        teacher = teacher.detach()
     parts = []
     for start in range(0, student.shape[0], chunk_tokens):
         s, t = student[start : start + chunk_tokens], teacher[start : start + chunk_tokens]
-        if needs_grad:  # keep only the chunk's inputs; recompute its float32 work in the backward
-            parts.append(checkpoint(_jsd_rows, s, t, beta, temperature, use_reentrant=False))
-        else:
-            parts.append(_jsd_rows(s, t, beta, temperature))
+        if tp_group is not None:
+            parts.append(_jsd_rows_tp(s, t, beta, temperature, tp_group, needs_grad))
+        else:  # with a gradient: keep only the chunk's inputs; recompute its float32 work in the backward
+            parts.append(_maybe_checkpoint(_jsd_rows, needs_grad, s, t, beta, temperature))
     if not parts:
         return student.new_zeros(shape, dtype=torch.float32)
     return torch.cat(parts).reshape(shape)

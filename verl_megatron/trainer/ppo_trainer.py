@@ -208,7 +208,7 @@ class PPOTrainer:
             metrics.update(apply_rollout_correction(batch, self.config.algorithm.rollout_correction))
             self._reference_and_values(batch, timing)
             if self.teacher is not None:  # log p_teacher of the sampled tokens
-                metrics.update(teacher_log_probs(self.teacher, batch, timing))
+                metrics.update(teacher_log_probs(self.teacher, batch, timing, self.config.algorithm.distill))
             with self._stage("adv", timing):
                 metrics.update(self._compute_advantages(batch))
             metrics.update(self._update(batch, step, timing))

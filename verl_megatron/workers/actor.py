@@ -8,7 +8,8 @@ share of the rows, and results (log-probs, metrics) come back whole on every ran
 Batch keys (``DataProto.batch``): ``input_ids``/``attention_mask`` [B, Tp+Tr],
 ``responses``/``response_mask`` [B, Tr]; for ``update_policy`` also ``old_log_probs``,
 ``advantages`` and, with ``use_kl_loss``, ``ref_log_prob`` (optional
-``rollout_is_weights``). ``meta_info["temperature"]`` is required: log-probs are those
+``rollout_is_weights``; with ``meta_info["distill_jsd"]``, GKD distillation's
+``teacher_logits`` [B, Tr, V]). ``meta_info["temperature"]`` is required: log-probs are those
 of softmax(logits / temperature), the distribution the rollout sampled from.
 """
 
@@ -17,14 +18,18 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from verl_megatron.algos import core_algos
+from verl_megatron.algos.gkd import generalized_jsd_per_token
 from verl_megatron.algos.policy_losses import metrics_on_device
+from verl_megatron.distributed.modules import unwrap
 from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.models.batch_invariant import BatchInvariance
-from verl_megatron.models.logprobs import vocab_parallel_log_probs
+from verl_megatron.models.logprobs import CHUNK_BYTES, vocab_parallel_log_probs
 from verl_megatron.models.megatron_model import attach_schedule_hooks
 from verl_megatron.models.routing import ROW_ID_KEY
 from verl_megatron.protocol import DataProto
@@ -55,7 +60,7 @@ def batch_tensors(data: DataProto, keys: tuple[str, ...], where: str) -> dict[st
     for key, value in out.items():
         if key in ("input_ids", "attention_mask", "responses") or value.dim() == 1:
             continue
-        if width is not None and value.shape[-1] != width:
+        if width is not None and value.shape[1] != width:  # [B, Tr] or [B, Tr, ...]
             raise ValueError(
                 f"{where}: '{key}' has shape {tuple(value.shape)}, expected [B, {width}] like responses"
             )
@@ -154,6 +159,53 @@ class _PolicyForward:
         """
         where = f"{type(self).__name__}.compute_log_prob"
         temperature = temperature_of(data, where)
+
+        def step(mb: MicroBatch, logits: torch.Tensor) -> StepResult:
+            log_probs, entropy = self._log_probs(mb, logits, temperature, calculate_entropy)
+            outputs = {"log_probs": log_probs}
+            if entropy is not None:
+                outputs["entropy"] = entropy
+            return StepResult(outputs=outputs)
+
+        results, mbs, shape, size = self._forward_only(data, where, step)
+        log_probs = self.runner.gather_dp(self.runner.collect_outputs(results, mbs, "log_probs", shape), size)
+        entropy = None
+        if calculate_entropy:
+            entropy = self.runner.gather_dp(self.runner.collect_outputs(results, mbs, "entropy", shape), size)
+        return log_probs, entropy
+
+    def compute_response_logits(self, data: DataProto) -> torch.Tensor:
+        """The logits [B, Tr, V] (whole real vocabulary, the model's dtype, no temperature) of the
+        position that predicts each response token, 0 at padding; forward only. They are whole on
+        every rank (B * Tr * V values): on-policy distillation's teacher logits (``algos/gkd.py``)."""
+
+        def step(mb: MicroBatch, logits: torch.Tensor) -> StepResult:
+            picked = mb.inputs.merge_cp(self._whole_vocab(mb.inputs.gather(logits)))
+            valid = mb.inputs.response_valid.to(picked.device).unsqueeze(-1)
+            return StepResult(outputs={"logits": torch.where(valid, picked, torch.zeros_like(picked))})
+
+        where = f"{type(self).__name__}.compute_response_logits"
+        if self.runner.vocab_size is None:
+            raise ValueError(f"{where}: the model records no vocabulary size (build it with models.builder)")
+        results, mbs, shape, size = self._forward_only(data, where, step)
+        dtype = unwrap(self.chunks[0]).config.params_dtype
+        local = self.runner.collect_outputs(results, mbs, "logits", (*shape, self.runner.vocab_size), dtype)
+        return self.runner.gather_dp(local, size)
+
+    def _whole_vocab(self, local: torch.Tensor) -> torch.Tensor:
+        """[..., Vl] columns of this tp rank -> [..., V] (padded columns dropped) on every tp rank."""
+        tp = self.runtime.layout.tp
+        if tp > 1:
+            parts = [torch.empty_like(local) for _ in range(tp)]
+            dist.all_gather(parts, local.contiguous(), group=self.runtime.tp_group())
+            local = torch.cat(parts, dim=-1)
+        return local if self.runner.vocab_size is None else local[..., : self.runner.vocab_size]
+
+    def _forward_only(
+        self, data: DataProto, where: str, step: Callable[[MicroBatch, torch.Tensor], StepResult]
+    ) -> tuple[list[StepResult], list[MicroBatch], tuple[int, int], int]:
+        """``step`` over micro-batches of this dp rank's rows of ``data``, forward only: (step
+        results, micro-batches, [rows, Tr] of this rank's share, global batch size)."""
         row_keys = _row_keys(data)
         batch = batch_tensors(data, _MODEL_KEYS + row_keys, where)
         meta = data.meta_info
@@ -173,21 +225,9 @@ class _PolicyForward:
             tensor_keys=row_keys,
         )
 
-        def step(mb: MicroBatch, logits: torch.Tensor) -> StepResult:
-            log_probs, entropy = self._log_probs(mb, logits, temperature, calculate_entropy)
-            outputs = {"log_probs": log_probs}
-            if entropy is not None:
-                outputs["entropy"] = entropy
-            return StepResult(outputs=outputs)
-
         with torch.no_grad():
             results = self.runner.run(mbs, step, forward_only=True)
-        shape = (len(rows), width)
-        log_probs = self.runner.gather_dp(self.runner.collect_outputs(results, mbs, "log_probs", shape), size)
-        entropy = None
-        if calculate_entropy:
-            entropy = self.runner.gather_dp(self.runner.collect_outputs(results, mbs, "entropy", shape), size)
-        return log_probs, entropy
+        return results, mbs, (len(rows), width), size
 
 
 class MegatronRef(_PolicyForward):
@@ -280,6 +320,8 @@ class MegatronActor(_PolicyForward, PPOUpdates):
             keys += ("ref_log_prob",)
         if data.batch is not None and "rollout_is_weights" in data.batch.keys():  # noqa: SIM118
             keys += ("rollout_is_weights",)
+        if "distill_jsd" in data.meta_info:
+            keys += ("teacher_logits",)
         return keys + _row_keys(data)
 
     def update_policy(self, data: DataProto) -> dict[str, float | list[float]]:
@@ -290,17 +332,27 @@ class MegatronActor(_PolicyForward, PPOUpdates):
         mini-batch (all dp ranks), plus actor/lr (the rate these steps used) and
         actor/skipped_steps (steps dropped for a non-finite gradient norm); for a
         mixture-of-experts model also actor/moe/* (see ``verl_megatron.workers.moe.MoEStats``).
+
+        ``meta_info["distill_jsd"]`` (``{"beta": b, "temperature": t}``) adds GKD's generalized JSD
+        between the student and ``teacher_logits`` at every response token to the loss, aggregated
+        like the policy loss (``actor/gkd_jsd``).
         """
         cfg = self.config
         temperature = temperature_of(data, "MegatronActor.update_policy")
         keys = self._keys(data)
         batch = batch_tensors(data, keys, "MegatronActor.update_policy")
+        jsd = data.meta_info.get("distill_jsd")
+        if jsd is not None and batch["teacher_logits"].shape[-1] != self.runner.vocab_size:
+            raise ValueError(
+                f"MegatronActor.update_policy: teacher_logits cover {batch['teacher_logits'].shape[-1]} "
+                f"tokens, the student's vocabulary {self.runner.vocab_size}"
+            )
         metrics = self._ppo_update(
             batch,
             prefix="actor",
             tensor_keys=[k for k in keys if k not in _MODEL_KEYS],
-            loss_step=functools.partial(self._policy_step, temperature=temperature),
-            metric_names=_POLICY_METRICS,
+            loss_step=functools.partial(self._policy_step, temperature=temperature, jsd=jsd),
+            metric_names=_POLICY_METRICS + (("gkd_jsd",) if jsd is not None else ()),
         )
         if not cfg.use_kl_loss:
             metrics.pop("actor/kl_loss")
@@ -311,7 +363,14 @@ class MegatronActor(_PolicyForward, PPOUpdates):
         return metrics
 
     def _policy_step(
-        self, mb: MicroBatch, logits: torch.Tensor, *, temperature: float, counts: dict, num_micro: int
+        self,
+        mb: MicroBatch,
+        logits: torch.Tensor,
+        *,
+        temperature: float,
+        jsd: dict[str, float] | None,
+        counts: dict,
+        num_micro: int,
     ) -> StepResult:
         """Loss of one micro-batch with global counts, and its metric partial sums."""
         cfg = self.config
@@ -359,4 +418,36 @@ class MegatronActor(_PolicyForward, PPOUpdates):
             kl_loss = core_algos.agg_loss(kld, mask, cfg.loss_agg_mode, **agg)
             loss = loss + cfg.kl_loss_coef * kl_loss
             metrics["kl_loss"] = kl_loss.detach() / dp
+        if jsd is not None:  # GKD distillation: the whole-vocabulary divergence from the teacher
+            per_token = self._distill_jsd(mb, logits, t["teacher_logits"], **jsd)
+            jsd_loss = core_algos.agg_loss(per_token, mask, cfg.loss_agg_mode, **agg)
+            loss = loss + jsd_loss
+            metrics["gkd_jsd"] = jsd_loss.detach() / dp
         return StepResult(loss=core_algos.megatron_microbatch_loss(loss, num_micro), metrics=metrics)
+
+    def _distill_jsd(
+        self,
+        mb: MicroBatch,
+        logits: torch.Tensor,
+        teacher_logits: torch.Tensor,
+        beta: float,
+        temperature: float,
+    ) -> torch.Tensor:
+        """[r, Tr] generalized JSD (``algos/gkd.py``) of the student's and the teacher's next-token
+        distributions at the response positions, on this tp rank's vocabulary columns."""
+        student = mb.inputs.gather(logits)  # [r, Tr, Vl] ([K, Vl] under cp)
+        width = student.shape[-1]
+        start = self.runtime.tp_rank * width
+        real = max(0, min(width, self.runner.vocab_size - start))  # padded columns left out
+        teacher = teacher_logits.to(student.device)
+        if mb.inputs.held_index is not None:  # this cp rank's response positions
+            teacher = teacher.reshape(-1, teacher.shape[-1])[mb.inputs.held_index.to(student.device)]
+        per_token = generalized_jsd_per_token(
+            student[..., :real],
+            teacher[..., start : start + real],
+            beta=beta,
+            temperature=temperature,
+            chunk_tokens=max(1, CHUNK_BYTES // (4 * max(real, 1))),  # float32 chunks of ~16 MiB
+            tp_group=self.runtime.tp_group(),
+        )
+        return mb.inputs.merge_cp(per_token)

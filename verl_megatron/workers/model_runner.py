@@ -435,13 +435,19 @@ class ModelRunner:
         return on_device.cpu()
 
     def collect_outputs(
-        self, results: list[StepResult], micro_batches: list[MicroBatch], key: str, shape: tuple[int, int]
+        self,
+        results: list[StepResult],
+        micro_batches: list[MicroBatch],
+        key: str,
+        shape: tuple[int, ...],
+        dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor:
-        """Per-token outputs ``key`` of this rank's micro-batches as [rows, Tr], in row order, on every stage."""
-        out = torch.zeros(shape, dtype=torch.float32)
+        """Per-token outputs ``key`` of this rank's micro-batches as [rows, Tr, ...] in ``dtype``, in
+        row order, on every stage."""
+        out = torch.zeros(shape, dtype=dtype)
         if self.runtime.is_pp_last:
             for mb, result in zip(micro_batches, results):
-                out[mb.rows] = result.outputs[key].detach().float().cpu()
+                out[mb.rows] = result.outputs[key].detach().to(dtype).cpu()
         return self._broadcast_pp(out)
 
     def gather_dp(self, local: torch.Tensor, batch_size: int) -> torch.Tensor:

@@ -91,16 +91,24 @@ class MegatronTeacher:
 
     def compute_log_prob(self, data: DataProto) -> torch.Tensor:
         """log p_teacher [B, Tr] of ``data``'s response tokens at ``meta_info['temperature']``."""
+        log_probs, _ = self._run(self.forward.compute_log_prob, data)
+        return log_probs
+
+    def compute_logits(self, data: DataProto) -> torch.Tensor:
+        """The teacher's logits [B, Tr, V] before each response token (whole vocabulary, its dtype)."""
+        return self._run(self.forward.compute_response_logits, data)
+
+    def _run(self, forward, data: DataProto):
+        """``forward(data)`` under the teacher's parallel state, its weights loaded for the call."""
         with self.scope():
             if self.config.offload:
                 from verl_megatron.models.offload import load_model
 
                 load_model(self.chunks)
             try:
-                log_probs, _ = self.forward.compute_log_prob(data)
+                return forward(data)
             finally:
                 self._park()
-        return log_probs
 
     def close(self) -> None:
         """Destroy the teacher's own process groups."""

@@ -10,7 +10,7 @@ from verl_megatron.models.config import ModelConfig
 
 __all__ = ["DISTILL_LOSSES", "DistillConfig", "TeacherConfig", "TeacherConfigError"]
 
-DISTILL_LOSSES = ("reverse_kl",)
+DISTILL_LOSSES = ("reverse_kl", "gkd_jsd")
 
 
 class TeacherConfigError(ConfigError):
@@ -45,21 +45,28 @@ class TeacherConfig:
 
 @dataclass
 class DistillConfig:
-    """On-policy distillation: the student (the actor) samples, a frozen teacher scores each
-    sampled token, and the per-token advantage is ``-(log p_student - log p_teacher)``
-    (reverse KL, ``algos/distill.reverse_kl_advantages``), plus ``coef`` times the configured
-    estimator's advantages from the rule reward. Teacher and student must share a tokenizer
-    (cross-tokenizer distillation is future work)."""
+    """On-policy distillation: the student (the actor) samples and a frozen teacher scores the
+    samples. ``loss: reverse_kl``: the per-token advantage is ``-(log p_student - log p_teacher)``
+    at the sampled tokens (``algos/distill.reverse_kl_advantages``); ``loss: gkd_jsd``: the actor's
+    loss adds GKD's generalized JSD between the two next-token distributions over the whole
+    vocabulary at every response position (``algos/gkd.py``, the teacher's logits). Either way
+    ``coef`` times the configured estimator's advantages from the rule reward are mixed in.
+    Teacher and student must share a tokenizer (cross-tokenizer distillation is future work)."""
 
     enable: bool = False
     """Replace the advantages with the distillation advantages."""
     loss: str = "reverse_kl"
-    """The per-token signal: ``reverse_kl`` (on the sampled tokens)."""
+    """The per-token signal: ``reverse_kl`` (an advantage at the sampled tokens) or ``gkd_jsd`` (a
+    loss over the whole vocabulary; the teacher's logits [B, Tr, V] are held on every rank)."""
     coef: float = 0.0
     """Weight of the rule reward's advantages (``algorithm.adv_estimator``) mixed in; 0: pure distillation."""
     whiten: bool = True
     """Subtract the batch mean of the reverse-KL advantages and divide by their std (a constant
     baseline: the same expected gradient, less variance; ``algos/distill.reverse_kl_advantages``)."""
+    jsd_beta: float = 0.5
+    """``gkd_jsd``: the mixture weight beta in [0, 1] (0: forward KL(teacher || student), 1: reverse KL)."""
+    jsd_temperature: float = 1.0
+    """``gkd_jsd``: both logits are divided by it before the softmax (> 0)."""
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     """The teacher model and how it runs."""
 
@@ -67,4 +74,10 @@ class DistillConfig:
         if self.loss not in DISTILL_LOSSES:
             raise TeacherConfigError(
                 f"algorithm.distill.loss={self.loss!r}; expected one of {DISTILL_LOSSES}"
+            )
+        if not 0.0 <= self.jsd_beta <= 1.0:
+            raise TeacherConfigError(f"algorithm.distill.jsd_beta must be in [0, 1], got {self.jsd_beta}")
+        if not self.jsd_temperature > 0:
+            raise TeacherConfigError(
+                f"algorithm.distill.jsd_temperature must be > 0, got {self.jsd_temperature}"
             )
