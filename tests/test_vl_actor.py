@@ -262,3 +262,23 @@ def vl_ref_job(path: str) -> torch.Tensor:
 def test_reference_policy_takes_image_rows(pool1, vl_path, reference):
     (log_probs,) = pool1.run(f"{__name__}:vl_ref_job", path=vl_path)
     assert_close_report(log_probs, reference["mb2"]["old_log_probs"], rtol=0, atol=1e-5, what="ref log-probs")
+
+
+@pytest.mark.parametrize(
+    ("settings", "key"),
+    [
+        ({"bitwise_parity": True}, r"rollout\.bitwise_parity=true"),
+        ({"cp": 2}, r"parallel\.cp=2"),
+        ({"lora_rank": 8}, r"model\.lora_rank=8"),
+    ],
+)
+def test_features_without_image_support_are_refused_by_name(settings, key):
+    from verl_megatron.errors import ModelConfigError
+    from verl_megatron.models.families.qwen2_vl import check_vl_features
+
+    args = {"lora_rank": 0, "bitwise_parity": False, "cp": 1, **settings}
+    with pytest.raises(
+        ModelConfigError, match=rf"^{key} is not supported for qwen2_5_vl \(vision-language\)"
+    ):
+        check_vl_features("qwen2_5_vl", **args)
+    check_vl_features("qwen2", **args)  # text families: not this check's business

@@ -195,13 +195,23 @@ def check_vl_features(model_type: str, *, lora_rank: int, bitwise_parity: bool, 
     """The trainer's start-up check: vision-language checkpoints are not trained yet (the actor and
     reference take image rows, ``workers/vl_inputs.py``; the dataset's prompt batches and the
     rollout do not carry images yet); ModelConfigError pointing at what does work."""
-    del lora_rank, bitwise_parity, cp  # the same signature as the other families' checks
-    if model_type in VL_MODEL_TYPES:
-        raise ModelConfigError(
-            f"model.path is a {model_type} (vision-language) checkpoint: RL training of vision-language "
-            "models is not supported yet (its weights load and match transformers: verl-megatron check-hf "
-            "DIR; the actor takes image rows; the trainer's prompt batches and rollout do not carry images yet)"
-        )
+    if model_type not in VL_MODEL_TYPES:
+        return
+    # Refused even once image rows train: these paths take 1-D positions or are untested with images.
+    for on, key, why in (
+        (bitwise_parity, "rollout.bitwise_parity=true", "the parity kernels take 1-D rotary positions"),
+        (cp > 1, f"parallel.cp={cp}", "the 3-D rotary ids and image features are not split over cp ranks"),
+        (lora_rank > 0, f"model.lora_rank={lora_rank}", "LoRA adapters are not tested on the vision tower"),
+    ):
+        if on:
+            raise ModelConfigError(
+                f"{key} is not supported for {model_type} (vision-language) checkpoints yet ({why}); turn it off"
+            )
+    raise ModelConfigError(
+        f"model.path is a {model_type} (vision-language) checkpoint: RL training of vision-language "
+        "models is not supported yet (its weights load and match transformers: verl-megatron check-hf "
+        "DIR; the actor takes image rows; the trainer's prompt batches and rollout do not carry images yet)"
+    )
 
 
 def hf_vision_name(name: str) -> str:
