@@ -282,3 +282,27 @@ def test_features_without_image_support_are_refused_by_name(settings, key):
     ):
         check_vl_features("qwen2_5_vl", **args)
     check_vl_features("qwen2", **args)  # text families: not this check's business
+
+
+def test_response_positions_continue_the_prompts_like_the_whole_sequence():
+    from verl_megatron.utils.mrope import mrope_position_ids_batch
+    from verl_megatron.workers.vl_inputs import with_response_positions
+
+    img = 99  # grids (1, 4, 4) -> 4 tokens, (1, 2, 6) -> 3 tokens, (1, 6, 2) -> 3 tokens (merge 2)
+    prompts = [[5, img, img, img, img, 6, 7], [8, img, img, img, img, img, img], [9, 10, 11]]
+    grids = [torch.tensor([[1, 4, 4]]), torch.tensor([[1, 2, 6], [1, 6, 2]]), None]
+    tp, tr = 8, 4
+    ids = torch.zeros(3, tp + tr, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, tp - len(prompt) : tp] = torch.tensor(prompt)
+        mask[row, tp - len(prompt) :] = 1
+    ids[:, tp:] = torch.tensor([20, 21, 22, 23])
+    whole = mrope_position_ids_batch(ids, mask, grids, image_token_id=img, spatial_merge_size=2)
+    prompt_only = mrope_position_ids_batch(
+        ids[:, :tp], mask[:, :tp], grids, image_token_id=img, spatial_merge_size=2
+    )
+    got = with_response_positions(prompt_only.transpose(0, 1), tr)
+    assert torch.equal(got, whole.transpose(0, 1)), (got - whole.transpose(0, 1)).abs().max()
+    # After a tall image: its largest (height) id + 1 = 7, not the last token's temporal id + 1 = 5.
+    assert got[1, :, tp].tolist() == [7, 7, 7] and int(whole[0, 1, tp - 1]) == 4

@@ -35,7 +35,15 @@ import torch
 from verl_megatron.errors import ParallelConfigError
 from verl_megatron.workers.model_inputs import ModelInputs
 
-__all__ = ["IMAGES_KEY", "ROW_IMAGES", "RowImages", "attach_images", "model_kwargs", "row_images"]
+__all__ = [
+    "IMAGES_KEY",
+    "ROW_IMAGES",
+    "RowImages",
+    "attach_images",
+    "model_kwargs",
+    "row_images",
+    "with_response_positions",
+]
 
 IMAGES_KEY = "multi_modal_inputs"
 """verl's non-tensor column of per-row image-processor outputs."""
@@ -155,3 +163,14 @@ def model_kwargs(inputs: ModelInputs, device: torch.device) -> dict[str, torch.T
     if inputs.pixel_values is None:
         return {}
     return {"pixel_values": inputs.pixel_values.to(device), "image_grid_thw": inputs.image_grid_thw}
+
+
+def with_response_positions(prompt_positions: torch.Tensor, response_length: int) -> torch.Tensor:
+    """[B, 3, Tp + Tr] ids of prompts [B, 3, Tp] (left-padded, 0 at padding) followed by Tr response
+    columns: text, so all three ids of response token k are the row's largest prompt id + 1 + k
+    (what :func:`utils.mrope.mrope_position_ids` gives the whole sequence: after an image or a text
+    run the running position is the largest id so far + 1). Padding response columns get ids too;
+    the attention mask hides them."""
+    start = prompt_positions.amax(dim=(1, 2)) + 1
+    steps = start[:, None] + torch.arange(response_length, device=prompt_positions.device)[None, :]
+    return torch.cat([prompt_positions, steps.unsqueeze(1).expand(-1, 3, -1)], dim=-1)
