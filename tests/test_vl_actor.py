@@ -41,41 +41,40 @@ def vl_path(tmp_path_factory) -> str:
 
 
 def vl_batch(path: str, hf_config) -> tuple[dict[str, torch.Tensor], np.ndarray]:
-    """(tensors, multi_modal_inputs) of the four rows; advantages drawn from a fixed seed."""
+    """(tensors, multi_modal_inputs) of the four rows, as the trainer will assemble them: prompts
+    collated by ``collate_multimodal_prompts``, responses appended, 3-D ids continued by
+    ``with_response_positions``; advantages drawn from a fixed seed."""
+    from verl_megatron.data.multimodal import MultimodalPrompt, collate_multimodal_prompts
     from verl_megatron.tools.check_hf_vl import vl_check_samples
-    from verl_megatron.utils.mrope import mrope_position_ids_batch
+    from verl_megatron.workers.vl_inputs import with_response_positions
 
-    one, two = vl_check_samples(path, hf_config)
-    prompts = [one, two, None, two]
-    ids = [s.input_ids if s is not None else torch.tensor(TEXT_PROMPT) for s in prompts]
-    tp = max(len(i) for i in ids)
-    batch_ids = torch.zeros(len(ids), tp + TR, dtype=torch.long)
-    mask = torch.zeros_like(batch_ids)
-    for row, (prompt, response) in enumerate(zip(ids, RESPONSES)):
-        batch_ids[row, tp - len(prompt) : tp] = prompt
-        batch_ids[row, tp:] = torch.tensor(response)
-        mask[row, tp - len(prompt) : tp] = 1
-        mask[row, tp:] = torch.tensor(response) != 0
-    grids = [s.image_grid_thw if s is not None else None for s in prompts]
-    positions = mrope_position_ids_batch(
-        batch_ids, mask, grids, image_token_id=int(hf_config.image_token_id), spatial_merge_size=2
+    one, two = (
+        MultimodalPrompt(s.input_ids.tolist(), s.pixel_values, s.image_grid_thw)
+        for s in vl_check_samples(path, hf_config)
     )
-    response_mask = mask[:, tp:].float()
-    advantages = torch.randn(len(ids), TR, generator=torch.Generator().manual_seed(3)) * response_mask
+    text = MultimodalPrompt(TEXT_PROMPT, torch.zeros(0, 0), torch.zeros(0, 3, dtype=torch.long))
+    prompts = [one, two, text, two]
+    prompt, images = collate_multimodal_prompts(
+        prompts,
+        pad_token_id=0,
+        max_prompt_length=max(len(p.input_ids) for p in prompts),
+        image_token_id=int(hf_config.image_token_id),
+        spatial_merge_size=2,
+    )
+    responses = torch.tensor(RESPONSES)
+    response_mask = (responses != 0).float()
+    advantages = torch.randn(len(prompts), TR, generator=torch.Generator().manual_seed(3)) * response_mask
     tensors = {
-        "input_ids": batch_ids,
-        "attention_mask": mask,
-        "responses": batch_ids[:, tp:],
+        "input_ids": torch.cat([prompt["input_ids"], responses], dim=1),
+        "attention_mask": torch.cat([prompt["attention_mask"], response_mask.long()], dim=1),
+        "responses": responses,
         "response_mask": response_mask,
         "advantages": advantages,
-        "position_ids": positions.transpose(0, 1).contiguous(),  # [B, 3, T], verl's layout
+        "position_ids": with_response_positions(prompt["position_ids"], TR),  # [B, 3, T], verl's layout
     }
-    images = np.empty(len(prompts), dtype=object)
-    for row, s in enumerate(prompts):
-        images[row] = (
-            None if s is None else {"pixel_values": s.pixel_values, "image_grid_thw": s.image_grid_thw}
-        )
-    return tensors, images
+    column = np.empty(len(prompts), dtype=object)
+    column[:] = images
+    return tensors, column
 
 
 VARIANTS = {

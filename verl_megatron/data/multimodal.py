@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from verl_megatron.errors import UserInputError
-from verl_megatron.utils.mrope import image_token_counts
+from verl_megatron.utils.mrope import image_token_counts, mrope_position_ids_batch
 
 __all__ = [
     "IMAGE_PLACEHOLDER",
@@ -46,6 +46,7 @@ __all__ = [
     "ImageTooLargeError",
     "MultimodalPrompt",
     "check_multimodal_row",
+    "collate_multimodal_prompts",
     "encode_multimodal_prompt",
     "load_image",
     "load_image_text_processor",
@@ -290,3 +291,43 @@ def encode_multimodal_prompt(
         pixel_values, grid = torch.zeros(0, 0), torch.zeros(0, 3, dtype=torch.long)
     ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
     return MultimodalPrompt(input_ids=list(ids), pixel_values=pixel_values, image_grid_thw=grid)
+
+
+def collate_multimodal_prompts(
+    prompts: Sequence[MultimodalPrompt],
+    *,
+    pad_token_id: int,
+    max_prompt_length: int,
+    image_token_id: int,
+    spatial_merge_size: int,
+) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor] | None]]:
+    """verl's prompt batch of image + text prompts: (``input_ids``, ``attention_mask`` [B, Tp]
+    left-padded, ``position_ids`` [B, 3, Tp] 3-D rotary ids, 0 at padding), and each row's
+    ``multi_modal_inputs`` (``{pixel_values, image_grid_thw}``, None without images) for
+    ``non_tensor_batch``; the actor's ``workers/vl_inputs.py`` reads both. ValueError naming the row
+    of a prompt longer than ``max_prompt_length``."""
+    ids = torch.full((len(prompts), max_prompt_length), pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    images: list[dict[str, torch.Tensor] | None] = []
+    for row, prompt in enumerate(prompts):
+        n = len(prompt.input_ids)
+        if n > max_prompt_length:
+            raise ValueError(f"prompt {row} has {n} tokens > max_prompt_length={max_prompt_length}")
+        ids[row, max_prompt_length - n :] = torch.tensor(prompt.input_ids, dtype=torch.long)
+        mask[row, max_prompt_length - n :] = 1
+        has_images = prompt.image_grid_thw.shape[0] > 0
+        images.append(
+            {"pixel_values": prompt.pixel_values, "image_grid_thw": prompt.image_grid_thw}
+            if has_images
+            else None
+        )
+    grids = [None if entry is None else entry["image_grid_thw"] for entry in images]
+    positions = mrope_position_ids_batch(
+        ids, mask, grids, image_token_id=image_token_id, spatial_merge_size=spatial_merge_size
+    )
+    tensors = {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "position_ids": positions.transpose(0, 1).contiguous(),
+    }
+    return tensors, images
