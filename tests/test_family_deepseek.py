@@ -5,8 +5,9 @@ multi-latent attention with q/kv latents, YaRN rotary scaling with mscale, a fir
 8 routed experts in 4 groups with an ``e_score_correction_bias`` large enough to change the
 choice, one shared expert and ``routed_scaling_factor``; and a dense MLA model without a query
 latent (``q_lora_rank=None``). float32 logits must equal transformers' to 1e-4 at tp=1, tp=2,
-pp=2, ep=2 and ep=2 x pp=2 (4 processes), and the export (under ep=2 and pp=2) must be byte-identical to the file it was
-loaded from, the expert biases included.
+pp=2, ep=2 and ep=2 x pp=2 (4 processes, where a tiny GLM-4.5 is checked too), and the export
+(under ep=2 and pp=2) must be byte-identical to the file it was loaded
+from, the expert biases included.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import os
 import pytest
 import torch
 
-from tests.family_models import YARN, build_deepseek_v3
+from tests.family_models import YARN, build_deepseek_v3, build_glm4_moe
 from tests.helpers import hf_reference_logits
 from tests.test_models_parity import SEQUENCES
 
@@ -91,10 +92,14 @@ def pool4():
     pool.close()
 
 
-def test_deepseek_logits_match_transformers_ep2_pp2(pool4, ds_models, ds_reference):
+def test_deepseek_logits_match_transformers_ep2_pp2(pool4, ds_models, ds_reference, tmp_path):
+    """GLM-4.5 (the same routing, grouped-query attention) rides along."""
     layout = dict(ep=2, pp=2)
-    results = pool4.run(
-        "tests.test_moe_models:moe_parity_job", paths=_moe_only(ds_models, layout), layout=layout
-    )
+    glm = {"glm4_moe": str(tmp_path / "glm4_moe")}
+    build_glm4_moe(glm["glm4_moe"])
+    reference = {**ds_reference, **hf_reference_logits(glm, SEQUENCES)}
+    paths = {**_moe_only(ds_models, layout), **glm}
+    results = pool4.run("tests.test_moe_models:moe_parity_job", paths=paths, layout=layout)
     for rank in (2, 3):  # the last pipeline stage: its two expert-parallel ranks
-        _assert_matches(results[rank], ds_reference)
+        assert set(results[rank]) == set(paths)
+        _assert_matches(results[rank], reference)
