@@ -58,32 +58,40 @@ _COLLECTIVES = ("all_reduce", "all_gather", "broadcast", "reduce_scatter_tensor"
 
 
 class StageClock:
-    """Exclusive wall time per named stage: entering a stage pauses the enclosing one."""
+    """Exclusive wall time per named stage: entering a stage pauses the enclosing one; ``cpu``
+    holds the process CPU seconds (all threads) of the same intervals, which a loaded machine
+    inflates far less than the wall time."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        self.cpu: dict[str, float] = defaultdict(float)
         self.calls: Counter = Counter()
         self._stack: list[list[Any]] = []
 
     def reset(self) -> None:
         self.seconds.clear()
+        self.cpu.clear()
         self.calls.clear()
+
+    def _charge(self, now: tuple[float, float]) -> None:
+        name, wall, cpu = self._stack[-1]
+        self.seconds[name] += now[0] - wall
+        self.cpu[name] += now[1] - cpu
 
     @contextlib.contextmanager
     def stage(self, name: str) -> Iterator[None]:
-        now = time.perf_counter()
+        now = (time.perf_counter(), time.process_time())
         if self._stack:
-            self.seconds[self._stack[-1][0]] += now - self._stack[-1][1]
-        self._stack.append([name, now])
+            self._charge(now)
+        self._stack.append([name, *now])
         try:
             yield
         finally:
-            now = time.perf_counter()
-            top, start = self._stack.pop()
-            self.seconds[top] += now - start
-            self.calls[top] += 1
+            now = (time.perf_counter(), time.process_time())
+            self._charge(now)
+            self.calls[self._stack.pop()[0]] += 1
             if self._stack:
-                self._stack[-1][1] = now
+                self._stack[-1][1:] = now
 
     def wrap(self, fn: Callable, name: str) -> Callable:
         @functools.wraps(fn)
@@ -144,8 +152,9 @@ def _ours_patches(actor, clock: StageClock) -> Iterator[None]:
         yield
 
 
-def _profile_rows(clock: StageClock, total: float) -> dict[str, float]:
-    stages = {name: clock.seconds.get(name, 0.0) for name in STAGES if name != "other"}
+def _profile_rows(clock: StageClock, total: float, cpu: bool = False) -> dict[str, float]:
+    seconds = clock.cpu if cpu else clock.seconds
+    stages = {name: seconds.get(name, 0.0) for name in STAGES if name != "other"}
     stages["other"] = max(total - sum(stages.values()), 0.0)
     return stages
 
@@ -177,18 +186,23 @@ def profile_sides(cfg: UpdateBenchConfig, model_dir: str, together: bool = True)
     ``together``: both sides built at once and run interleaved (A, B, A, B); otherwise one side
     after the other, the first freed before the second is built (two 0.5B models with their
     gradients and Adam moments are ~16 GB). Returns per side: ``seconds`` of every repeat and,
-    for the fastest, its ``best`` total, ``stages`` (exclusive seconds) and host ``syncs``.
+    for the fastest, its ``best`` total, ``stages`` (exclusive seconds) and host ``syncs``; and
+    the process CPU seconds of every repeat (``cpu_seconds``) and of the repeat with the least,
+    ``best_cpu`` and ``cpu_stages``.
     """
     clocks = {side: StageClock() for side in SIDES}
-    results: dict[str, dict[str, Any]] = {side: {"seconds": []} for side in SIDES}
+    results: dict[str, dict[str, Any]] = {side: {"seconds": [], "cpu_seconds": []} for side in SIDES}
 
     def timed(side: str, fn: Callable[[], None]) -> None:
         clock, result = clocks[side], results[side]
         clock.reset()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         fn()
-        total = time.perf_counter() - start
+        total, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         result["seconds"].append(total)
+        result["cpu_seconds"].append(cpu)
+        if cpu <= min(result["cpu_seconds"]):
+            result.update(best_cpu=cpu, cpu_stages=_profile_rows(clock, cpu, cpu=True))
         if total <= min(result["seconds"]):
             result.update(
                 best=total, stages=_profile_rows(clock, total), syncs=clock.calls.get("host syncs", 0)

@@ -171,14 +171,16 @@ def _update(cfg: RealShapeConfig, model_dir: str, section: Section) -> dict[str,
 
 
 def _update_note(profiles: dict[str, dict[str, Any]]) -> str:
-    def stages(side: str) -> str:
+    def stages(side: str, total: str = "best", split: str = "stages") -> str:
         result = profiles[side]
-        parts = [f"{name} {s:.2f} s" for name, s in result["stages"].items() if s >= 0.01 * result["best"]]
-        return f"{result['best']:.2f} s = " + ", ".join(parts)
+        parts = [f"{name} {s:.2f} s" for name, s in result[split].items() if s >= 0.01 * result[total]]
+        return f"{result[total]:.2f} s = " + ", ".join(parts)
 
     return (
         f"update, where the time goes (stage clock of bench_profile, fastest repeat): ours {stages('ours')}; "
-        f"peer {stages('peer')}. What bounds it: forward and backward are float32 matmuls on both sides "
+        f"peer {stages('peer')}. Process CPU seconds (all threads; a loaded machine inflates them far less "
+        f"than wall time), repeat with the least: ours {stages('ours', 'best_cpu', 'cpu_stages')}; peer "
+        f"{stages('peer', 'best_cpu', 'cpu_stages')}. What bounds it: forward and backward are float32 matmuls on both sides "
         "(their rate against the matmul peak is the MFU); the optimizer step streams the weights, "
         "gradients and both Adam moments (4 x 4 bytes per parameter read and written) and is memory-bound"
     )
