@@ -118,6 +118,8 @@ class OptimSettings:
     optimizer_offload_fraction: float = 1.0
     use_precision_aware_optimizer: bool = False
     """megatron's precision-aware optimizer (with the CPU step: no fp32 masters on the GPU)."""
+    use_precision_aware_optimizer: bool = False
+    """megatron's precision-aware optimizer (with the CPU step: no fp32 masters on the GPU)."""
 
 
 def _check_ddp_matches(chunks: list[torch.nn.Module], settings: OptimSettings) -> None:
@@ -140,6 +142,18 @@ def check_cpu_offload_device(where: str = "optim") -> None:
         raise WorkerConfigError(
             f"{where}.optimizer_cpu_offload=true needs CUDA parameters (megatron's HybridDeviceOptimizer "
             "copies them to the host to step them there); on this CPU-only machine set it to false"
+        )
+
+
+def check_precision_aware_support(where: str = "optim") -> None:
+    """Refuse ``use_precision_aware_optimizer`` without Transformer Engine: megatron-core 0.16.1's
+    OptimizerConfig reads TE's version for it (a TypeError when TE is not installed)."""
+    from megatron.core.utils import get_te_version
+
+    if get_te_version() is None:
+        raise WorkerConfigError(
+            f"{where}.use_precision_aware_optimizer=true needs Transformer Engine installed (megatron reads "
+            "its version to build the optimizer); install it or set the key to false"
         )
 
 
@@ -167,6 +181,7 @@ def optimizer_config(settings: OptimSettings):
         # As verl's script: one CPU optimizer per parameter, its grads copied to the host while the others step.
         overlap_cpu_optimizer_d2h_h2d=settings.optimizer_cpu_offload,
         use_precision_aware_optimizer=settings.use_precision_aware_optimizer,
+        use_precision_aware_optimizer=settings.use_precision_aware_optimizer,
     )
 
 
@@ -176,6 +191,8 @@ def build_optimizer(chunks: list[torch.nn.Module], settings: OptimSettings):
 
     if settings.optimizer_cpu_offload:
         check_cpu_offload_device()
+    if settings.use_precision_aware_optimizer:
+        check_precision_aware_support()
     if settings.overlap_param_gather and not settings.use_distributed_optimizer:
         raise ValueError(
             "optim.overlap_param_gather=True needs optim.use_distributed_optimizer=True "

@@ -298,7 +298,13 @@ def _built_state(
             built[key] = build_role_state(spec, world_size, rank)
         return built[key]
     optim = spec.optim
-    key = (spec.name, shape, rank, optim.optimizer_cpu_offload and optim.optimizer_offload_fraction)
+    key = (
+        spec.name,
+        shape,
+        rank,
+        optim.optimizer_cpu_offload and optim.optimizer_offload_fraction,
+        optim.use_precision_aware_optimizer,
+    )
     where, states = built.get(key, (None, {}))
     distopt = spec.optim.use_distributed_optimizer
     missing = tuple(v for v in (distopt, not distopt)[: 1 + other_optimizer] if v not in states)

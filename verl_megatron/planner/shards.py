@@ -18,7 +18,10 @@ What is counted (the categories a test sums from the real tensors of a CPU job):
   HybridDeviceOptimizer steps on the CPU (the first ``optimizer_offload_fraction`` of each
   optimizer's parameters by element count, in its order): their moments and step, a float32
   copy of each and a float32 gradient copy. The mixed-precision optimizer's fp32 masters of
-  those parameters stay on the GPU (counted in ``master``).
+  those parameters stay on the GPU (counted in ``master``), except with
+  ``use_precision_aware_optimizer``: the distributed optimizer then keeps no masters and the
+  hybrid one makes a float32 copy of each bf16 shard, in host memory for the offloaded
+  parameters (their ``master`` is 0) and on the GPU for the others (counted in ``master``).
 """
 
 from __future__ import annotations
@@ -111,6 +114,18 @@ def _master_bytes(inner: Any) -> int:
     return sum(_nbytes(p) for group in groups for p in group)
 
 
+def _offloaded(params: list[torch.Tensor], offload_fraction: float) -> set[int]:
+    """ids of the parameters megatron's HybridDeviceOptimizer steps on the host: the first ones
+    in its order while the offloaded element count is below ``offload_fraction`` of the total."""
+    threshold = offload_fraction * sum(p.numel() for p in params)
+    out, offloaded = set(), 0
+    for p in params:
+        if offloaded < threshold:
+            offloaded += p.numel()
+            out.add(id(p))
+    return out
+
+
 def _moment_bytes(inner: Any, offload_fraction: float) -> tuple[int, int]:
     """(GPU, host) bytes of the Adam state, the first ``offload_fraction`` of the parameters (by
     element count, as megatron's HybridDeviceOptimizer picks them) stepped on the host."""
@@ -118,23 +133,36 @@ def _moment_bytes(inner: Any, offload_fraction: float) -> tuple[int, int]:
     if not isinstance(torch_optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         raise NotImplementedError(f"optimizer state of {type(torch_optimizer).__name__} is not modelled")
     params = [p for group in torch_optimizer.param_groups for p in group["params"]]
-    threshold = offload_fraction * sum(p.numel() for p in params)
-    gpu = host = offloaded = 0
+    offloaded = _offloaded(params, offload_fraction)
+    gpu = host = 0
     for p in params:
         moments = 2 * _nbytes(p) + _ADAM_STEP_BYTES
-        if offloaded < threshold:
-            offloaded += p.numel()
+        if id(p) in offloaded:
             host += moments + 2 * 4 * p.numel()  # + its float32 copy and float32 gradient copy
         else:
             gpu += moments
     return gpu, host
 
 
+def _gpu_master_bytes(inner: Any, offload_fraction: float, precision_aware: bool) -> int:
+    """The masters on the GPU; with the precision-aware optimizer, none of the offloaded ones
+    (their float32 copy in host memory is counted in ``host``)."""
+    if not precision_aware:
+        return _master_bytes(inner)
+    offloaded = _offloaded([p for g in inner.optimizer.param_groups for p in g["params"]], offload_fraction)
+    groups = getattr(inner, "shard_fp32_from_float16_groups", None) or []
+    return sum(_nbytes(p) for group in groups for p in group if id(p) not in offloaded)
+
+
 def count_state(
-    chunks: list[torch.nn.Module], optimizer: Any = None, offload_fraction: float = 0.0
+    chunks: list[torch.nn.Module],
+    optimizer: Any = None,
+    offload_fraction: float = 0.0,
+    precision_aware: bool = False,
 ) -> StateBytes:
     """The bytes of built (possibly meta) chunks and their megatron optimizer, by category;
-    ``offload_fraction``: the optimizer's, when built without its CPU step (see ``host``)."""
+    ``offload_fraction`` and ``precision_aware``: the optimizer's, when built without its CPU
+    step and as a plain distributed optimizer (see ``host``)."""
     buffers = [b for chunk in chunks for b in _megatron_buffers(chunk)]
     in_param_buffer = {id(p) for b in buffers if b.param_data is not None for p in b.params}
     loose = {id(p): p for chunk in chunks for p in unwrap(chunk).parameters() if id(p) not in in_param_buffer}
@@ -148,7 +176,7 @@ def count_state(
     return StateBytes(
         params=params,
         grads=grads,
-        master=sum(_master_bytes(o) for o in inners),
+        master=sum(_gpu_master_bytes(o, offload_fraction, precision_aware) for o in inners),
         moments=sum(gpu for gpu, _ in moments),
         host=sum(host for _, host in moments),
     )
@@ -168,16 +196,19 @@ def _build(spec: RoleSpec, runtime: Runtime, use_distributed_optimizer: bool | N
     optim = spec.optim
     if use_distributed_optimizer is not None and use_distributed_optimizer != optim.use_distributed_optimizer:
         optim = replace(
-            optim, use_distributed_optimizer=use_distributed_optimizer, overlap_param_gather=False
+            optim,
+            use_distributed_optimizer=use_distributed_optimizer,
+            overlap_param_gather=False,
+            use_precision_aware_optimizer=optim.use_precision_aware_optimizer and use_distributed_optimizer,
         )
     # The CPU step is counted from the plain build (megatron's hybrid optimizer needs CUDA
-    # parameters to offload; its split is reproduced by count_state).
+    # parameters to offload, its precision-aware mode Transformer Engine; count_state
+    # reproduces their split).
     fraction = optim.optimizer_offload_fraction if optim.optimizer_cpu_offload else 0.0
-    settings = optim_settings(
-        replace(optim, optimizer_cpu_offload=False), bf16=spec.model.dtype == "bfloat16"
-    )
+    plain = replace(optim, optimizer_cpu_offload=False, use_precision_aware_optimizer=False)
+    settings = optim_settings(plain, bf16=spec.model.dtype == "bfloat16")
     chunks = wrap_ddp(chunks, settings)
-    return count_state(chunks, build_optimizer(chunks, settings), fraction)
+    return count_state(chunks, build_optimizer(chunks, settings), fraction, optim.use_precision_aware_optimizer)
 
 
 def build_role_state(

@@ -68,12 +68,18 @@ class OptimConfig:
     optimizer_cpu_offload: bool = False
     """Run the optimizer step for a fraction of the parameters on the CPU, their Adam moments (and a
     float32 copy of their master weights) kept in host memory (megatron's HybridDeviceOptimizer).
-    The fp32 master weights of the mixed-precision optimizer stay on the GPU."""
+    The fp32 master weights of the mixed-precision optimizer stay on the GPU (not with
+    use_precision_aware_optimizer)."""
     optimizer_offload_fraction: float = 1.0
     """With optimizer_cpu_offload: the fraction of the parameters (by element count, in
     megatron's parameter order) whose optimizer step runs on the CPU."""
+    use_precision_aware_optimizer: bool = False
+    """megatron's precision-aware optimizer, with optimizer_cpu_offload and the distributed
+    optimizer only: the CPU step's float32 copy is the offloaded parameters' only master (none
+    on the GPU); gradients reach it as megatron's ``decoupled_grad``. Its dtypes stay float32."""
 
     def __post_init__(self) -> None:
+        self._check_precision_aware()
         if not 0.0 <= self.optimizer_offload_fraction <= 1.0:
             raise WorkerConfigError(
                 f"optim.optimizer_offload_fraction must be in [0, 1], got {self.optimizer_offload_fraction}"
@@ -101,6 +107,21 @@ class OptimConfig:
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise WorkerConfigError(
                 "optim.overlap_param_gather=true needs optim.use_distributed_optimizer=true"
+            )
+
+    def _check_precision_aware(self) -> None:
+        """What megatron-core 0.16.1 needs for ``use_precision_aware_optimizer`` in this project."""
+        if not self.use_precision_aware_optimizer:
+            return
+        if not self.optimizer_cpu_offload:
+            raise WorkerConfigError(
+                "optim.use_precision_aware_optimizer=true needs optim.optimizer_cpu_offload=true "
+                "(without the CPU step megatron runs it in Transformer Engine's FusedAdam, not supported here)"
+            )
+        if not self.use_distributed_optimizer or self.optimizer != "adam":
+            raise WorkerConfigError(
+                "optim.use_precision_aware_optimizer=true needs optim.use_distributed_optimizer=true and "
+                f"optim.optimizer='adam' (megatron's), got {self.use_distributed_optimizer} and {self.optimizer!r}"
             )
 
 
@@ -274,6 +295,10 @@ class PPOWorkerConfig:
             from verl_megatron.models.megatron_model import check_cpu_offload_device
 
             check_cpu_offload_device(f"{self.role}.optim")
+        if self.optim.use_precision_aware_optimizer:
+            from verl_megatron.models.megatron_model import check_precision_aware_support
+
+            check_precision_aware_support(f"{self.role}.optim")
 
     @property
     def infer_micro_batch_size(self) -> int | None:

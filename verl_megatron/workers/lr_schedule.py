@@ -31,6 +31,7 @@ def optim_settings(optim: OptimConfig, *, bf16: bool = False) -> OptimSettings:
         overlap_param_gather=optim.overlap_param_gather,
         optimizer_cpu_offload=optim.optimizer_cpu_offload,
         optimizer_offload_fraction=optim.optimizer_offload_fraction,
+        use_precision_aware_optimizer=optim.use_precision_aware_optimizer,
     )
 
 
