@@ -118,8 +118,6 @@ class OptimSettings:
     optimizer_offload_fraction: float = 1.0
     use_precision_aware_optimizer: bool = False
     """megatron's precision-aware optimizer (with the CPU step: no fp32 masters on the GPU)."""
-    use_precision_aware_optimizer: bool = False
-    """megatron's precision-aware optimizer (with the CPU step: no fp32 masters on the GPU)."""
 
 
 def _check_ddp_matches(chunks: list[torch.nn.Module], settings: OptimSettings) -> None:
@@ -180,7 +178,6 @@ def optimizer_config(settings: OptimSettings):
         else 0.0,
         # As verl's script: one CPU optimizer per parameter, its grads copied to the host while the others step.
         overlap_cpu_optimizer_d2h_h2d=settings.optimizer_cpu_offload,
-        use_precision_aware_optimizer=settings.use_precision_aware_optimizer,
         use_precision_aware_optimizer=settings.use_precision_aware_optimizer,
     )
 
