@@ -40,30 +40,37 @@ def vl_path(tmp_path_factory) -> str:
     return saved_model(tmp_path_factory, "tiny_qwen2_5_vl_actor", build_tiny_qwen2_5_vl)
 
 
-def vl_batch(path: str, hf_config) -> tuple[dict[str, torch.Tensor], np.ndarray]:
-    """(tensors, multi_modal_inputs) of the four rows, as the trainer will assemble them: prompts
-    collated by ``collate_multimodal_prompts``, responses appended, 3-D ids continued by
-    ``with_response_positions``; advantages drawn from a fixed seed."""
+def collated_prompts(path: str, hf_config, order: list[int]) -> tuple[dict[str, torch.Tensor], list]:
+    """``collate_multimodal_prompts`` of the prompts ``order`` picks from (one image, two images,
+    text only): (left-padded prompt tensors, per-row multi_modal_inputs)."""
     from verl_megatron.data.multimodal import MultimodalPrompt, collate_multimodal_prompts
     from verl_megatron.tools.check_hf_vl import vl_check_samples
-    from verl_megatron.workers.vl_inputs import with_response_positions
 
     one, two = (
         MultimodalPrompt(s.input_ids.tolist(), s.pixel_values, s.image_grid_thw)
         for s in vl_check_samples(path, hf_config)
     )
     text = MultimodalPrompt(TEXT_PROMPT, torch.zeros(0, 0), torch.zeros(0, 3, dtype=torch.long))
-    prompts = [one, two, text, two]
-    prompt, images = collate_multimodal_prompts(
+    prompts = [(one, two, text)[i] for i in order]
+    return collate_multimodal_prompts(
         prompts,
         pad_token_id=0,
         max_prompt_length=max(len(p.input_ids) for p in prompts),
         image_token_id=int(hf_config.image_token_id),
         spatial_merge_size=2,
     )
+
+
+def vl_batch(path: str, hf_config) -> tuple[dict[str, torch.Tensor], np.ndarray]:
+    """(tensors, multi_modal_inputs) of the four rows, as the trainer will assemble them: prompts
+    collated by ``collate_multimodal_prompts``, responses appended, 3-D ids continued by
+    ``with_response_positions``; advantages drawn from a fixed seed."""
+    from verl_megatron.workers.vl_inputs import with_response_positions
+
+    prompt, images = collated_prompts(path, hf_config, [0, 1, 2, 1])
     responses = torch.tensor(RESPONSES)
     response_mask = (responses != 0).float()
-    advantages = torch.randn(len(prompts), TR, generator=torch.Generator().manual_seed(3)) * response_mask
+    advantages = torch.randn(len(images), TR, generator=torch.Generator().manual_seed(3)) * response_mask
     tensors = {
         "input_ids": torch.cat([prompt["input_ids"], responses], dim=1),
         "attention_mask": torch.cat([prompt["attention_mask"], response_mask.long()], dim=1),
@@ -72,7 +79,7 @@ def vl_batch(path: str, hf_config) -> tuple[dict[str, torch.Tensor], np.ndarray]
         "advantages": advantages,
         "position_ids": with_response_positions(prompt["position_ids"], TR),  # [B, 3, T], verl's layout
     }
-    column = np.empty(len(prompts), dtype=object)
+    column = np.empty(len(images), dtype=object)
     column[:] = images
     return tensors, column
 

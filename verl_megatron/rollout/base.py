@@ -35,6 +35,7 @@ from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.models.routing import RouteRecorder
 from verl_megatron.protocol import DataProto
 from verl_megatron.rollout.config import RolloutConfig
+from verl_megatron.workers.vl_inputs import with_response_positions
 
 __all__ = [
     "RolloutEngine",
@@ -288,7 +289,9 @@ def assemble_output(
         "responses": responses,
         "input_ids": torch.cat([input_ids, responses], dim=-1),
         "attention_mask": torch.cat([mask, response_attention_mask.to(device, mask.dtype)], dim=-1),
-        "position_ids": torch.cat([positions, positions[:, -1:] + steps], dim=-1),
+        "position_ids": torch.cat([positions, positions[:, -1:] + steps], dim=-1)
+        if positions.dim() == 2
+        else with_response_positions(positions, responses.shape[1]),  # [B, 3, T] multimodal ids
         "response_mask": response_mask,
     }
     if log_probs is not None:

@@ -43,11 +43,12 @@ import torch.nn.functional as F
 from verl_megatron.distributed.modules import unwrap
 from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.models import batch_invariant
+from verl_megatron.rollout import vl_prefill
 from verl_megatron.rollout.cpu.kernels import decode_kernels
 from verl_megatron.rollout.cpu.lean_layer import LeanLayer, lean_layer
 from verl_megatron.rollout.cpu.packed_linear import packed_linears
 from verl_megatron.rollout.gpt_oss_decode import SinkWindows
-from verl_megatron.rollout.mla_decode import MLARotary, mla_cache_shapes, mla_query_key_value
+from verl_megatron.rollout.mla_decode import MLARotary, mla_cache_shapes, mla_store_and_attend
 from verl_megatron.rollout.qwen3_next_decode import (
     apply_output_gate,
     gdn_empty_states,
@@ -89,7 +90,7 @@ def inference_mode_for(chunks: list[torch.nn.Module]) -> Iterator[list[torch.nn.
 def _check_supported(chunk: torch.nn.Module) -> None:
     config = chunk.config
     where = f"{type(chunk).__name__} (native rollout)"
-    if getattr(chunk, "position_embedding_type", "rope") != "rope":
+    if getattr(chunk, "position_embedding_type", "rope") not in ("rope", "mrope"):
         raise NotImplementedError(f"{where}: only rotary position embeddings are supported")
     if config.rotary_interleaved:
         raise NotImplementedError(f"{where}: interleaved rotary embeddings are not supported")
@@ -155,7 +156,7 @@ class ChunkDecoder:
             max_len = self.parity_length
         self.max_len = max_len
         config = chunks[0].config
-        # Multi-latent attention: decompressed keys / values per head, own rotary (mla_decode.py).
+        # Multi-latent attention: a cache of the compressed latent, own rotary (mla_decode.py).
         self.mla = None
         if config.multi_latent_attention:
             if self.parity_length is not None:
@@ -173,7 +174,8 @@ class ChunkDecoder:
             self.scale = chunks[0].decoder.layers[0].self_attention.core_attention.softmax_scale
         # Rotary table for positions 0..max_len-1 from the model's own module (keeps its
         # scaling / llama3 frequencies); [T_max, 1, 1, R] -> [T_max, R].
-        table = self.mla.freqs if self.mla is not None else chunks[0].rotary_pos_emb(max_len)
+        # Multimodal rotary ids (vision-language models): also per-dim axes into the table.
+        table, self.mrope_axes = vl_prefill.rotary_table(chunks[0], max_len, self.mla)
         freqs = table.reshape(max_len, -1).float()
         self.cos, sin = freqs.cos().to(self.dtype), freqs.sin()
         if self.parity_length is None:
@@ -226,15 +228,21 @@ class ChunkDecoder:
         ]
 
     def step(
-        self, tokens: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor, start: int
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        key_valid: torch.Tensor,
+        start: int,
+        images: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | None:
         """Run new tokens through every chunk; write their keys / values to the cache.
 
         Args:
             tokens: [B, s] token ids at cache columns start..start+s-1 (read on the first stage).
-            positions: [B, s] rotary positions of those tokens.
+            positions: [B, s] rotary positions of those tokens ([B, 3, s] multimodal ids).
             key_valid: [B, >= start+s] bool, which cache columns hold real tokens.
             start: first cache column of the new tokens.
+            images: (pixel values, grids) of the image tokens in ``tokens`` (read row by row).
 
         Returns:
             logits [B, V_pad] float32 for the token after the last new one on the last pipeline
@@ -242,8 +250,11 @@ class ChunkDecoder:
             [r * V_pad / tp, (r + 1) * V_pad / tp)), else None. Columns from ``vocab_size`` on
             are padding.
         """
-        batch, s = positions.shape
-        if self.mla is not None:  # MLA layers rotate with megatron's own function: angles in ``cos``
+        batch, s = positions.shape[0], positions.shape[-1]
+        if positions.dim() == 3:  # [B, 3, s] multimodal rotary ids
+            cos = vl_prefill.mrope_angles(self.cos, positions, self.mrope_axes).transpose(0, 1).unsqueeze(2)
+            sin = vl_prefill.mrope_angles(self.sin, positions, self.mrope_axes).transpose(0, 1).unsqueeze(2)
+        elif self.mla is not None:  # MLA layers rotate with megatron's own function: angles in ``cos``
             cos, sin = self.mla.at(positions), None
         else:
             cos = self.cos[positions].transpose(0, 1).unsqueeze(2)  # [s, B, 1, R]
@@ -263,7 +274,9 @@ class ChunkDecoder:
                 real = torch.nonzero(valid).squeeze(1)
         logits = None
         for chunk, cache, plans in zip(self.chunks, self.caches, self.lean):
-            if chunk.pre_process:
+            if chunk.pre_process and images is not None:
+                hidden = vl_prefill.embed_prompt(chunk, tokens, images)
+            elif chunk.pre_process:
                 hidden = chunk.embedding(input_ids=tokens, position_ids=positions)
             else:
                 hidden = self._recv(s, batch)
@@ -320,15 +333,16 @@ class ChunkDecoder:
         if is_gdn_layer(layer):
             return gdn_layer_step(layer, hidden, k_cache, v_cache, valid)
         attn, gate = layer.self_attention, []
-        if self.mla is not None:
-            query, key, value = mla_query_key_value(attn, layer.input_layernorm(hidden), cos, self.mla.mscale)
-        else:
+        if self.mla is None:
             query, key, value, *gate = attn.get_query_key_value_tensors(
                 layer.input_layernorm(hidden), None, output_gate=attn.config.attention_output_gate
             )
             query, key = self.rotate(query, cos, sin), self.rotate(key, cos, sin)
-        s = query.shape[0]
-        if self.parity_length is not None:
+        if self.mla is not None:  # a cache of the compressed latent, absorbed attention (mla_decode.py)
+            rotary, cache = (cos, self.mla.mscale), (k_cache, v_cache)
+            context = mla_store_and_attend(attn, layer.input_layernorm(hidden), rotary, cache, mask, start)
+        elif self.parity_length is not None:
+            s = query.shape[0]
             rows, cols, slots = mask["rows"], mask["cols"], mask["slots"]
             k_cache[rows, :, slots] = key[cols, rows]
             v_cache[rows, :, slots] = value[cols, rows]

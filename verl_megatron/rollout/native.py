@@ -36,6 +36,7 @@ from verl_megatron.models.batch_invariant import BatchInvariance
 from verl_megatron.models.logprobs import vocab_parallel_log_probs
 from verl_megatron.models.routing import NO_RECORDER, RouteRecorder
 from verl_megatron.protocol import DataProto
+from verl_megatron.rollout import vl_prefill
 from verl_megatron.rollout.base import (
     RolloutEngine,
     assemble_output,
@@ -133,6 +134,7 @@ class NativeRollout(RolloutEngine):
                 pad,
                 response_length,
                 uniforms,
+                vl_prefill.prompt_images(prompts),
             )
         self.stats["seconds"] = time.perf_counter() - start
         self.stats["response_tokens"] = float(response_mask.sum())
@@ -159,8 +161,12 @@ class NativeRollout(RolloutEngine):
         pad: int,
         response_length: int,
         uniforms: torch.Tensor | None,
+        images: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(responses, response_mask, log_probs), each [B*n, Tr]; see the module docstring."""
+        """(responses, response_mask, log_probs), each [B*n, Tr]; see the module docstring.
+
+        ``images``: the prompts' (pixel values, grids), embedded in the prefill (``vl_prefill.py``).
+        """
         batch, prompt_len = input_ids.shape
         n, rows, device = params.n, input_ids.shape[0] * params.n, input_ids.device
         info = getattr(bare[0], "verl_model_info", None)
@@ -172,14 +178,14 @@ class NativeRollout(RolloutEngine):
         key_valid = torch.ones(batch, prompt_len + response_length, dtype=torch.bool, device=device)
         key_valid[:, :prompt_len] = prompt_valid
         self._routes.begin(torch.arange(rows), 0, expand=n)
-        logits = decoder.step(input_ids, positions, key_valid, start=0)
+        logits = decoder.step(input_ids, positions, key_valid, start=0, images=images)
         if n > 1:
             decoder.reorder(torch.arange(batch, device=device).repeat_interleave(n))
             key_valid = key_valid.repeat_interleave(n, dim=0)
             logits = None if logits is None else logits.repeat_interleave(n, dim=0)
 
         stop_ids = torch.tensor(stops, dtype=torch.long, device=device)
-        next_position = positions[:, -1].repeat_interleave(n) + 1
+        next_position = vl_prefill.last_positions(positions).repeat_interleave(n) + 1
         responses = torch.full((rows, response_length), pad, dtype=torch.long, device=device)
         response_mask = torch.zeros(rows, response_length, dtype=torch.long, device=device)
         log_probs = torch.zeros(rows, response_length, dtype=torch.float32, device=device)
