@@ -136,14 +136,47 @@ def test_processor_needs_an_image_processor(tmp_path):
         load_image_text_processor(tmp_path)
 
 
-def test_trainer_dataset_refuses_image_rows_until_it_carries_them(tmp_path, vl_path):
-    from verl_megatron.data.dataset import DataFormatError, RLHFDataset
+def test_trainer_dataset_encodes_image_rows_into_the_prompt_batch(tmp_path, vl_path):
+    """With the checkpoint's image processor the dataset's batch is ``collate_multimodal_prompts``
+    of the encoded prompts (ids, mask, [B, 3, Tp] ids, images); without one, image rows are refused."""
+    from verl_megatron.data.dataset import DataFormatError, RLHFDataset, collate_prompts
+    from verl_megatron.data.multimodal import (
+        MultimodalPrompt,
+        collate_multimodal_prompts,
+        image_processor_for,
+    )
+    from verl_megatron.errors import ModelConfigError
+    from verl_megatron.models.families.qwen2_vl import check_vl_rollout
     from verl_megatron.utils.tokenizer import hf_tokenizer
 
+    (tmp_path / "a.png").write_bytes(_png((56, 84), "blue"))
     path = tmp_path / "rows.jsonl"
     text_only = _row([], "What colour is a tomato?")
     path.write_text(json.dumps(text_only) + "\n" + json.dumps(_row([{"path": "a.png"}])))
-    with pytest.raises(DataFormatError, match=r"rows\.jsonl: row 1: field 'images' holds images"):
+    with pytest.raises(DataFormatError, match=r"rows\.jsonl: row 1: field 'images' holds images but model"):
         RLHFDataset([str(path)], hf_tokenizer(vl_path), DataConfig())
-    path.write_text(json.dumps(text_only))
-    assert len(RLHFDataset([str(path)], hf_tokenizer(vl_path), DataConfig()).items) == 1
+    assert image_processor_for(tmp_path) is None
+    processor = image_processor_for(vl_path)
+    dataset = RLHFDataset([str(path)], processor.tokenizer, DataConfig(max_prompt_length=40), processor)
+    batch = collate_prompts(dataset.items, 0, 40)
+    images = [shape_image((56, 84), "blue")]
+    encoded = [
+        encode_multimodal_prompt(text_only["prompt"], [], processor),
+        encode_multimodal_prompt(_row([])["prompt"], images, processor),
+    ]
+    prompts = [MultimodalPrompt(e.input_ids, e.pixel_values, e.image_grid_thw) for e in encoded]
+    expected, entries = collate_multimodal_prompts(
+        prompts, pad_token_id=0, max_prompt_length=40, image_token_id=processor.image_token_id,
+        spatial_merge_size=processor.merge_size,
+    )  # fmt: skip
+    for key in ("input_ids", "attention_mask", "position_ids"):
+        assert torch.equal(batch.batch[key], expected[key]), key
+    column = batch.non_tensor_batch["multi_modal_inputs"]
+    assert column[0] is None and torch.equal(column[1]["pixel_values"], entries[1]["pixel_values"])
+    assert column[1]["image_grid_thw"].tolist() == [[1, 6, 4]]  # 84 x 56 pixels, patches of 14
+    with pytest.raises(DataFormatError, match="image tokens cannot be cut"):
+        short = DataConfig(max_prompt_length=len(dataset.items[1].input_ids) - 1)  # the text row fits
+        RLHFDataset([str(path)], processor.tokenizer, short, processor)
+    with pytest.raises(ModelConfigError, match=r"rollout\.name=vllm does not pass images"):
+        check_vl_rollout("qwen2_5_vl", "vllm")
+    check_vl_rollout("qwen2_5_vl", "native")

@@ -152,15 +152,13 @@ def test_vl_logits_match_transformers_two_processes(pool2, vl_path, reference, l
         assert all(torch.equal(exported[name], tensor) for name, tensor in original.items())
 
 
-def test_training_a_vl_checkpoint_is_refused_at_start_up(vl_path, no_runtime):
-    from verl_megatron.errors import ModelConfigError
+def test_a_vl_checkpoint_passes_the_start_up_checks_with_the_native_rollout(vl_path, no_runtime):
+    """Image rows train end to end (tests/test_vl_train.py); other engines: check_vl_rollout."""
     from verl_megatron.trainer.config import load_config
     from verl_megatron.trainer.validate import validate_config
 
     overrides = [f"model.path={vl_path}", "model.dtype=float32", f"data.train_files=[{vl_path}/rows.jsonl]"]
-    config = load_config(None, overrides)
-    with pytest.raises(ModelConfigError, match=r"qwen2_5_vl \(vision-language\) checkpoint: RL training"):
-        validate_config(config, world_size=1)
+    validate_config(load_config(None, overrides), world_size=1)
 
 
 TEXT_IDS = [1, 40, 77, 101, 9, 250, 33, 2]

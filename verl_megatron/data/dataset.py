@@ -150,6 +150,9 @@ class PromptItem:
     ability: str
     raw_prompt: list[dict[str, str]]
     index: int
+    # A row with images (data/multimodal.encode_image_row): its multi_modal_inputs entry and 3-D ids [3, Tp].
+    multi_modal_inputs: dict[str, Any] | None = None
+    mrope_positions: torch.Tensor | None = None
 
 
 def _check_messages(messages: Any, where: str, key: str) -> list[dict[str, str]]:
@@ -237,7 +240,9 @@ class RLHFDataset:
     cut or rejected according to ``config.truncation``.
     """
 
-    def __init__(self, data_files: str | Sequence[str], tokenizer: Any, config: DataConfig) -> None:
+    def __init__(
+        self, data_files: str | Sequence[str], tokenizer: Any, config: DataConfig, processor: Any = None
+    ) -> None:
         if config.truncation not in TRUNCATION_MODES:
             raise DataFormatError(
                 f"data.truncation={config.truncation!r}; expected one of {TRUNCATION_MODES}"
@@ -248,6 +253,7 @@ class RLHFDataset:
         _check_chat_template(tokenizer, config)
         self.config = config
         self.tokenizer = tokenizer
+        self.processor = processor  # data/multimodal.ImageTextProcessor: rows with images (else refused)
         self.items: list[PromptItem] = []
         self.num_filtered = 0
         self.num_truncated = 0
@@ -279,14 +285,13 @@ class RLHFDataset:
         for row_no, row in enumerate(read_rows(path)):
             where = f"{path}: row {row_no}"
             fields = _check_row(row, where, self.config)
-            if row.get(self.config.image_key) is not None and len(row[self.config.image_key]) > 0:
-                # Checked and decodable (check_data_files), but the prompt batches carry no images
-                # yet: training on the text alone would silently drop them.
+            image_row = self._encode_images(row, fields, where, path)
+            ids = self._tokenize(fields["messages"]) if image_row is None else image_row.input_ids
+            if len(ids) > max_len and image_row is not None and not self.config.filter_overlong_prompts:
                 raise DataFormatError(
-                    f"{where}: field '{self.config.image_key}' holds images, which RL training does not "
-                    "use yet (vision-language training is in progress); remove them for text-only rows"
+                    f"{where}: prompt with images has {len(ids)} tokens > data.max_prompt_length={max_len} "
+                    "(image tokens cannot be cut); set data.filter_overlong_prompts=True"
                 )
-            ids = self._tokenize(fields["messages"])
             if len(ids) > max_len:
                 if self.config.filter_overlong_prompts:
                     self.num_filtered += 1
@@ -307,8 +312,28 @@ class RLHFDataset:
                     ability=fields["ability"],
                     raw_prompt=fields["messages"],
                     index=int(fields["extra_info"].get("index", row_no)),
+                    multi_modal_inputs=None if image_row is None else image_row.multi_modal_inputs,
+                    mrope_positions=None if image_row is None else image_row.position_ids,
                 )
             )
+
+    def _encode_images(self, row: dict[str, Any], fields: dict[str, Any], where: str, path: str) -> Any:
+        """``data/multimodal.EncodedImageRow`` of a row with images, None for a text row."""
+        images = row.get(self.config.image_key)
+        if images is None or len(images) == 0:
+            return None
+        if self.processor is None:
+            raise DataFormatError(
+                f"{where}: field '{self.config.image_key}' holds images but model.path has no image "
+                "processor (preprocessor_config.json): images need a vision-language checkpoint"
+            )
+        from verl_megatron.data.multimodal import encode_image_row
+
+        return encode_image_row(
+            row, where, self.processor, messages=fields["messages"], image_key=self.config.image_key,
+            max_pixels=self.config.max_image_pixels, base_dir=os.path.dirname(os.path.abspath(path)),
+            chat_template_kwargs=self.config.apply_chat_template_kwargs,
+        )  # fmt: skip
 
     def __len__(self) -> int:
         return len(self.items)
@@ -358,6 +383,14 @@ def collate_prompts(
     }
     if return_raw_chat:
         non_tensors["raw_prompt"] = _object_array([item.raw_prompt for item in items])
+    if any(item.multi_modal_inputs is not None for item in items):  # image rows: verl's VL prompt batch
+        from verl_megatron.data.multimodal import batch_position_ids
+
+        non_tensors["multi_modal_inputs"] = _object_array([item.multi_modal_inputs for item in items])
+        lengths = [len(item.input_ids) for item in items]
+        position_ids = batch_position_ids(
+            [item.mrope_positions for item in items], lengths, max_prompt_length
+        )
     return DataProto.from_dict(
         tensors={"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids},
         non_tensors=non_tensors,

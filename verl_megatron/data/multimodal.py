@@ -38,6 +38,7 @@ from verl_megatron.utils.mrope import image_token_counts, mrope_position_ids_bat
 
 __all__ = [
     "IMAGE_PLACEHOLDER",
+    "EncodedImageRow",
     "ImageDataError",
     "ImageDecodeError",
     "ImageFileNotFoundError",
@@ -45,9 +46,12 @@ __all__ = [
     "ImageTextProcessor",
     "ImageTooLargeError",
     "MultimodalPrompt",
+    "batch_position_ids",
     "check_multimodal_row",
     "collate_multimodal_prompts",
+    "encode_image_row",
     "encode_multimodal_prompt",
+    "image_processor_for",
     "load_image",
     "load_image_text_processor",
 ]
@@ -331,3 +335,57 @@ def collate_multimodal_prompts(
         "position_ids": positions.transpose(0, 1).contiguous(),
     }
     return tensors, images
+
+
+@dataclass
+class EncodedImageRow:
+    """A dataset row with images, ready to batch: its prompt ids [n], its ``multi_modal_inputs``
+    entry and its 3-D rotary ids [3, n] (left padding does not change them)."""
+
+    input_ids: list[int]
+    multi_modal_inputs: dict[str, torch.Tensor]
+    position_ids: torch.Tensor
+
+
+def encode_image_row(
+    row: dict[str, Any],
+    where: str,
+    processor: ImageTextProcessor,
+    *,
+    messages: Sequence[dict[str, Any]],
+    image_key: str,
+    max_pixels: int | None,
+    base_dir: str | None,
+    chat_template_kwargs: dict[str, Any],
+) -> EncodedImageRow:
+    """Decode ``row``'s images (named errors say ``where``), encode its prompt as the processor
+    does and compute its 3-D rotary ids (the trainer's dataset, ``data/dataset.py``)."""
+    images = check_multimodal_row(row, where, image_key=image_key, max_pixels=max_pixels, base_dir=base_dir)
+    prompt = encode_multimodal_prompt(messages, images, processor, **chat_template_kwargs)
+    tensors, entries = collate_multimodal_prompts(
+        [prompt],
+        pad_token_id=0,
+        max_prompt_length=len(prompt.input_ids),
+        image_token_id=processor.image_token_id,
+        spatial_merge_size=processor.merge_size,
+    )
+    return EncodedImageRow(prompt.input_ids, entries[0], tensors["position_ids"][0])
+
+
+def image_processor_for(path: str | os.PathLike) -> ImageTextProcessor | None:
+    """The image + text processor of a checkpoint folder with an image processor
+    (``preprocessor_config.json``), else None (a text-only checkpoint: rows with images are refused)."""
+    if not os.path.isfile(os.path.join(os.fspath(path), "preprocessor_config.json")):
+        return None
+    return load_image_text_processor(path)
+
+
+def batch_position_ids(
+    rows: Sequence[torch.Tensor | None], lengths: Sequence[int], width: int
+) -> torch.Tensor:
+    """[B, 3, width] left-padded 3-D rotary ids (0 at padding) of rows' ids [3, n] (None: a text row
+    of ``lengths[i]`` tokens, all three ids its index)."""
+    out = torch.zeros(len(rows), 3, width, dtype=torch.long)
+    for i, (ids, n) in enumerate(zip(rows, lengths)):
+        out[i, :, width - n :] = torch.arange(n).expand(3, n) if ids is None else ids
+    return out

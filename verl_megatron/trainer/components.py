@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from verl_megatron.data import PromptLoader, RLHFDataset
+from verl_megatron.data.multimodal import image_processor_for
 from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.errors import ConfigError
 from verl_megatron.rollout.config import old_log_prob_micro_batch_size
@@ -100,7 +101,9 @@ def build_loaders(
     """The training prompt loader and the validation one (None without ``data.val_files``)."""
     data = config.data
     seed = data.seed if data.seed is not None else config.trainer.seed
-    train_set = RLHFDataset(data.train_files, tokenizer, data)
+    # Rows with images need the checkpoint's image processor (vision-language model.path), else refused.
+    processor = image_processor_for(config.model.path)
+    train_set = RLHFDataset(data.train_files, tokenizer, data, processor)
     filtering = config.algorithm.filter_groups.enable
     batch_size = (data.gen_batch_size or data.train_batch_size) if filtering else data.train_batch_size
     train = PromptLoader(
@@ -108,7 +111,7 @@ def build_loaders(
     )
     if not data.val_files:
         return train, None
-    val_set = RLHFDataset(data.val_files, tokenizer, data)
+    val_set = RLHFDataset(data.val_files, tokenizer, data, processor)
     val = PromptLoader(
         val_set,
         data.val_batch_size or len(val_set),

@@ -39,6 +39,7 @@ __all__ = [
     "VLArchitecture",
     "VisionArchitecture",
     "check_vl_features",
+    "check_vl_rollout",
     "check_vl_settings",
     "hf_vision_name",
     "read_vl_architecture",
@@ -192,9 +193,8 @@ def check_vl_settings(
 
 
 def check_vl_features(model_type: str, *, lora_rank: int, bitwise_parity: bool, cp: int) -> None:
-    """The trainer's start-up check: vision-language checkpoints are not trained yet (the actor and
-    reference take image rows, ``workers/vl_inputs.py``; the dataset's prompt batches and the
-    rollout do not carry images yet); ModelConfigError pointing at what does work."""
+    """The trainer's start-up check of a vision-language checkpoint (its image rows go through the
+    dataset, the native rollout and the actor): ModelConfigError naming what is not supported yet."""
     if model_type not in VL_MODEL_TYPES:
         return
     # Refused even once image rows train: these paths take 1-D positions or are untested with images.
@@ -207,11 +207,16 @@ def check_vl_features(model_type: str, *, lora_rank: int, bitwise_parity: bool, 
             raise ModelConfigError(
                 f"{key} is not supported for {model_type} (vision-language) checkpoints yet ({why}); turn it off"
             )
-    raise ModelConfigError(
-        f"model.path is a {model_type} (vision-language) checkpoint: RL training of vision-language "
-        "models is not supported yet (its weights load and match transformers: verl-megatron check-hf "
-        "DIR; the actor takes image rows; the trainer's prompt batches and rollout do not carry images yet)"
-    )
+
+
+def check_vl_rollout(model_type: str, rollout_name: str) -> None:
+    """Images reach the native engine's prefill only (``rollout/vl_prefill.py``): another engine
+    would generate from the text alone, so it is refused (ModelConfigError) for a VL checkpoint."""
+    if model_type in VL_MODEL_TYPES and rollout_name != "native":
+        raise ModelConfigError(
+            f"rollout.name={rollout_name} does not pass images to its engine yet; {model_type} "
+            "(vision-language) checkpoints generate with rollout.name=native"
+        )
 
 
 def hf_vision_name(name: str) -> str:
