@@ -270,6 +270,32 @@ def test_quickstart_moe_runs_a_step(pool1, tmp_path):
     assert last["actor/moe/aux_loss"] > 0.0 and "val/test_score/synthetic/reverse" in last
 
 
+def test_quickstart_deepseek_runs_a_step(pool1, tmp_path):
+    """configs/quickstart_deepseek.yaml builds a tiny DeepSeek-V3 (MLA, sigmoid routing with expert
+    biases, a shared expert) and trains a step on it; benchmarks/results/quickstart_deepseek.json
+    is its full run."""
+    from safetensors.torch import load_file
+
+    out = str(tmp_path / "quickstart_deepseek")
+    overrides = ["trainer.total_training_steps=1", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8"]
+    overrides += ["actor.ppo_micro_batch_size_per_gpu=64", "trainer.val_before_train=false"]
+    (result,) = pool1.run(f"{__name__}:recipe_job", recipe="quickstart_deepseek", out_dir=out, overrides=overrides)
+    last = {k: v for row in result["rows"] if row["step"] == 1 for k, v in row.items()}
+    with open(os.path.join(out, "assets", "model", "config.json")) as f:
+        hf = json.load(f)
+    assert hf["model_type"] == "deepseek_v3" and hf["n_routed_experts"] == 8 and hf["kv_lora_rank"] == 32
+    assert math.isfinite(last["actor/pg_loss"]) and "val/test_score/synthetic/reverse" in last, last
+    # One optimizer step moved the exported expert biases (aux-loss-free balancing) off their start.
+    (before,) = _expert_biases(load_file(os.path.join(out, "assets", "model", "model.safetensors")))
+    (after,) = _expert_biases(load_file(os.path.join(out, "hf_export", "model.safetensors")))
+    moved = (after - before).abs().max().item()
+    assert 1e-4 <= moved <= 1e-2, f"expert biases moved by {moved} after one optimizer step (rate 1e-3)"
+
+
+def _expert_biases(state: dict) -> list:
+    return [v for k, v in state.items() if k.endswith("e_score_correction_bias")]
+
+
 def _sft_rows(n: int, offset: int) -> list[dict]:
     """Multi-turn chats (every assistant turn trained) and prompt/response rows, alternating."""
     rows = []

@@ -249,7 +249,8 @@ class QuickstartConfig:
         hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size: the
             random-init model.
         family: its model family: ``llama``, or a mixture-of-experts one (``qwen3_moe``,
-            ``qwen2_moe``, ``mixtral``: 4 experts, top-2, aux loss on).
+            ``qwen2_moe``, ``mixtral``: 4 experts, top-2, aux loss on; ``deepseek_v3``: multi-latent
+            attention, 8 sigmoid-routed experts in 4 groups, top-4, a shared expert, layer 0 dense).
         assets_dir: where the tokenizer, model and data are written
             (default: ``<trainer.default_local_dir>/assets``).
     """

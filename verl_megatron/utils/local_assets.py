@@ -218,7 +218,9 @@ def build_tiny_hf_model(
     ``mistral`` (sliding window off, so attention is fully causal like the others); the MoE
     families ``qwen3_moe``, ``qwen2_moe`` and ``mixtral`` get 4 experts, top-2 routing, experts of
     ``intermediate_size // 2`` (mixtral: ``intermediate_size``) and, for qwen2_moe, a gated shared
-    expert of ``intermediate_size`` (``overrides`` change ``num_experts``, ``num_experts_per_tok``,
+    expert of ``intermediate_size``; ``deepseek_v3`` gets multi-latent attention and 8 sigmoid-routed
+    experts of ``intermediate_size // 4`` with a shared one, layer 0 dense (``_TINY_DEEPSEEK_V3``)
+    (``overrides`` change ``num_experts``, ``num_experts_per_tok``,
     ``moe_intermediate_size``, ``output_router_logits``, ... like any other field). Attention is
     grouped-query when ``num_kv_heads < num_heads``; ``head_dim = hidden_size // num_heads``.
     ``vocab_size`` defaults to ``len(tokenizer)``. The same ``seed`` gives the same weights, and the
@@ -294,10 +296,9 @@ def _tiny_config(
     tokenizer: PreTrainedTokenizerBase | None,
     overrides: dict[str, Any],
 ) -> Any:
-    if family not in (*MODEL_FAMILIES, *MOE_FAMILIES):
-        raise ValueError(
-            f"unknown model family '{family}'; expected one of {[*MODEL_FAMILIES, *MOE_FAMILIES]}"
-        )
+    known = (*MODEL_FAMILIES, *MOE_FAMILIES, "deepseek_v3")
+    if family not in known:
+        raise ValueError(f"unknown model family '{family}'; expected one of {list(known)}")
     if hidden_size % num_heads != 0:
         raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
     if num_heads % num_kv_heads != 0:
@@ -337,6 +338,8 @@ def _tiny_moe_fields(family: str, intermediate_size: int) -> dict[str, Any]:
     """Router and expert fields of a tiny MoE config (empty for a dense family)."""
     if family == "mixtral":
         return {"num_local_experts": 4, "num_experts_per_tok": 2}
+    if family == "deepseek_v3":
+        return _TINY_DEEPSEEK_V3 | {"moe_intermediate_size": intermediate_size // 4}
     if family not in MOE_FAMILIES:
         return {}
     fields = {
@@ -349,6 +352,17 @@ def _tiny_moe_fields(family: str, intermediate_size: int) -> dict[str, Any]:
     if family == "qwen2_moe":
         fields["shared_expert_intermediate_size"] = intermediate_size
     return fields
+
+
+# DeepSeek-V3 (multi-latent attention, sigmoid routing with expert bias): q/kv latents 48/32, nope 16
+# + rope 8 per query/key head (head_dim is the rope part), value 16; 8 routed experts in 4 groups
+# (2 kept), top-4, one shared expert, routing weights x 2.5, the first layer dense, no MTP layers.
+_TINY_DEEPSEEK_V3 = {
+    "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "head_dim": 8,
+    "v_head_dim": 16, "n_routed_experts": 8, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 4,
+    "n_shared_experts": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+    "first_k_dense_replace": 1, "num_nextn_predict_layers": 0,
+}  # fmt: skip
 
 
 _PROBE_TEXT = "Q: 12 + 35 = ? A: 47\nHello, world!"
