@@ -34,18 +34,18 @@ from verl_megatron.models.families.qwen2_vl import (
     read_vl_architecture,
     vl_transformer_config,
 )
-from verl_megatron.models.families.qwen3_next import (
-    LinearAttentionArchitecture,
-    check_linear_split,
-    linear_transformer_config,
-    read_linear_attention,
-)
 from verl_megatron.models.families.gpt_oss import (
     GPT_OSS_MODEL_TYPES,
     GptOssArchitecture,
     gpt_oss_transformer_config,
     read_gpt_oss_architecture,
     read_gpt_oss_moe,
+)
+from verl_megatron.models.families.qwen3_next import (
+    LinearAttentionArchitecture,
+    check_linear_split,
+    linear_transformer_config,
+    read_linear_attention,
 )
 from verl_megatron.models.moe import (
     MOE_MODEL_TYPES,

@@ -41,8 +41,7 @@ from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.models.builder import ModelInfo, model_info
 from verl_megatron.models.config import ModelConfig, read_hf_architecture
 from verl_megatron.models.export_io import publish_folder
-from verl_megatron.models.families import qwen3_next
-from verl_megatron.models.families import gpt_oss
+from verl_megatron.models.families import gpt_oss, qwen3_next
 from verl_megatron.models.families.deepseek import hf_mla_names
 from verl_megatron.models.families.qwen2_vl import VISION_PREFIX, hf_vision_name
 from verl_megatron.models.moe import expert_index, hf_moe_names
