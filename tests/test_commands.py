@@ -128,6 +128,10 @@ def test_every_printed_command_is_known():
         "torchrun --nproc_per_node=8 -m verl_megatron.train --config configs/ppo.yaml model.path=/path/to/hf/checkpoint"
         " parallel.tp=2 parallel.pp=2",
         "verl-megatron check-hf /path/to/hf/checkpoint --tp 2 --pp 1",
+        # the agent recipe's two commands: run a step each by tests/test_recipes.py
+        "verl-megatron sft --config configs/sft_agent.yaml",
+        "verl-megatron train --config configs/quickstart_agent.yaml model.path=outputs/sft_agent/hf_export"
+        " trainer.default_local_dir=outputs/agent_from_sft",
         "verl-megatron sft",  # run, and the template checked, in tests/test_sft_commands.py
         "verl-megatron sft --config configs/sft.yaml model.path=/path/to/hf data.train_files=[train.parquet]"
         " data.val_files=[val.parquet]",
@@ -323,6 +327,8 @@ OWN_COMMAND_TESTS = (
     "configs/sft_quickstart.yaml",
     "configs/distill_quickstart.yaml",
     "configs/quickstart_agent.yaml",
+    "configs/sft_agent.yaml",
+    "configs/quickstart_deepseek.yaml",
     "configs/grpo_deepseek_v3.yaml",
     "configs/grpo_gpt_oss.yaml",
     "configs/grpo_qwen3_next.yaml",

@@ -5,7 +5,8 @@ multi-latent attention with q/kv latents, YaRN rotary scaling with mscale, a fir
 8 routed experts in 4 groups with an ``e_score_correction_bias`` large enough to change the
 choice, one shared expert and ``routed_scaling_factor``; and a dense MLA model without a query
 latent (``q_lora_rank=None``). float32 logits must equal transformers' to 1e-4 at tp=1, tp=2,
-pp=2, ep=2 and ep=2 x pp=2 (4 processes, where a tiny GLM-4.5 is checked too), and the export
+pp=2, ep=2 and ep=2 x pp=2 (4 processes, where a tiny GLM-4.5, GPT-OSS and Qwen3-Next are
+checked too), and the export
 (under ep=2 and pp=2) must be byte-identical to the file it was loaded
 from, the expert biases included.
 """
@@ -18,8 +19,10 @@ import os
 import pytest
 import torch
 
+from tests.family_gpt_oss import build_gpt_oss
 from tests.family_models import YARN, build_deepseek_v3, build_glm4_moe
 from tests.helpers import hf_reference_logits
+from tests.qwen3_next_models import build_qwen3_next
 from tests.test_models_parity import SEQUENCES
 
 CASES = {
@@ -93,12 +96,15 @@ def pool4():
 
 
 def test_deepseek_logits_match_transformers_ep2_pp2(pool4, ds_models, ds_reference, tmp_path):
-    """GLM-4.5 (the same routing, grouped-query attention) rides along."""
+    """GLM-4.5 (the same routing, grouped-query attention), GPT-OSS and Qwen3-Next ride along: one
+    4-process pool checks every MoE family at ep=2 x pp=2."""
     layout = dict(ep=2, pp=2)
-    glm = {"glm4_moe": str(tmp_path / "glm4_moe")}
-    build_glm4_moe(glm["glm4_moe"])
-    reference = {**ds_reference, **hf_reference_logits(glm, SEQUENCES)}
-    paths = {**_moe_only(ds_models, layout), **glm}
+    builders = {"glm4_moe": build_glm4_moe, "gpt_oss": build_gpt_oss, "qwen3_next": build_qwen3_next}
+    others = {name: str(tmp_path / name) for name in builders}
+    for name, build in builders.items():
+        build(others[name])
+    reference = {**ds_reference, **hf_reference_logits(others, SEQUENCES)}
+    paths = {**_moe_only(ds_models, layout), **others}
     results = pool4.run("tests.test_moe_models:moe_parity_job", paths=paths, layout=layout)
     for rank in (2, 3):  # the last pipeline stage: its two expert-parallel ranks
         assert set(results[rank]) == set(paths)
