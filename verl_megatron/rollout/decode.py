@@ -267,11 +267,11 @@ class ChunkDecoder:
             mask = self._canonical_slots(positions, key_valid[:, start : start + s])
         # A prefill of left-padded prompts: lean layers run their token-wise work (norms, linears)
         # on the real tokens only, [N, 1, H] instead of [s, B, H]; attention sees the padded layout.
-        real = None
+        real, valid = None, key_valid[:, start : start + s]  # [B, s]: the new tokens' columns
         if s > 1 and any(lean is not None for plans in self.lean for lean in plans):
-            valid = key_valid[:, start : start + s].t().reshape(-1)  # [s * B], [s, B] order
-            if not bool(valid.all()):
-                real = torch.nonzero(valid).squeeze(1)
+            flat = valid.t().reshape(-1)  # [s * B], [s, B] order
+            if not bool(flat.all()):
+                real = torch.nonzero(flat).squeeze(1)
         logits = None
         for chunk, cache, plans in zip(self.chunks, self.caches, self.lean):
             if chunk.pre_process and images is not None:
@@ -285,7 +285,6 @@ class ChunkDecoder:
                 if lean is None:
                     if packed:
                         hidden, packed = self._unpack(hidden, real, s, batch), False
-                    valid = key_valid[:, start : start + s]
                     hidden = self._layer(layer, hidden, k_cache, v_cache, cos, sin, mask, start, valid)
                     continue
                 attend = functools.partial(self._attend_qkv, k_cache, v_cache, cos, sin, mask, start)
@@ -333,15 +332,15 @@ class ChunkDecoder:
         if is_gdn_layer(layer):
             return gdn_layer_step(layer, hidden, k_cache, v_cache, valid)
         attn, gate = layer.self_attention, []
-        if self.mla is None:
-            query, key, value, *gate = attn.get_query_key_value_tensors(
-                layer.input_layernorm(hidden), None, output_gate=attn.config.attention_output_gate
-            )
-            query, key = self.rotate(query, cos, sin), self.rotate(key, cos, sin)
         if self.mla is not None:  # a cache of the compressed latent, absorbed attention (mla_decode.py)
             rotary, cache = (cos, self.mla.mscale), (k_cache, v_cache)
             context = mla_store_and_attend(attn, layer.input_layernorm(hidden), rotary, cache, mask, start)
-        elif self.parity_length is not None:
+            return self._finish_layer(layer, attn, hidden, context, gate)
+        query, key, value, *gate = attn.get_query_key_value_tensors(
+            layer.input_layernorm(hidden), None, output_gate=attn.config.attention_output_gate
+        )
+        query, key = self.rotate(query, cos, sin), self.rotate(key, cos, sin)
+        if self.parity_length is not None:
             s = query.shape[0]
             rows, cols, slots = mask["rows"], mask["cols"], mask["slots"]
             k_cache[rows, :, slots] = key[cols, rows]
@@ -355,7 +354,12 @@ class ChunkDecoder:
             context = self.sinks.store_and_attend(attn, k_cache, v_cache, query, key, value, mask, start)
         else:
             context = self._store_and_attend(k_cache, v_cache, query, key, value, mask, start)
-        if gate:  # Qwen3-Next's gated attention
+        return self._finish_layer(layer, attn, hidden, context, gate)
+
+    @staticmethod
+    def _finish_layer(layer, attn, hidden, context, gate: list[torch.Tensor]) -> torch.Tensor:
+        """Output gate (Qwen3-Next's gated attention), projection, residual, MLP."""
+        if gate:
             context = apply_output_gate(context, gate[0])
         out, bias = attn.linear_proj(context)
         hidden = hidden + out if bias is None else hidden + out + bias
