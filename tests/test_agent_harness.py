@@ -105,13 +105,13 @@ def test_agent_reward_manager_places_turn_and_trajectory_rewards():
 
 def test_agent_config_errors_name_the_key():
     from verl_megatron.errors import RolloutConfigError
-    from verl_megatron.rollout.config import RolloutConfig
+    from verl_megatron.rollout.config import MultiTurnConfig, RolloutConfig
 
     tools = AgentConfig(enable=True, harness="tools")
     cases = [
         ({"agent": AgentConfig(enable=True)}, r"needs rollout\.agent\.harness"),
-        ({"agent": tools, "placement": "separate", "world_size": 1}, r"rollout\.placement=colocated"),
-        ({"agent": tools, "name": "vllm"}, r"rollout\.name=native"),
+        ({"agent": tools, "name": "vllm"}, r"rollout\.tensor_model_parallel_size=1, got 2"),
+        ({"agent": tools, "multi_turn": MultiTurnConfig(enable=True, environment="m:f")}, r"multi_turn"),
         ({"agent": AgentConfig(enable=True, harness="x", tool_call_format="xml")}, r"tool_call_format"),
         (
             {"agent": AgentConfig(enable=True, harness="x", max_turns=0)},
@@ -121,3 +121,6 @@ def test_agent_config_errors_name_the_key():
     for fields, message in cases:
         with pytest.raises(RolloutConfigError, match=message):
             RolloutConfig(**fields)
+    # the separate rollout rank and the vLLM / SGLang engines serve the endpoint too
+    RolloutConfig(agent=tools, placement="separate", world_size=1)
+    RolloutConfig(agent=tools, name="sglang", tensor_model_parallel_size=1)

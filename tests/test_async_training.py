@@ -199,6 +199,12 @@ def _rows(path: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> str:
     out = str(tmp_path_factory.mktemp("async"))
+    torchrun_job("async_job.py", out)
+    return out
+
+
+def torchrun_job(script: str, out: str) -> None:
+    """Run ``tests/<script> out`` on 2 processes under torchrun, in ``out``; assert it succeeded."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     torchrun = [
         sys.executable,
@@ -208,11 +214,10 @@ def job(tmp_path_factory) -> str:
         f"--master_port={_free_port()}",
     ]
     result = subprocess.run(
-        [*torchrun, os.path.join(ROOT, "tests", "async_job.py"), out],
+        [*torchrun, os.path.join(ROOT, "tests", script), out],
         capture_output=True, text=True, timeout=600, env=env, cwd=out,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return out
 
 
 def test_off_policy_batches_are_one_version_stale_and_corrected(job) -> None:

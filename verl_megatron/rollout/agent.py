@@ -17,6 +17,13 @@ AgentOutcome with a finite reward (``invalid``) scores ``rollout.agent.failure_s
 tokens are masked out (the environment failed, not the policy); every cause is counted in the
 output's ``agent_failure`` column (``reward/agent/*`` metrics through the ``agent`` reward
 manager). The endpoint runs between ``wake_up`` and ``sleep``: the trainer's rollout phase.
+
+On the rollout rank of ``rollout.placement=separate`` (``async_worker.py``) the rollout gets the
+engine's :class:`~verl_megatron.rollout.endpoint.WeightVersions`: newer weights may load between
+two engine calls (partial rollout), and the output carries ``rollout_versions`` [B*n, Tr] (each
+policy token's weight version, -1 on the environment's tokens and padding) and ``weight_version``
+[B*n] (the version of a trajectory's first turn; the batch's starting one when it made no call),
+as plain async rollouts do (``partial.py``); the trainer checks them against the staleness bound.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from verl_megatron.rollout.base import (
     prompt_tensors,
 )
 from verl_megatron.rollout.config import RolloutConfig
-from verl_megatron.rollout.endpoint import EndpointSettings, PolicyEndpoint
+from verl_megatron.rollout.endpoint import EndpointSettings, PolicyEndpoint, WeightVersions
 from verl_megatron.rollout.multiturn import conversation_output
 from verl_megatron.rollout.sampling import resolve_sampling
 from verl_megatron.rollout.trajectory import Trajectory
@@ -169,6 +176,8 @@ class AgentRollout(WrappedRollout):
         tokenizer: chat template and token ids.
         harness: runs each conversation.
         stop_ids: the ids that end a turn (EOS and ``rollout.stop_token_ids``).
+        versions: the engine's weight versions on a separate rollout rank (module docstring);
+            None when colocated (no version columns).
     """
 
     def __init__(
@@ -178,6 +187,7 @@ class AgentRollout(WrappedRollout):
         tokenizer: Any,
         harness: Harness,
         stop_ids: list[int],
+        versions: WeightVersions | None = None,
     ) -> None:
         self.engine = engine
         self.config = config
@@ -186,7 +196,8 @@ class AgentRollout(WrappedRollout):
         agent = config.agent
         limits = (config.prompt_length, config.response_length, agent.max_turns, agent.tool_call_format)
         settings = EndpointSettings(*limits, agent.host, agent.port, agent.batch_wait_s)
-        self.endpoint = PolicyEndpoint(engine, tokenizer, settings, stop_ids)
+        self.endpoint = PolicyEndpoint(engine, tokenizer, settings, stop_ids, versions)
+        self.versions = versions
         self._batches = itertools.count()
         self._warned = False  # the first harness exception of the run is shown, then counted only
 
@@ -211,12 +222,13 @@ class AgentRollout(WrappedRollout):
         n = 1 if validate else resolve_sampling(self.config, prompts.meta_info).n
         started_here = not self.endpoint.running
         self.endpoint.start()
+        start_version = self.versions.current() if self.versions is not None else -1
         try:
             slots = self._run(prompts, n, validate)
         finally:
             if started_here:
                 self.endpoint.stop()
-        return self._assemble(prompts, slots, n)
+        return self._assemble(prompts, slots, n, start_version)
 
     def _run(self, prompts: DataProto, n: int, validate: bool) -> list[_Slot]:
         """Every conversation's slot, finished or abandoned at the deadline."""
@@ -285,7 +297,7 @@ class AgentRollout(WrappedRollout):
                 slot.env_seconds = time.monotonic() - start - client.seconds
                 slot.done = True
 
-    def _assemble(self, prompts: DataProto, slots: list[_Slot], n: int) -> DataProto:
+    def _assemble(self, prompts: DataProto, slots: list[_Slot], n: int, start_version: int) -> DataProto:
         """The output batch: each trajectory's first prompt (left-padded to Tp) and its tokens."""
         input_ids, mask, _ = prompt_tensors(prompts)
         width, budget = input_ids.shape[1], self.config.response_length
@@ -331,7 +343,12 @@ class AgentRollout(WrappedRollout):
             non_tensors=non_tensors,
             meta_info=dict(prompts.meta_info),
         )
-        return conversation_output(flat, trajectories, budget, pad, 1)
+        out = conversation_output(flat, trajectories, budget, pad, 1)
+        if self.versions is not None:
+            out.batch["rollout_versions"] = _versions(trajectories, budget)
+            first = [next((v for v in t.versions if v >= 0), start_version) for t in trajectories]
+            out.batch["weight_version"] = torch.tensor(first, dtype=torch.long)
+        return out
 
 
 def _valid(outcome: Any) -> bool:
@@ -342,6 +359,15 @@ def _valid(outcome: Any) -> bool:
     except (TypeError, ValueError):
         return False
     return all(math.isfinite(v) for v in values)
+
+
+def _versions(trajectories: list[Trajectory], budget: int) -> torch.Tensor:
+    """[B*n, budget] each response token's weight version; -1 on the environment's and padding."""
+    out = torch.full((len(trajectories), budget), -1, dtype=torch.long)
+    for i, trajectory in enumerate(trajectories):
+        versions = trajectory.versions[:budget]
+        out[i, : len(versions)] = torch.tensor(versions, dtype=torch.long)
+    return out
 
 
 def _objects(values: list[Any]) -> np.ndarray:

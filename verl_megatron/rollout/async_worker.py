@@ -12,6 +12,10 @@ steps the trainer will run (it sends where to start: step, data-loader position,
 The sampling call number of step s is fixed (``s * CALLS_PER_STEP`` + segment), so a resumed
 run draws the same tokens as an uninterrupted one given the same weights.
 
+With ``rollout.agent`` the batch is the harness's conversations (``rollout/agent.py``) through
+this rank's own endpoint over its engine; with partial rollout, newer weights load between two
+engine calls (a turn is the segment), and each token carries its version as above.
+
 The trainer layer hands this module what it builds (``RolloutModel``: tokenizer, model config,
 prompt loader, the model copy) and the plain settings it reads (``AheadSettings``); nothing here
 knows the trainer's config.
@@ -109,6 +113,8 @@ class RolloutModel:
     """The training prompt loader, the same data and order as the trainer's."""
     chunks: list[torch.nn.Module]
     """This rank's whole model copy (tp=pp=1), loaded with the starting weights."""
+    harness: Any = None
+    """``rollout.agent``'s harness (``rollout/agent.py``'s ``Harness``); None without agents."""
 
 
 @dataclass(frozen=True)
@@ -141,6 +147,17 @@ class RolloutWorker:
         self.stops = stop_token_ids(settings.rollout, meta, self.tokenizer, model.hf_config)
         self.version = -1
         self.wait_s = 0.0  # blocked waiting for weights
+        self.agent = self._agent(model.harness) if model.harness is not None else None
+
+    def _agent(self, harness: Any) -> Any:
+        """The agent rollout over this rank's engine; newer weights load between its engine calls
+        only with partial rollout (a segment shorter than the response)."""
+        from verl_megatron.rollout.agent import AgentRollout
+        from verl_megatron.rollout.endpoint import WeightVersions
+
+        partial = self.settings.segment < self.settings.rollout.response_length
+        versions = WeightVersions(lambda: self.version, self._refresh if partial else lambda: None)
+        return AgentRollout(self.engine, self.settings.rollout, self.tokenizer, harness, self.stops, versions)
 
     def _receive(self) -> None:
         placement = self.placement
@@ -177,11 +194,14 @@ class RolloutWorker:
             validate=False, prompt_offset=rank * len(local),
         )  # fmt: skip
         self.engine.load_state_dict({"calls": step * CALLS_PER_STEP})
-        output = generate_with_versions(
-            self.engine, local, response_length=cfg.response_length, segment=self.settings.segment,
-            stops=self.stops, pad=self.tokenizer.pad_token_id,
-            version=lambda: self.version, refresh=self._refresh,
-        )  # fmt: skip
+        if self.agent is not None:
+            output = self.agent.generate_sequences(local)
+        else:
+            output = generate_with_versions(
+                self.engine, local, response_length=cfg.response_length, segment=self.settings.segment,
+                stops=self.stops, pad=self.tokenizer.pad_token_id,
+                version=lambda: self.version, refresh=self._refresh,
+            )  # fmt: skip
         output.meta_info = {}
         if ranks > 1:
             parts: list[Any] = [None] * ranks

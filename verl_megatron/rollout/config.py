@@ -287,15 +287,16 @@ def _check_agent(rollout: RolloutConfig) -> None:
             "rollout.agent.enable=true needs rollout.agent.harness (verifiers, openenv, tools, or "
             "'pkg.module:name' / '/path/file.py:name' of a harness factory)"
         )
-    if (
-        rollout.multi_turn.enable
-        or rollout.bitwise_parity
-        or rollout.name != "native"
-        or rollout.placement != "colocated"
-    ):
+    if rollout.multi_turn.enable or rollout.bitwise_parity:
         raise RolloutConfigError(
-            "rollout.agent.enable=true needs rollout.name=native, rollout.placement=colocated, without "
-            "rollout.multi_turn and rollout.bitwise_parity (the endpoint serves the colocated native engine)"
+            "rollout.agent.enable=true does not combine with rollout.multi_turn or rollout.bitwise_parity "
+            "(the harness drives the turns; bitwise parity's fixed key length cannot hold later turns)"
+        )
+    if rollout.name != "native" and rollout.tensor_model_parallel_size != 1:
+        # Every rank runs its own endpoint and harnesses: the ranks of one engine would diverge.
+        raise RolloutConfigError(
+            f"rollout.agent.enable=true with rollout.name={rollout.name!r} needs "
+            f"rollout.tensor_model_parallel_size=1, got {rollout.tensor_model_parallel_size}"
         )
     if agent.tool_call_format not in ("hermes", "bare", "none"):
         raise RolloutConfigError(

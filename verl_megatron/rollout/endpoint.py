@@ -15,6 +15,11 @@ waits for the live conversations' requests, groups them by sampling settings and
 call per group. The server is stdlib ``ThreadingHTTPServer``: no web framework is part of the
 default install, a handful of local clients is its whole load (the engine is the bottleneck),
 and ``shutdown()`` + ``server_close()`` end its thread and socket deterministically.
+
+With :class:`WeightVersions` (the rollout rank of ``rollout.placement=separate``), the serving
+thread loads whatever newer weights have arrived before each engine call, and every choice is
+filed (and answered, ``weight_version``) with the version that generated it: a trajectory whose
+turns straddle a weight update records both versions, token by token.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from verl_megatron.protocol import DataProto
 from verl_megatron.rollout.chat_format import continue_prompt, normalize_messages, parse_tool_calls, render
 from verl_megatron.rollout.trajectory import TrajectoryLedger, TurnRecord
 
-__all__ = ["EndpointSettings", "GenerationRequest", "PolicyEndpoint", "RequestRefused"]
+__all__ = ["EndpointSettings", "GenerationRequest", "PolicyEndpoint", "RequestRefused", "WeightVersions"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,16 @@ class EndpointSettings:
     port: int = 0
     batch_wait_s: float = 0.02
     model_name: str = "policy"
+
+
+@dataclass(frozen=True)
+class WeightVersions:
+    """The weights an engine generates with, when they change during a rollout (partial rollout
+    under ``rollout.placement=separate``): ``current()`` is the version loaded now, ``refresh()``
+    loads the newer ones that have arrived (called on the engine's thread, between engine calls)."""
+
+    current: Callable[[], int]
+    refresh: Callable[[], None]
 
 
 class RequestRefused(Exception):
@@ -73,6 +88,7 @@ class GenerationRequest:
     done: threading.Event = field(default_factory=threading.Event)
     choices: list[tuple[list[int], list[float]]] | None = None
     error: str | None = None
+    version: int = -1  # the weight version that generated the choices (-1: not tracked)
 
 
 class PolicyEndpoint:
@@ -84,10 +100,20 @@ class PolicyEndpoint:
         settings: limits and formats.
         stop_ids: token ids that end a turn (a choice ending otherwise at ``max_tokens`` finishes
             with ``length``); stripped from the returned text.
+        versions: the engine's weight versions when they change during a rollout (module
+            docstring); None: not tracked (colocated).
     """
 
-    def __init__(self, engine: Any, tokenizer: Any, settings: EndpointSettings, stop_ids: list[int]) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        tokenizer: Any,
+        settings: EndpointSettings,
+        stop_ids: list[int],
+        versions: WeightVersions | None = None,
+    ) -> None:
         self.engine = engine
+        self.versions = versions
         self.tokenizer = tokenizer
         self.settings = settings
         self.stop_ids = set(stop_ids)
@@ -191,6 +217,11 @@ class PolicyEndpoint:
 
     def _generate(self, requests: list[GenerationRequest]) -> None:
         """One engine call per group of equal sampling settings and ``n``."""
+        if self.versions is not None:
+            self.versions.refresh()
+            version = self.versions.current()
+            for request in requests:
+                request.version = version
         groups: dict[tuple, list[GenerationRequest]] = {}
         for request in requests:
             sampling = self._override or request.sampling
@@ -264,7 +295,7 @@ class PolicyEndpoint:
         choices = []
         for index, (tokens, log_probs) in enumerate(request.choices):
             choice, record = self._choice(index, tokens, log_probs, request, body, tools, route)
-            record.prompt_text = prompt_text
+            record.prompt_text, record.version = prompt_text, request.version
             self.ledger.add(trajectory_id, record)
             choices.append(choice)
         completion_tokens = sum(len(t) for t, _ in request.choices)
@@ -281,6 +312,7 @@ class PolicyEndpoint:
             },
             "prompt_token_ids": prompt_ids,
             "trajectory_id": trajectory_id,
+            **({"weight_version": request.version} if self.versions is not None else {}),
         }
 
     def _chat_prompt(

@@ -4,7 +4,9 @@ Each model call of a trajectory is a :class:`TurnRecord`: its prompt ids, the id
 sampled and their log-probs. A trajectory's sample is its last turn's context (prompt + sampled
 ids); the earlier turns whose context is a prefix of it are the policy's segments inside it
 (``response_mask`` 1, their sampling log-probs), everything else after the first prompt is the
-environment's (mask 0). Nothing is re-tokenized: the ids are the engine's.
+environment's (mask 0). Nothing is re-tokenized: the ids are the engine's. Each turn also records
+the weight version that generated it (``rollout.placement=separate``: the rollout rank may load
+newer weights between two turns), so a trajectory's tokens carry their version one by one.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class TurnRecord:
     prompt_text: str | None = None  # chat requests: the rendered history
     message: dict[str, Any] | None = None  # chat requests: the assistant message returned
     tool_calls: int = 0
+    version: int = -1  # the weight version that generated it (-1: not tracked, colocated)
 
     @property
     def context(self) -> list[int]:
@@ -38,12 +41,14 @@ class TurnRecord:
 class Trajectory:
     """One trajectory as a sample: ``prompt_ids`` then ``response_ids`` (policy and environment
     tokens), ``response_mask`` 1 on the policy's, ``log_probs`` (0 on the environment's),
-    ``turn_ends`` the response index of each policy turn's last token."""
+    ``versions`` each token's weight version (-1 on the environment's), ``turn_ends`` the
+    response index of each policy turn's last token."""
 
     prompt_ids: list[int]
     response_ids: list[int] = field(default_factory=list)
     response_mask: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
     turn_ends: list[int] = field(default_factory=list)
     turns: int = 0
     tool_calls: int = 0
@@ -108,11 +113,13 @@ class TrajectoryLedger:
         out.response_ids = final[start:]
         out.response_mask = [0] * len(out.response_ids)
         out.log_probs = [0.0] * len(out.response_ids)
+        out.versions = [-1] * len(out.response_ids)
         for record in chain:
             begin = len(record.prompt_ids) - start
             for k, log_prob in enumerate(record.log_probs):
                 out.response_mask[begin + k] = 1
                 out.log_probs[begin + k] = float(log_prob)
+                out.versions[begin + k] = record.version
             if record.completion_ids:
                 out.turn_ends.append(begin + len(record.completion_ids) - 1)
             out.turns += 1

@@ -336,8 +336,11 @@ def build_rollout_model(config: PPOConfig, runtime: Runtime) -> RolloutModel:
     from verl_megatron.rollout.async_worker import RolloutModel
     from verl_megatron.utils.tokenizer import hf_tokenizer
 
+    harness = _agent_harness(config)  # user code first: a bad name fails before any model
     tokenizer = hf_tokenizer(config.model.tokenizer_path or config.model.path)
     hf_config = load_hf_config(config.model.path)
     loader, _ = build_loaders(config, tokenizer)
     chunks = policy_chunks(config, runtime, hf_config)
-    return RolloutModel(tokenizer=tokenizer, hf_config=hf_config, loader=loader, chunks=chunks)
+    return RolloutModel(
+        tokenizer=tokenizer, hf_config=hf_config, loader=loader, chunks=chunks, harness=harness
+    )
