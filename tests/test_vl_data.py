@@ -158,7 +158,7 @@ def test_trainer_dataset_encodes_image_rows_into_the_prompt_batch(tmp_path, vl_p
     assert image_processor_for(tmp_path) is None
     processor = image_processor_for(vl_path)
     dataset = RLHFDataset([str(path)], processor.tokenizer, DataConfig(max_prompt_length=40), processor)
-    batch = collate_prompts(dataset.items, 0, 40)
+    batch = collate_prompts(dataset.items, 0, 40, processor=processor)
     images = [shape_image((56, 84), "blue")]
     encoded = [
         encode_multimodal_prompt(text_only["prompt"], [], processor),
@@ -177,6 +177,7 @@ def test_trainer_dataset_encodes_image_rows_into_the_prompt_batch(tmp_path, vl_p
     with pytest.raises(DataFormatError, match="image tokens cannot be cut"):
         short = DataConfig(max_prompt_length=len(dataset.items[1].input_ids) - 1)  # the text row fits
         RLHFDataset([str(path)], processor.tokenizer, short, processor)
-    with pytest.raises(ModelConfigError, match=r"rollout\.name=vllm does not pass images"):
-        check_vl_rollout("qwen2_5_vl", "vllm")
-    check_vl_rollout("qwen2_5_vl", "native")
+    with pytest.raises(ModelConfigError, match=r"rollout\.name=hf does not pass images"):
+        check_vl_rollout("qwen2_5_vl", "hf")
+    for engine in ("native", "vllm", "sglang"):
+        check_vl_rollout("qwen2_5_vl", engine)

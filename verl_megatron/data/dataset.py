@@ -150,8 +150,10 @@ class PromptItem:
     ability: str
     raw_prompt: list[dict[str, str]]
     index: int
-    # A row with images (data/multimodal.encode_image_row): its multi_modal_inputs entry and 3-D ids [3, Tp].
-    multi_modal_inputs: dict[str, Any] | None = None
+    # A row with images (data/multimodal.encode_image_row): the images kept encoded (pixel values
+    # are made per batch by collate_prompts), their patch grids [n, 3] and its 3-D ids [3, Tp].
+    images: tuple[bytes, ...] | None = None
+    image_grid_thw: torch.Tensor | None = None
     mrope_positions: torch.Tensor | None = None
 
 
@@ -312,7 +314,8 @@ class RLHFDataset:
                     ability=fields["ability"],
                     raw_prompt=fields["messages"],
                     index=int(fields["extra_info"].get("index", row_no)),
-                    multi_modal_inputs=None if image_row is None else image_row.multi_modal_inputs,
+                    images=None if image_row is None else image_row.images,
+                    image_grid_thw=None if image_row is None else image_row.image_grid_thw,
                     mrope_positions=None if image_row is None else image_row.position_ids,
                 )
             )
@@ -350,7 +353,11 @@ def _object_array(values: list[Any]) -> np.ndarray:
 
 
 def collate_prompts(
-    items: Sequence[PromptItem], pad_token_id: int, max_prompt_length: int, return_raw_chat: bool = False
+    items: Sequence[PromptItem],
+    pad_token_id: int,
+    max_prompt_length: int,
+    return_raw_chat: bool = False,
+    processor: Any = None,
 ) -> DataProto:
     """Left-pad prompts to ``max_prompt_length`` and batch them.
 
@@ -358,7 +365,7 @@ def collate_prompts(
     [B, max_prompt_length] and non-tensors ``data_source``, ``reward_model``,
     ``extra_info``, ``ability``, ``index`` (and ``raw_prompt`` when asked).
     A fixed width (verl's choice) lets batches from several generation rounds
-    be concatenated.
+    be concatenated. Items with images need ``processor`` (``data/multimodal.ImageTextProcessor``).
     """
     if not items:
         raise ValueError("collate_prompts: empty batch")
@@ -383,10 +390,11 @@ def collate_prompts(
     }
     if return_raw_chat:
         non_tensors["raw_prompt"] = _object_array([item.raw_prompt for item in items])
-    if any(item.multi_modal_inputs is not None for item in items):  # image rows: verl's VL prompt batch
-        from verl_megatron.data.multimodal import batch_position_ids
+    if any(item.images for item in items):  # image rows: verl's VL prompt batch
+        from verl_megatron.data.multimodal import batch_position_ids, multimodal_columns
 
-        non_tensors["multi_modal_inputs"] = _object_array([item.multi_modal_inputs for item in items])
+        columns = multimodal_columns([(item.images, item.image_grid_thw) for item in items], processor)
+        non_tensors.update({key: _object_array(values) for key, values in columns.items()})
         lengths = [len(item.input_ids) for item in items]
         position_ids = batch_position_ids(
             [item.mrope_positions for item in items], lengths, max_prompt_length
@@ -457,6 +465,7 @@ class PromptLoader:
             self.pad_token_id,
             config.max_prompt_length,
             return_raw_chat=config.return_raw_chat,
+            processor=self.dataset.processor,
         )
 
     def epoch_batches(self) -> Iterator[DataProto]:

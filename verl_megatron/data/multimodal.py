@@ -51,9 +51,12 @@ __all__ = [
     "collate_multimodal_prompts",
     "encode_image_row",
     "encode_multimodal_prompt",
+    "encoded_image",
+    "image_inputs",
     "image_processor_for",
     "load_image",
     "load_image_text_processor",
+    "multimodal_columns",
 ]
 
 IMAGE_PLACEHOLDER = "<image>"
@@ -339,12 +342,42 @@ def collate_multimodal_prompts(
 
 @dataclass
 class EncodedImageRow:
-    """A dataset row with images, ready to batch: its prompt ids [n], its ``multi_modal_inputs``
-    entry and its 3-D rotary ids [3, n] (left padding does not change them)."""
+    """A dataset row with images, ready to batch: its prompt ids [n], its images kept encoded
+    (``images``: the bytes of each, decoded again by :func:`image_inputs` when a batch needs pixel
+    values), their patch grids [n_images, 3] and its 3-D rotary ids [3, n] (left padding does not
+    change them). No pixel values are held: they are float32 patches, about 8x the decoded image's
+    bytes and far more than the encoded file's."""
 
     input_ids: list[int]
-    multi_modal_inputs: dict[str, torch.Tensor]
+    images: tuple[bytes, ...]
+    image_grid_thw: torch.Tensor
     position_ids: torch.Tensor
+
+
+def encoded_image(entry: Any, where: str, *, base_dir: str | None = None) -> bytes:
+    """The encoded bytes of one ``images`` entry: bytes as given, a file's bytes, a PIL image
+    written as PNG (lossless: it decodes to the same RGB pixels)."""
+    kind, value = _image_source(entry, where)
+    if kind == "bytes":
+        return value
+    if kind == "path":
+        path = _resolve_path(value, base_dir)
+        if not os.path.isfile(path):
+            raise ImageFileNotFoundError(f"{where}: image file '{path}' does not exist")
+        with open(path, "rb") as f:
+            return f.read()
+    out = io.BytesIO()
+    value.convert("RGB").save(out, format="PNG")
+    return out.getvalue()
+
+
+def image_inputs(
+    images: Sequence[bytes], processor: ImageTextProcessor, where: str
+) -> dict[str, torch.Tensor]:
+    """A row's ``multi_modal_inputs`` entry (``pixel_values``, ``image_grid_thw``) of its encoded images."""
+    decoded = [load_image(data, f"{where}: image {i}") for i, data in enumerate(images)]
+    features = processor.image_processor(images=decoded, return_tensors="pt")
+    return {"pixel_values": features["pixel_values"], "image_grid_thw": features["image_grid_thw"].long()}
 
 
 def encode_image_row(
@@ -359,17 +392,50 @@ def encode_image_row(
     chat_template_kwargs: dict[str, Any],
 ) -> EncodedImageRow:
     """Decode ``row``'s images (named errors say ``where``), encode its prompt as the processor
-    does and compute its 3-D rotary ids (the trainer's dataset, ``data/dataset.py``)."""
+    does and compute its 3-D rotary ids (the trainer's dataset, ``data/dataset.py``); the pixel
+    values are dropped, the images kept encoded."""
     images = check_multimodal_row(row, where, image_key=image_key, max_pixels=max_pixels, base_dir=base_dir)
     prompt = encode_multimodal_prompt(messages, images, processor, **chat_template_kwargs)
-    tensors, entries = collate_multimodal_prompts(
+    tensors, _ = collate_multimodal_prompts(
         [prompt],
         pad_token_id=0,
         max_prompt_length=len(prompt.input_ids),
         image_token_id=processor.image_token_id,
         spatial_merge_size=processor.merge_size,
     )
-    return EncodedImageRow(prompt.input_ids, entries[0], tensors["position_ids"][0])
+    encoded = tuple(
+        encoded_image(entry, f"{where}: {image_key}[{i}]", base_dir=base_dir)
+        for i, entry in enumerate(row[image_key])
+    )
+    return EncodedImageRow(prompt.input_ids, encoded, prompt.image_grid_thw, tensors["position_ids"][0])
+
+
+def multimodal_columns(
+    rows: Sequence[tuple[tuple[bytes, ...] | None, torch.Tensor | None]], processor: ImageTextProcessor | None
+) -> dict[str, list[Any]]:
+    """verl's two image columns of a prompt batch from each row's (encoded images, patch grids)
+    (None, None for a text row): ``multi_modal_inputs`` (pixel values made now, for the actor and
+    the native rollout) and ``multi_modal_data`` (``{"image": [encoded bytes]}``, what vLLM and
+    SGLang take, decoded by the rollout). ValueError when there is no processor or it gives
+    other grids than the dataset recorded at load."""
+    if processor is None:
+        raise ValueError("prompts with images need the image processor (collate_prompts(processor=...))")
+    inputs: list[Any] = []
+    data: list[Any] = []
+    for row, (images, grids) in enumerate(rows):
+        if not images:
+            inputs.append(None)
+            data.append(None)
+            continue
+        entry = image_inputs(images, processor, f"prompt {row}")
+        if grids is not None and not torch.equal(entry["image_grid_thw"], grids.long()):
+            raise ValueError(
+                f"prompt {row}: the image processor gives patch grids {entry['image_grid_thw'].tolist()}, "
+                f"the dataset recorded {grids.tolist()} (its prompt ids hold that many image tokens)"
+            )
+        inputs.append(entry)
+        data.append({"image": list(images)})
+    return {"multi_modal_inputs": inputs, "multi_modal_data": data}
 
 
 def image_processor_for(path: str | os.PathLike) -> ImageTextProcessor | None:

@@ -17,11 +17,23 @@ verl's batch keys, and streaming weights. An ``EngineBackend`` (``vllm_engine.py
 ``sglang_engine.py``) talks to the engine. In those two modules, what does not need the engine's
 package (engine and sampling arguments, reading its outputs) is plain functions, unit-tested on
 CPU; the backend class is the thin part that calls the engine.
+
+Image + text prompts (vision-language checkpoints): the prompt batch carries verl's
+``multi_modal_data`` column (per row ``{"image": [encoded bytes]}``, ``data/multimodal.py``) beside
+the expanded prompt ids (each image's ``<|image_pad|>`` repeated once per image token). Both engines
+take the images raw and expand the placeholders themselves: vLLM's multimodal processor, given
+``prompt_token_ids``, treats them as not yet expanded and replaces each ``<|image_pad|>`` with the
+image's run; SGLang decodes ``input_ids`` to text and runs the HF processor, which does the same. So
+each image's run is cut to ONE placeholder token (:func:`engine_prompt_ids`) and the decoded images
+go with the prompt (:func:`engine_inputs`). The engine's answers are mapped back onto the batch's
+own expanded prompt rows, whose [B, 3, Tp] rotary ids continue over the response
+(``assemble_output``), so the actor sees exactly the ids the engine expanded.
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -47,6 +59,8 @@ __all__ = [
     "ExternalRollout",
     "GenerationRequest",
     "engine_dtype",
+    "engine_inputs",
+    "engine_prompt_ids",
     "engine_sampling",
     "model_path_of",
 ]
@@ -84,6 +98,45 @@ def engine_sampling(request: GenerationRequest) -> dict[str, Any]:
     }
 
 
+def engine_prompt_ids(ids: list[int], image_token_id: int, num_images: int, where: str) -> list[int]:
+    """``ids`` with each run of ``image_token_id`` (one image's tokens) cut to one token, the form
+    vLLM and SGLang expand themselves (module docstring); ValueError when the runs are not one per image."""
+    out = [t for i, t in enumerate(ids) if t != image_token_id or i == 0 or ids[i - 1] != image_token_id]
+    runs = out.count(image_token_id)
+    if runs != num_images:
+        raise ValueError(f"{where}: {runs} runs of image token {image_token_id} for {num_images} images")
+    return out
+
+
+def engine_inputs(
+    prompts: DataProto, token_lists: list[list[int]], hf_config: Any
+) -> tuple[list[list[int]], list[list[Any] | None] | None]:
+    """(prompt ids, per-prompt decoded images) as the engines take them; (token_lists, None) for a
+    batch without images. The images come from verl's ``multi_modal_data`` column (``{"image": [...]}``
+    of encoded bytes, paths or PIL images); a batch with ``multi_modal_inputs`` but no such column
+    cannot be generated from (ValueError: the engine would see the placeholders without the images)."""
+    column = prompts.non_tensor_batch.get("multi_modal_data")
+    if column is None or all(not entry for entry in column):
+        if any(entry for entry in prompts.non_tensor_batch.get("multi_modal_inputs", ())):
+            raise ValueError(
+                "prompts carry multi_modal_inputs but no multi_modal_data column ({'image': [...]} per "
+                "row): vllm/sglang take the raw images (data/dataset.collate_prompts writes both)"
+            )
+        return token_lists, None
+    from verl_megatron.data.multimodal import load_image
+
+    image_token_id = getattr(hf_config, "image_token_id", None)
+    if image_token_id is None:
+        raise ValueError("prompts with images need hf_config.image_token_id (a vision-language checkpoint)")
+    ids, images = [], []
+    for row, (tokens, entry) in enumerate(zip(token_lists, column)):
+        raw = list((entry or {}).get("image") or [])
+        where = f"prompt {row}"
+        images.append([load_image(image, f"{where}: image {i}") for i, image in enumerate(raw)] or None)
+        ids.append(engine_prompt_ids(tokens, int(image_token_id), len(raw), where) if raw else tokens)
+    return ids, images
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """Everything an engine needs to generate for a batch of prompts.
@@ -96,6 +149,8 @@ class GenerationRequest:
         seed: the call's sampling seed.
         logprobs: also return the sampled tokens' log-probs.
         prompt_seeds: one seed per prompt, from its row in the global batch (layout-invariant).
+        prompt_images: with image rows, per prompt its decoded images (None for a text prompt);
+            its ids then hold one placeholder per image (:func:`engine_prompt_ids`). Empty otherwise.
     """
 
     params: SamplingParams
@@ -105,6 +160,7 @@ class GenerationRequest:
     seed: int
     logprobs: bool
     prompt_seeds: tuple[int, ...] = ()
+    prompt_images: tuple[list[Any] | None, ...] = ()
 
 
 @dataclass
@@ -120,7 +176,8 @@ class EngineBackend(abc.ABC):
 
     @abc.abstractmethod
     def generate(self, prompts: list[list[int]], request: GenerationRequest) -> list[list[Completion]]:
-        """For each prompt (token ids, no padding), its ``request.params.n`` completions."""
+        """For each prompt (token ids, no padding), its ``request.params.n`` completions (with
+        ``request.prompt_images``, the images whose placeholders the ids hold once each)."""
 
     @abc.abstractmethod
     def load_weights(self, bucket: list[NamedTensor]) -> None:
@@ -211,6 +268,9 @@ class ExternalRollout(RolloutEngine):
         )
         self._calls += 1
         token_lists = [row[keep].tolist() for row, keep in zip(input_ids.cpu(), mask.cpu().bool())]
+        token_lists, images = engine_inputs(prompts, token_lists, self.hf_config)
+        if images is not None:
+            request = dataclasses.replace(request, prompt_images=tuple(images))
         completions = self.backend.generate(token_lists, request)
         flat = _flatten(completions, len(token_lists), request.params.n)
         log_probs = None

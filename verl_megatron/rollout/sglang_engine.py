@@ -14,6 +14,12 @@ is an error in SGLang (its set of offloaded tags has no such entry).
 Sampling: a prompt's n samples are requested as n copies of the prompt; the engine's draws are
 seeded by its ``random_seed`` (SGLang takes no per-request seed), so only the native and vLLM
 engines repeat a call's tokens from the rollout seed.
+
+Images (vision-language checkpoints): ``Engine.generate(input_ids=..., image_data=...)`` with
+``image_data`` one list of PIL images per request (None for a text prompt; SGLang's
+``GenerateReqInput`` takes a list of lists as long as the batch). SGLang decodes ``input_ids`` to
+text and its processor expands each ``<|image_pad|>``, so the ids hold one per image
+(``external.py``). The engine keeps its tokenizer for that (``skip_tokenizer_init=False``).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ __all__ = [
     "SGLangRollout",
     "completions_from_sglang",
     "sglang_engine_kwargs",
+    "sglang_generate_kwargs",
     "sglang_sampling_params",
 ]
 
@@ -59,7 +66,8 @@ def sglang_engine_kwargs(config: RolloutConfig, hf_config: Any, runtime: Runtime
         )
     kwargs: dict[str, Any] = {
         "model_path": model_path_of(hf_config),
-        "skip_tokenizer_init": True,
+        # A vision-language engine decodes the ids to text for its processor (docstring).
+        "skip_tokenizer_init": getattr(hf_config, "vision_config", None) is None,
         "tp_size": 1,
         "base_gpu_id": runtime.local_rank,
         "dtype": config.dtype,
@@ -80,6 +88,22 @@ def sglang_engine_kwargs(config: RolloutConfig, hf_config: Any, runtime: Runtime
 def sglang_sampling_params(request: GenerationRequest) -> dict[str, Any]:
     """SGLang's per-request sampling dict (temperature 0 is greedy, top_k -1 is off)."""
     return {**engine_sampling(request), "max_new_tokens": request.max_tokens}
+
+
+def sglang_generate_kwargs(prompts: list[list[int]], request: GenerationRequest) -> dict[str, Any]:
+    """``Engine.generate`` arguments: each prompt n times (prompt-major), with its images when any
+    (``request.prompt_images``)."""
+    n = request.params.n
+    kwargs: dict[str, Any] = {
+        "input_ids": [p for p in prompts for _ in range(n)],
+        "sampling_params": sglang_sampling_params(request),
+        "return_logprob": request.logprobs,
+    }
+    if request.prompt_images:
+        kwargs["image_data"] = [
+            list(imgs) if imgs else None for imgs in request.prompt_images for _ in range(n)
+        ]
+    return kwargs
 
 
 def completions_from_sglang(outputs: list[dict[str, Any]], n: int, logprobs: bool) -> list[list[Completion]]:
@@ -110,13 +134,8 @@ class SGLangBackend(EngineBackend):
         self.released: set[str] = set()  # the tags released by sleep and not resumed yet
 
     def generate(self, prompts: list[list[int]], request: GenerationRequest) -> list[list[Completion]]:
-        n = request.params.n
-        outputs = self.engine.generate(
-            input_ids=[p for p in prompts for _ in range(n)],
-            sampling_params=sglang_sampling_params(request),
-            return_logprob=request.logprobs,
-        )
-        return completions_from_sglang(outputs, n, request.logprobs)
+        outputs = self.engine.generate(**sglang_generate_kwargs(prompts, request))
+        return completions_from_sglang(outputs, request.params.n, request.logprobs)
 
     def load_weights(self, bucket: list[NamedTensor]) -> None:
         # One cache flush after the last bucket (reset_cache), not one per bucket.

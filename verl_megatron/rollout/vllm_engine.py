@@ -10,11 +10,19 @@ use vLLM's sleep mode (level 1: weights offloaded to CPU, KV cache freed).
 Log-probs: vLLM is asked for ``processed_logprobs`` (after temperature, so they match
 ``rollout_log_probs`` of the native engine; with top-k / top-p vLLM renormalises over the kept
 tokens, the native engine does not).
+
+Images (vision-language checkpoints): each prompt goes as ``TokensPrompt(prompt_token_ids=ids,
+multi_modal_data={"image": [PIL images]})`` with one ``<|image_pad|>`` per image (``external.py``:
+vLLM's multimodal processor expands token prompts itself, ``is_update_applied=False`` for token
+input in ``vllm/multimodal/processing``). The engine then keeps its tokenizer
+(``skip_tokenizer_init=False``): its multimodal processor (the HF image processor, the placeholder's
+token id) is built from it.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from verl_megatron.distributed.parallel import Runtime
@@ -35,6 +43,7 @@ __all__ = [
     "completions_from_vllm",
     "disable_engine_multiprocessing",
     "vllm_engine_kwargs",
+    "vllm_prompts",
     "vllm_sampling_kwargs",
 ]
 
@@ -70,7 +79,8 @@ def vllm_engine_kwargs(config: RolloutConfig, hf_config: Any, runtime: Runtime) 
         )
     kwargs: dict[str, Any] = {
         "model": model_path_of(hf_config),
-        "skip_tokenizer_init": True,
+        # A vision-language engine builds its multimodal processor from the tokenizer (docstring).
+        "skip_tokenizer_init": getattr(hf_config, "vision_config", None) is None,
         "tensor_parallel_size": tp,
         "distributed_executor_backend": "external_launcher",
         "dtype": config.dtype,
@@ -103,6 +113,15 @@ def vllm_sampling_kwargs(request: GenerationRequest, seed: int | None = None) ->
         "seed": request.seed if seed is None else seed,
         "detokenize": False,
     }
+
+
+def vllm_prompts(prompts: list[list[int]], images: Sequence[list[Any] | None] = ()) -> list[dict[str, Any]]:
+    """``TokensPrompt`` fields of each prompt: its ids, and ``multi_modal_data`` where it has images."""
+    images = images or [None] * len(prompts)
+    return [
+        {"prompt_token_ids": ids, **({"multi_modal_data": {"image": list(imgs)}} if imgs else {})}
+        for ids, imgs in zip(prompts, images)
+    ]
 
 
 def completions_from_vllm(outputs: list[Any], logprobs: bool) -> list[list[Completion]]:
@@ -144,7 +163,7 @@ class VLLMBackend(EngineBackend):
         # lora_request only when an adapter is loaded (rollout.lora_sync=adapter); None is vLLM's default.
         extra = {"lora_request": self.lora_request} if self.lora_request is not None else {}
         outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in prompts],
+            [TokensPrompt(**fields) for fields in vllm_prompts(prompts, request.prompt_images)],
             sampling_params=[SamplingParams(**vllm_sampling_kwargs(request, seed)) for seed in seeds],
             use_tqdm=False,
             **extra,

@@ -29,6 +29,8 @@ from typing import Any
 from verl_megatron.errors import ModelConfigError
 
 VL_MODEL_TYPES = ("qwen2_5_vl",)
+# Rollout engines that take image prompts (the three of rollout/config.ENGINE_NAMES).
+VL_ROLLOUT_ENGINES = ("native", "vllm", "sglang")
 VISION_PREFIX = "vision."
 HF_VISION_PREFIX = "visual."
 
@@ -210,12 +212,13 @@ def check_vl_features(model_type: str, *, lora_rank: int, bitwise_parity: bool, 
 
 
 def check_vl_rollout(model_type: str, rollout_name: str) -> None:
-    """Images reach the native engine's prefill only (``rollout/vl_prefill.py``): another engine
-    would generate from the text alone, so it is refused (ModelConfigError) for a VL checkpoint."""
-    if model_type in VL_MODEL_TYPES and rollout_name != "native":
+    """Images reach the native engine's prefill (``rollout/vl_prefill.py``) and vLLM / SGLang as
+    ``multi_modal_data`` / ``image_data`` (``rollout/external.py``); an engine without an image
+    path would generate from the text alone, so it is refused (ModelConfigError) for a VL checkpoint."""
+    if model_type in VL_MODEL_TYPES and rollout_name not in VL_ROLLOUT_ENGINES:
         raise ModelConfigError(
-            f"rollout.name={rollout_name} does not pass images to its engine yet; {model_type} "
-            "(vision-language) checkpoints generate with rollout.name=native"
+            f"rollout.name={rollout_name} does not pass images to its engine; {model_type} "
+            f"(vision-language) checkpoints generate with rollout.name in {list(VL_ROLLOUT_ENGINES)}"
         )
 
 
