@@ -12,7 +12,10 @@ the :class:`~verl_megatron.rollout.trajectory.TrajectoryLedger` under the trajec
 
 Requests are answered by the thread that owns the engine (:meth:`PolicyEndpoint.serve`): it
 waits for the live conversations' requests, groups them by sampling settings and makes one engine
-call per group. The server is stdlib ``ThreadingHTTPServer``: no web framework is part of the
+call per group (the native engine); vLLM and SGLang take every request with its own settings
+(``n``, ``max_tokens``, sampling, the rollout's stop tokens) in one call of their generate API
+(``ExternalRollout.generate_requests``), token ids in, the engine's ids and log-probs out. Stop
+strings are cut by the endpoint on the returned ids (the engines run without a tokenizer). The server is stdlib ``ThreadingHTTPServer``: no web framework is part of the
 default install, a handful of local clients is its whole load (the engine is the bottleneck),
 and ``shutdown()`` + ``server_close()`` end its thread and socket deterministically.
 
@@ -39,6 +42,8 @@ import torch
 
 from verl_megatron.protocol import DataProto
 from verl_megatron.rollout.chat_format import continue_prompt, normalize_messages, parse_tool_calls, render
+from verl_megatron.rollout.external import ExternalRollout
+from verl_megatron.rollout.sampling import SamplingParams
 from verl_megatron.rollout.trajectory import TrajectoryLedger, TurnRecord
 
 __all__ = ["EndpointSettings", "GenerationRequest", "PolicyEndpoint", "RequestRefused", "WeightVersions"]
@@ -216,24 +221,46 @@ class PolicyEndpoint:
             request.done.set()
 
     def _generate(self, requests: list[GenerationRequest]) -> None:
-        """One engine call per group of equal sampling settings and ``n``."""
+        """One engine call for all (vLLM, SGLang), else one per group of equal sampling and ``n``."""
         if self.versions is not None:
             self.versions.refresh()
             version = self.versions.current()
             for request in requests:
                 request.version = version
-        groups: dict[tuple, list[GenerationRequest]] = {}
-        for request in requests:
-            sampling = self._override or request.sampling
-            groups.setdefault((sampling, request.n), []).append(request)
-        for (sampling, n), group in groups.items():
+        calls: list[tuple[Callable[[], None], list[GenerationRequest]]] = []
+        if isinstance(self.engine, ExternalRollout):
+            calls.append((lambda: self._generate_each(requests), requests))
+        else:
+            groups: dict[tuple, list[GenerationRequest]] = {}
+            for request in requests:
+                groups.setdefault((self._override or request.sampling, request.n), []).append(request)
+            for (sampling, n), group in groups.items():
+                calls.append((lambda g=group, s=sampling, k=n: self._generate_group(g, s, k), group))
+        for call, group in calls:
             try:
-                self._generate_group(group, sampling, n)
+                call()
             except Exception as err:  # a bad request must not take the trainer down
                 for request in group:
                     request.error = f"generation failed: {type(err).__name__}: {err}"
             for request in group:
                 request.done.set()
+
+    def _generate_each(self, requests: list[GenerationRequest]) -> None:
+        """An external engine's one call: each request with its own settings (module docstring)."""
+        params = []
+        for request in requests:
+            greedy, temperature, top_p, top_k = self._override or request.sampling
+            n = 1 if greedy else request.n  # greedy: every sample would be the same
+            params.append(SamplingParams(temperature, top_k, top_p, greedy, n))
+        answers = self.engine.generate_requests(
+            [r.prompt_ids for r in requests], params, [r.max_tokens for r in requests]
+        )
+        self.engine_calls += 1
+        for request, settings, completions in zip(requests, params, answers):
+            choices = [
+                (c.token_ids[: request.max_tokens], c.log_probs[: request.max_tokens]) for c in completions
+            ]
+            request.choices = choices * (request.n // settings.n)
 
     def _generate_group(self, group: list[GenerationRequest], sampling: tuple, n: int) -> None:
         greedy, temperature, top_p, top_k = sampling

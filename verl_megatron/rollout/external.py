@@ -195,6 +195,14 @@ class EngineBackend(abc.ABC):
     def wake_up(self, tags: tuple[str, ...] | None = None) -> None:
         """Re-allocate what :meth:`sleep` released: ``("weights",)`` or ``("kv_cache",)`` alone, or all."""
 
+    def generate_each(
+        self, prompts: list[list[int]], requests: list[GenerationRequest]
+    ) -> list[list[Completion]]:
+        """Prompt i with ``requests[i]``'s own settings (n, length, sampling, seed): the agent
+        endpoint's requests. vLLM and SGLang take per-prompt settings in one engine call; this
+        default makes one :meth:`generate` call per prompt."""
+        return [self.generate([prompt], request)[0] for prompt, request in zip(prompts, requests)]
+
     def set_lora_adapter(self, folder: Any) -> None:
         """Generate with the PEFT adapter at ``folder.path`` from now on (``rollout.lora_sync=adapter``)."""
         raise NotImplementedError(
@@ -282,6 +290,37 @@ class ExternalRollout(RolloutEngine):
             [c.token_ids for c in flat], log_probs, request.max_tokens, pad_token_id(meta, self.tokenizer)
         )
         return assemble_output(prompts, responses, response_mask, rollout_log_probs, request.params.n)
+
+    def generate_requests(
+        self, prompts: list[list[int]], params: list[SamplingParams], max_tokens: list[int]
+    ) -> list[list[Completion]]:
+        """Token-id prompts, each with its own sampling settings and length (the agent endpoint's
+        requests, ``rollout/endpoint.py``), in one backend call (:meth:`EngineBackend.generate_each`):
+        per prompt its ``params[i].n`` completions, the engine's ids and their log-probs (always
+        asked for: the trainer trains on exactly these ids). Stop tokens are the rollout's (EOS,
+        ``rollout.stop_token_ids``); stop strings are the endpoint's to apply on the ids (the
+        engine runs without a tokenizer). Each prompt's seed is its place in this replica's call."""
+        if not self.awake:
+            raise RuntimeError("generate_requests: the engine is asleep; call wake_up() first")
+        stops = tuple(stop_token_ids(self.config, {}, self.tokenizer, self.hf_config))
+        replica = getattr(self.runtime, "rank", 0) // self.config.tensor_model_parallel_size
+        base = call_seed(self.seed, replica, self._calls)
+        self._calls += 1
+        requests = [
+            GenerationRequest(p, m, stops, self.config.ignore_eos, prompt_seed(base, 0, i), logprobs=True)
+            for i, (p, m) in enumerate(zip(params, max_tokens))
+        ]
+        completions = self.backend.generate_each(prompts, requests)
+        if len(completions) != len(prompts):
+            raise RuntimeError(f"engine answered {len(completions)} of {len(prompts)} requests")
+        for i, (per_prompt, request) in enumerate(zip(completions, requests)):
+            if len(per_prompt) != request.params.n or any(
+                c.log_probs is None or len(c.log_probs) != len(c.token_ids) for c in per_prompt
+            ):
+                raise RuntimeError(
+                    f"engine answered request {i} without {request.params.n} completions with log-probs"
+                )
+        return completions
 
     def bind_actor(self, actor_chunks: list[torch.nn.Module]) -> None:
         """The actor chunks to sync weights from (an engine built before the actor gets them here)."""

@@ -137,6 +137,21 @@ class SGLangBackend(EngineBackend):
         outputs = self.engine.generate(**sglang_generate_kwargs(prompts, request))
         return completions_from_sglang(outputs, request.params.n, request.logprobs)
 
+    def generate_each(
+        self, prompts: list[list[int]], requests: list[GenerationRequest]
+    ) -> list[list[Completion]]:
+        """One ``Engine.generate`` for prompts with settings of their own: each prompt repeated its
+        request's n times, each copy with that request's sampling dict (SGLang takes a list)."""
+        copies = [r for r in requests for _ in range(r.params.n)]
+        outputs = self.engine.generate(
+            input_ids=[p for p, r in zip(prompts, requests) for _ in range(r.params.n)],
+            sampling_params=[sglang_sampling_params(r) for r in copies],
+            return_logprob=[r.logprobs for r in copies],
+        )
+        flat = [group[0] for group in completions_from_sglang(outputs, 1, any(r.logprobs for r in copies))]
+        starts = [sum(r.params.n for r in requests[:i]) for i in range(len(requests) + 1)]
+        return [flat[starts[i] : starts[i + 1]] for i in range(len(requests))]
+
     def load_weights(self, bucket: list[NamedTensor]) -> None:
         # One cache flush after the last bucket (reset_cache), not one per bucket.
         self.engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=False)

@@ -170,6 +170,23 @@ class VLLMBackend(EngineBackend):
         )
         return completions_from_vllm(outputs, request.logprobs)
 
+    def generate_each(
+        self, prompts: list[list[int]], requests: list[GenerationRequest]
+    ) -> list[list[Completion]]:
+        """One ``LLM.generate`` for prompts with settings of their own: one SamplingParams per
+        prompt (its n, length, sampling and seed), token ids in, token ids and log-probs out."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        extra = {"lora_request": self.lora_request} if self.lora_request is not None else {}
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts],
+            sampling_params=[SamplingParams(**vllm_sampling_kwargs(r)) for r in requests],
+            use_tqdm=False,
+            **extra,
+        )
+        return [completions_from_vllm([out], r.logprobs)[0] for out, r in zip(outputs, requests)]
+
     def load_weights(self, bucket: list[NamedTensor]) -> None:
         # Runs in this process (external_launcher): the bucket is not copied between processes.
         self.llm.apply_model(lambda model: model.load_weights(weights=bucket))
