@@ -191,15 +191,20 @@ def test_micro_batch_splits_and_packing_give_the_same_update(reference):
 
 @pytest.mark.parametrize("layout", [dict(tp=2), dict(pp=2), {}], ids=["tp2", "pp2", "dp2"])
 def test_layouts_match_single_process(pool2, vl_path, reference, layout):
-    ranks = pool2.run(f"{__name__}:vl_actor_job", path=vl_path, layout=layout, variants=["mb2"])
-    _assert_same_update(ranks[0]["mb2"], reference["mb2"], f"{layout} rank 0")
-    assert_close_report(
-        ranks[1]["mb2"]["old_log_probs"],
-        reference["mb2"]["old_log_probs"],
-        rtol=0,
-        atol=1e-5,
-        what="rank 1 log-probs",
-    )
+    # tp=2 also packs token-budget micro-batches (one row, block-causal mask, per-token 3-D ids).
+    variants = ["mb2", "dynamic"] if layout.get("tp") == 2 else ["mb2"]
+    ranks = pool2.run(f"{__name__}:vl_actor_job", path=vl_path, layout=layout, variants=variants)
+    for variant in variants:
+        _assert_same_update(ranks[0][variant], reference["mb2"], f"{layout} {variant} rank 0")
+        assert_close_report(
+            ranks[1][variant]["old_log_probs"],
+            reference["mb2"]["old_log_probs"],
+            rtol=0,
+            atol=1e-5,
+            what=f"{variant} rank 1 log-probs",
+        )
+    if layout.get("tp") == 2:
+        assert len(ranks[0]["dynamic"]["head_rows"]) >= 3  # the budget made several packed micro-batches
 
 
 def test_freeze_vision_tower_keeps_it_out_of_the_optimizer(pool1, vl_path):
