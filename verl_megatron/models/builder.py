@@ -227,7 +227,7 @@ def build_gpt_chunks(
     """
     from megatron.core.models.gpt import GPTModel
 
-    from verl_megatron.models.families.qwen2_vl_model import vl_model_class
+    from verl_megatron.models.families.qwen3_vl_model import vl_model_class
 
     config = hf_to_transformer_config(hf_config, runtime.layout, model_cfg)
     arch = read_hf_architecture(hf_config)

@@ -47,6 +47,7 @@ from verl_megatron.models.families.qwen3_next import (
     linear_transformer_config,
     read_linear_attention,
 )
+from verl_megatron.models.families.qwen3_vl import read_qwen3_vl_architecture
 from verl_megatron.models.moe import (
     MOE_MODEL_TYPES,
     SIGMOID_MOE_MODEL_TYPES,
@@ -344,8 +345,8 @@ def _with_partial_rotary(rope: RopeSettings, hf_config: Any) -> RopeSettings:
 
 def read_hf_architecture(hf_config: Any) -> HFArchitecture:
     """Read and check a Llama-family HF config; unsupported models raise ModelConfigError."""
-    vl = read_vl_architecture(hf_config)
-    if vl is not None:  # Qwen2.5-VL: a Qwen2 decoder behind a vision tower (families/qwen2_vl.py)
+    vl = read_vl_architecture(hf_config) or read_qwen3_vl_architecture(hf_config)
+    if vl is not None:  # Qwen2.5-VL / Qwen3-VL: a Qwen2 / Qwen3 decoder behind a vision tower
         arch = read_hf_architecture(vl.language_config)
         return dataclasses.replace(arch, model_type=hf_config.model_type, vl=vl)
     model_type = getattr(hf_config, "model_type", None)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import os
 import re
@@ -43,7 +44,7 @@ from verl_megatron.models.config import ModelConfig, read_hf_architecture
 from verl_megatron.models.export_io import publish_folder
 from verl_megatron.models.families import gpt_oss, qwen3_next
 from verl_megatron.models.families.deepseek import hf_mla_names
-from verl_megatron.models.families.qwen2_vl import VISION_PREFIX, hf_vision_name
+from verl_megatron.models.families.qwen2_vl import VISION_PREFIX, hf_language_names, hf_vision_name
 from verl_megatron.models.moe import expert_index, hf_moe_names
 from verl_megatron.models.sharding import (
     gather_tp,
@@ -97,6 +98,16 @@ class HFMapping:
 
 def hf_mapping(name: str, info: ModelInfo) -> HFMapping:
     """The Hugging Face tensors behind megatron parameter ``name`` (global layer numbering)."""
+    vl = info.arch.vl
+    if vl is not None and name.startswith(VISION_PREFIX):  # the replicated vision tower
+        return HFMapping("copy", (hf_vision_name(name, vl),))
+    mapping = _text_mapping(name, info)
+    if vl is None:
+        return mapping
+    return dataclasses.replace(mapping, hf_names=hf_language_names(mapping.hf_names, vl))
+
+
+def _text_mapping(name: str, info: ModelInfo) -> HFMapping:
     match = _LAYER_RE.match(name)
     moe = info.arch.moe
     if match and info.arch.gpt_oss is not None:
@@ -118,8 +129,6 @@ def hf_mapping(name: str, info: ModelInfo) -> HFMapping:
     if match and match.group(2) in _LAYER_RULES:
         kind, suffixes = _LAYER_RULES[match.group(2)]
         return HFMapping(kind, tuple(f"model.layers.{match.group(1)}.{s}" for s in suffixes))
-    if info.arch.vl is not None and name.startswith(VISION_PREFIX):  # the replicated vision tower
-        return HFMapping("copy", (hf_vision_name(name),))
     if name == "embedding.word_embeddings.weight":
         return HFMapping("vocab", ("model.embed_tokens.weight",))
     if name == "decoder.final_layernorm.weight":

@@ -16,7 +16,9 @@ import torch
 
 from verl_megatron.utils.local_assets import build_bpe_tokenizer
 
-__all__ = ["VISION_TOKENS", "VL_CHAT_TEMPLATE", "build_tiny_qwen2_5_vl", "build_vl_tokenizer", "shape_image"]
+__all__ = [
+    "VISION_TOKENS", "VL_CHAT_TEMPLATE", "build_tiny_qwen2_5_vl", "build_tiny_qwen3_vl", "build_vl_tokenizer", "shape_image",
+]  # fmt: skip
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 180, 60), "blue": (40, 60, 220), "yellow": (230, 210, 40)}
 
@@ -120,5 +122,54 @@ def build_tiny_qwen2_5_vl(
                 else:  # std 0.1: image features large enough to move the logits visibly
                     param.copy_(torch.randn(param.shape) * 0.1)
     model.eval()
+    model.save_pretrained(out_dir)
+    return model
+
+
+# Qwen3-VL: vision hidden 32, 2 heads, patches of 16 pixels, a 4 x 4 learned position grid
+# (interpolated to each image), 3 blocks whose first two feed DeepStack; language model: 4
+# Qwen3 layers (q/k norms), head 32 (16 frequencies: interleaved mrope [6, 5, 5]).
+TINY_QWEN3_VISION = dict(
+    depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=16,
+    spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16, deepstack_visual_indexes=[0, 1],
+)  # fmt: skip
+TINY_QWEN3_TEXT = dict(
+    hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=32, max_position_embeddings=512,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [6, 5, 5], "mrope_interleaved": True},
+)  # fmt: skip
+
+
+def build_tiny_qwen3_vl(
+    out_dir: str | os.PathLike,
+    *,
+    seed: int = 0,
+    max_pixels: int = 32 * 32 * 64,
+    text: dict[str, Any] | None = None,
+) -> Any:
+    """A random Qwen3-VL (dense text model; float32, eval mode) with tokenizer and image processor
+    (patches of 16 pixels) in ``out_dir``. Every weight is redrawn (matrices std 0.1, vectors
+    around their initial value +- 0.2): DeepStack features then move the logits visibly."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
+
+    os.makedirs(out_dir, exist_ok=True)
+    tokenizer = build_vl_tokenizer(out_dir)
+    Qwen2VLImageProcessorPil(
+        patch_size=16, min_pixels=32 * 32, max_pixels=max_pixels, image_mean=[0.5] * 3, image_std=[0.5] * 3
+    ).save_pretrained(out_dir)
+    marker = tokenizer.convert_tokens_to_ids
+    config = Qwen3VLConfig(
+        text_config={**TINY_QWEN3_TEXT, "vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id, **(text or {})},
+        vision_config=TINY_QWEN3_VISION,
+        image_token_id=marker("<|image_pad|>"), video_token_id=marker("<|video_pad|>"),
+        vision_start_token_id=marker("<|vision_start|>"), vision_end_token_id=marker("<|vision_end|>"),
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for tensor in model.parameters():
+            noise = torch.randn(tensor.shape, generator=generator)
+            tensor.copy_(tensor + noise * 0.2 if tensor.dim() == 1 else noise * 0.1)
     model.save_pretrained(out_dir)
     return model

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["image_token_counts", "mrope_position_ids", "mrope_position_ids_batch"]
+__all__ = ["image_token_counts", "mrope_frequency_axes", "mrope_position_ids", "mrope_position_ids_batch"]
 
 
 def image_token_counts(image_grid_thw: torch.Tensor, spatial_merge_size: int) -> list[int]:
@@ -97,3 +97,20 @@ def mrope_position_ids_batch(
             input_ids[row][keep], grids, image_token_id=image_token_id, spatial_merge_size=spatial_merge_size
         )
     return out
+
+
+def mrope_frequency_axes(section: list[int] | tuple[int, ...], *, interleaved: bool) -> torch.Tensor:
+    """[sum(section)] the id (0 temporal, 1 height, 2 width) that turns each rotary frequency.
+
+    Sectioned (Qwen2-VL, Qwen2.5-VL): the first ``section[0]`` frequencies temporal, the next
+    ``section[1]`` height, the rest width. Interleaved (Qwen3-VL): frequency ``i`` is height when
+    ``i % 3 == 1`` and ``i < 3 * section[1]``, width when ``i % 3 == 2`` and ``i < 3 * section[2]``,
+    else temporal (so the low and high frequencies are shared by all three axes).
+    """
+    if not interleaved:
+        return torch.cat([torch.full((n,), axis, dtype=torch.long) for axis, n in enumerate(section)])
+    index = torch.arange(sum(section))
+    axes = torch.zeros_like(index)
+    for axis in (1, 2):
+        axes[(index % 3 == axis) & (index < 3 * section[axis])] = axis
+    return axes

@@ -28,7 +28,7 @@ from typing import Any
 
 from verl_megatron.errors import ModelConfigError
 
-VL_MODEL_TYPES = ("qwen2_5_vl",)
+VL_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")
 # Rollout engines that take image prompts (the three of rollout/config.ENGINE_NAMES).
 VL_ROLLOUT_ENGINES = ("native", "vllm", "sglang")
 VISION_PREFIX = "vision."
@@ -40,18 +40,23 @@ __all__ = [
     "VL_MODEL_TYPES",
     "VLArchitecture",
     "VisionArchitecture",
+    "VisionShape",
     "check_vl_features",
     "check_vl_rollout",
     "check_vl_settings",
+    "hf_language_names",
     "hf_vision_name",
+    "language_fields",
+    "read_text_mrope",
     "read_vl_architecture",
+    "vision_shape_fields",
     "vl_transformer_config",
 ]
 
 
 @dataclass(frozen=True)
-class VisionArchitecture:
-    """Shapes of a Qwen2.5-VL vision tower (HF ``vision_config``)."""
+class VisionShape:
+    """Shapes every Qwen vision tower has (HF ``vision_config``; Qwen3-VL's: ``qwen3_vl.py``)."""
 
     depth: int
     hidden_size: int
@@ -61,10 +66,6 @@ class VisionArchitecture:
     patch_size: int
     temporal_patch_size: int
     spatial_merge_size: int
-    window_size: int
-    """Window side in pixels: windows of ``window_size / patch_size / spatial_merge_size`` merged tokens."""
-    fullatt_block_indexes: tuple[int, ...]
-    """Blocks with full attention (over each image); the others attend within windows."""
     out_hidden_size: int
     """The language model's hidden size (the merger's output)."""
     rope_theta: float
@@ -76,6 +77,16 @@ class VisionArchitecture:
     @property
     def merge_unit(self) -> int:
         return self.spatial_merge_size**2
+
+
+@dataclass(frozen=True)
+class VisionArchitecture(VisionShape):
+    """Shapes of a Qwen2.5-VL vision tower (HF ``vision_config``)."""
+
+    window_size: int
+    """Window side in pixels: windows of ``window_size / patch_size / spatial_merge_size`` merged tokens."""
+    fullatt_block_indexes: tuple[int, ...]
+    """Blocks with full attention (over each image); the others attend within windows."""
 
     @property
     def window_tokens(self) -> int:
@@ -94,32 +105,41 @@ class VLArchitecture:
     video_token_id: int
     language_config: Any = field(compare=False, repr=False)
     """The text config as a transformers Qwen2Config (what ``read_hf_architecture`` reads)."""
+    mrope_interleaved: bool = False
+    """Qwen3-VL's layout of the rotary frequencies over the three ids (``families/qwen3_vl.py``)."""
+    deepstack_layers: int = 0
+    """Qwen3-VL: decoder layers 0..K-1 get DeepStack image features added after them."""
+    hf_vision_prefix: str = HF_VISION_PREFIX
+    hf_language_prefix: str = "model."
+    """Where transformers saves the tower's and the language model's tensors."""
+
+
+def vision_shape_fields(vision_config: Any, model_type: str) -> dict[str, Any]:
+    """:class:`VisionShape`'s fields read from ``vision_config``; ModelConfigError for a head size
+    that the 2-D rotary cannot split."""
+    rope = dict(getattr(vision_config, "rope_parameters", None) or {})
+    names = ("depth", "hidden_size", "intermediate_size", "num_heads", "in_channels", "patch_size")
+    names += ("temporal_patch_size", "spatial_merge_size", "out_hidden_size")
+    fields: dict[str, Any] = {name: int(getattr(vision_config, name)) for name in names}
+    fields["rope_theta"] = float(rope.get("rope_theta", 10000.0))
+    heads, hidden = fields["num_heads"], fields["hidden_size"]
+    if hidden % heads or (hidden // heads) % 4:
+        raise ModelConfigError(
+            f"{model_type}: vision_config hidden_size={hidden} / num_heads={heads} must be "
+            "a head size divisible by 4 (2-D rotary: half of it per axis, in pairs)"
+        )
+    return fields
 
 
 def _read_vision(vision_config: Any, model_type: str) -> VisionArchitecture:
     act = getattr(vision_config, "hidden_act", "silu")
     if act != "silu":
         raise ModelConfigError(f"{model_type}: vision_config.hidden_act={act!r}; only silu is supported")
-    rope = dict(getattr(vision_config, "rope_parameters", None) or {})
     arch = VisionArchitecture(
-        depth=int(vision_config.depth),
-        hidden_size=int(vision_config.hidden_size),
-        intermediate_size=int(vision_config.intermediate_size),
-        num_heads=int(vision_config.num_heads),
-        in_channels=int(vision_config.in_channels),
-        patch_size=int(vision_config.patch_size),
-        temporal_patch_size=int(vision_config.temporal_patch_size),
-        spatial_merge_size=int(vision_config.spatial_merge_size),
+        **vision_shape_fields(vision_config, model_type),
         window_size=int(vision_config.window_size),
         fullatt_block_indexes=tuple(int(i) for i in vision_config.fullatt_block_indexes),
-        out_hidden_size=int(vision_config.out_hidden_size),
-        rope_theta=float(rope.get("rope_theta", 10000.0)),
     )
-    if arch.hidden_size % arch.num_heads or arch.head_dim % 4:
-        raise ModelConfigError(
-            f"{model_type}: vision_config hidden_size={arch.hidden_size} / num_heads={arch.num_heads} must be "
-            "a head size divisible by 4 (2-D rotary: half of it per axis, in pairs)"
-        )
     if arch.window_tokens < 1:
         raise ModelConfigError(
             f"{model_type}: vision_config.window_size={arch.window_size} is smaller than one merged token "
@@ -128,38 +148,52 @@ def _read_vision(vision_config: Any, model_type: str) -> VisionArchitecture:
     return arch
 
 
-def read_vl_architecture(hf_config: Any) -> VLArchitecture | None:
-    """The vision-language facts of ``hf_config`` (None for a text-only model)."""
-    model_type = getattr(hf_config, "model_type", None)
-    if model_type not in VL_MODEL_TYPES:
-        return None
-    from transformers import Qwen2Config
-
-    text = hf_config.text_config
+def read_text_mrope(
+    text: Any, model_type: str, head_dim: int, default_theta: float
+) -> tuple[tuple[int, ...], float]:
+    """(mrope_section, rope_theta) of a VL text config; ModelConfigError for another rope type or a
+    section that does not cover the head's ``head_dim / 2`` frequencies."""
     rope = dict(getattr(text, "rope_parameters", None) or {})
     if (rope.get("rope_type") or "default") != "default":
         raise ModelConfigError(
             f"{model_type}: text_config rope type {rope.get('rope_type')!r}; only mrope is supported"
         )
     section = tuple(int(s) for s in rope.get("mrope_section") or ())
-    head_dim = text.hidden_size // text.num_attention_heads
     if len(section) != 3 or sum(section) * 2 != head_dim:
         raise ModelConfigError(
             f"{model_type}: rope_parameters.mrope_section={list(section)} must be 3 numbers adding up to "
             f"head_dim / 2 = {head_dim // 2}"
         )
+    return section, float(rope.get("rope_theta", default_theta))
+
+
+def language_fields(hf_config: Any) -> dict[str, Any]:
+    """The text-model config fields every Qwen VL text config has (``hf_config.text_config``)."""
+    text = hf_config.text_config
+    names = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    names += ("num_key_value_heads", "hidden_act", "max_position_embeddings", "rms_norm_eps")
+    fields = {name: getattr(text, name) for name in names}
+    fields["initializer_range"] = getattr(text, "initializer_range", 0.02)
+    fields["tie_word_embeddings"] = bool(getattr(hf_config, "tie_word_embeddings", False))
+    return fields
+
+
+def read_vl_architecture(hf_config: Any) -> VLArchitecture | None:
+    """The vision-language facts of ``hf_config`` (None for a text-only model)."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type != "qwen2_5_vl":  # qwen3_vl: families/qwen3_vl.py
+        return None
+    from transformers import Qwen2Config
+
+    text = hf_config.text_config
+    section, theta = read_text_mrope(text, model_type, text.hidden_size // text.num_attention_heads, 1e6)
     language = Qwen2Config(
-        vocab_size=text.vocab_size, hidden_size=text.hidden_size, intermediate_size=text.intermediate_size,
-        num_hidden_layers=text.num_hidden_layers, num_attention_heads=text.num_attention_heads,
-        num_key_value_heads=text.num_key_value_heads, hidden_act=text.hidden_act,
-        max_position_embeddings=text.max_position_embeddings, rms_norm_eps=text.rms_norm_eps,
-        initializer_range=getattr(text, "initializer_range", 0.02),
+        **language_fields(hf_config),
         attention_dropout=float(getattr(text, "attention_dropout", 0.0) or 0.0),
-        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         use_sliding_window=bool(getattr(text, "use_sliding_window", False)),
         sliding_window=getattr(text, "sliding_window", None),
-        rope_parameters={"rope_type": "default", "rope_theta": float(rope.get("rope_theta", 1e6))},
-    )  # fmt: skip
+        rope_parameters={"rope_type": "default", "rope_theta": theta},
+    )
     return VLArchitecture(
         vision=_read_vision(hf_config.vision_config, model_type),
         mrope_section=section,
@@ -222,6 +256,14 @@ def check_vl_rollout(model_type: str, rollout_name: str) -> None:
         )
 
 
-def hf_vision_name(name: str) -> str:
-    """HF tensor name of megatron vision parameter ``vision.<...>`` (the same suffix under ``visual.``)."""
-    return HF_VISION_PREFIX + name.removeprefix(VISION_PREFIX)
+def hf_vision_name(name: str, vl: VLArchitecture) -> str:
+    """HF tensor name of megatron vision parameter ``vision.<...>`` (the same suffix under
+    ``vl.hf_vision_prefix``)."""
+    return vl.hf_vision_prefix + name.removeprefix(VISION_PREFIX)
+
+
+def hf_language_names(names: tuple[str, ...], vl: VLArchitecture) -> tuple[str, ...]:
+    """The language model's HF names (``model.*`` as a text model saves them) under ``vl.hf_language_prefix``."""
+    return tuple(
+        vl.hf_language_prefix + n.removeprefix("model.") if n.startswith("model.") else n for n in names
+    )

@@ -57,12 +57,15 @@ def place_image_features(
 class Qwen2VLGPTModel(GPTModel):
     """GPTModel (``position_embedding_type="mrope"``) whose first stage owns ``vision``."""
 
+    tower_class: type[torch.nn.Module] = VisionTower
+    """The vision tower's module (Qwen3-VL's subclass names its own)."""
+
     def __init__(
         self, *args: Any, vl: VLArchitecture, vision_seed: int, freeze_vision: bool = False, **kwargs: Any
     ) -> None:
         super().__init__(*args, **kwargs)
         self.vl = vl
-        self.vision = VisionTower(vl.vision, self.config.params_dtype) if self.pre_process else None
+        self.vision = self.tower_class(vl.vision, self.config.params_dtype) if self.pre_process else None
         if self.vision is not None:
             _init_replicated(self.vision, vision_seed, self.config.init_method_std)
             self.vision.to(self.embedding.word_embeddings.weight.device)

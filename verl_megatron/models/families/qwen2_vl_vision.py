@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from verl_megatron.models.families.qwen2_vl import VisionArchitecture
 
-__all__ = ["VisionTower", "window_order"]
+__all__ = ["VisionAttention", "VisionBlock", "VisionTower", "frame_edges", "patch_rows_cols", "window_order"]
 
 _NORM_EPS = 1e-6
 
@@ -46,7 +46,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
-class _Attention(torch.nn.Module):
+class VisionAttention(torch.nn.Module):
     def __init__(self, arch: VisionArchitecture, dtype: torch.dtype) -> None:
         super().__init__()
         self.heads = arch.num_heads
@@ -80,13 +80,15 @@ class _MLP(torch.nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class _Block(torch.nn.Module):
-    def __init__(self, arch: VisionArchitecture, dtype: torch.dtype) -> None:
+class VisionBlock(torch.nn.Module):
+    """Pre-norm attention + MLP block; ``norm`` / ``mlp`` build the family's norm and MLP."""
+
+    def __init__(self, arch: VisionArchitecture, dtype: torch.dtype, norm=_RMSNorm, mlp=_MLP) -> None:
         super().__init__()
-        self.norm1 = _RMSNorm(arch.hidden_size, dtype)
-        self.norm2 = _RMSNorm(arch.hidden_size, dtype)
-        self.attn = _Attention(arch, dtype)
-        self.mlp = _MLP(arch, dtype)
+        self.norm1 = norm(arch.hidden_size, dtype)
+        self.norm2 = norm(arch.hidden_size, dtype)
+        self.attn = VisionAttention(arch, dtype)
+        self.mlp = mlp(arch, dtype)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bounds: list[int]
@@ -141,7 +143,7 @@ def window_order(grid_thw: torch.Tensor, arch: VisionArchitecture) -> tuple[torc
     return torch.cat(order), edges
 
 
-def _frame_edges(grid_thw: torch.Tensor) -> list[int]:
+def frame_edges(grid_thw: torch.Tensor) -> list[int]:
     """Edges (in patches) of every frame of every image: the full-attention segments."""
     edges = [0]
     for t, h, w in grid_thw.tolist():
@@ -149,7 +151,7 @@ def _frame_edges(grid_thw: torch.Tensor) -> list[int]:
     return edges
 
 
-def _patch_rows_cols(grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
+def patch_rows_cols(grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
     """[P, 2] (row, column) of each patch, patches grouped m x m per merged token."""
     out = []
     for t, h, w in grid_thw.tolist():
@@ -168,7 +170,7 @@ class VisionTower(torch.nn.Module):
         super().__init__()
         self.arch = arch
         self.patch_embed = _PatchEmbed(arch, dtype)
-        self.blocks = torch.nn.ModuleList(_Block(arch, dtype) for _ in range(arch.depth))
+        self.blocks = torch.nn.ModuleList(VisionBlock(arch, dtype) for _ in range(arch.depth))
         self.merger = _Merger(arch, dtype)
         quarter = arch.head_dim // 2
         self.register_buffer(
@@ -181,15 +183,15 @@ class VisionTower(torch.nn.Module):
         """[P / m^2, out_hidden_size] features of the images, in order (see the module docstring)."""
         unit = self.arch.merge_unit
         order, window_edges = window_order(image_grid_thw, self.arch)
-        frame_edges = _frame_edges(image_grid_thw)
+        frames = frame_edges(image_grid_thw)
         x = self.patch_embed(pixel_values)
         x = x.view(-1, unit, x.shape[-1])[order].flatten(0, 1)
-        rows_cols = _patch_rows_cols(image_grid_thw, self.arch.spatial_merge_size).to(x.device)
+        rows_cols = patch_rows_cols(image_grid_thw, self.arch.spatial_merge_size).to(x.device)
         rows_cols = rows_cols.view(-1, unit, 2)[order].flatten(0, 1)
         angles = (rows_cols.unsqueeze(-1).float() * self.inv_freq).flatten(1)  # [P, head_dim / 2]
         angles = torch.cat((angles, angles), dim=-1)
         cos, sin = angles.cos(), angles.sin()
         for i, block in enumerate(self.blocks):
-            bounds = frame_edges if i in self.arch.fullatt_block_indexes else window_edges
+            bounds = frames if i in self.arch.fullatt_block_indexes else window_edges
             x = block(x, cos, sin, bounds)
         return self.merger(x)[torch.argsort(order)]
