@@ -102,6 +102,7 @@ class _PolicyForward:
         share_prefix: bool,
         route_replay: TrainingRoutes | None = None,
         batch_invariance: BatchInvariance | None = None,
+        group_by_length: bool = False,
     ) -> None:
         self.runtime = runtime
         self.chunks = chunks
@@ -114,6 +115,7 @@ class _PolicyForward:
             share_prefix=share_prefix,
             route_replay=route_replay,
             batch_invariance=batch_invariance,
+            group_by_length=group_by_length,
         )
 
     def _log_probs(
@@ -297,6 +299,7 @@ class MegatronActor(_PolicyForward, PPOUpdates):
             config.share_prompt_prefix,
             route_replay,
             batch_invariance,
+            config.group_by_length,
         )
         config.validate()
         self.config = config

@@ -4,7 +4,10 @@ Two choices, both optional by config:
 
 - *how rows are grouped*: a fixed number of sequences per micro-batch, or a token
   budget per micro-batch (``use_dynamic_bsz``) with a balanced partition that gives
-  every data-parallel rank the same number of micro-batches;
+  every data-parallel rank the same number of micro-batches; either of them can first
+  sort the rows by length (``group_by_length``, :func:`length_grouped_partition`), so a
+  padded micro-batch holds rows of similar lengths instead of padding short rows to a
+  long one (a long-tailed batch then runs a fraction of the padded positions);
 - *how a micro-batch's tokens are laid out*: padded rows [b, S] or one packed row
   without padding (``use_remove_padding``); rows that share a prompt can instead share one
   row with the prompt once (``share_prompt_prefix``, ``workers.shared_prefix``).
@@ -50,6 +53,7 @@ __all__ = [
     "balanced_token_partition",
     "build_micro_batches",
     "fixed_size_partition",
+    "length_grouped_partition",
     "mini_batch_rows",
 ]
 
@@ -170,6 +174,63 @@ def balanced_token_partition(lengths: Sequence[int], max_tokens: int, dp_group=N
         if _all_reduce_max(k, dp_group) == agreed:
             break
     return _greedy_bins(lengths, agreed)[0]
+
+
+def _cut_sorted(lengths: list[int], order: list[int], max_tokens: int) -> list[list[int]]:
+    """Consecutive runs of ``order`` (rows by ascending length) of at most ``max_tokens``
+    padded positions each (rows x the run's longest row)."""
+    groups: list[list[int]] = [[]]
+    for i in order:
+        if groups[-1] and (len(groups[-1]) + 1) * lengths[i] > max_tokens:
+            groups.append([])
+        groups[-1].append(i)
+    return groups
+
+
+def _split_costliest(groups: list[list[int]], lengths: list[int], count: int) -> list[list[int]]:
+    """Halve the group with the most padded positions until there are ``count`` groups."""
+    groups = [list(g) for g in groups]
+    while len(groups) < count:
+        cost = [len(g) * max(lengths[i] for i in g) if len(g) > 1 else -1 for g in groups]
+        k = max(range(len(groups)), key=lambda j: (cost[j], -j))
+        if cost[k] < 0:
+            raise ValueError(f"cannot make {count} micro-batches of {sum(map(len, groups))} rows")
+        half = len(groups[k]) // 2
+        groups[k : k + 1] = [groups[k][:half], groups[k][half:]]
+    return groups
+
+
+def length_grouped_partition(
+    lengths: Sequence[int], micro_batch_size: int | None = None, max_tokens: int | None = None, dp_group=None
+) -> list[list[int]]:
+    """Micro-batches of rows of similar length: the rows sorted by length (stable), then cut into
+    runs of ``micro_batch_size`` rows, or (``max_tokens``) into the fewest runs of at most
+    ``max_tokens`` *padded* positions each (rows x longest row: what a padded micro-batch runs),
+    the count agreed over ``dp_group`` (ranks with fewer runs halve their costliest ones).
+
+    Which rows train together changes, never the result: the losses are normalised by global
+    counts (``ModelRunner.mini_batches``) and outputs go back to their rows (``MicroBatch.rows``).
+    Micro-batches come shortest first; each lists its positions in ascending order.
+    """
+    lengths = [int(n) for n in lengths]
+    if not lengths:
+        raise ValueError("length_grouped_partition: no rows to partition")
+    if (micro_batch_size is None) == (max_tokens is None):
+        raise ValueError("length_grouped_partition: give micro_batch_size or max_tokens, not both")
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    if micro_batch_size is not None:
+        if micro_batch_size < 1:
+            raise ValueError(f"micro batch size must be >= 1, got {micro_batch_size}")
+        groups = [order[s : s + micro_batch_size] for s in range(0, len(order), micro_batch_size)]
+    else:
+        if max(lengths) > max_tokens:
+            raise ValueError(
+                f"a sequence of {max(lengths)} tokens exceeds the micro-batch token budget {max_tokens} "
+                "(raise ppo_max_token_len_per_gpu / log_prob_max_token_len_per_gpu)"
+            )
+        groups = _cut_sorted(lengths, order, max_tokens)
+        groups = _split_costliest(groups, lengths, _all_reduce_max(len(groups), dp_group))
+    return [sorted(g) for g in groups]
 
 
 def _round_up(n: int, multiple: int) -> int:

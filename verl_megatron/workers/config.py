@@ -237,6 +237,10 @@ class PPOWorkerConfig:
     """Rows of a micro-batch that share a prompt (GRPO groups) run it once: one model row of
     prompt + responses with attention kept per response (``workers/shared_prefix.py``). Applies
     with the local (SDPA) attention spec without cp/sp/MoE; elsewhere the layout above is used."""
+    group_by_length: bool = False
+    """Sort a rank's rows by length before cutting micro-batches (by count, or with use_dynamic_bsz
+    by a budget of padded positions: rows x longest row), so short rows are not padded to a long
+    one's length; same losses and gradients, fewer padded positions on long-tailed batches."""
     loss_agg_mode: str = "token-mean"
     """How per-token losses become one number (see core_algos.agg_loss)."""
     loss_scale_factor: int | None = None

@@ -57,6 +57,7 @@ class MegatronCritic(PPOUpdates):
             use_remove_padding=config.use_remove_padding,
             merges_cp=True,
             share_prefix=config.share_prompt_prefix,
+            group_by_length=config.group_by_length,
         )
         self.update_calls = 0
         attach_schedule_hooks(chunks)

@@ -50,6 +50,7 @@ from verl_megatron.workers.batching import (
     balanced_token_partition,
     build_micro_batches,
     fixed_size_partition,
+    length_grouped_partition,
     mini_batch_rows,
 )
 from verl_megatron.workers.output_rows import OutputRowSelector
@@ -169,8 +170,11 @@ class ModelRunner:
         share_prefix: bool = False,
         route_replay: TrainingRoutes | None = None,
         batch_invariance: BatchInvariance | None = None,
+        group_by_length: bool = False,
     ) -> None:
         self.cp = runtime.layout.cp
+        # Micro-batches of rows of similar length (batching.length_grouped_partition).
+        self.group_by_length = group_by_length
         if self.cp > 1:
             _check_context_parallel(
                 chunks, self.cp, use_remove_padding=use_remove_padding, merges_cp=merges_cp
@@ -234,12 +238,19 @@ class ModelRunner:
         tokens, so a micro-batch may hold cp times as many (as in verl).
         """
         num_rows = batch["input_ids"].shape[0]
-        if use_dynamic_bsz:
+        if not use_dynamic_bsz and not micro_batch_size:
+            raise ValueError("a micro-batch size is needed when use_dynamic_bsz is false")
+        if self.group_by_length:
+            groups = length_grouped_partition(
+                batch["attention_mask"].sum(dim=-1).tolist(),
+                None if use_dynamic_bsz else micro_batch_size,
+                max_token_len * self.cp if use_dynamic_bsz else None,
+                self.runtime.dp_group(),
+            )
+        elif use_dynamic_bsz:
             lengths = batch["attention_mask"].sum(dim=-1).tolist()
             groups = balanced_token_partition(lengths, max_token_len * self.cp, self.runtime.dp_group())
         else:
-            if not micro_batch_size:
-                raise ValueError("a micro-batch size is needed when use_dynamic_bsz is false")
             groups = fixed_size_partition(num_rows, micro_batch_size)
         micro_batches = build_micro_batches(
             batch,
