@@ -27,7 +27,7 @@ RECIPE = os.path.join(ROOT, "configs", "quickstart_agent.yaml")
 _WRITE = threading.Lock()
 
 
-def _wait_for(path: str, timeout: float = 120.0) -> None:
+def _wait_for(path: str, timeout: float = 400.0) -> None:  # a loaded machine: minutes
     until = time.monotonic() + timeout
     while not os.path.exists(path):
         if time.monotonic() > until:
