@@ -124,6 +124,7 @@ def main(out: str) -> None:
         "async_training.max_staleness=1", "async_training.partial_rollout=true",
         "async_training.partial_rollout_segment=4", "algorithm.rollout_correction.rollout_is=token",
         "rollout.agent.harness=tests.agent_async_job:gated_tools", f"rollout.agent.kwargs.out={out}",
+        "rollout.agent.deadline_s=550",  # step 2's odd samples wait for the trainer's step 1
     ])  # fmt: skip
 
 
