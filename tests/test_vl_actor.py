@@ -181,10 +181,13 @@ def test_micro_batch_splits_and_packing_give_the_same_update(reference):
     vision = [n for n in ref["weights"] if n.startswith("visual.")]
     assert len(vision) > 10  # the tower trains: its weights moved
     assert max(float((ref["weights"][n] - ref["before"][n]).abs().max()) for n in vision) > 1e-3
-    # LM head rows in the log-prob pass: response positions only (2 micro-batches x 2 rows x 5).
-    assert ref["head_rows"] == [2 * TR, 2 * TR], ref["head_rows"]
-    assert reference["mb1"]["head_rows"] == [TR] * 4
-    assert len(reference["dynamic"]["head_rows"]) >= 3  # the token budget splits the rows
+    # LM head rows in the log-prob pass: response positions only (4 rows x 5 in all, at most one
+    # micro-batch's 2 x 5 per call; a head deferred out of the model call adds calls of 0 rows).
+    for variant, most in (("mb2", 2 * TR), ("mb1", TR), ("dynamic", 2 * TR)):
+        rows = reference[variant]["head_rows"]
+        assert sum(rows) == 4 * TR and max(rows) <= most, (variant, rows)
+    assert ref["head_rows"].count(2 * TR) == 2 and reference["mb1"]["head_rows"].count(TR) == 4
+    assert len([r for r in reference["dynamic"]["head_rows"] if r]) >= 3  # the token budget splits the rows
     for variant in ("mb1", "dynamic"):
         _assert_same_update(reference[variant], ref, variant)
 
