@@ -27,9 +27,11 @@ def make_gpt(
     groups: int,
     ffn: int,
     dtype: torch.dtype = torch.float64,
+    tied: bool = False,
     **config: Any,
 ):
-    """One GPTModel chunk; ``config`` overrides TransformerConfig fields (dropout, SwiGLU, ...)."""
+    """One GPTModel chunk; ``config`` overrides TransformerConfig fields (dropout, SwiGLU, ...);
+    ``tied``: the LM head shares the embedding's weight."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -60,7 +62,7 @@ def make_gpt(
         max_sequence_length=seq,
         pre_process=pre,
         post_process=post,
-        share_embeddings_and_output_weights=False,
+        share_embeddings_and_output_weights=tied,
         position_embedding_type="rope",
         vp_stage=vp_stage,
     )

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from verl_megatron.models.grad_accumulation import accumulate_into_main_grad
 from verl_megatron.workers.model_runner import ModelRunner
 
 __all__ = ["PPOUpdates"]
@@ -31,9 +32,11 @@ class PPOUpdates:
         cfg = self.config
         seed = cfg.data_loader_seed if cfg.data_loader_seed is not None else self.runner.runtime.seed
         lr = float(self.optimizer.param_groups[0]["lr"])
-        history, skipped = self.runner.ppo_epochs(
-            batch, self.optimizer, cfg=cfg, seed=seed + 7919 * self.update_calls, prefix=prefix, **epochs
-        )
+        # Weight gradients go straight into DDP's buffer while the update runs (CPU, float32).
+        with accumulate_into_main_grad(self.runner.chunks):
+            history, skipped = self.runner.ppo_epochs(
+                batch, self.optimizer, cfg=cfg, seed=seed + 7919 * self.update_calls, prefix=prefix, **epochs
+            )
         self.scheduler.step(1)
         self.update_calls += 1
         metrics: dict[str, float | list[float]] = dict(history)

@@ -1,0 +1,115 @@
+"""Weight gradients accumulated straight into DDP's buffer (models/grad_accumulation.py) give
+the update of megatron's own path: same loss, same gradients and weights up to float32 rounding.
+
+A tiny GPTModel (tied and untied LM head) runs one step of megatron's schedule over four
+micro-batches (so the buffer accumulates), DDP and the megatron optimizer with clipping, from
+the same weights, three ways: float64 (the reference; the fused path is float32-only, so this
+is DDP's own path), float32 through DDP's hook, float32 with the fused accumulation. The fused
+gradients must be as close to float64 as the hook's are (within FLOAT32_ERROR_FACTOR of the
+hook's error, per tensor), the loss is bit-equal (the forward runs the same matmuls), and one
+Adam step lands on the hook path's weights up to float32 noise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from tests.closeness import assert_adam_weights_close
+from tests.tiny_gpt import global_token_loss, make_gpt, run_schedule, seeded_chunks, token_mean_schedule, uneven_batch
+
+VOCAB, SEQ, HIDDEN, LAYERS, HEADS, GROUPS, FFN = 64, 8, 32, 2, 4, 2, 64
+ROWS, MICRO_BATCH, LR = 8, 2, 1e-2
+# Both float32 paths compute each micro-batch's product with the same GEMM and differ only in
+# where it is summed into the buffer (inside the GEMM or after it): a few float32 roundings per
+# element either way, so their errors against float64 are of one size. 2 leaves room for one
+# path's rounding landing on the other side of the other's (measured ratios up to ~1.3).
+FLOAT32_ERROR_FACTOR = 2.0
+
+
+def step_job(dtype_name: str, fused: bool, tied: bool) -> dict:
+    """One training step; returns the loss, the gradients before the step, the updated weights
+    and how many layers the fused path switched (0 when not fused)."""
+    dtype = getattr(torch, dtype_name)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # megatron's torch RMSNorm takes no dtype argument
+    try:
+        return _step(dtype, fused, tied)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _step(dtype: torch.dtype, fused: bool, tied: bool) -> dict:
+    from verl_megatron.distributed.parallel import ParallelLayout
+    from verl_megatron.models.grad_accumulation import accumulate_into_main_grad
+    from verl_megatron.models.megatron_model import (
+        OptimSettings,
+        attach_schedule_hooks,
+        build_optimizer,
+        wrap_ddp,
+        zero_grads,
+    )
+    from verl_megatron.models.sharding import gather_full_state, load_full_state, seeded_tensor
+
+    def make(pre, post, vp_stage):
+        return make_gpt(
+            pre, post, vp_stage, vocab=VOCAB, seq=SEQ, hidden=HIDDEN, layers=LAYERS, heads=HEADS,
+            groups=GROUPS, ffn=FFN, dtype=dtype, tied=tied,
+        )  # fmt: skip
+
+    def float32_weights(name, shape):  # the same numbers in both dtypes (randn draws per dtype)
+        torch.set_default_dtype(torch.float32)
+        try:
+            return seeded_tensor(name, shape, seed=3).to(dtype)
+        finally:
+            torch.set_default_dtype(dtype)
+
+    runtime, chunks = seeded_chunks(ParallelLayout(), make, layers=LAYERS, heads=HEADS, groups=GROUPS)
+    load_full_state(chunks, float32_weights)
+    settings = OptimSettings(lr=LR, weight_decay=0.01, clip_grad=0.05, grad_reduce_in_fp32=False)
+    chunks = wrap_ddp(chunks, settings)
+    attach_schedule_hooks(chunks)
+    optimizer = build_optimizer(chunks, settings)
+    batch = uneven_batch(VOCAB, ROWS, SEQ, seed=1)
+    micro_batches, forward_step, num_micro = token_mean_schedule(
+        batch, micro_batch=MICRO_BATCH, seq=SEQ, dp=1, dp_rank=0
+    )
+    zero_grads(chunks, optimizer)
+    with accumulate_into_main_grad(chunks) if fused else contextlib.nullcontext(0) as switched:
+        out = run_schedule(chunks, micro_batches, forward_step, num_micro, seq=SEQ, micro_batch=MICRO_BATCH)
+    leftover = [type(m).__name__ for c in chunks for m in c.modules() if {"_forward_impl", "forward"} & set(vars(m))]
+    grads = gather_full_state(chunks, grads=True)
+    ok, _, _ = optimizer.step()
+    assert ok
+    return {
+        "loss": global_token_loss(runtime, out, batch["loss_mask"].sum()),
+        "grads": grads,
+        "weights": gather_full_state(chunks),
+        "switched": switched,
+        "leftover": leftover,
+    }
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_fused_accumulation_matches_ddp_hook_path(pool1, tied):
+    def run(dtype: str, fused: bool) -> dict:
+        return pool1.run(f"{__name__}:step_job", dtype_name=dtype, fused=fused, tied=tied)[0]
+
+    ref, hook, fused = run("float64", False), run("float32", False), run("float32", True)
+    # Per layer qkv, proj, fc1, fc2; the embedding; the LM head (the tied one too: its matmul).
+    assert fused["switched"] == 4 * LAYERS + 2, fused["switched"]
+    assert fused["leftover"] == [], f"modules still switched after the update: {fused['leftover']}"
+    assert fused["loss"] == hook["loss"], (fused["loss"], hook["loss"])
+    assert abs(hook["loss"] - ref["loss"]) < 1e-5 * abs(ref["loss"]), (hook["loss"], ref["loss"])
+    assert fused["grads"].keys() == ref["grads"].keys() and ("output_layer.weight" in ref["grads"]) != tied
+    worse = {}
+    for name, expected in ref["grads"].items():
+        fused_err = float((fused["grads"][name].double() - expected).abs().max())
+        hook_err = float((hook["grads"][name].double() - expected).abs().max())
+        floor = 2.0**-24 * float(expected.abs().max())  # one float32 rounding of the largest entry
+        if fused_err > FLOAT32_ERROR_FACTOR * max(hook_err, floor):
+            worse[name] = (fused_err, hook_err)
+    assert not worse, f"fused gradients further from float64 than the hook path's (fused, hook): {worse}"
+    assert_adam_weights_close(fused["weights"], hook["weights"], lr=LR, steps=1, what="weights after one step")
