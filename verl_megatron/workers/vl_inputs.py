@@ -20,9 +20,12 @@ non-padding columns, read row-major, are the valid columns of the batch, read ro
 
 Token budgets (``use_dynamic_bsz``) count a row's ``attention_mask`` tokens, which include its
 image tokens (one per merged patch); the vision tower's own patches (``merge^2`` per image
-token) are not counted separately. Not supported yet (named errors): packed THD sequences
-(Transformer Engine applies rotary frequencies by sequence offset, not by the 3-D ids) and
-context parallelism.
+token) are not counted separately. Packed rows on megatron's local attention (block-causal
+mask, 3-D ids laid out per token) equal padded rows (``tests/test_vl_packing.py``, float64
+reference). Not supported yet (named errors): packed THD sequences (Transformer Engine's fused
+rotary, ``apply_rope_fusion``, turns each sequence by its offset from the sequence start, not by
+the 3-D ids; megatron's unfused THD rotary would take one frequency row per packed token, untested
+without Transformer Engine) and context parallelism.
 """
 
 from __future__ import annotations
@@ -139,9 +142,11 @@ def attach_images(
     carry ``images``: the rows' pixel values and grids, and [3, b, S] positions laid out like the tokens."""
     if thd or cp_size > 1:
         raise ParallelConfigError(
-            "image rows cannot be packed as THD sequences or split over context-parallel ranks yet (the "
-            "3-D rotary ids must reach every token): use megatron's local attention (model.use_te=false) "
-            f"and parallel.cp=1 (got thd={thd}, cp={cp_size})"
+            "image rows cannot be packed as THD sequences or split over context-parallel ranks yet "
+            "(Transformer Engine's fused rotary turns each packed sequence by its offset, not by the rows' "
+            "3-D ids; its attention takes no padded rows): use megatron's local attention "
+            "(model.use_te=false; packed rows get a block-causal mask) and parallel.cp=1 "
+            f"(got thd={thd}, cp={cp_size})"
         )
     keep = (
         ~inputs.padding if inputs.padding is not None else torch.ones_like(inputs.input_ids, dtype=torch.bool)
