@@ -274,25 +274,30 @@ class ChunkDecoder:
                 real = torch.nonzero(flat).squeeze(1)
         logits = None
         for chunk, cache, plans in zip(self.chunks, self.caches, self.lean):
+            deepstack = None  # Qwen3-VL: image features added after the prefill's first layers
             if chunk.pre_process and images is not None:
-                hidden = vl_prefill.embed_prompt(chunk, tokens, images)
+                hidden, deepstack = vl_prefill.embed_prompt(chunk, tokens, images)
             elif chunk.pre_process:
                 hidden = chunk.embedding(input_ids=tokens, position_ids=positions)
             else:
                 hidden = self._recv(s, batch)
             packed = False
-            for layer, (k_cache, v_cache), lean in zip(chunk.decoder.layers, cache, plans):
+            for i, (layer, (k_cache, v_cache), lean) in enumerate(zip(chunk.decoder.layers, cache, plans)):
                 if lean is None:
                     if packed:
                         hidden, packed = self._unpack(hidden, real, s, batch), False
                     hidden = self._layer(layer, hidden, k_cache, v_cache, cos, sin, mask, start, valid)
-                    continue
-                attend = functools.partial(self._attend_qkv, k_cache, v_cache, cos, sin, mask, start)
-                if real is not None:
-                    if not packed:
-                        hidden, packed = hidden.reshape(s * batch, 1, -1).index_select(0, real), True
-                    attend = functools.partial(self._attend_packed, attend, real, s, batch)
-                hidden = lean(hidden, attend)
+                else:
+                    attend = functools.partial(self._attend_qkv, k_cache, v_cache, cos, sin, mask, start)
+                    if real is not None:
+                        if not packed:
+                            hidden, packed = hidden.reshape(s * batch, 1, -1).index_select(0, real), True
+                        attend = functools.partial(self._attend_packed, attend, real, s, batch)
+                    hidden = lean(hidden, attend)
+                if deepstack is not None and i < len(deepstack.per_layer):  # at the prompt's image tokens
+                    if packed:
+                        hidden, packed = self._unpack(hidden, real, s, batch), False
+                    hidden = deepstack.add(i, hidden)
             if packed:
                 hidden = self._unpack(hidden, real, s, batch)
             if chunk.post_process:

@@ -19,10 +19,13 @@ grids, ``workers/vl_inputs.py``). The native engine handles it in three places:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from verl_megatron.models.families.qwen2_vl_model import place_image_features
 from verl_megatron.protocol import DataProto
+from verl_megatron.utils.mrope import mrope_frequency_axes
 from verl_megatron.workers.vl_inputs import ROW_IMAGES, row_images
 
 __all__ = [
@@ -51,7 +54,7 @@ def rotary_table(chunk: torch.nn.Module, max_len: int, mla) -> tuple[torch.Tenso
     if getattr(chunk, "position_embedding_type", "rope") != "mrope":
         return (mla.freqs if mla is not None else chunk.rotary_pos_emb(max_len)), None
     table = mrope_table(chunk, max_len)
-    return table, mrope_axes(chunk.mrope_section, table.device)
+    return table, mrope_axes(chunk.mrope_section, table.device, interleaved=chunk.vl.mrope_interleaved)
 
 
 def mrope_table(chunk: torch.nn.Module, max_len: int) -> torch.Tensor:
@@ -61,10 +64,10 @@ def mrope_table(chunk: torch.nn.Module, max_len: int) -> torch.Tensor:
     return torch.cat((freqs, freqs), dim=-1).to(chunk.rotary_pos_emb.inv_freq.device)
 
 
-def mrope_axes(section: list[int], device: torch.device) -> torch.Tensor:
-    """[R] the position axis (0 temporal, 1 height, 2 width) of each rotary dim (sections, twice)."""
-    doubled = list(section) * 2
-    return torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(doubled)]).to(device)
+def mrope_axes(section: list[int], device: torch.device, *, interleaved: bool = False) -> torch.Tensor:
+    """[R] the position axis (0 temporal, 1 height, 2 width) of each rotary dim: the frequencies'
+    axes (``utils/mrope.mrope_frequency_axes``; Qwen3-VL interleaved), twice."""
+    return mrope_frequency_axes(section, interleaved=interleaved).repeat(2).to(device)
 
 
 def mrope_angles(table: torch.Tensor, positions: torch.Tensor, axes: torch.Tensor) -> torch.Tensor:
@@ -76,12 +79,16 @@ def mrope_angles(table: torch.Tensor, positions: torch.Tensor, axes: torch.Tenso
 
 def embed_prompt(
     chunk: torch.nn.Module, tokens: torch.Tensor, images: tuple[torch.Tensor, torch.Tensor]
-) -> torch.Tensor:
-    """[s, B, H] embeddings of ``tokens`` [B, s] with the images' features at their image tokens."""
+) -> tuple[torch.Tensor, Any]:
+    """([s, B, H] embeddings of ``tokens`` [B, s] with the images' features at their image tokens,
+    Qwen3-VL's DeepStack features for the prefill's first layers (``deepstack.add(k, hidden)``
+    after layer k < ``len(deepstack.per_layer)``) or None)."""
+    if chunk.vl.deepstack_layers:
+        return chunk.embed_images(tokens, *images)
     embeddings = chunk.embedding(input_ids=tokens, position_ids=None)
     pixels, grids = images
     features = chunk.vision(pixels.to(embeddings.device), grids)
-    return place_image_features(embeddings, tokens, features, chunk.vl.image_token_id)
+    return place_image_features(embeddings, tokens, features, chunk.vl.image_token_id), None
 
 
 def last_positions(positions: torch.Tensor) -> torch.Tensor:
