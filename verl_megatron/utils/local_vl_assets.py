@@ -88,16 +88,22 @@ def build_tiny_qwen2_5_vl(
     max_pixels: int = 28 * 28 * 64,
     vision: dict[str, Any] | None = None,
     text: dict[str, Any] | None = None,
+    tokenizer: Any = None,
 ) -> Any:
     """A random Qwen2.5-VL (float32, eval mode) with tokenizer and image processor in ``out_dir``.
 
     Weights are drawn with std 0.1, norm weights and biases around 1 / 0 (transformers starts
     them at exactly 1 / 0, which would hide a swapped norm or an unloaded bias). ``vision`` / ``text`` override the tiny config's fields.
+    ``tokenizer``: one with the vision markers (e.g. ``vl_word_tokenizer``'s), saved beside the model
+    instead of ``build_vl_tokenizer``'s BPE.
     """
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     os.makedirs(out_dir, exist_ok=True)
-    tokenizer = build_vl_tokenizer(out_dir)
+    if tokenizer is None:
+        tokenizer = build_vl_tokenizer(out_dir)
+    else:
+        tokenizer.save_pretrained(out_dir)
     _image_processor(max_pixels).save_pretrained(out_dir)
     ids = tokenizer.convert_tokens_to_ids
     text_config = {

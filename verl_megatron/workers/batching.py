@@ -395,7 +395,8 @@ def build_micro_batches(
         elif inputs is None:
             inputs = _padded_inputs(ids, mask, resp, (num, width))
         if ROW_IMAGES in batch:  # image rows: their images and 3-D positions go with them
-            inputs = attach_images(inputs, batch[ROW_IMAGES][rows], ids, mask, thd=thd, cp_size=cp_size)
+            images, width = batch[ROW_IMAGES][rows], resp.shape[1]
+            inputs = attach_images(inputs, images, ids, mask, thd=thd, cp_size=cp_size, response_length=width)
         tensors = {key: batch[key][rows] for key in tensor_keys}
         out.append(MicroBatch(rows=rows, inputs=inputs, tensors=tensors))
     return out

@@ -70,6 +70,9 @@ class ModelInputs:
     ``position_ids`` are then [3, b, S] (3-D rotary ids)."""
     image_grid_thw: torch.Tensor | None = None
     """[n, 3] (t, h, w) patches of each image of ``pixel_values``."""
+    prompt_mask: torch.Tensor | None = None
+    """[b, S] True at prompt tokens, laid out like ``input_ids``: only they take image features (a
+    sampled response token equal to the image token id is text, as the rollout embedded it)."""
 
     @classmethod
     def laid_out(

@@ -137,9 +137,11 @@ def attach_images(
     *,
     thd: bool,
     cp_size: int,
+    response_length: int = 0,
 ) -> ModelInputs:
     """``inputs`` of a micro-batch whose rows (``input_ids``/``attention_mask`` [r, T], batch layout)
-    carry ``images``: the rows' pixel values and grids, and [3, b, S] positions laid out like the tokens."""
+    carry ``images``: the rows' pixel values and grids, and [3, b, S] positions laid out like the tokens;
+    the last ``response_length`` columns are responses (``prompt_mask`` False there)."""
     if thd or cp_size > 1:
         raise ParallelConfigError(
             "image rows cannot be packed as THD sequences or split over context-parallel ranks yet "
@@ -159,15 +161,22 @@ def attach_images(
         )
     laid = torch.zeros((3, *inputs.input_ids.shape), dtype=torch.long)
     laid[:, keep] = images.position_ids.transpose(0, 1)[:, valid]
+    prompt = torch.zeros(inputs.input_ids.shape, dtype=torch.bool)
+    prompt[keep] = (torch.arange(valid.shape[1]) < valid.shape[1] - response_length).expand_as(valid)[valid]
     pixels, grids = images.concatenated()
-    return dataclasses.replace(inputs, position_ids=laid, pixel_values=pixels, image_grid_thw=grids)
+    return dataclasses.replace(
+        inputs, position_ids=laid, pixel_values=pixels, image_grid_thw=grids, prompt_mask=prompt
+    )
 
 
 def model_kwargs(inputs: ModelInputs, device: torch.device) -> dict[str, torch.Tensor]:
     """The model call's image arguments of a micro-batch (``{}`` without images)."""
     if inputs.pixel_values is None:
         return {}
-    return {"pixel_values": inputs.pixel_values.to(device), "image_grid_thw": inputs.image_grid_thw}
+    out = {"pixel_values": inputs.pixel_values.to(device), "image_grid_thw": inputs.image_grid_thw}
+    if inputs.prompt_mask is not None:
+        out["prompt_mask"] = inputs.prompt_mask.to(device)
+    return out
 
 
 def with_response_positions(prompt_positions: torch.Tensor, response_length: int) -> torch.Tensor:

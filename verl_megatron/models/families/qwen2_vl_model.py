@@ -39,11 +39,17 @@ def vl_model_class(
 
 
 def place_image_features(
-    embeddings: torch.Tensor, input_ids: torch.Tensor, features: torch.Tensor, image_token_id: int
+    embeddings: torch.Tensor,
+    input_ids: torch.Tensor,
+    features: torch.Tensor,
+    image_token_id: int,
+    prompt_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``embeddings`` [T, B, H] with row-major image token ``i`` of ``input_ids`` [B, T] replaced
     by ``features[i]`` [N, H]; ValueError when the counts differ."""
     mask = input_ids == image_token_id
+    if prompt_mask is not None:  # [B, T]: a response token equal to the image token id stays text
+        mask &= prompt_mask.bool()
     count = int(mask.sum())
     if count != features.shape[0]:
         raise ValueError(
@@ -81,6 +87,7 @@ class Qwen2VLGPTModel(GPTModel):
         *args: Any,
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
+        prompt_mask: torch.Tensor | None = None,
         **kwargs: Any,
     ):
         if position_ids is not None and position_ids.dim() == 2:  # text only: t = h = w = the position
@@ -88,7 +95,9 @@ class Qwen2VLGPTModel(GPTModel):
         if decoder_input is None and self.pre_process and pixel_values is not None:
             embeddings = self.embedding(input_ids=input_ids, position_ids=None)
             features = self.vision(pixel_values.to(embeddings.device), image_grid_thw)
-            decoder_input = place_image_features(embeddings, input_ids, features, self.vl.image_token_id)
+            decoder_input = place_image_features(
+                embeddings, input_ids, features, self.vl.image_token_id, prompt_mask
+            )
         return super().forward(input_ids, position_ids, attention_mask, decoder_input, *args, **kwargs)
 
 

@@ -10,20 +10,22 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from verl_megatron.reward.scorers import code_exec, gsm8k, math_dapo, math_verify_score, synthetic
+from verl_megatron.reward.scorers import code_exec, gsm8k, math_dapo, math_verify_score, shapes, synthetic
 
 GSM8K_SOURCES = ("openai/gsm8k",)
 MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
 DAPO_SOURCES = ("math_dapo",)
 DAPO_SOURCE_PREFIXES = ("aime",)
 SYNTHETIC_SOURCES = ("synthetic/reverse", "synthetic/copy")
+SHAPES_SOURCES = ("synthetic/shapes",)  # the vision-language quickstart (data/shapes_task.py)
 CODE_SOURCES = code_exec.CODE_SOURCES  # programs run on test cases in a sandbox
 
 
 def known_data_sources() -> list[str]:
     """Every data source the default scorer handles (prefixes end with ``*``)."""
     prefixes = [f"{prefix}*" for prefix in DAPO_SOURCE_PREFIXES]
-    return [*GSM8K_SOURCES, *MATH_SOURCES, *DAPO_SOURCES, *prefixes, *SYNTHETIC_SOURCES, *CODE_SOURCES]
+    synthetic = [*SYNTHETIC_SOURCES, *SHAPES_SOURCES]
+    return [*GSM8K_SOURCES, *MATH_SOURCES, *DAPO_SOURCES, *prefixes, *synthetic, *CODE_SOURCES]
 
 
 def default_compute_score(
@@ -52,6 +54,8 @@ def default_compute_score(
         return math_dapo.compute_score(solution_str, ground_truth)
     if data_source in SYNTHETIC_SOURCES:
         return synthetic.compute_score(solution_str, ground_truth)
+    if data_source in SHAPES_SOURCES:
+        return shapes.compute_score(solution_str, ground_truth)
     if data_source in CODE_SOURCES:
         return code_exec.compute_score(solution_str, ground_truth, config=_code_config(kwargs))
     raise NotImplementedError(
@@ -100,6 +104,7 @@ BUILTIN_SCORERS = frozenset(
         math_dapo.compute_score,
         math_verify_score.compute_score,
         synthetic.compute_score,
+        shapes.compute_score,
     }
 )
 
