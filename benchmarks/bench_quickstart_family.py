@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", default="quickstart_deepseek.yaml")
     parser.add_argument("--steps", type=int, default=None, help="trainer.total_training_steps (default: the recipe's)")
     parser.add_argument("--target", type=float, default=0.8)
+    parser.add_argument("--val-key", default=VAL_KEY, help="the validation reward's metric")
     parser.add_argument("overrides", nargs="*", help="config overrides, key=value")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "quickstart_deepseek.json"))
     args = parser.parse_args(argv)
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
         run(os.path.join(ROOT, "configs", args.config), overrides)
         wall = time.perf_counter() - start
         rows = read_jsonl_metrics(os.path.join(tmp, "metrics.jsonl"))
-    val = {int(r["step"]): round(r[VAL_KEY], 4) for r in rows if VAL_KEY in r}
+    val = {int(r["step"]): round(r[args.val_key], 4) for r in rows if args.val_key in r}
     train = {int(r["step"]): round(r["critic/score/mean"], 4) for r in rows if "critic/score/mean" in r}
     reached = [s for s, v in sorted(val.items()) if v >= args.target]
     command = f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '?')} python benchmarks/bench_quickstart_family.py"

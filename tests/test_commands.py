@@ -142,6 +142,7 @@ def test_every_printed_command_is_known():
         "verl-megatron --version",
         RUN[4],
         "verl-megatron check-hf DIR --ep 2",
+        "verl-megatron train --config configs/quickstart_vl.yaml",  # a step in tests/test_recipes.py
     ]
     headers = header_commands()
     assert headers["configs/quickstart.yaml"] == [
@@ -329,6 +330,7 @@ OWN_COMMAND_TESTS = (
     "configs/quickstart_agent.yaml",
     "configs/sft_agent.yaml",
     "configs/quickstart_deepseek.yaml",
+    "configs/quickstart_vl.yaml",
     "configs/grpo_deepseek_v3.yaml",
     "configs/grpo_gpt_oss.yaml",
     "configs/grpo_qwen3_next.yaml",

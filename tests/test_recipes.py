@@ -1,5 +1,5 @@
 """Every shipped recipe trains: configs/grpo.yaml, ppo.yaml, dapo.yaml, grpo_moe.yaml,
-quickstart_moe.yaml and sft.yaml each run one step on CPU.
+quickstart_moe.yaml, quickstart_vl.yaml and sft.yaml each run one step on CPU.
 
 Each recipe runs as written (bf16 mixed precision, its loss, estimator, KL, critic, dynamic
 sampling, overlong penalty, validation, checkpointing) with only sizes overridden: a tiny
@@ -290,6 +290,23 @@ def test_quickstart_deepseek_runs_a_step(pool1, tmp_path):
     (after,) = _expert_biases(load_file(os.path.join(out, "hf_export", "model.safetensors")))
     moved = (after - before).abs()
     assert (moved - 1e-3).abs().max() < 1e-6, f"expert biases moved by {moved.tolist()} (rate 1e-3)"
+
+
+def test_quickstart_vl_runs_a_step(pool1, tmp_path):
+    """configs/quickstart_vl.yaml builds a tiny Qwen2.5-VL with a 20-word tokenizer and the shapes
+    data (56x56 images: 4 image tokens, 15-token prompts), trains a step on image rows and exports;
+    benchmarks/results/vl_learning.json is its full run."""
+    out = str(tmp_path / "quickstart_vl")
+    overrides = ["trainer.total_training_steps=1", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4"]
+    overrides.append("trainer.val_before_train=false")  # the validation after step 1 runs
+    (result,) = pool1.run(f"{__name__}:recipe_job", recipe="quickstart_vl", out_dir=out, overrides=overrides)
+    last = {k: v for row in result["rows"] if row["step"] == 1 for k, v in row.items()}
+    with open(os.path.join(out, "hf_export", "config.json")) as f:
+        hf = json.load(f)
+    assert hf["model_type"] == "qwen2_5_vl" and hf["text_config"]["vocab_size"] == 20, hf
+    assert last["prompt_length/max"] == last["prompt_length/min"] == 15, last
+    assert math.isfinite(last["actor/pg_loss"]) and last["actor/grad_norm"] > 0, last
+    assert last["rollout/logprob_diff/max"] < 1e-4 and 0 <= last["val/test_score/synthetic/shapes"] <= 1, last
 
 
 def _expert_biases(state: dict) -> list:

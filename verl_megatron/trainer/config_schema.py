@@ -244,7 +244,10 @@ class QuickstartConfig:
     Attributes:
         enable: build what ``model.path`` / ``data.train_files`` do not provide.
         task: synthetic task, "reverse" or "copy" (see verl_megatron.data.synthetic), or
-            "lookup" (the agent quickstart's tool task, verl_megatron.data.lookup_task).
+            "lookup" (the agent quickstart's tool task, verl_megatron.data.lookup_task), or
+            "shapes" (configs/quickstart_vl.yaml: "What colour is the square?" about generated
+            images, verl_megatron.data.shapes_task; the model is then a tiny Qwen2.5-VL and
+            ``family`` is not used).
         num_digits: digits per prompt.
         hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size: the
             random-init model.

@@ -64,7 +64,8 @@ def startup_line(config: Any, layout: Any, world_size: int, data: DataSizes | No
         model = config.model.path
     else:
         qs = config.quickstart
-        model = f"quickstart tiny {qs.family} ({qs.num_layers} layers, hidden {qs.hidden_size})"
+        family = "qwen2_5_vl" if qs.task == "shapes" else qs.family  # the shapes task's model is a VLM
+        model = f"quickstart tiny {family} ({qs.num_layers} layers, hidden {qs.hidden_size})"
     if data is None:
         rows = f"synthetic '{config.quickstart.task}' task"
     else:

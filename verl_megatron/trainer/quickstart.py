@@ -28,6 +28,8 @@ def _build(config: PPOConfig, assets_dir: str, need_model: bool, need_data: bool
     from verl_megatron.utils.local_assets import MOE_FAMILIES, build_char_tokenizer, build_tiny_hf_model
 
     qs = config.quickstart
+    if qs.task == "shapes":  # the vision-language quickstart (configs/quickstart_vl.yaml)
+        return _build_shapes(config, assets_dir, need_model, need_data)
     if need_model:
         model_dir = os.path.join(assets_dir, "model")
         tokenizer = build_char_tokenizer(
@@ -55,6 +57,25 @@ def _build(config: PPOConfig, assets_dir: str, need_model: bool, need_data: bool
         write_synthetic_dataset(
             os.path.join(assets_dir, "data"), task=qs.task, num_digits=qs.num_digits, seed=config.trainer.seed
         )
+
+
+def _build_shapes(config: PPOConfig, assets_dir: str, need_model: bool, need_data: bool) -> None:
+    """A tiny random Qwen2.5-VL with a word tokenizer of the shapes task's words, and its data."""
+    from verl_megatron.data.shapes_task import WORDS, write_shapes_dataset
+    from verl_megatron.utils.local_vl_assets import build_tiny_qwen2_5_vl
+    from verl_megatron.utils.vl_word_tokenizer import build_vl_word_tokenizer
+
+    qs = config.quickstart
+    if need_model:
+        model_dir = os.path.join(assets_dir, "model")
+        tokenizer = build_vl_word_tokenizer(os.path.join(assets_dir, "tokenizer"), WORDS)
+        text = dict(
+            hidden_size=qs.hidden_size, num_hidden_layers=qs.num_layers, num_attention_heads=qs.num_heads,
+            num_key_value_heads=qs.num_kv_heads, intermediate_size=qs.intermediate_size,
+        )  # fmt: skip
+        build_tiny_qwen2_5_vl(model_dir, seed=config.trainer.seed, text=text, tokenizer=tokenizer)
+    if need_data:
+        write_shapes_dataset(os.path.join(assets_dir, "data"), seed=config.trainer.seed)
 
 
 def _agent_chat(task: str) -> dict:
