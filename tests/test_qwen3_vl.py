@@ -137,3 +137,10 @@ def test_qwen3_vl_log_probs_and_grads_at_tp2_equal_one_process(pool1, pool2, vl_
         assert got.keys() == want.keys()
         for name, tensor in want.items():
             _assert_close(got[name], tensor, f"rank {rank} {name}", GRAD_TOLERANCE)
+
+
+def test_a_qwen3_vl_checkpoint_passes_the_start_up_checks(vl_path, no_runtime):
+    """The trainer's start-up checks take a Qwen3-VL folder as they take a Qwen2.5-VL one."""
+    qwen2_5_vl_tests.test_a_vl_checkpoint_passes_the_start_up_checks_with_the_native_rollout(
+        vl_path, no_runtime
+    )

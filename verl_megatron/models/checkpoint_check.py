@@ -18,6 +18,7 @@ from verl_megatron.errors import UserInputError
 from verl_megatron.models.config import HFArchitecture
 from verl_megatron.models.families.deepseek import mla_hf_shapes
 from verl_megatron.models.families.gpt_oss import gpt_oss_hf_shapes
+from verl_megatron.models.families.qwen2_vl import hf_language_names
 from verl_megatron.models.families.qwen3_next import linear_layer_shapes
 
 __all__ = [
@@ -206,6 +207,8 @@ def expected_hf_shapes(arch: HFArchitecture) -> dict[str, tuple[int, ...]]:
     shapes["model.norm.weight"] = (arch.hidden_size,)
     if not arch.tie_word_embeddings:
         shapes["lm_head.weight"] = (arch.vocab_size, arch.hidden_size)
+    if arch.vl is not None:  # Qwen3-VL saves its language model under model.language_model.
+        return dict(zip(hf_language_names(tuple(shapes), arch.vl), shapes.values()))
     return shapes
 
 
