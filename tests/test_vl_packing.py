@@ -113,3 +113,15 @@ def test_packed_image_rows_equal_padded_against_float64(request, vl_path, tp):  
         assert ref["log_probs"].abs().max() > 1.0 and len(ref["grads"]) > 20
         assert any(k.startswith("vision.") and float(v.abs().max()) > 1e-4 for k, v in ref["grads"].items())
         _check(result, f"tp={tp} rank {rank}")
+
+
+def test_transformer_engine_attention_is_refused_at_start_up_for_vl():
+    from verl_megatron.errors import ModelConfigError
+    from verl_megatron.models.families.qwen2_vl import check_vl_attention
+
+    with pytest.raises(ModelConfigError, match=r"qwen2_5_vl \(vision-language\).*set model\.use_te=false"):
+        check_vl_attention("qwen2_5_vl", lambda: True)
+    check_vl_attention("qwen2_5_vl", lambda: False)
+    asked: list[int] = []
+    check_vl_attention("qwen2", lambda: asked.append(1) or True)
+    assert asked == []  # a text checkpoint does not resolve model.use_te here

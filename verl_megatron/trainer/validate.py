@@ -25,7 +25,7 @@ from verl_megatron.models.checkpoint_check import check_hf_weights
 from verl_megatron.models.config import check_layout, load_hf_config, read_hf_architecture
 from verl_megatron.models.families.deepseek import check_family_features
 from verl_megatron.models.families.gpt_oss import check_gpt_oss_features
-from verl_megatron.models.families.qwen2_vl import check_vl_features, check_vl_rollout
+from verl_megatron.models.families.qwen2_vl import check_vl_attention, check_vl_features, check_vl_rollout
 from verl_megatron.models.families.qwen3_next import check_linear_features
 from verl_megatron.models.moe import MOE_MODEL_TYPES, check_trainable
 from verl_megatron.reward.loading import resolve_reward_manager_cls
@@ -369,6 +369,7 @@ def _check_family_features(config: PPOConfig, layout: ParallelLayout) -> None:
             cp=layout.cp,
         )
     check_vl_rollout(model_type, config.rollout.name)
+    check_vl_attention(model_type, config.model.resolve_use_te)
     check_linear_features(  # Qwen3-Next (gated DeltaNet)
         load_hf_config(config.model.path).model_type,
         lora_rank=config.model.lora_rank,

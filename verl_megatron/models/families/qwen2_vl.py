@@ -23,6 +23,7 @@ optimisation for towers that do not fit.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,7 @@ __all__ = [
     "VLArchitecture",
     "VisionArchitecture",
     "VisionShape",
+    "check_vl_attention",
     "check_vl_features",
     "check_vl_rollout",
     "check_vl_settings",
@@ -253,6 +255,19 @@ def check_vl_rollout(model_type: str, rollout_name: str) -> None:
         raise ModelConfigError(
             f"rollout.name={rollout_name} does not pass images to its engine; {model_type} "
             f"(vision-language) checkpoints generate with rollout.name in {list(VL_ROLLOUT_ENGINES)}"
+        )
+
+
+def check_vl_attention(model_type: str, uses_te: Callable[[], bool]) -> None:
+    """Image rows need megatron's local attention (``workers/vl_inputs.attach_images``): Transformer
+    Engine's attention takes no padded rows and its fused rotary turns packed THD sequences by their
+    offsets, not by the 3-D ids. Refused at start-up (ModelConfigError) for a VL checkpoint, before
+    a rollout is spent; ``uses_te`` (``ModelConfig.resolve_use_te``) is asked for VL checkpoints only."""
+    if model_type in VL_MODEL_TYPES and uses_te():
+        raise ModelConfigError(
+            f"{model_type} (vision-language) checkpoints train with megatron's local attention: set "
+            "model.use_te=false (Transformer Engine's attention takes no padded rows and its fused "
+            "rotary turns packed sequences by offset, not by the 3-D rotary ids)"
         )
 
 
