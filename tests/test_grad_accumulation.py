@@ -3,7 +3,7 @@ the update of megatron's own path: same loss, same gradients and weights up to f
 
 A tiny GPTModel (tied and untied LM head) runs one step of megatron's schedule over four
 micro-batches (so the buffer accumulates), DDP and the megatron optimizer with clipping, from
-the same weights, three ways: float64 (the reference; the fused path is float32-only, so this
+the same weights (one frozen), three ways: float64 (the reference; the fused path is float32-only, so this
 is DDP's own path), float32 through DDP's hook, float32 with the fused accumulation. The fused
 gradients must be as close to float64 as the hook's are (within FLOAT32_ERROR_FACTOR of the
 hook's error, per tensor), the loss is bit-equal (the forward runs the same matmuls), and one
@@ -18,7 +18,14 @@ import pytest
 import torch
 
 from tests.closeness import assert_adam_weights_close
-from tests.tiny_gpt import global_token_loss, make_gpt, run_schedule, seeded_chunks, token_mean_schedule, uneven_batch
+from tests.tiny_gpt import (
+    global_token_loss,
+    make_gpt,
+    run_schedule,
+    seeded_chunks,
+    token_mean_schedule,
+    uneven_batch,
+)
 
 VOCAB, SEQ, HIDDEN, LAYERS, HEADS, GROUPS, FFN = 64, 8, 32, 2, 4, 2, 64
 ROWS, MICRO_BATCH, LR = 8, 2, 1e-2
@@ -68,6 +75,8 @@ def _step(dtype: torch.dtype, fused: bool, tied: bool) -> dict:
 
     runtime, chunks = seeded_chunks(ParallelLayout(), make, layers=LAYERS, heads=HEADS, groups=GROUPS)
     load_full_state(chunks, float32_weights)
+    # A frozen weight (as LoRA's base) has no buffer: its layer falls through to megatron's matmul.
+    chunks[0].decoder.layers[0].mlp.linear_fc2.weight.requires_grad_(False)
     settings = OptimSettings(lr=LR, weight_decay=0.01, clip_grad=0.05, grad_reduce_in_fp32=False)
     chunks = wrap_ddp(chunks, settings)
     attach_schedule_hooks(chunks)
@@ -79,7 +88,9 @@ def _step(dtype: torch.dtype, fused: bool, tied: bool) -> dict:
     zero_grads(chunks, optimizer)
     with accumulate_into_main_grad(chunks) if fused else contextlib.nullcontext(0) as switched:
         out = run_schedule(chunks, micro_batches, forward_step, num_micro, seq=SEQ, micro_batch=MICRO_BATCH)
-    leftover = [type(m).__name__ for c in chunks for m in c.modules() if {"_forward_impl", "forward"} & set(vars(m))]
+    leftover = [
+        type(m).__name__ for c in chunks for m in c.modules() if {"_forward_impl", "forward"} & set(vars(m))
+    ]
     grads = gather_full_state(chunks, grads=True)
     ok, _, _ = optimizer.step()
     assert ok
@@ -112,4 +123,6 @@ def test_fused_accumulation_matches_ddp_hook_path(pool1, tied):
         if fused_err > FLOAT32_ERROR_FACTOR * max(hook_err, floor):
             worse[name] = (fused_err, hook_err)
     assert not worse, f"fused gradients further from float64 than the hook path's (fused, hook): {worse}"
-    assert_adam_weights_close(fused["weights"], hook["weights"], lr=LR, steps=1, what="weights after one step")
+    assert_adam_weights_close(
+        fused["weights"], hook["weights"], lr=LR, steps=1, what="weights after one step"
+    )

@@ -60,14 +60,15 @@ class _FusedWgradImpl:
     def __init__(self, original) -> None:
         self.original = original
 
-    def __call__(self, input, weight, bias, gradient_accumulation_fusion=False, allreduce_dgrad=False,
-                 sequence_parallel=False, grad_output_buffer=None, *args, **kwargs):  # fmt: skip
-        if sequence_parallel or grad_output_buffer is not None or not _accumulates(weight):
-            return self.original(
-                input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
-                grad_output_buffer, *args, **kwargs,
-            )  # fmt: skip
-        if allreduce_dgrad:
+    def __call__(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, **kwargs):
+        # megatron passes everything by keyword; its two implementations order them differently.
+        if (
+            kwargs.get("sequence_parallel")
+            or kwargs.get("grad_output_buffer") is not None
+            or not _accumulates(weight)
+        ):
+            return self.original(input=input, weight=weight, bias=bias, **kwargs)
+        if kwargs.get("allreduce_dgrad"):
             from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
             # Forward: identity; backward: the input gradient all-reduced over tp (megatron's order).
