@@ -1,0 +1,168 @@
+"""An OpenEnv environment (a real ``openenv`` Environment subclass, defined here) as the rollout
+and reward source (reward/agents/openenv_env.py).
+
+``EchoTwiceEnv``: reset(seed) shows a two-digit key; step 1 pays 0.25 for saying the key, step 2
+pays 0.75 for saying it reversed and ends the episode. A scripted engine pins the tokens (the
+policy's replies trained, the observations' turns masked out) and the per-turn rewards in text
+and tool mode; one GRPO step of configs/quickstart_agent.yaml runs on it with
+``rollout.agent.harness: openenv``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from tests.test_agent_endpoint import ScriptedEngine
+from verl_megatron.errors import ConfigError
+from verl_megatron.protocol import DataProto
+from verl_megatron.rollout.config import AgentConfig, RolloutConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = "tests.openenv_echo_env:EchoTwiceEnv"  # imported by the tests only (openenv imports gradio: ~4 s)
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    from verl_megatron.data.lookup_task import AGENT_CHAT_TEMPLATE, TOOL_TOKENS
+    from verl_megatron.utils.local_assets import build_char_tokenizer
+
+    return build_char_tokenizer(
+        tmp_path_factory.mktemp("openenv_tok"), alphabet="0123456789",
+        extra_tokens=TOOL_TOKENS, chat_template=AGENT_CHAT_TEMPLATE,
+    )  # fmt: skip
+
+
+def _harness(**kwargs):
+    from verl_megatron.reward.agents import build_harness
+
+    return build_harness(AgentConfig(enable=True, harness="openenv", kwargs=kwargs))
+
+
+def test_named_errors_for_bad_environments(tmp_path):
+    cases = [
+        ({}, r"harness=openenv needs rollout\.agent\.kwargs\.env"),
+        ({"env": str(tmp_path / "missing.py:Env")}, r"rollout\.agent\.kwargs\.env=.*file not found"),
+        ({"env": "tests.no_such_module:Env"}, r"rollout\.agent\.kwargs\.env=.*cannot import module"),
+        ({"env": "builtins:dict"}, r"dict is not an openenv Environment subclass"),
+        (
+            {"env": "tests.openenv_echo_env:ResetFailsEnv"},
+            r"env=.*ResetFailsEnv.*reset\(\) raised RuntimeError: the server is down$",
+        ),
+        ({"env": ENV, "env_kwargs": {"size": 2}}, r"env_kwargs: .*unexpected keyword argument 'size'"),
+        ({"env": ENV, "action_field": "text"}, r"action_field='text'.*DigitsAction.*\['digits'\]"),
+        ({"env": ENV, "action": "builtins:str"}, r"name the openenv Action class"),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises(ConfigError, match=match) as caught:
+            _harness(**kwargs)
+        assert "\n" not in str(caught.value), str(caught.value)
+
+
+def _batch(tok, rows: list[tuple[str, dict]], width: int = 8) -> DataProto:
+    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
+                                              tokenize=False), add_special_tokens=False) for c, _ in rows]  # fmt: skip
+    columns = {
+        "raw_prompt": [[{"role": "user", "content": c}] for c, _ in rows],
+        "extra_info": [e for _, e in rows],
+    }
+    non_tensors = {}
+    for key, values in columns.items():
+        non_tensors[key] = np.empty(len(rows), dtype=object)
+        non_tensors[key][:] = values
+    return DataProto.from_dict(
+        {
+            "input_ids": torch.tensor([[0] * (width - len(i)) + i for i in ids]),
+            "attention_mask": torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids]),
+        },
+        non_tensors=non_tensors,
+    )
+
+
+@pytest.mark.parametrize("as_tool", [False, True], ids=["text", "tool"])
+def test_episode_tokens_and_turn_rewards_are_exact(tok, as_tool):
+    """Seed 3 (key "30"): the policy says "30" (0.25), then "03" in text mode (0.75) or "12" in
+    tool mode (0); a row with seed -1 fails its reset (cause ``error``, nothing trained)."""
+    from verl_megatron.rollout.agent import AgentRollout
+
+    eos, assistant = tok.eos_token_id, tok.convert_tokens_to_ids("<|assistant|>")
+
+    def say(text: str) -> list[int]:
+        wrapped = f"<tool_call>{text}</tool_call>" if as_tool else text
+        return [*tok.encode(wrapped, add_special_tokens=False), eos]
+
+    first, second = say("30"), say("12" if as_tool else "03")
+    engine = ScriptedEngine(lambda p: first if p.count(assistant) == 1 else second, [eos])
+    fmt = "bare" if as_tool else "none"
+    agent = AgentConfig(enable=True, harness="openenv", max_turns=3, deadline_s=60.0, tool_call_format=fmt)
+    harness = _harness(env=ENV, action_as_tool=as_tool, sampling={"max_tokens": 16})
+    config = RolloutConfig(n=1, prompt_length=8, response_length=40, agent=agent)
+    batch = _batch(tok, [("30", {"index": 3}), ("30", {"seed": -1})])
+    with pytest.warns(UserWarning, match="no key for a negative seed"):
+        out = AgentRollout(engine, config, tok, harness, [eos]).generate_sequences(batch)
+
+    role = "<|tool|>" if as_tool else "<|user|>"
+    env = [*tok.encode(f"{role}03", add_special_tokens=False), eos, assistant]
+    expected = first + env + second
+    n = len(expected)
+    assert out.batch["responses"][0, :n].tolist() == expected, tok.decode(out.batch["responses"][0])
+    mask = [1] * len(first) + [0] * len(env) + [1] * len(second) + [0] * (40 - n)
+    assert out.batch["response_mask"][0].tolist() == mask
+    assert not out.batch["response_mask"][1].any()
+    cols = out.non_tensor_batch
+    assert list(cols["agent_failure"]) == ["", "error"] and cols["agent_turns"][0] == 2
+    assert (
+        cols["agent_turn_rewards"][0] == [0.25, 0.0 if as_tool else 0.75] and cols["agent_reward"][0] == 0.0
+    )
+    assert cols["agent_turn_ends"][0] == [len(first) - 1, n - 1]
+    assert cols["agent_tool_calls"][0] == (2 if as_tool else 0)
+
+
+def openenv_step_job(config_path: str, out_dir: str) -> tuple[list[dict], list]:
+    from tests.openenv_echo_env import EPISODES
+    from verl_megatron.train import run
+    from verl_megatron.trainer.tracking import read_jsonl_metrics
+
+    EPISODES.clear()
+    run(config_path, [f"trainer.default_local_dir={out_dir}"])
+    return read_jsonl_metrics(os.path.join(out_dir, "metrics.jsonl")), list(EPISODES)
+
+
+def test_openenv_environment_drives_a_grpo_step(pool1, tmp_path):
+    from verl_megatron.reward.agents.openenv_env import write_openenv_dataset
+
+    train, val = write_openenv_dataset({"env": ENV}, tmp_path / "data", count=10)
+    with open(os.path.join(ROOT, "configs", "quickstart_agent.yaml")) as f:
+        config = yaml.safe_load(f)
+    overrides = {
+        "data.train_files": [train], "data.val_files": [val], "data.train_batch_size": 4,
+        "data.max_response_length": 12, "actor.ppo_mini_batch_size": 4, "rollout.n": 4,
+        "rollout.agent.harness": "openenv", "rollout.agent.tool_call_format": "none",
+        "rollout.agent.kwargs": {"env": ENV, "sampling": {"max_tokens": 3}},
+        "trainer.total_training_steps": 1, "trainer.val_before_train": False,
+    }  # fmt: skip
+    for dotted, value in overrides.items():
+        *parents, leaf = dotted.split(".")
+        node = config
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    path = tmp_path / "openenv_step.yaml"
+    path.write_text(yaml.safe_dump(config))
+    rows, episodes = pool1.run(
+        f"{__name__}:openenv_step_job", config_path=str(path), out_dir=str(tmp_path / "run")
+    )[0]
+    step = {k: v for row in rows if row["step"] == 1 for k, v in row.items()}
+    trained = [e for e in episodes if e[0].startswith("b0-")]
+    assert len(trained) == 16 and step["reward/agent/trajectories_count"] == 16, json.dumps(step)
+    assert sum(v for k, v in step.items() if k.startswith("reward/agent/failure_")) == 0, json.dumps(step)
+    # Every model call was one env step, and the trained score is the env's rewards, summed.
+    assert step["reward/agent/turns_count"] == sum(len(actions) for _, actions, _ in trained)
+    mean = sum(sum(rewards) for _, _, rewards in trained) / 16
+    assert abs(step["critic/score/mean"] - mean) < 1e-6, (step["critic/score/mean"], trained)
+    assert step["val/reward/agent/trajectories_count"] == 2 and "val/test_score/openenv/EchoTwiceEnv" in step
