@@ -5,9 +5,8 @@ protocol of ``verl_megatron.rollout.agent``).
 ``rollout.agent.harness``: ``tools`` (the built-in tool loop, ``tools.py``), ``verifiers`` (a
 verifiers 0.4 taskset, ``verifiers_env.py``), or ``pkg.module:name`` / ``/path/file.py:name`` of
 a factory called with ``rollout.agent.kwargs`` that returns a harness (``run(task, client) ->
-AgentOutcome``). ``openenv`` stops with a named error: ``openenv-core`` 0.3.0 is on the index,
-but it requires gradio (pillow<13; the venv has pillow 13) and fastmcp (whose newest release needs
-an mcp newer than verifiers' ``mcp==2.0.0``), so it is not a dependency and has no adapter yet.
+AgentOutcome``). ``openenv`` steps an OpenEnv ``Environment`` subclass in-process
+(``openenv_env.py``, openenv-core 0.3).
 """
 
 from __future__ import annotations
@@ -33,12 +32,9 @@ def build_harness(agent: AgentConfig) -> Any:
 
         return VerifiersHarness(agent, **kwargs)
     if agent.harness == "openenv":
-        raise ConfigError(
-            "rollout.agent.harness=openenv: no OpenEnv adapter yet (openenv-core 0.3.0 is on the "
-            "package index, but its gradio needs pillow<13 (installed: 13) and its newest fastmcp an mcp "
-            "newer than verifiers' mcp==2.0.0, so it is not a dependency); write a harness factory "
-            "('pkg.module:name') that steps your OpenEnv environment and calls the policy at task.base_url"
-        )
+        from verl_megatron.reward.agents.openenv_env import OpenEnvHarness
+
+        return OpenEnvHarness(agent, **kwargs)
     factory = load_object(agent.harness, "rollout.agent.harness")
     try:
         return factory(**kwargs)
