@@ -17,15 +17,8 @@ import contextlib
 import pytest
 import torch
 
+from tests import tiny_gpt
 from tests.closeness import assert_adam_weights_close
-from tests.tiny_gpt import (
-    global_token_loss,
-    make_gpt,
-    run_schedule,
-    seeded_chunks,
-    token_mean_schedule,
-    uneven_batch,
-)
 
 VOCAB, SEQ, HIDDEN, LAYERS, HEADS, GROUPS, FFN = 64, 8, 32, 2, 4, 2, 64
 ROWS, MICRO_BATCH, LR = 8, 2, 1e-2
@@ -61,7 +54,7 @@ def _step(dtype: torch.dtype, fused: bool, tied: bool) -> dict:
     from verl_megatron.models.sharding import gather_full_state, load_full_state, seeded_tensor
 
     def make(pre, post, vp_stage):
-        return make_gpt(
+        return tiny_gpt.make_gpt(
             pre, post, vp_stage, vocab=VOCAB, seq=SEQ, hidden=HIDDEN, layers=LAYERS, heads=HEADS,
             groups=GROUPS, ffn=FFN, dtype=dtype, tied=tied,
         )  # fmt: skip
@@ -73,7 +66,9 @@ def _step(dtype: torch.dtype, fused: bool, tied: bool) -> dict:
         finally:
             torch.set_default_dtype(dtype)
 
-    runtime, chunks = seeded_chunks(ParallelLayout(), make, layers=LAYERS, heads=HEADS, groups=GROUPS)
+    runtime, chunks = tiny_gpt.seeded_chunks(
+        ParallelLayout(), make, layers=LAYERS, heads=HEADS, groups=GROUPS
+    )
     load_full_state(chunks, float32_weights)
     # A frozen weight (as LoRA's base) has no buffer: its layer falls through to megatron's matmul.
     chunks[0].decoder.layers[0].mlp.linear_fc2.weight.requires_grad_(False)
@@ -81,13 +76,15 @@ def _step(dtype: torch.dtype, fused: bool, tied: bool) -> dict:
     chunks = wrap_ddp(chunks, settings)
     attach_schedule_hooks(chunks)
     optimizer = build_optimizer(chunks, settings)
-    batch = uneven_batch(VOCAB, ROWS, SEQ, seed=1)
-    micro_batches, forward_step, num_micro = token_mean_schedule(
+    batch = tiny_gpt.uneven_batch(VOCAB, ROWS, SEQ, seed=1)
+    micro_batches, forward_step, num_micro = tiny_gpt.token_mean_schedule(
         batch, micro_batch=MICRO_BATCH, seq=SEQ, dp=1, dp_rank=0
     )
     zero_grads(chunks, optimizer)
     with accumulate_into_main_grad(chunks) if fused else contextlib.nullcontext(0) as switched:
-        out = run_schedule(chunks, micro_batches, forward_step, num_micro, seq=SEQ, micro_batch=MICRO_BATCH)
+        out = tiny_gpt.run_schedule(
+            chunks, micro_batches, forward_step, num_micro, seq=SEQ, micro_batch=MICRO_BATCH
+        )
     leftover = [
         type(m).__name__ for c in chunks for m in c.modules() if {"_forward_impl", "forward"} & set(vars(m))
     ]
@@ -95,7 +92,7 @@ def _step(dtype: torch.dtype, fused: bool, tied: bool) -> dict:
     ok, _, _ = optimizer.step()
     assert ok
     return {
-        "loss": global_token_loss(runtime, out, batch["loss_mask"].sum()),
+        "loss": tiny_gpt.global_token_loss(runtime, out, batch["loss_mask"].sum()),
         "grads": grads,
         "weights": gather_full_state(chunks),
         "switched": switched,
