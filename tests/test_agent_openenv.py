@@ -123,6 +123,27 @@ def test_episode_tokens_and_turn_rewards_are_exact(tok, as_tool):
     assert cols["agent_tool_calls"][0] == (2 if as_tool else 0)
 
 
+def test_episode_ends_at_max_turns_or_a_reply_without_a_tool_call(tok):
+    """Tool mode, max_turns=1: key "30" calls the tool (0.25), its next turn is refused (truncated
+    ``max_turns``); key "43" answers without a tool call: no step, the episode ends (reward 0)."""
+    from verl_megatron.rollout.agent import AgentRollout
+
+    eos = tok.eos_token_id
+    call, plain = [*tok.encode("<tool_call>30</tool_call>", add_special_tokens=False), eos], tok.encode("43")
+    engine = ScriptedEngine(lambda p: [*plain, eos] if "43" in tok.decode(p) else call, [eos])
+    agent = AgentConfig(enable=True, harness="openenv", max_turns=1, deadline_s=60.0, tool_call_format="bare")
+    config = RolloutConfig(n=1, prompt_length=8, response_length=40, agent=agent)
+    harness = _harness(env=ENV, action_as_tool=True)
+    out = AgentRollout(engine, config, tok, harness, [eos]).generate_sequences(
+        _batch(tok, [("30", {"index": 3}), ("43", {"index": 4})])
+    )
+    cols = out.non_tensor_batch
+    assert list(cols["agent_truncated"]) == ["max_turns", ""] and list(cols["agent_failure"]) == ["", ""]
+    assert list(cols["agent_turns"]) == [1, 1] and list(cols["agent_turn_rewards"]) == [[0.25], [0.0]]
+    assert out.batch["response_mask"][0, : len(call)].tolist() == [1] * len(call)
+    assert out.batch["response_mask"][1].sum().item() == len(plain) + 1
+
+
 def openenv_step_job(config_path: str, out_dir: str) -> tuple[list[dict], list]:
     from tests.openenv_echo_env import EPISODES
     from verl_megatron.train import run

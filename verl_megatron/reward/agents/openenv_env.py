@@ -237,10 +237,10 @@ class OpenEnvHarness:
                 raise
             messages.append(message)
             action, call_id, problem = self._to_action(message)
-            if action is None and not problem:
-                break  # tool mode: an answer without a tool call ends the episode
             if action is None:
                 turn_rewards.append(0.0)
+                if not problem:
+                    break  # tool mode: an answer without a tool call ends the episode
                 text = problem
             else:
                 with self._lock:
