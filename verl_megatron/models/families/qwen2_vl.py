@@ -237,7 +237,12 @@ def check_vl_features(model_type: str, *, lora_rank: int, bitwise_parity: bool, 
         return
     # Refused even once image rows train: these paths take 1-D positions or are untested with images.
     for on, key, why in (
-        (bitwise_parity, "rollout.bitwise_parity=true", "the parity kernels take 1-D rotary positions"),
+        (
+            bitwise_parity,
+            "rollout.bitwise_parity=true",
+            "the parity decoder numbers cache columns by 1-D positions and the vision tower has no "
+            "batch-invariant kernels",
+        ),
         (cp > 1, f"parallel.cp={cp}", "the 3-D rotary ids and image features are not split over cp ranks"),
         (lora_rank > 0, f"model.lora_rank={lora_rank}", "LoRA adapters are not tested on the vision tower"),
     ):
