@@ -6,7 +6,8 @@ policy loss aggregated token-mean over the batch, backward, gradient clipping at
 step (lr 1e-6, weight decay 0.01), all in float32.
 
 - ours: ``MegatronActor.update_policy`` (megatron-core GPTModel, tp=1, one process, megatron's
-  schedule and optimizer, log-probs from vocabulary-parallel logits).
+  schedule and optimizer, log-probs from vocabulary-parallel logits; weight gradients added
+  straight into DDP's buffer, ``models/grad_accumulation.py``).
 - peer: ``AutoModelForCausalLM`` + ``torch.optim.AdamW``; the LM head only at the positions that
   predict response tokens (transformers' ``logits_to_keep``, as TRL does), log-probs as a user
   would write them, ``log_softmax(logits).gather(labels)``; the same ``compute_policy_loss``.
