@@ -216,6 +216,9 @@ def test_limits_failures_and_deadline(char_tokenizer):
     assert list(cols["agent_failure"]) == ["max_turns", "error", "invalid", "timeout"]
     assert list(cols["agent_reward"]) == [-1.0] * 4
     assert list(cols["agent_turns"]) == [3, 1, 1, 1]
+    # The hung environment's time until the deadline is environment time (it was 0 before).
+    env_seconds = list(cols["agent_env_seconds"])
+    assert 0.0 < env_seconds[3] <= elapsed, env_seconds
     mask = out.batch["response_mask"].sum(-1).tolist()
     assert mask[0] == 6 and mask[1:] == [0, 0, 0]  # truncated: trained; the environment's failures: not
     assert 3.0 <= elapsed < 300.0, elapsed  # the deadline (3 s) ended it, not the hang (600 s)

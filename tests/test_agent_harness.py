@@ -96,9 +96,12 @@ def test_agent_reward_manager_places_turn_and_trajectory_rewards():
     expected[0, 2], expected[0, 5], expected[0, 6], expected[1, 0] = 0.25, 0.75, 0.1, -1.0
     assert torch.equal(out["reward_tensor"], expected), out["reward_tensor"]
     extra = out["reward_extra_info"]
-    assert extra["reward/agent/failure_timeout_count"] == [0.0, 1.0] and extra[
-        "reward/agent/turns_count"
-    ] == [2.0, 0.0]
+    expected_extra = {
+        "turns": [2.0, 0.0], "tool_calls": [1.0, 0.0], "env_seconds": [0.5, 0.0], "truncated": [0.0, 0.0],
+        "context_resets": [0.0, 0.0], "trajectories": [1.0, 1.0], "failure_timeout": [0.0, 1.0],
+        **{f"failure_{c}": [0.0, 0.0] for c in ("error", "invalid", "max_turns", "token_budget", "prompt_too_long")},
+    }  # fmt: skip
+    assert extra == {f"reward/agent/{k}_count": v for k, v in expected_extra.items()}, extra
     with pytest.raises(ValueError, match=r"rollout\.agent\.enable=true"):
         manager(DataProto.from_dict({"responses": torch.zeros(1, 2), "attention_mask": torch.ones(1, 4)}))
 

@@ -165,13 +165,23 @@ class _Slot:
     outcome: Any = None
     failure: str = ""
     env_seconds: float = 0.0
+    started: float = 0.0  # when the harness began (0: not yet)
+    client: Any = None  # its ChatClient, whose ``seconds`` is time spent on the endpoint
+
+
+def _env_seconds(slot: _Slot) -> float:
+    """A finished harness's environment time; one abandoned at the deadline counts its time so
+    far, less its finished endpoint requests (a hung environment's time is environment time)."""
+    if slot.done or not slot.started:
+        return slot.env_seconds
+    return time.monotonic() - slot.started - slot.client.seconds
 
 
 class AgentRollout(WrappedRollout):
     """Conversations of a harness over ``engine`` (module docstring).
 
     Args:
-        engine: the native engine the endpoint serves.
+        engine: the rollout engine the endpoint serves (native, vLLM or SGLang).
         config: ``rollout`` settings (``agent``, ``response_length``, ``prompt_length``, ``n``).
         tokenizer: chat template and token ids.
         harness: runs each conversation.
@@ -267,7 +277,7 @@ class AgentRollout(WrappedRollout):
         greedy = (True, 1.0, 1.0, -1) if validate else None
         self.endpoint.serve(lambda: live() == 0, live, deadline, sampling=greedy)
         with lock:  # a thread that ends from now on writes into a copy nobody reads
-            finished = [_Slot(s.task, s.done, s.outcome, s.failure, s.env_seconds) for s in slots]
+            finished = [_Slot(s.task, s.done, s.outcome, s.failure, _env_seconds(s)) for s in slots]
         for slot in finished:
             if not slot.done:
                 slot.failure = "timeout"
@@ -280,6 +290,8 @@ class AgentRollout(WrappedRollout):
                 slot.task.base_url, timeout=max(1.0, slot.task.deadline - time.monotonic() + 5.0)
             )
             start = time.monotonic()
+            with lock:
+                slot.started, slot.client = start, client
             outcome, failure = None, ""
             try:
                 outcome = self.harness.run(slot.task, client)
