@@ -231,6 +231,41 @@ def test_limits_failures_and_deadline(char_tokenizer):
     assert isinstance(EndpointError(400, "max_turns", "x"), RuntimeError)
 
 
+def test_token_budget_and_long_prompt_are_counted_by_cause(char_tokenizer):
+    """A conversation that spends rollout.response_length is refused 'token_budget' (its policy
+    tokens trained on), a first prompt over rollout.prompt_length 'prompt_too_long' (nothing
+    generated); both score failure_score and are counted by cause."""
+    from verl_megatron.reward.managers.agent import agent_metrics
+
+    tok = char_tokenizer
+    engine = ScriptedEngine(lambda p: [*_ids(tok, "5"), tok.eos_token_id], [tok.eos_token_id])
+
+    class Harness:
+        def run(self, task, client):
+            messages = list(task.messages)
+            if messages[0]["content"] == "2":
+                messages = [{"role": "user", "content": "2" * 40}]  # 40 > prompt_length (16)
+            for _ in range(10):  # refused once 24 response tokens are spent: EndpointError
+                reply = client.chat(messages)
+                messages += [reply["choices"][0]["message"], {"role": "user", "content": "123456"}]
+            return AgentOutcome(reward=1.0)
+
+    rollout = AgentRollout(
+        engine, _config(max_turns=10, failure_score=-1.0), tok, Harness(), [tok.eos_token_id]
+    )
+    out = rollout.generate_sequences(_prompts(tok, ["1", "2"]))
+    cols = out.non_tensor_batch
+    assert list(cols["agent_failure"]) == ["token_budget", "prompt_too_long"], dict(cols)
+    assert list(cols["agent_truncated"]) == ["token_budget", "prompt_too_long"]
+    assert list(cols["agent_reward"]) == [-1.0, -1.0]
+    turns, mask = cols["agent_turns"], out.batch["response_mask"].sum(-1).tolist()
+    assert turns[0] >= 2 and mask[0] == 2 * turns[0] and (turns[1], mask[1]) == (0, 0), (turns, mask)
+    extra = agent_metrics(cols)
+    assert extra["reward/agent/failure_token_budget_count"] == [1.0, 0.0]
+    assert extra["reward/agent/failure_prompt_too_long_count"] == [0.0, 1.0]
+    assert extra["reward/agent/truncated_count"] == [1.0, 1.0]
+
+
 def token_exact_job(path: str) -> dict:
     """Two chat turns per conversation on the real engine; what the endpoint returned, what the
     rollout assembled, and the re-tokenization of each turn's text."""

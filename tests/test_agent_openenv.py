@@ -184,6 +184,8 @@ def test_openenv_environment_drives_a_grpo_step(pool1, tmp_path):
     assert sum(v for k, v in step.items() if k.startswith("reward/agent/failure_")) == 0, json.dumps(step)
     # Every model call was one env step, and the trained score is the env's rewards, summed.
     assert step["reward/agent/turns_count"] == sum(len(actions) for _, actions, _ in trained)
+    # Text mode: no tool calls; the env's reset/step time is logged (a sum over 16 episodes).
+    assert step["reward/agent/tool_calls_count"] == 0 and step["reward/agent/env_seconds_count"] > 0, step
     mean = sum(sum(rewards) for _, _, rewards in trained) / 16
     assert abs(step["critic/score/mean"] - mean) < 1e-6, (step["critic/score/mean"], trained)
     assert step["val/reward/agent/trajectories_count"] == 2 and "val/test_score/openenv/EchoTwiceEnv" in step
