@@ -52,6 +52,7 @@ def multiturn_job(path: str) -> dict:
     from verl_megatron.protocol import DataProto
     from verl_megatron.rollout import RolloutConfig, build_rollout
     from verl_megatron.rollout.multiturn import MultiTurnRollout
+    from verl_megatron.trainer.metrics import multi_turn_metrics
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     runtime, chunks, hf_config = _setup(path)
@@ -84,8 +85,11 @@ def multiturn_job(path: str) -> dict:
                 log_probs[prompt_len - 1 : -1].gather(-1, tokens[prompt_len:, None]).squeeze(-1)
             )
     keys = ["responses", "response_mask", "attention_mask", "rollout_log_probs", "prompts"]
+    columns = ("multi_turn_turns", "multi_turn_env_turns", "multi_turn_env_seconds", "multi_turn_truncated")
     return {
         **{k: out.batch[k].clone() for k in keys},
+        **{k: list(out.non_tensor_batch[k]) for k in columns},
+        "step_metrics": multi_turn_metrics(out.non_tensor_batch),
         "uid": list(out.non_tensor_batch["uid"]),
         "recomputed": recomputed,
         "seen": environment.seen,
@@ -130,6 +134,10 @@ def test_multiturn_conversation_masks_and_log_probs(pool1, assets):
         ended_by_env = len(seen) == 3
         assert ended_by_env or length == BUDGET
         assert len(seen) == len(env) + ended_by_env and len(policy) == len(env) + 1
+        # The per-sample metric columns: turns, environment turns and time, why it was cut.
+        assert (out["multi_turn_turns"][row], out["multi_turn_env_turns"][row]) == (len(policy), len(env))
+        assert out["multi_turn_truncated"][row] == ("" if ended_by_env else "token_budget")
+        assert (out["multi_turn_env_seconds"][row] > 0) == bool(seen)  # time only if it was called
         # The environment saw the text of each policy turn it answered.
         assert seen == [tokenizer.decode(turn, skip_special_tokens=True) for turn in policy[: len(seen)]]
         # Padding past the conversation: masks 0, log-probs 0.
@@ -138,6 +146,12 @@ def test_multiturn_conversation_masks_and_log_probs(pool1, assets):
             and out["attention_mask"][row, width + length :].sum() == 0
         )
     assert env_turns_seen >= 4  # the scripted environment took part in most conversations
+    assert out["step_metrics"] == {
+        "multi_turn/turns_count": float(sum(out["multi_turn_turns"])),
+        "multi_turn/env_turns_count": float(env_turns_seen),
+        "multi_turn/env_seconds_count": float(sum(out["multi_turn_env_seconds"])),
+        "multi_turn/truncated_count": float(sum(t != "" for t in out["multi_turn_truncated"])),
+    }, out["step_metrics"]
     # Policy tokens: log-probs of a full forward over the final conversation; environment tokens: 0.
     policy_mask = out["response_mask"].bool()
     torch.testing.assert_close(

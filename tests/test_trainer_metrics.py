@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -50,6 +51,20 @@ def test_data_metrics_by_hand():
     assert "critic/values/mean" not in M.compute_data_metrics(
         _batch(), use_critic=False, max_response_length=4
     )
+    # A rollout.multi_turn batch's per-sample columns are summed into multi_turn/*_count.
+    turns = {
+        "turns": [3, 1],
+        "env_turns": [2, 0],
+        "env_seconds": [0.5, 0.25],
+        "truncated": ["token_budget", ""],
+    }
+    batch = _batch()
+    batch.non_tensor_batch.update({f"multi_turn_{k}": np.array(v, dtype=object) for k, v in turns.items()})
+    m = M.compute_data_metrics(batch, use_critic=False, max_response_length=4)
+    expected = {"turns": 4.0, "env_turns": 2.0, "env_seconds": 0.75, "truncated": 1.0}
+    assert {k: v for k, v in m.items() if k.startswith("multi_turn/")} == {
+        f"multi_turn/{k}_count": v for k, v in expected.items()
+    }
 
 
 def test_timing_throughput_and_probs_diff():

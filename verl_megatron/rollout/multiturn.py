@@ -11,6 +11,8 @@ turns) is spent.
 The output has the engine's batch keys; ``responses`` holds every token after the prompt,
 ``response_mask`` is 1 on the policy's tokens and 0 on the environment's (the loss ignores
 them), ``attention_mask`` is 1 on both, and ``rollout_log_probs`` is 0 on environment tokens.
+Per sample, ``multi_turn_{turns,env_turns,env_seconds,truncated}`` columns give the step's
+``multi_turn/*_count`` metrics (batch sums, ``trainer/metrics.py``).
 This is the simplest path (a Python callable per turn); an agent harness speaking the OpenAI
 API goes through ``rollout.agent`` (``verl_megatron.rollout.agent``) instead::
 
@@ -20,10 +22,12 @@ API goes through ``rollout.agent`` (``verl_megatron.rollout.agent``) instead::
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from verl_megatron.protocol import DataProto
@@ -59,6 +63,9 @@ class Conversation:
         response_mask: per response token, 1 if the policy generated it, 0 if the environment did.
         log_probs: per response token, its sampling log-prob (0 for environment tokens).
         policy_turns / env_turns: turns taken so far.
+        env_seconds: time spent in the environment's calls.
+        truncated: why it ended without the environment's ``done``: ``max_turns`` or
+            ``token_budget`` ("" otherwise).
         done: no further turn will be taken.
         info: free-form per-sample state an environment may keep (scores, tool state).
     """
@@ -70,6 +77,8 @@ class Conversation:
     log_probs: list[float] = field(default_factory=list)
     policy_turns: int = 0
     env_turns: int = 0
+    env_seconds: float = 0.0
+    truncated: str = ""
     done: bool = False
     info: dict[str, Any] = field(default_factory=dict)
 
@@ -148,7 +157,16 @@ class MultiTurnRollout(WrappedRollout):
             self._policy_turn(live, prompts.meta_info, budget, pad)
             for conversation in live:
                 self._environment_turn(conversation, budget)
-        return conversation_output(prompts, conversations, budget, pad, n)
+        out = conversation_output(prompts, conversations, budget, pad, n)
+        # Per sample, summed per step by trainer/metrics.py as multi_turn/*_count.
+        for key, values in (
+            ("multi_turn_turns", [c.policy_turns for c in conversations]),
+            ("multi_turn_env_turns", [c.env_turns for c in conversations]),
+            ("multi_turn_env_seconds", [c.env_seconds for c in conversations]),
+            ("multi_turn_truncated", [c.truncated for c in conversations]),
+        ):
+            out.non_tensor_batch[key] = np.array(values, dtype=object)
+        return out
 
     def _policy_turn(self, live: list[Conversation], meta: dict[str, Any], budget: int, pad: int) -> None:
         """One engine call on every live conversation (left-padded to a common width); appends its turn."""
@@ -177,18 +195,22 @@ class MultiTurnRollout(WrappedRollout):
             # Shorter than its room (room <= remaining): the turn ended with a stop token. Otherwise
             # the conversation's budget is spent.
             limit = self.config.multi_turn.max_assistant_turns
-            if int(lengths[i]) >= room or (limit is not None and conversation.policy_turns >= limit):
-                conversation.done = True
+            if int(lengths[i]) >= room:
+                conversation.done, conversation.truncated = True, "token_budget"
+            elif limit is not None and conversation.policy_turns >= limit:
+                conversation.done, conversation.truncated = True, "max_turns"
 
     def _environment_turn(self, conversation: Conversation, budget: int) -> None:
         if conversation.done:
             return
         settings = self.config.multi_turn
         if settings.max_user_turns is not None and conversation.env_turns >= settings.max_user_turns:
-            conversation.done = True
+            conversation.done, conversation.truncated = True, "max_turns"
             return
         last_turn = conversation.response_ids[_last_policy_start(conversation) :]
+        start = time.monotonic()
         reply = self.environment(conversation, self.tokenizer.decode(last_turn, skip_special_tokens=True))
+        conversation.env_seconds += time.monotonic() - start
         if reply.done:
             conversation.done = True
             return
@@ -203,7 +225,7 @@ class MultiTurnRollout(WrappedRollout):
         conversation.env_turns += 1
         # No room left for the policy to answer: nothing more to generate.
         if len(tokens) >= room:
-            conversation.done = True
+            conversation.done, conversation.truncated = True, "token_budget"
 
 
 def conversation_output(prompts: DataProto, samples: list[Any], budget: int, pad: int, n: int) -> DataProto:

@@ -28,6 +28,7 @@ __all__ = [
     "compute_throughput_metrics",
     "compute_timing_metrics",
     "device_peak_flops",
+    "multi_turn_metrics",
     "reduce_metrics",
     "rollout_probs_diff_metrics",
     "timed",
@@ -87,6 +88,8 @@ def compute_data_metrics(batch: DataProto, use_critic: bool, max_response_length
         **_stats("prompt_length", prompt_length),
         "prompt_length/clip_ratio": (prompt_length >= prompt_width).float().mean().item(),
     }
+    if "multi_turn_turns" in batch.non_tensor_batch:
+        metrics.update(multi_turn_metrics(batch.non_tensor_batch))
     if use_critic:
         values, returns = tensors["values"][mask], tensors["returns"][mask]
         metrics.update(_stats("critic/values", values))
@@ -95,6 +98,17 @@ def compute_data_metrics(batch: DataProto, use_critic: bool, max_response_length
         resid = (returns - values).var(unbiased=False) if returns.numel() else torch.tensor(0.0)
         metrics["critic/vf_explained_var"] = (1.0 - resid / (var_returns + 1e-5)).item()
     return metrics
+
+
+def multi_turn_metrics(columns: Mapping[str, Any]) -> dict[str, float]:
+    """Batch sums of a ``rollout.multi_turn`` rollout's per-sample columns (rollout/multiturn.py):
+    policy turns, environment turns, seconds in the environment, truncated conversations."""
+    return {
+        "multi_turn/turns_count": float(sum(columns["multi_turn_turns"])),
+        "multi_turn/env_turns_count": float(sum(columns["multi_turn_env_turns"])),
+        "multi_turn/env_seconds_count": float(sum(columns["multi_turn_env_seconds"])),
+        "multi_turn/truncated_count": float(sum(bool(t) for t in columns["multi_turn_truncated"])),
+    }
 
 
 def rollout_probs_diff_metrics(
