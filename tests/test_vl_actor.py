@@ -281,7 +281,6 @@ def test_reference_policy_takes_image_rows(pool1, vl_path, reference):
 @pytest.mark.parametrize(
     ("settings", "key"),
     [
-        ({"bitwise_parity": True}, r"rollout\.bitwise_parity=true"),
         ({"cp": 2}, r"parallel\.cp=2"),
         ({"lora_rank": 8}, r"model\.lora_rank=8"),
     ],

@@ -36,11 +36,13 @@ def vl_prompts(path: str, hf_config):
     return DataProto.from_dict(dict(batch), {"multi_modal_inputs": column}, {"temperature": 1.0})
 
 
-def vl_rollout_job(path: str, tp: int) -> dict:
-    """Rollout output, the actor's log-probs of it, and the vision tower's calls (grid rows per call)."""
+def vl_rollout_job(path: str, tp: int, parity: bool = False) -> dict:
+    """Rollout output, the actor's log-probs of it, and the vision tower's calls (grid rows per call);
+    ``parity``: rollout.bitwise_parity (the batch-invariant kernels, ``tests/test_vl_parity.py``)."""
     from tests.test_actor_update import kl_actor_config
     from verl_megatron.distributed.modules import unwrap
     from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
+    from verl_megatron.models import batch_invariant
     from verl_megatron.models.builder import build_gpt_chunks
     from verl_megatron.models.config import ModelConfig, load_hf_config
     from verl_megatron.models.convert import load_hf_weights
@@ -56,13 +58,16 @@ def vl_rollout_job(path: str, tp: int) -> dict:
     chunks = build_gpt_chunks(hf_config, runtime, model_cfg)
     load_hf_weights(chunks, path, runtime, model_cfg)
     chunks = wrap_ddp(chunks)
+    length = prompts.batch["input_ids"].shape[1]
+    invariance = batch_invariant.enable(chunks, length + TR) if parity else None
     cfg = kl_actor_config(ppo_micro_batch_size_per_gpu=2)
     optimizer = build_optimizer(chunks, optim_settings(cfg.optim))
-    actor = MegatronActor(runtime, cfg, chunks, optimizer, build_lr_scheduler(optimizer, cfg.optim))
+    scheduler = build_lr_scheduler(optimizer, cfg.optim)
+    actor = MegatronActor(runtime, cfg, chunks, optimizer, scheduler, batch_invariance=invariance)
     calls: list[int] = []
     unwrap(chunks[0]).vision.register_forward_hook(lambda m, args, out: calls.append(int(args[1].shape[0])))
     config = RolloutConfig(
-        prompt_length=prompts.batch["input_ids"].shape[1], response_length=TR, n=N, ignore_eos=True, seed=3
+        prompt_length=length, response_length=TR, n=N, ignore_eos=True, seed=3, bitwise_parity=parity
     )
     tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=None)
     out = build_rollout(config, runtime, chunks, tokenizer, hf_config).generate_sequences(prompts)

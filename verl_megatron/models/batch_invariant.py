@@ -23,6 +23,11 @@ differ. Bitwise parity needs every reduction to happen in the same order in both
   not bitwise.
 - **MoE routers** (:func:`_router_gating`): the gating matmul is tiled the same way; the experts
   are column/row-parallel linears. **LoRA adapters**' A and B products use :func:`linear` too.
+- **the vision tower** of a vision-language model (its linears, patch embedding and mergers, DeepStack's
+  too: ``families/qwen2_vl_vision.MatmulSite``) uses :func:`linear`: the rollout runs it once on a
+  batch's images, the actor on a micro-batch's, and a patch's features must not depend on the others.
+  Its attention already runs window by window (one SDPA call per window of one image). 3-D rotary ids
+  turn each token by its own ids (:meth:`BatchInvariance.rotary_positions` leaves them alone).
 - RMSNorm, the activation, softmax and log-softmax work row by row and were measured to give
   the same bits for a row whatever the number of rows; the tensor-parallel all-reduce adds the
   same two partial sums in both paths.
@@ -45,6 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from verl_megatron.distributed.modules import unwrap
+from verl_megatron.models.families.qwen2_vl_vision import MatmulSite
 from verl_megatron.models.lora import ColumnAdapter, RowAdapter
 from verl_megatron.models.sdpa_attention import SDPADotProductAttention
 
@@ -320,9 +326,12 @@ class BatchInvariance:
         """:func:`self_attention` over this mode's L: query [S, b, H, D] -> [S, b, H * D]."""
         return self_attention(query, key, value, attention_mask, self.key_length, scale)
 
-    def rotary_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+    def rotary_positions(self, position_ids: torch.Tensor) -> torch.Tensor | None:
         """[S] rotary position of each column of a micro-batch's ``position_ids`` [b, S]: a
-        token's position within its own sequence (padded rows start at 0, packed rows hold one row)."""
+        token's position within its own sequence (padded rows start at 0, packed rows hold one row).
+        None for 3-D (multimodal) ids [b, 3, S]: the multimodal rotary turns every token by its own ids."""
+        if position_ids.dim() == 3:
+            return None
         if position_ids.dim() != 2 or not bool((position_ids == position_ids[:1]).all()):
             raise ValueError(
                 "batch-invariant model: rows of position_ids differ; rotary positions are shared by the "
@@ -344,7 +353,7 @@ class BatchInvariance:
                     module.use_fixed_length_attention(self.self_attention)
                 elif isinstance(module, TopKRouter):
                     module.gating = functools.partial(_router_gating, module)
-                elif isinstance(module, (ColumnAdapter, RowAdapter)):  # LoRA's A and B products
+                elif isinstance(module, (ColumnAdapter, RowAdapter, MatmulSite)):  # LoRA, the vision tower
                     module.use_matmul(linear)
 
 

@@ -21,7 +21,8 @@ form (:func:`_rotate_fused`) that differs from megatron's by float32 rounding.
 
 Bitwise parity mode (``batch_invariance``: the ``models.batch_invariant.BatchInvariance`` the
 chunks were switched to, passed at construction): the cache holds
-each row's keys in canonical columns (column j = the row's j-th token, i.e. its rotary position)
+each row's keys in canonical columns (column j = the row's j-th token: its 1-D rotary position;
+not its 3-D multimodal ids, which jump after an image)
 over the fixed key length L, and attention and the linear layers run through the batch-invariant
 kernels, so each token's logits are bit for bit those of the training forward.
 
@@ -264,7 +265,7 @@ class ChunkDecoder:
             if self.sinks is not None:  # one visibility mask per window size
                 mask = self.sinks.masks(mask, positions, key_valid, start)
         else:
-            mask = self._canonical_slots(positions, key_valid[:, start : start + s])
+            mask = self._canonical_slots(positions, key_valid[:, : start + s], start)
         # A prefill of left-padded prompts: lean layers run their token-wise work (norms, linears)
         # on the real tokens only, [N, 1, H] instead of [s, B, H]; attention sees the padded layout.
         real, valid = None, key_valid[:, start : start + s]  # [B, s]: the new tokens' columns
@@ -322,12 +323,17 @@ class ChunkDecoder:
         mask = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device)
         return mask.masked_fill_(~allowed, float("-inf"))
 
-    def _canonical_slots(self, positions: torch.Tensor, valid: torch.Tensor) -> dict:
+    def _canonical_slots(self, positions: torch.Tensor, key_valid: torch.Tensor, start: int) -> dict:
         """Parity mode: where the new tokens' keys go and what each query may see.
 
-        A token's cache column is its position in its own sequence; padding tokens of a
-        left-padded prompt are not stored, and a query sees the columns up to its own position.
+        A token's cache column is its position in its own sequence: its 1-D position, or for
+        3-D (multimodal) ids, which jump after an image, the number of real tokens before it.
+        Padding tokens of a left-padded prompt are not stored, and a query sees the columns up
+        to its own. ``key_valid`` [B, start + s]: the real cache columns up to the new tokens'.
         """
+        valid = key_valid[:, start:]
+        if self.mrope_axes is not None:
+            positions = (key_valid.cumsum(-1)[:, start:] - 1).clamp(min=0)
         rows, cols = torch.nonzero(valid, as_tuple=True)
         key_col = torch.arange(self.max_len, device=positions.device)
         allowed = (key_col[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, s, L]

@@ -236,13 +236,8 @@ def check_vl_features(model_type: str, *, lora_rank: int, bitwise_parity: bool, 
     if model_type not in VL_MODEL_TYPES:
         return
     # Refused even once image rows train: these paths take 1-D positions or are untested with images.
+    # rollout.bitwise_parity is supported (the tower's matmuls are batch-invariant: tests/test_vl_parity.py).
     for on, key, why in (
-        (
-            bitwise_parity,
-            "rollout.bitwise_parity=true",
-            "the parity decoder numbers cache columns by 1-D positions and the vision tower has no "
-            "batch-invariant kernels",
-        ),
         (cp > 1, f"parallel.cp={cp}", "the 3-D rotary ids and image features are not split over cp ranks"),
         (lora_rank > 0, f"model.lora_rank={lora_rank}", "LoRA adapters are not tested on the vision tower"),
     ):

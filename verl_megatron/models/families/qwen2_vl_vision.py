@@ -23,9 +23,36 @@ import torch.nn.functional as F
 
 from verl_megatron.models.families.qwen2_vl import VisionArchitecture
 
-__all__ = ["VisionAttention", "VisionBlock", "VisionTower", "frame_edges", "patch_rows_cols", "window_order"]
+__all__ = [
+    "MatmulSite",
+    "VisionAttention",
+    "VisionBlock",
+    "VisionLinear",
+    "VisionTower",
+    "frame_edges",
+    "patch_rows_cols",
+    "window_order",
+]
 
 _NORM_EPS = 1e-6
+
+
+class MatmulSite:
+    """A tower module whose products ``x @ W.T (+ b)`` go through ``self.matmul`` (``F.linear``'s
+    arguments). Bitwise parity hands it the batch-invariant one (``models/batch_invariant.py``), so
+    a patch's features do not depend on which other images share the tower call."""
+
+    matmul = staticmethod(F.linear)
+
+    def use_matmul(self, matmul) -> None:
+        self.matmul = matmul
+
+
+class VisionLinear(MatmulSite, torch.nn.Linear):
+    """``torch.nn.Linear`` (same parameters and names) through :class:`MatmulSite`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.weight, self.bias)
 
 
 class _RMSNorm(torch.nn.Module):
@@ -50,8 +77,8 @@ class VisionAttention(torch.nn.Module):
     def __init__(self, arch: VisionArchitecture, dtype: torch.dtype) -> None:
         super().__init__()
         self.heads = arch.num_heads
-        self.qkv = torch.nn.Linear(arch.hidden_size, 3 * arch.hidden_size, dtype=dtype)
-        self.proj = torch.nn.Linear(arch.hidden_size, arch.hidden_size, dtype=dtype)
+        self.qkv = VisionLinear(arch.hidden_size, 3 * arch.hidden_size, dtype=dtype)
+        self.proj = VisionLinear(arch.hidden_size, arch.hidden_size, dtype=dtype)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bounds: list[int]
@@ -72,9 +99,9 @@ class VisionAttention(torch.nn.Module):
 class _MLP(torch.nn.Module):
     def __init__(self, arch: VisionArchitecture, dtype: torch.dtype) -> None:
         super().__init__()
-        self.gate_proj = torch.nn.Linear(arch.hidden_size, arch.intermediate_size, dtype=dtype)
-        self.up_proj = torch.nn.Linear(arch.hidden_size, arch.intermediate_size, dtype=dtype)
-        self.down_proj = torch.nn.Linear(arch.intermediate_size, arch.hidden_size, dtype=dtype)
+        self.gate_proj = VisionLinear(arch.hidden_size, arch.intermediate_size, dtype=dtype)
+        self.up_proj = VisionLinear(arch.hidden_size, arch.intermediate_size, dtype=dtype)
+        self.down_proj = VisionLinear(arch.intermediate_size, arch.hidden_size, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -97,7 +124,7 @@ class VisionBlock(torch.nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-class _PatchEmbed(torch.nn.Module):
+class _PatchEmbed(MatmulSite, torch.nn.Module):
     def __init__(self, arch: VisionArchitecture, dtype: torch.dtype) -> None:
         super().__init__()
         kernel = (arch.temporal_patch_size, arch.patch_size, arch.patch_size)
@@ -107,7 +134,7 @@ class _PatchEmbed(torch.nn.Module):
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
         # A convolution whose kernel is the whole patch is a linear map of the flattened patch.
-        return F.linear(patches.to(self.proj.weight.dtype), self.proj.weight.flatten(1))
+        return self.matmul(patches.to(self.proj.weight.dtype), self.proj.weight.flatten(1))
 
 
 class _Merger(torch.nn.Module):
@@ -116,9 +143,9 @@ class _Merger(torch.nn.Module):
         width = arch.hidden_size * arch.merge_unit
         self.ln_q = _RMSNorm(arch.hidden_size, dtype)
         self.mlp = torch.nn.Sequential(
-            torch.nn.Linear(width, width, dtype=dtype),
+            VisionLinear(width, width, dtype=dtype),
             torch.nn.GELU(),
-            torch.nn.Linear(width, arch.out_hidden_size, dtype=dtype),
+            VisionLinear(width, arch.out_hidden_size, dtype=dtype),
         )
         self.width = width
 

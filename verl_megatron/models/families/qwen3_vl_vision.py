@@ -20,7 +20,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from verl_megatron.models.families.qwen2_vl_vision import VisionBlock, frame_edges, patch_rows_cols
+from verl_megatron.models.families.qwen2_vl_vision import (
+    MatmulSite,
+    VisionBlock,
+    VisionLinear,
+    frame_edges,
+    patch_rows_cols,
+)
 from verl_megatron.models.families.qwen3_vl import Qwen3VisionArchitecture
 
 __all__ = ["Qwen3VisionTower", "position_taps"]
@@ -31,8 +37,8 @@ _NORM_EPS = 1e-6
 class _MLP(torch.nn.Module):
     def __init__(self, arch: Qwen3VisionArchitecture, dtype: torch.dtype) -> None:
         super().__init__()
-        self.linear_fc1 = torch.nn.Linear(arch.hidden_size, arch.intermediate_size, dtype=dtype)
-        self.linear_fc2 = torch.nn.Linear(arch.intermediate_size, arch.hidden_size, dtype=dtype)
+        self.linear_fc1 = VisionLinear(arch.hidden_size, arch.intermediate_size, dtype=dtype)
+        self.linear_fc2 = VisionLinear(arch.intermediate_size, arch.hidden_size, dtype=dtype)
         self.approximate = "tanh" if arch.hidden_act == "gelu_pytorch_tanh" else "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -53,8 +59,8 @@ class _Merger(torch.nn.Module):
         self.norm = torch.nn.LayerNorm(
             self.width if after_concat else arch.hidden_size, eps=_NORM_EPS, dtype=dtype
         )
-        self.linear_fc1 = torch.nn.Linear(self.width, self.width, dtype=dtype)
-        self.linear_fc2 = torch.nn.Linear(self.width, arch.out_hidden_size, dtype=dtype)
+        self.linear_fc1 = VisionLinear(self.width, self.width, dtype=dtype)
+        self.linear_fc2 = VisionLinear(self.width, arch.out_hidden_size, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = (
@@ -65,7 +71,7 @@ class _Merger(torch.nn.Module):
         return self.linear_fc2(F.gelu(self.linear_fc1(x)))
 
 
-class _PatchEmbed(torch.nn.Module):
+class _PatchEmbed(MatmulSite, torch.nn.Module):
     def __init__(self, arch: Qwen3VisionArchitecture, dtype: torch.dtype) -> None:
         super().__init__()
         kernel = (arch.temporal_patch_size, arch.patch_size, arch.patch_size)
@@ -73,7 +79,7 @@ class _PatchEmbed(torch.nn.Module):
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
         # The kernel covers the whole patch: a linear map of the flattened patch.
-        return F.linear(patches.to(self.proj.weight.dtype), self.proj.weight.flatten(1), self.proj.bias)
+        return self.matmul(patches.to(self.proj.weight.dtype), self.proj.weight.flatten(1), self.proj.bias)
 
 
 def position_taps(grid_thw: torch.Tensor, merge: int, side: int) -> tuple[torch.Tensor, torch.Tensor]:
