@@ -85,3 +85,19 @@ def test_qwen3_vl_parity_at_tp2_with_deepstack(pool2, tmp_path_factory):
         worst, where = _worst(run)
         assert run["mask"].bool().all() and run["vision_calls"] == [3]
         assert worst == 0.0, f"Qwen3-VL tp=2 rank {rank} parity: max |rollout - actor| = {worst:.3g} {where}"
+
+
+def test_quickstart_vl_trainer_logs_zero_logprob_diff_with_parity_across_an_update(pool1, tmp_path):
+    """configs/quickstart_vl.yaml as written (bf16, the trainer's image dataset) for two steps: the
+    second step's rollout runs on the weights the first update changed (tower included)."""
+    overrides = ["trainer.total_training_steps=2", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4"]
+    overrides += ["trainer.val_before_train=false", "trainer.test_freq=-1", "rollout.bitwise_parity=true"]
+    out = str(tmp_path / "run")
+    (result,) = pool1.run(
+        "tests.test_recipes:recipe_job", recipe="quickstart_vl", out_dir=out, overrides=overrides
+    )
+    rows = [row for row in result["rows"] if "rollout/logprob_diff/max" in row]
+    assert [row["step"] for row in rows] == [1, 2], rows
+    for row in rows:
+        diffs = {k: v for k, v in row.items() if "logprob_diff" in k or "probs_diff" in k}
+        assert len(diffs) == 6 and set(diffs.values()) == {0.0}, f"step {row['step']}: {diffs}"
