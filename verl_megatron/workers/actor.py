@@ -37,6 +37,7 @@ from verl_megatron.workers import moe, vl_inputs
 from verl_megatron.workers.batching import MicroBatch
 from verl_megatron.workers.config import ActorConfig, PolicyLossSettings, RefConfig
 from verl_megatron.workers.model_runner import ModelRunner, StepResult, dp_share
+from verl_megatron.workers.output_rows import DeferredHead, head_log_probs
 from verl_megatron.workers.ppo_updates import PPOUpdates
 from verl_megatron.workers.routes import TrainingRoutes
 
@@ -121,22 +122,27 @@ class _PolicyForward:
     def _log_probs(
         self,
         mb: MicroBatch,
-        logits: torch.Tensor,
+        logits: torch.Tensor | DeferredHead,
         temperature: float,
         calculate_entropy: bool,
         entropy_requires_grad: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[r, Tr] log-probs (and entropy) of mb's response tokens, zero at padding positions."""
-        device = logits.device
-        log_probs, entropy = vocab_parallel_log_probs(
-            mb.inputs.gather(logits),
-            mb.inputs.labels.to(device),
-            temperature=temperature,
-            vocab_size=self.runner.vocab_size,
-            tp_group=self.runtime.tp_group(),
-            calculate_entropy=calculate_entropy,
-            entropy_requires_grad=entropy_requires_grad,
-        )
+        """[r, Tr] log-probs (and entropy) of mb's response tokens, zero at padding positions.
+        ``logits``: the model's output, or its LM head deferred (forward only, ``defer_head``)."""
+        settings = {
+            "temperature": temperature,
+            "vocab_size": self.runner.vocab_size,
+            "tp_group": self.runtime.tp_group(),
+            "calculate_entropy": calculate_entropy,
+            "entropy_requires_grad": entropy_requires_grad,
+        }
+        if isinstance(logits, DeferredHead):
+            log_probs, entropy = head_log_probs(logits, mb.inputs.labels, settings)
+        else:
+            log_probs, entropy = vocab_parallel_log_probs(
+                mb.inputs.gather(logits), mb.inputs.labels.to(logits.device), **settings
+            )
+        device = log_probs.device
         valid = mb.inputs.response_valid.to(device)
         log_probs = mb.inputs.merge_cp(log_probs)
         log_probs = torch.where(valid, log_probs, torch.zeros_like(log_probs))
@@ -169,7 +175,7 @@ class _PolicyForward:
                 outputs["entropy"] = entropy
             return StepResult(outputs=outputs)
 
-        results, mbs, shape, size = self._forward_only(data, where, step)
+        results, mbs, shape, size = self._forward_only(data, where, step, defer_head=True)
         log_probs = self.runner.gather_dp(self.runner.collect_outputs(results, mbs, "log_probs", shape), size)
         entropy = None
         if calculate_entropy:
@@ -204,10 +210,15 @@ class _PolicyForward:
         return local if self.runner.vocab_size is None else local[..., : self.runner.vocab_size]
 
     def _forward_only(
-        self, data: DataProto, where: str, step: Callable[[MicroBatch, torch.Tensor], StepResult]
+        self,
+        data: DataProto,
+        where: str,
+        step: Callable[[MicroBatch, torch.Tensor], StepResult],
+        defer_head: bool = False,
     ) -> tuple[list[StepResult], list[MicroBatch], tuple[int, int], int]:
         """``step`` over micro-batches of this dp rank's rows of ``data``, forward only: (step
-        results, micro-batches, [rows, Tr] of this rank's share, global batch size)."""
+        results, micro-batches, [rows, Tr] of this rank's share, global batch size).
+        ``defer_head``: ``step`` may get a :class:`DeferredHead` instead of the logits."""
         row_keys = _row_keys(data)
         batch = batch_tensors(data, _MODEL_KEYS + row_keys, where)
         meta = data.meta_info
@@ -228,7 +239,7 @@ class _PolicyForward:
         )
 
         with torch.no_grad():
-            results = self.runner.run(mbs, step, forward_only=True)
+            results = self.runner.run(mbs, step, forward_only=True, defer_head=defer_head)
         return results, mbs, (len(rows), width), size
 
 

@@ -53,7 +53,7 @@ from verl_megatron.workers.batching import (
     length_grouped_partition,
     mini_batch_rows,
 )
-from verl_megatron.workers.output_rows import OutputRowSelector
+from verl_megatron.workers.output_rows import DeferredHead, OutputRowSelector
 from verl_megatron.workers.routes import TrainingRoutes
 
 __all__ = ["ModelRunner", "StepResult", "dp_share"]
@@ -301,9 +301,17 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ schedule
     def run(
-        self, micro_batches: list[MicroBatch], step_fn: StepFn, *, forward_only: bool
+        self,
+        micro_batches: list[MicroBatch],
+        step_fn: StepFn,
+        *,
+        forward_only: bool,
+        defer_head: bool = False,
     ) -> list[StepResult]:
         """Forward (and backward) every micro-batch; step results on the last stage, [] elsewhere.
+
+        ``defer_head`` (forward only): where the output rows are selected, the step function gets
+        a :class:`DeferredHead` instead of the logits and runs the LM head itself, chunk by chunk.
 
         The interleaved (vpp) schedule needs at least pp micro-batches: missing ones are
         padding (a repeat of the last one with zero loss, no step result), and real losses
@@ -327,7 +335,8 @@ class ModelRunner:
             inputs = mb.inputs
             if self.row_selector is not None:
                 mb = dataclasses.replace(mb, inputs=self.row_selector.prepare(inputs))
-            output = self._forward(model, inputs)
+            head = DeferredHead() if defer_head and self.row_selector is not None else None
+            output = self._forward(model, inputs, head)
             if self.moe:  # the aux loss gets the policy loss's factor: cp / real micro-batches
                 moe.scale_aux_loss(
                     output, self.cp / len(micro_batches) if real else 0.0, unwrap(model).config
@@ -337,7 +346,7 @@ class ModelRunner:
                 if not real:
                     # Connected to the graph so the backward runs, with a zero gradient.
                     return (output_tensor * 0).sum(), {}
-                result = step_fn(mb, output_tensor)
+                result = step_fn(mb, output_tensor if head is None or head.layer is None else head)
                 results.append(result)
                 if result.loss is None:
                     return output_tensor.new_zeros(()), {}
@@ -384,12 +393,16 @@ class ModelRunner:
             settings["microbatch_group_size_per_vp_stage"] = group
         return queue, settings
 
-    def _forward(self, model: torch.nn.Module, inputs: ModelInputs) -> torch.Tensor:
+    def _forward(
+        self, model: torch.nn.Module, inputs: ModelInputs, head: DeferredHead | None = None
+    ) -> torch.Tensor:
         """One micro-batch through one chunk; the layout's features go in as explicit arguments
         (the shared-prompt layout as ``packed_seq_params``; rotary positions and the output rows
         to compute for this call only)."""
         device = self.runtime.device
-        selecting = self.row_selector.selecting(inputs) if self.row_selector else contextlib.nullcontext()
+        selecting = (
+            self.row_selector.selecting(inputs, head) if self.row_selector else contextlib.nullcontext()
+        )
         with rotary_positions(model, self._rotary_index(inputs)), selecting:
             return model(
                 inputs.input_ids.to(device),

@@ -15,6 +15,12 @@ of all rows, whose other rows contributed exact zeros.
 
 It applies where the output layer sees whole sequences: not with sequence parallelism
 (the layer gathers the sequence itself) and not with multi-token prediction.
+
+Forward only (log-probs), the head can also be deferred (:class:`DeferredHead`): the output
+layer runs on none of the rows inside the model call, and the step function runs the same layer
+on chunks of the selected rows afterwards, so no [K, V] float32 logits tensor exists at once. At
+Qwen2.5-0.5B's vocabulary (151936) one micro-batch of 96 response rows is 55.6 MiB of logits;
+a 16 MiB chunk is 27 rows.
 """
 
 from __future__ import annotations
@@ -27,9 +33,10 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from verl_megatron.distributed.modules import unwrap
+from verl_megatron.models.logprobs import CHUNK_BYTES, vocab_parallel_log_probs
 from verl_megatron.workers.model_inputs import ModelInputs
 
-__all__ = ["OutputRowSelector"]
+__all__ = ["DeferredHead", "OutputRowSelector", "head_log_probs"]
 
 
 def _output_layers(chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Module] | None:
@@ -79,13 +86,75 @@ def _foldable_grad(module, args, output):
     return logits, bias
 
 
-def _select_rows(flat: torch.Tensor, module, args, kwargs):
-    """Forward pre-hook: the output layer's input [S, b, h] -> the rows ``flat`` names, [K, 1, h]."""
+@dataclasses.dataclass
+class DeferredHead:
+    """One micro-batch's LM head, not yet run (forward only): the output layer, its input rows
+    [K, 1, h] in ``gather_index`` order and the keyword arguments of its call (the tied weight)."""
+
+    layer: torch.nn.Module | None = None
+    hidden: torch.Tensor | None = None
+    kwargs: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def rows(self) -> int:
+        return 0 if self.hidden is None else self.hidden.shape[0]
+
+    @property
+    def local_vocab(self) -> int:
+        """Columns of this rank's logits: rows of the weight the layer is called with."""
+        weight = self.kwargs.get("weight")
+        return (weight if weight is not None else self.layer.weight).shape[0]
+
+    def logits(self, start: int, stop: int) -> torch.Tensor:
+        """[stop - start, Vl] logits of the selected rows ``start:stop``: the output layer itself
+        on those rows (each logit row depends on its own hidden row alone)."""
+        if self.layer is None or self.hidden is None:
+            raise RuntimeError("DeferredHead.logits: the output layer has not run in this model call")
+        out, _ = self.layer(self.hidden[start:stop], **self.kwargs)
+        return out.reshape(stop - start, out.shape[-1])
+
+
+def head_log_probs(
+    head: DeferredHead, labels: torch.Tensor, settings: dict, rows: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``vocab_parallel_log_probs(logits, labels, **settings)`` of the deferred head's rows, shaped
+    like ``labels``, with one chunk of ``CHUNK_BYTES`` of float32 logits alive at a time (the log-prob
+    function's own chunk, so each call is one of its chunks; ``rows`` overrides it). Every tp rank
+    holds the same rows, so the chunks' collectives match."""
+    device = head.hidden.device
+    flat = labels.reshape(-1).to(device)
+    if flat.numel() != head.rows:
+        raise ValueError(f"head_log_probs: {flat.numel()} labels for {head.rows} selected rows")
+    rows = rows or max(1, CHUNK_BYTES // (4 * max(head.local_vocab, 1)))
+    # Each chunk's logits are a temporary of its call: freed before the next chunk's are made.
+    parts = [
+        vocab_parallel_log_probs(
+            head.logits(start, min(start + rows, head.rows)),
+            flat[start : start + rows],
+            chunk_rows=rows,
+            **settings,
+        )
+        for start in range(0, head.rows, rows)
+    ]
+    empty = torch.zeros(0, dtype=torch.float32, device=device)
+    log_probs = torch.cat([p[0] for p in parts]) if parts else empty
+    entropy = None
+    if settings.get("calculate_entropy"):
+        entropy = (torch.cat([p[1] for p in parts]) if parts else empty).view(labels.shape)
+    return log_probs.view(labels.shape), entropy
+
+
+def _select_rows(flat: torch.Tensor, defer: DeferredHead | None, module, args, kwargs):
+    """Forward pre-hook: the output layer's input [S, b, h] -> the rows ``flat`` names, [K, 1, h].
+    With ``defer``, the rows (and the call's arguments) go there and the layer gets none of them."""
     hidden = args[0]  # position (row i, column j) of gather_index's flat i * S + j
     s, b = hidden.shape[0], hidden.shape[1]
     flat = flat.to(hidden.device)
     rows = (flat % s) * b + torch.div(flat, s, rounding_mode="floor")
     picked = hidden.reshape(s * b, *hidden.shape[2:]).index_select(0, rows).unsqueeze(1)
+    if defer is not None:
+        defer.layer, defer.hidden, defer.kwargs = module, picked, dict(kwargs)
+        picked = picked[:0]
     return (picked, *args[1:]), kwargs
 
 
@@ -104,10 +173,13 @@ class OutputRowSelector:
         return dataclasses.replace(inputs, output_rows_selected=True)
 
     @contextlib.contextmanager
-    def selecting(self, inputs: ModelInputs) -> Iterator[None]:
+    def selecting(self, inputs: ModelInputs, defer: DeferredHead | None = None) -> Iterator[None]:
         """For one model call: the output layers see only the rows of ``inputs.gather_index``.
-        The hooks are removed on exit, so no micro-batch's rows outlive its call."""
-        select = functools.partial(_select_rows, inputs.gather_index.reshape(-1))
+        The hooks are removed on exit, so no micro-batch's rows outlive its call. With ``defer``
+        (forward only) they see none: the rows land in ``defer`` for the step function."""
+        if defer is not None and torch.is_grad_enabled():
+            raise RuntimeError("OutputRowSelector: the LM head is deferred in forward-only calls only")
+        select = functools.partial(_select_rows, inputs.gather_index.reshape(-1), defer)
         handles = [layer.register_forward_pre_hook(select, with_kwargs=True) for layer in self.layers or []]
         handles += [layer.register_forward_hook(_foldable_grad) for layer in self.layers or []]
         try:
