@@ -7,6 +7,14 @@ log-probs of every response token of the batch once, and reads the new high-wate
 (``VmHWM``). The stage's peak is that mark minus the RSS before the stage. Where the reset is not
 allowed, ``ru_maxrss`` is used instead and the result says so.
 
+The peak is of memory in use, like ``torch.cuda.max_memory_allocated``, not of the allocator's
+cache: before the RSS is recorded the heap's free memory goes back to the OS (glibc's
+``malloc_trim``) and every allocation of 256 KiB or more gets its own mapping, given back when
+freed (``mallopt``), in both sides' children. Otherwise whatever the model's loading happened to
+leave free in the heap serves part of the stage without raising the RSS, or a freed 16 MiB block
+is not reused but another hole's pages are touched: the same stage measured 8-206 MiB at
+Qwen2.5-0.5B's shape from run to run.
+
 - ours: ``MegatronActor.compute_log_prob`` (micro-batches of ``micro_batch``, vocabulary-parallel
   log-probs: softmax statistics per token, no log-softmax tensor).
 - peer: ``AutoModelForCausalLM`` forward on the same micro-batches, the LM head at the response
@@ -22,11 +30,14 @@ Run alone: ``python benchmarks/bench_memory.py [--quick]``.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import json
 import re
 import resource
 import subprocess
 import sys
+import weakref
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -45,6 +56,8 @@ from common import (
     run_and_print,
     shape_text,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 MIB = 2**20
 IMPLS = {
@@ -52,6 +65,7 @@ IMPLS = {
     "hf": "HF forward + log_softmax",
     "hf_whole_batch": "HF forward + log_softmax, whole batch at once",
 }
+TENSOR_RATIO = "tensor peak ours / full [B,T,V] float32 logits"
 
 
 @dataclass(frozen=True)
@@ -98,6 +112,64 @@ def _reset_high_water_mark() -> bool:
         return True
     except OSError:
         return False
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
+_MMAP_FROM = 256 * 1024  # allocations from this size on get their own mapping during the stage
+
+
+def _measure_in_use() -> bool:
+    """From now on, glibc serves every allocation of ``_MMAP_FROM`` bytes or more with its own
+    mapping, given back when freed, and the heap's free memory goes back to the OS; False where
+    the C library is not glibc."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        mallopt, trim = libc.mallopt, libc.malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim(0)
+    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_FROM))
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Peak bytes of CPU tensor storage made by the ops run inside the mode and alive at once: the
+    stage's memory in use, counted tensor by tensor (like ``torch.cuda.max_memory_allocated``), so
+    it repeats exactly from run to run, unlike the RSS (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: dict[int, list[int]] = {}  # data pointer -> [bytes, live tensors on it]
+        self.now = self.peak = 0
+
+    def _drop(self, ptr: int) -> None:
+        entry = self.storages.get(ptr)
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] == 0:
+                self.now -= entry[0]
+                del self.storages[ptr]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = None
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+                continue
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            entry = self.storages.get(ptr)
+            if entry is None:
+                if inputs is None:
+                    flat = tree_flatten((args, kwargs))[0]
+                    inputs = {a.untyped_storage().data_ptr() for a in flat if isinstance(a, torch.Tensor)}
+                if ptr == 0 or ptr in inputs:  # empty, or a view / in-place result of an input
+                    continue
+                entry = self.storages[ptr] = [storage.nbytes(), 0]
+                self.now += entry[0]
+                self.peak = max(self.peak, self.now)
+            entry[1] += 1
+            weakref.finalize(t, self._drop, ptr)
+        return out
 
 
 def _batch(cfg: MemoryBenchConfig) -> dict[str, torch.Tensor]:
@@ -155,18 +227,25 @@ def child_main(impl: str, model_dir: str, cfg: MemoryBenchConfig) -> dict[str, A
     }
     stage = builders[impl](model_dir, cfg)
     batch = _batch(cfg)
+    in_use = _measure_in_use()
     rss_before = _status_kib("VmRSS")
     reset = _reset_high_water_mark()
     log_probs = stage(batch)
     peak = _status_kib("VmHWM") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     if tuple(log_probs.shape) != (cfg.batch, cfg.response_len) or not torch.isfinite(log_probs).all():
         raise RuntimeError(f"{impl}: log-probs of shape {tuple(log_probs.shape)} or not finite")
+    mean_log_prob = float(log_probs.mean())
+    del log_probs
+    with _LiveBytes() as live:  # the same stage again, its tensors counted one by one
+        stage(batch)
     return {
         "rss_before_mib": rss_before / 1024,
         "peak_mib": peak / 1024,
         "stage_peak_mib": (peak - rss_before) / 1024,
         "high_water_mark_reset": reset,
-        "mean_log_prob": float(log_probs.mean()),
+        "in_use_measured": in_use,
+        "tensor_peak_mib": live.peak / MIB,
+        "mean_log_prob": mean_log_prob,
     }
 
 
@@ -220,6 +299,7 @@ def measure(
             "full [B,T,V] logits MiB",
             "peak / full logits",
             "peak / micro-batch logits",
+            "tensor peak MiB",
         ],
         config={
             "model": shape_text(cfg.shape),
@@ -250,6 +330,7 @@ def measure(
                 "full [B,T,V] logits MiB": full_mib,
                 "peak / full logits": peak / full_mib,
                 "peak / micro-batch logits": peak / micro_mib,
+                "tensor peak MiB": results[impl]["tensor_peak_mib"],
             }
         )
         if not results[impl]["high_water_mark_reset"]:
@@ -258,11 +339,18 @@ def measure(
         section.ratios["stage peak ours / full [B,T,V] float32 logits"] = (
             results["ours"]["stage_peak_mib"] / full_mib
         )
+        section.ratios[TENSOR_RATIO] = results["ours"]["tensor_peak_mib"] / full_mib
     for peer in ("hf", "hf_whole_batch"):
         if "ours" in results and peer in results:
             section.ratios[f"stage peak ours / {IMPLS[peer]}"] = results["ours"]["stage_peak_mib"] / max(
                 results[peer]["stage_peak_mib"], 1e-9
             )
+    section.notes.append(
+        "stage peak: RSS high-water mark above the pre-stage RSS, memory in use (heap trimmed, 256 KiB "
+        "and larger blocks mapped alone); it still moves from run to run with the BLAS library's "
+        "per-thread buffers. tensor peak: bytes of the tensors alive at once during a second run "
+        "of the stage, which repeats exactly"
+    )
     section.notes.append(
         f"one micro-batch of logits [{cfg.micro_batch}, T, V] float32 is {micro_mib:.0f} MiB; "
         "each side runs in its own fresh process"
