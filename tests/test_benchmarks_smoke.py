@@ -357,6 +357,7 @@ def test_real_shape_section(quick_run):
         "update CPU MFU ours, spent FLOPs (fraction of matmul peak)",
         "GRPO step time ours on-policy / TRL GRPOTrainer (best; same passes)",
         "log-prob stage peak ours / full [B,T,V] float32 logits",
+        "log-prob stage tensor peak ours / full [B,T,V] float32 logits (repeats exactly)",
     ]
     assert all(_positive(v) for v in section["ratios"].values()), section["ratios"]
     rows = {(r["stage"], r["impl"]): r for r in section["rows"]}
