@@ -4,10 +4,17 @@ the tests does not import openenv, whose server package imports gradio)."""
 
 from __future__ import annotations
 
+import json
+import os
+import time
+
 from openenv.core.env_server.interfaces import Environment
 from openenv.core.env_server.types import Action, Observation, State
 
 EPISODES: list[tuple[str, list[str], list[float]]] = []  # (episode id, actions, rewards), this process
+# When set: a file each closed episode appends [episode id, actions, rewards, pid] to as a JSON line
+# (episodes run in worker processes by default, where EPISODES is the worker's own).
+LOG_VAR = "OPENENV_ECHO_LOG"
 
 
 class DigitsAction(Action):
@@ -50,6 +57,37 @@ class EchoTwiceEnv(Environment[DigitsAction, DigitsObservation, State]):
     @property
     def state(self) -> State:
         return self._state
+
+    def close(self) -> None:
+        if os.environ.get(LOG_VAR) and hasattr(self, "record"):
+            with open(os.environ[LOG_VAR], "a") as f:
+                f.write(json.dumps([*self.record, os.getpid()]) + "\n")
+
+
+def read_log(path: str) -> list[tuple[str, list[str], list[float], int]]:
+    """The episodes a LOG_VAR file holds, in the order they closed."""
+    with open(path) as f:
+        return [tuple(json.loads(line)) for line in f]
+
+
+class PidEnv(EchoTwiceEnv):
+    """Also logs each reset with its pid (a killed worker never closes)."""
+
+    def reset(self, seed=None, episode_id=None, **kwargs) -> DigitsObservation:
+        with open(os.environ[LOG_VAR], "a") as f:
+            f.write(json.dumps([str(episode_id), [], [], os.getpid()]) + "\n")
+        return super().reset(seed, episode_id, **kwargs)
+
+
+class StepHangsEnv(PidEnv):
+    def step(self, action: DigitsAction, timeout_s=None, **kwargs) -> DigitsObservation:
+        time.sleep(3600)
+        raise AssertionError("unreachable")
+
+
+class StepExitsEnv(PidEnv):
+    def step(self, action: DigitsAction, timeout_s=None, **kwargs) -> DigitsObservation:
+        os._exit(3)
 
 
 class ResetFailsEnv(EchoTwiceEnv):

@@ -5,11 +5,15 @@ and reward source (reward/agents/openenv_env.py).
 pays 0.75 for saying it reversed and ends the episode. A scripted engine pins the tokens (the
 policy's replies trained, the observations' turns masked out) and the per-turn rewards in text
 and tool mode; one GRPO step of configs/quickstart_agent.yaml runs on it with
-``rollout.agent.harness: openenv``.
+``rollout.agent.harness: openenv``. Each episode runs in a worker process (the default
+``isolation: process``); one case runs in this process (``isolation: none``) with the same numbers.
+A step that hangs past ``env_timeout_s`` ends its trajectory as ``timeout``, one that kills its
+worker as ``error``; no worker process outlives the rollout.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -57,6 +61,8 @@ def test_named_errors_for_bad_environments(tmp_path):
         ({"env": ENV, "env_kwargs": {"size": 2}}, r"env_kwargs: .*unexpected keyword argument 'size'"),
         ({"env": ENV, "action_field": "text"}, r"action_field='text'.*DigitsAction.*\['digits'\]"),
         ({"env": ENV, "action": "builtins:str"}, r"name the openenv Action class"),
+        ({"env": ENV, "isolation": "thread"}, r"kwargs\.isolation must be one of \('process', 'none'\)"),
+        ({"env": ENV, "env_timeout_s": 0}, r"kwargs\.env_timeout_s must be a positive number"),
     ]
     for kwargs, match in cases:
         with pytest.raises(ConfigError, match=match) as caught:
@@ -84,8 +90,10 @@ def _batch(tok, rows: list[tuple[str, dict]], width: int = 8) -> DataProto:
     )
 
 
-@pytest.mark.parametrize("as_tool", [False, True], ids=["text", "tool"])
-def test_episode_tokens_and_turn_rewards_are_exact(tok, as_tool):
+@pytest.mark.parametrize(
+    "as_tool,isolation", [(False, "process"), (True, "process"), (False, "none")], ids=["text", "tool", "text-in-process"]
+)  # fmt: skip
+def test_episode_tokens_and_turn_rewards_are_exact(tok, as_tool, isolation):
     """Seed 3 (key "30"): the policy says "30" (0.25), then "03" in text mode (0.75) or "12" in
     tool mode (0); a row with seed -1 fails its reset (cause ``error``, nothing trained)."""
     from verl_megatron.rollout.agent import AgentRollout
@@ -100,7 +108,7 @@ def test_episode_tokens_and_turn_rewards_are_exact(tok, as_tool):
     engine = ScriptedEngine(lambda p: first if p.count(assistant) == 1 else second, [eos])
     fmt = "bare" if as_tool else "none"
     agent = AgentConfig(enable=True, harness="openenv", max_turns=3, deadline_s=60.0, tool_call_format=fmt)
-    harness = _harness(env=ENV, action_as_tool=as_tool, sampling={"max_tokens": 16})
+    harness = _harness(env=ENV, action_as_tool=as_tool, sampling={"max_tokens": 16}, isolation=isolation)
     config = RolloutConfig(n=1, prompt_length=8, response_length=40, agent=agent)
     batch = _batch(tok, [("30", {"index": 3}), ("30", {"seed": -1})])
     with pytest.warns(UserWarning, match="no key for a negative seed"):
@@ -144,14 +152,59 @@ def test_episode_ends_at_max_turns_or_a_reply_without_a_tool_call(tok):
     assert out.batch["response_mask"][1].sum().item() == len(plain) + 1
 
 
+def test_a_hung_or_crashing_step_ends_its_trajectory_and_its_worker(tok, tmp_path, monkeypatch):
+    """Key "30" with a step that sleeps for an hour (env_timeout_s=0.5: ``timeout``, the batch's
+    60 s deadline far away) or calls os._exit(3) (``error``, the exit code in the warning). Every
+    reset ran in a worker process (not this one), and none of them is left afterwards."""
+    import psutil
+
+    from tests.openenv_echo_env import LOG_VAR, read_log
+    from verl_megatron.rollout.agent import AgentRollout
+
+    log = tmp_path / "pids.jsonl"
+    monkeypatch.setenv(LOG_VAR, str(log))
+    eos, children = tok.eos_token_id, {p.pid for p in psutil.Process().children(recursive=True)}
+    engine = ScriptedEngine(lambda p: [*tok.encode("30", add_special_tokens=False), eos], [eos])
+    agent = AgentConfig(enable=True, harness="openenv", max_turns=3, deadline_s=60.0, tool_call_format="none")
+    config = RolloutConfig(n=1, prompt_length=8, response_length=40, agent=agent)
+    failures, env_seconds = [], []
+    for name in ("StepHangsEnv", "StepExitsEnv"):
+        harness = _harness(
+            env=f"tests.openenv_echo_env:{name}", env_timeout_s=0.5, sampling={"max_tokens": 4}
+        )
+        rollout = AgentRollout(engine, config, tok, harness, [eos])
+        crash = pytest.warns(UserWarning, match=r"died in step\(\) \(exit code 3\)")
+        with crash if "Exits" in name else contextlib.nullcontext():
+            out = rollout.generate_sequences(_batch(tok, [("30", {"index": 3})]))
+        failures += list(out.non_tensor_batch["agent_failure"])
+        env_seconds += list(out.non_tensor_batch["agent_env_seconds"])
+        assert not out.batch["response_mask"].any()
+    assert failures == ["timeout", "error"], failures
+    assert 0.5 <= env_seconds[0] < 60.0, env_seconds  # cut at the limit, not at the deadline
+    episodes = read_log(str(log))
+    # Per env: the start-up probe's reset and close (one worker), the trajectory's reset (killed).
+    assert [e[0] for e in episodes] == ["probe", "probe", "b0-0"] * 2, episodes
+    pids = {e[3] for e in episodes}
+    assert len(pids) == 4 and os.getpid() not in pids, pids
+    assert not [pid for pid in pids if psutil.pid_exists(pid)], pids
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= children
+
+
 def openenv_step_job(config_path: str, out_dir: str) -> tuple[list[dict], list]:
-    from tests.openenv_echo_env import EPISODES
+    from tests.openenv_echo_env import LOG_VAR, read_log
     from verl_megatron.train import run
     from verl_megatron.trainer.tracking import read_jsonl_metrics
 
-    EPISODES.clear()
-    run(config_path, [f"trainer.default_local_dir={out_dir}"])
-    return read_jsonl_metrics(os.path.join(out_dir, "metrics.jsonl")), list(EPISODES)
+    log = os.path.join(out_dir, "episodes.jsonl")
+    os.makedirs(out_dir, exist_ok=True)
+    os.environ[LOG_VAR] = log
+    try:
+        run(config_path, [f"trainer.default_local_dir={out_dir}"])
+    finally:
+        del os.environ[LOG_VAR]
+    episodes = [e for e in read_log(log) if e[0] != "probe"]
+    assert os.getpid() not in {e[3] for e in episodes}  # every episode ran in a worker process
+    return read_jsonl_metrics(os.path.join(out_dir, "metrics.jsonl")), [e[:3] for e in episodes]
 
 
 def test_openenv_environment_drives_a_grpo_step(pool1, tmp_path):

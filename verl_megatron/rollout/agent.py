@@ -16,7 +16,8 @@ deadline (``timeout``, its thread is abandoned) or returns something that is not
 AgentOutcome with a finite reward (``invalid``) scores ``rollout.agent.failure_score``, and its
 tokens are masked out (the environment failed, not the policy); every cause is counted in the
 output's ``agent_failure`` column (``reward/agent/*`` metrics through the ``agent`` reward
-manager). The endpoint runs between ``wake_up`` and ``sleep``: the trainer's rollout phase.
+manager). A harness that raises TimeoutError (a per-call limit of its environment) counts as
+``timeout``. The endpoint runs between ``wake_up`` and ``sleep``: the trainer's rollout phase.
 
 On the rollout rank of ``rollout.placement=separate`` (``async_worker.py``) the rollout gets the
 engine's :class:`~verl_megatron.rollout.endpoint.WeightVersions`: newer weights may load between
@@ -297,6 +298,8 @@ class AgentRollout(WrappedRollout):
                 outcome = self.harness.run(slot.task, client)
                 if not _valid(outcome):
                     failure = "invalid"
+            except TimeoutError:  # a per-call limit of the environment (e.g. openenv's env_timeout_s)
+                failure = "timeout"
             except Exception as err:  # the environment's failure, counted; never the step's
                 failure = "error"
                 if not self._warned:

@@ -12,10 +12,17 @@
     reset_kwargs: {}                # extra reset() arguments (the row's extra_info.reset_kwargs are added)
     system_prompt: null
     sampling: {max_tokens: 64}      # per model call
+    isolation: process              # none: the instances run in the trainer process (trusted code)
+    env_timeout_s: 30.0             # wall-clock limit of each reset/step/close call (isolation: process)
 
-Each trajectory gets its own environment instance, made in its thread in the trainer process (the
-environment is trusted code, like a custom harness; only the ``tools`` harness sandboxes calls).
-Without ``SUPPORTS_CONCURRENT_SESSIONS`` the instances' reset/step/close calls take turns under
+Each trajectory gets its own environment instance. By default it lives in a worker process of
+its own (``openenv_session.py``, killable like the reward scorers'), so what the environment
+runs (often the model's code) never runs in the trainer; reset/step are calls to it with the
+per-call limit, actions and observations cross as plain dicts. A call that raises or kills the
+worker ends the trajectory as ``error``, one past ``env_timeout_s`` (or the batch's
+``rollout.agent.deadline_s``) as ``timeout``; the worker is killed and reaped when the
+trajectory ends. ``isolation: none`` makes the instance in the trainer process instead, where
+without ``SUPPORTS_CONCURRENT_SESSIONS`` the instances' reset/step/close calls take turns under
 one lock. ``reset(seed=extra_info.seed or extra_info.index, episode_id=trajectory id)`` starts an
 episode; the conversation opens with the row's messages, then the reset observation's text as a
 user message (unless the row's last message already says it). Each policy reply becomes one
@@ -26,7 +33,8 @@ The episode ends at ``done``, at a tool-mode reply without a tool call, or when 
 refuses a turn (``max_turns``, token budget). Every model call's reward is its step's
 ``Observation.reward`` (None: 0; one per turn, ``AgentOutcome.turn_rewards``); the reset
 observation's reward is the trajectory reward. A reset or step that raises counts as the
-trajectory's failure (``error``). Build time checks the class and runs one reset (named errors).
+trajectory's failure (``error``). Build time checks the class and runs one reset, in a worker
+unless ``isolation: none`` (named errors).
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from contextlib import nullcontext
 from typing import Any
 
 from verl_megatron.errors import ConfigError
+from verl_megatron.reward.agents.openenv_session import EnvCallError, InProcessSession, WorkerSession
 from verl_megatron.rollout.agent import AgentOutcome, AgentTask, ChatClient, EndpointError
 from verl_megatron.rollout.config import AgentConfig
 from verl_megatron.utils.import_utils import load_object
@@ -47,6 +56,7 @@ __all__ = ["OpenEnvHarness", "observation_text", "write_openenv_dataset"]
 
 _KEY = "rollout.agent.kwargs.env"
 _BASE_FIELDS = ("done", "reward", "metadata")
+ISOLATION_MODES = ("process", "none")
 
 
 def _openenv() -> Any:
@@ -71,9 +81,10 @@ def _first_line(err: BaseException) -> str:
 
 
 def observation_text(observation: Any, field: str | None = None) -> str:
-    """The text of an observation shown to the model: ``field``'s value, else its own fields
-    (all but done/reward/metadata): one field's value as is, several as a JSON object."""
-    values = observation.model_dump(mode="json")
+    """The text of an observation (a model or its JSON-mode dict) shown to the model: ``field``'s
+    value, else its own fields (all but done/reward/metadata): one field's value as is, several
+    as a JSON object."""
+    values = observation if isinstance(observation, dict) else observation.model_dump(mode="json")
     if field is None:
         own = {k: v for k, v in values.items() if k not in _BASE_FIELDS}
         if len(own) != 1:
@@ -109,7 +120,16 @@ class OpenEnvHarness:
         reset_kwargs: dict[str, Any] | None = None,
         system_prompt: str | None = None,
         sampling: dict[str, Any] | None = None,
+        isolation: str = "process",
+        env_timeout_s: float = 30.0,
     ) -> None:
+        if isolation not in ISOLATION_MODES:
+            raise ConfigError(f"rollout.agent.kwargs.isolation must be one of {ISOLATION_MODES}, got {isolation!r}")  # fmt: skip
+        if isinstance(env_timeout_s, bool) or not (
+            isinstance(env_timeout_s, (int, float)) and env_timeout_s > 0
+        ):
+            raise ConfigError(f"rollout.agent.kwargs.env_timeout_s must be a positive number of seconds, got {env_timeout_s!r}")  # fmt: skip
+        self.isolation, self.env_timeout_s = isolation, float(env_timeout_s)
         if not env:
             raise ConfigError(
                 "rollout.agent.harness=openenv needs rollout.agent.kwargs.env: the Environment class "
@@ -127,12 +147,7 @@ class OpenEnvHarness:
             raise ConfigError(f"{_KEY}={env!r} made a {type(probe).__name__}, not an openenv Environment")
         concurrent = bool(getattr(probe, "SUPPORTS_CONCURRENT_SESSIONS", False))
         self._lock = nullcontext() if concurrent else threading.Lock()
-        try:
-            first = probe.reset(seed=0, episode_id="probe", **dict(reset_kwargs or {}))
-        except Exception as err:
-            raise ConfigError(f"{_KEY}={env!r}: reset() raised {_first_line(err)}") from None
-        finally:
-            probe.close()
+        probe.close()
         self.action = (
             _load(action, "rollout.agent.kwargs.action")
             if action
@@ -143,8 +158,9 @@ class OpenEnvHarness:
                 f"rollout.agent.kwargs.action: name the openenv Action class of {env!r} (got {self.action!r})"
             )
         self.action_field = self._field(action_field, action_as_tool)
-        if observation_field is not None and observation_field not in type(first).model_fields:
-            raise ConfigError(f"rollout.agent.kwargs.observation_field={observation_field!r}: no such field of {type(first).__name__}")  # fmt: skip
+        first, kind = self._probe_reset(dict(reset_kwargs or {}))
+        if observation_field is not None and observation_field not in first:
+            raise ConfigError(f"rollout.agent.kwargs.observation_field={observation_field!r}: no such field of {kind}")  # fmt: skip
         self.observation_field = observation_field
         self.tools = [self._tool_spec()] if action_as_tool else None
         self.reset_kwargs = dict(reset_kwargs or {})
@@ -156,6 +172,23 @@ class OpenEnvHarness:
             return self.factory(**self.env_kwargs)
         except TypeError as err:
             raise ConfigError(f"{_KEY}={self.spec!r} with rollout.agent.kwargs.env_kwargs: {err}") from None
+
+    def session(self, deadline: float = float("inf")) -> WorkerSession | InProcessSession:
+        """A fresh environment instance for one trajectory, where ``isolation`` puts it."""
+        if self.isolation == "none":
+            return InProcessSession(self.factory, self.env_kwargs, self._lock)
+        return WorkerSession(self.factory, self.env_kwargs, self.action, self.env_timeout_s, deadline)
+
+    def _probe_reset(self, reset_kwargs: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        """One reset of a fresh instance (a worker's, by default): a failure is a ConfigError."""
+        session = self.session()
+        try:
+            return session.reset(seed=0, episode_id="probe", **reset_kwargs)
+        except Exception as err:
+            problem = err.detail.splitlines()[0] if isinstance(err, EnvCallError) else _first_line(err)
+            raise ConfigError(f"{_KEY}={self.spec!r}: reset() raised {problem}") from None
+        finally:
+            session.close()
 
     def _field(self, name: str | None, as_tool: bool) -> str | None:
         own = [k for k in self.action.model_fields if k != "metadata"]
@@ -213,22 +246,22 @@ class OpenEnvHarness:
         extra = task.row.get("extra_info") or {}
         seed = extra.get("seed", extra.get("index"))
         reset = {**self.reset_kwargs, **dict(extra.get("reset_kwargs") or {})}
-        env = self._make()
+        env = self.session(task.deadline)
         try:
-            with self._lock:
-                observation = env.reset(
-                    seed=None if seed is None else int(seed), episode_id=task.trajectory_id, **reset
-                )
+            observation, _ = env.reset(
+                seed=None if seed is None else int(seed), episode_id=task.trajectory_id, **reset
+            )
             return self._episode(task, client, env, observation)
         finally:
-            with self._lock:
-                env.close()
+            env.close()
 
-    def _episode(self, task: AgentTask, client: ChatClient, env: Any, observation: Any) -> AgentOutcome:
+    def _episode(
+        self, task: AgentTask, client: ChatClient, env: Any, observation: dict[str, Any]
+    ) -> AgentOutcome:
         messages = self.opening(task, observation)
-        start_reward, turn_rewards, steps = observation.reward, [], 0
+        start_reward, turn_rewards, steps = observation.get("reward"), [], 0
         tools = {"tools": self.tools} if self.tools else {}
-        while not observation.done:
+        while not observation.get("done"):
             try:
                 message = client.chat(messages, **tools, **self.sampling)["choices"][0]["message"]
             except EndpointError as err:
@@ -243,10 +276,9 @@ class OpenEnvHarness:
                     break  # tool mode: an answer without a tool call ends the episode
                 text = problem
             else:
-                with self._lock:
-                    observation = env.step(action)
+                observation = env.step(action)
                 steps += 1
-                turn_rewards.append(observation.reward)
+                turn_rewards.append(observation.get("reward"))
                 text = observation_text(observation, self.observation_field)
             messages.append(
                 {"role": "tool", "tool_call_id": call_id, "content": text}
@@ -254,7 +286,7 @@ class OpenEnvHarness:
                 else {"role": "user", "content": text}
             )
         rewards = [0.0 if r is None else r for r in turn_rewards]
-        info = {"steps": steps, "done": bool(observation.done)}
+        info = {"steps": steps, "done": bool(observation.get("done"))}
         return AgentOutcome(
             reward=0.0 if start_reward is None else start_reward, turn_rewards=rewards, info=info
         )
@@ -272,13 +304,12 @@ def write_openenv_dataset(
     name = f"openenv/{harness.factory.__name__}"
     splits: dict[str, list[dict[str, Any]]] = {"train": [], "val": []}
     for index in range(count):
-        env = harness._make()
+        env = harness.session()
         try:
-            text = observation_text(
-                env.reset(seed=index, episode_id=f"row-{index}"), harness.observation_field
-            )
+            observation, _ = env.reset(seed=index, episode_id=f"row-{index}")
         finally:
             env.close()
+        text = observation_text(observation, harness.observation_field)
         split = "val" if index % val_every == val_every - 1 else "train"
         prompt = [{"role": "user", "content": text}]
         info = {"split": split, "index": index}
