@@ -6,8 +6,9 @@ configs/quickstart_agent.yaml at rollout.placement=separate for 2 steps, one-ste
 with partial rollout. The tools harness runs on the rollout rank behind a client that logs every
 reply (prompt and sampled ids, log-probs, weight version) and the outcome, and orders step 2's
 conversations around the weight update: its even samples call first, and the trainer sends
-weights version 1 only once one of them has its reply; its odd samples call only after that
-send. The trainer saves each batch it receives.
+weights version 1 only once each of them has its first reply (each harness runs in a worker
+process of its own, started one after another); its odd samples call only after that send. The
+trainer saves each batch it receives.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class _GatedClient:
             "version": reply["weight_version"],
         })  # fmt: skip
         if self.step == 2 and self.sample % 2 == 0:
-            open(os.path.join(self.out, "replied"), "w").close()
+            open(os.path.join(self.out, f"replied-{self.sample}"), "w").close()
         return reply
 
 
@@ -109,8 +110,9 @@ def main(out: str) -> None:
         return batch, metrics
 
     def ordered_after_update(self, step, timing):
-        if step == 1:  # weights version 1 only once one of step 2's early conversations has replied
-            _wait_for(os.path.join(out, "replied"))
+        if step == 1:  # weights version 1 only once each of step 2's early conversations has replied
+            for sample in (0, 2, 4, 6):
+                _wait_for(os.path.join(out, f"replied-{sample}"))
         after_update(self, step, timing)
         if step == 1:
             open(os.path.join(out, "weights-1"), "w").close()

@@ -3,7 +3,7 @@
 The taskset asks the policy to repeat two digits; its ``@vf.reward`` scores the reply. Its rows
 are written by ``write_verifiers_dataset``, and one step of configs/quickstart_agent.yaml runs
 with ``rollout.agent.harness: verifiers``: every sample is answered through the endpoint and
-scored by verifiers' own ``Task.score``.
+scored by verifiers' own ``Task.score``, each sample in a worker process of its own (the default).
 """
 
 from __future__ import annotations
@@ -68,24 +68,26 @@ def test_harness_scores_with_the_tasks_own_rewards(taskset_file, tmp_path):
     rows = pd.read_parquet(train)
     assert len(rows) == 8 and len(pd.read_parquet(val)) == 2
     assert list(rows["prompt"][0]) == [{"role": "user", "content": "01"}]
-    harness = build_harness(
-        AgentConfig(enable=True, harness="verifiers", kwargs={"taskset": f"{taskset_file}:load_taskset"})
-    )
 
     class Reply:  # the endpoint's answer, scripted
         def __init__(self, text):
             self.text, self.seen = text, []
 
         def chat(self, messages, **params):
+            assert messages == [{"role": "user", "content": "74"}], messages  # else: the run raises
             self.seen.append(messages)
             return {"choices": [{"message": {"role": "assistant", "content": self.text}}]}
 
     task = AgentTask("t", [], {"extra_info": {"index": 1}}, "http://unused")
-    for text, reward in (("74", 1.0), ("79", 0.5), ("x", 0.0)):
-        client = Reply(text)
-        outcome = harness.run(task, client)
-        assert outcome.reward == reward and client.seen == [[{"role": "user", "content": "74"}]]
-    assert outcome.info["rewards"] == {"first_digit": 0.0, "exact": 0.0}
+    # By default each run is in a worker process, on its copy of the client (this one sees no call).
+    for isolation, calls in (("process", 0), ("none", 1)):
+        kwargs = {"taskset": f"{taskset_file}:load_taskset", "isolation": isolation}
+        harness = build_harness(AgentConfig(enable=True, harness="verifiers", kwargs=kwargs))
+        for text, reward in (("74", 1.0), ("79", 0.5), ("x", 0.0)):
+            client = Reply(text)
+            outcome = harness.run(task, client)
+            assert outcome.reward == reward and len(client.seen) == calls, (isolation, text, outcome)
+        assert outcome.info["rewards"] == {"first_digit": 0.0, "exact": 0.0}
     with pytest.raises(ConfigError, match=r"rollout\.agent\.harness=openenv"):
         build_harness(AgentConfig(enable=True, harness="openenv"))
     with pytest.raises(ConfigError, match=r"not a verifiers Taskset"):

@@ -18,6 +18,10 @@ tokens are masked out (the environment failed, not the policy); every cause is c
 output's ``agent_failure`` column (``reward/agent/*`` metrics through the ``agent`` reward
 manager). A harness that raises TimeoutError (a per-call limit of its environment) counts as
 ``timeout``. The endpoint runs between ``wake_up`` and ``sleep``: the trainer's rollout phase.
+User code is contained by default: ``build_harness`` (``reward/agents``) wraps a verifiers or
+custom harness so that each call runs in a worker process of its own (``contained.py``: the
+client crosses as the trajectory's HTTP client, the outcome comes back as plain data, the worker
+is killed at the deadline), and an OpenEnv environment's instances live in worker processes.
 
 On the rollout rank of ``rollout.placement=separate`` (``async_worker.py``) the rollout gets the
 engine's :class:`~verl_megatron.rollout.endpoint.WeightVersions`: newer weights may load between

@@ -82,12 +82,14 @@ class AgentConfig:
     ``pkg.module:name`` / ``/path/file.py:name`` factory ``(**kwargs) -> Harness``. Required when
     ``enable``."""
     kwargs: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of the harness factory (e.g. the verifiers environment to load)."""
+    """Keyword arguments of the harness factory (e.g. the verifiers environment to load), and
+    ``isolation``: ``process`` (default: a verifiers / custom harness's ``run`` and each OpenEnv
+    instance in a worker process per trajectory) or ``none`` (in the trainer; trusted code)."""
     max_turns: int = 8
     """Most model calls per trajectory; further requests are refused (finish ``max_turns``)."""
     deadline_s: float = 300.0
     """Wall-clock seconds for one batch of conversations; unfinished ones score a failure
-    (cause ``timeout``) and their threads are abandoned."""
+    (cause ``timeout``): their worker processes are killed (in-process harnesses: threads abandoned)."""
     tool_call_format: str = "hermes"
     """How the model writes tool calls: ``hermes`` (``<tool_call>{"name":..,"arguments":..}</tool_call>``,
     Qwen2.5/Qwen3/Hermes templates), ``bare`` (``<tool_call>ARG</tool_call>``: the request's

@@ -16,10 +16,10 @@
     env_timeout_s: 30.0             # wall-clock limit of each reset/step/close call (isolation: process)
 
 Each trajectory gets its own environment instance. By default it lives in a worker process of
-its own (``openenv_session.py``, killable like the reward scorers'), so what the environment
-runs (often the model's code) never runs in the trainer; reset/step are calls to it with the
-per-call limit, actions and observations cross as plain dicts. A call that raises or kills the
-worker ends the trajectory as ``error``, one past ``env_timeout_s`` (or the batch's
+its own (``openenv_session.py`` on ``worker.py``, killable like the reward scorers'), so what
+the environment runs (often the model's code) never runs in the trainer; reset/step are calls
+to it with the per-call limit, actions and observations cross as plain dicts. A call that raises
+or kills the worker ends the trajectory as ``error``, one past ``env_timeout_s`` (or the batch's
 ``rollout.agent.deadline_s``) as ``timeout``; the worker is killed and reaped when the
 trajectory ends. ``isolation: none`` makes the instance in the trainer process instead, where
 without ``SUPPORTS_CONCURRENT_SESSIONS`` the instances' reset/step/close calls take turns under
@@ -48,6 +48,7 @@ from typing import Any
 
 from verl_megatron.errors import ConfigError
 from verl_megatron.reward.agents.openenv_session import EnvCallError, InProcessSession, WorkerSession
+from verl_megatron.reward.agents.worker import check_isolation
 from verl_megatron.rollout.agent import AgentOutcome, AgentTask, ChatClient, EndpointError
 from verl_megatron.rollout.config import AgentConfig
 from verl_megatron.utils.import_utils import load_object
@@ -56,7 +57,6 @@ __all__ = ["OpenEnvHarness", "observation_text", "write_openenv_dataset"]
 
 _KEY = "rollout.agent.kwargs.env"
 _BASE_FIELDS = ("done", "reward", "metadata")
-ISOLATION_MODES = ("process", "none")
 
 
 def _openenv() -> Any:
@@ -123,13 +123,11 @@ class OpenEnvHarness:
         isolation: str = "process",
         env_timeout_s: float = 30.0,
     ) -> None:
-        if isolation not in ISOLATION_MODES:
-            raise ConfigError(f"rollout.agent.kwargs.isolation must be one of {ISOLATION_MODES}, got {isolation!r}")  # fmt: skip
         if isinstance(env_timeout_s, bool) or not (
             isinstance(env_timeout_s, (int, float)) and env_timeout_s > 0
         ):
             raise ConfigError(f"rollout.agent.kwargs.env_timeout_s must be a positive number of seconds, got {env_timeout_s!r}")  # fmt: skip
-        self.isolation, self.env_timeout_s = isolation, float(env_timeout_s)
+        self.isolation, self.env_timeout_s = check_isolation(isolation), float(env_timeout_s)
         if not env:
             raise ConfigError(
                 "rollout.agent.harness=openenv needs rollout.agent.kwargs.env: the Environment class "

@@ -12,6 +12,8 @@ scored by the task's own ``@vf.reward`` functions (``Task.score`` on a trace hol
 no runtime: rewards that need a runtime box are skipped, as verifiers does offline) and the
 trajectory's reward is their weighted sum. verifiers' harness programs (its ``uv``-launched
 agents, MCP toolsets, sandboxes) are not run: the policy answers through this endpoint.
+``build_harness`` runs each sample's :meth:`VerifiersHarness.run` (the reply and the task's
+reward functions) in a worker process of its own unless ``isolation: none`` (``contained.py``).
 """
 
 from __future__ import annotations
