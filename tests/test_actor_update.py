@@ -203,12 +203,13 @@ def reference(pool1, model_path) -> dict:
     return merge(pool1.run(f"{__name__}:actor_job", path=model_path, tp=1, pp=1, variants=list(VARIANTS)))
 
 
-def _hf_log_probs(path: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' log-probs and entropies of the response tokens at TEMPERATURE, [B, Tr]."""
+def _hf_log_probs(path: str, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' log-probs and entropies of the response tokens at TEMPERATURE, [B, Tr], in
+    ``dtype`` (float64 gives the exact reference)."""
     from transformers import AutoModelForCausalLM
 
     batch = make_batch()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).eval()
     with torch.no_grad():
         logits = model(
             input_ids=batch["input_ids"],

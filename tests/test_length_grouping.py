@@ -19,8 +19,8 @@ import torch
 from tests.closeness import assert_adam_weights_close, assert_close_report
 from tests.test_actor_update import (
     LR,
-    TEMPERATURE,
     TP_LEN,
+    _hf_log_probs,
     build_actor,
     kl_actor_config,
     kl_update_record,
@@ -97,21 +97,6 @@ def grouped_job(path: str) -> dict:
     return out
 
 
-def _float64_log_probs(path: str) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    batch = make_batch()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, local_files_only=True).eval()
-    with torch.no_grad():
-        logits = model(
-            input_ids=batch["input_ids"],
-            attention_mask=batch["attention_mask"],
-            position_ids=batch["position_ids"],
-        ).logits
-    logits = logits[:, TP_LEN - 1 : -1] / TEMPERATURE
-    return torch.log_softmax(logits, -1).gather(-1, batch["responses"][..., None])[..., 0]
-
-
 def test_grouped_micro_batches_compute_what_ungrouped_ones_do(pool1, model_path):
     runs = pool1.run(f"{__name__}:grouped_job", path=model_path)[0]
     ref = runs["reference"]
@@ -120,7 +105,7 @@ def test_grouped_micro_batches_compute_what_ungrouped_ones_do(pool1, model_path)
     assert runs["by_count"]["groups"] == [[1, 3], [0, 2]]
     assert runs["by_budget"]["groups"] == [[1, 2, 3], [0]]
     valid = make_batch()["attention_mask"][:, TP_LEN:].bool()
-    exact = _float64_log_probs(model_path)[valid]
+    exact = _hf_log_probs(model_path, torch.float64)[0][valid]
     floor = float((ref["old_log_probs"][valid].double() - exact).abs().max())
     assert 0 < floor < 1e-5, f"float32 log-probs vs float64: {floor:.3g}"
     for name in ("by_count", "by_budget"):
