@@ -39,12 +39,13 @@ def offload_job(mode: str) -> dict:
         "moment_ptrs": [t.data_ptr() for t in moments],
     }
     out: dict = {}
+    offloader = offload.Offloader()
     if mode == "public":
         out["reports"] = [
-            offload.offload_model(chunks),
-            offload.offload_optimizer(optimizer),
-            offload.load_model(chunks),
-            offload.load_optimizer(optimizer),
+            offloader.offload_model(chunks),
+            offloader.offload_optimizer(optimizer),
+            offloader.load_model(chunks),
+            offloader.load_optimizer(optimizer),
         ]
         out["untouched"] = before["param_ptrs"] == [p.data_ptr() for p in params] and before[
             "moment_ptrs"
@@ -52,8 +53,8 @@ def offload_job(mode: str) -> dict:
     elif mode == "moved":
         cpu = torch.device("cpu")
         out["reports"] = [
-            offload._offload_model(chunks, True, cpu),
-            offload._offload_optimizer(optimizer, cpu),
+            offloader._offload_model(chunks, True, cpu),
+            offloader._offload_optimizer(optimizer, cpu),
         ]
         out["while_offloaded"] = {
             "params_moved": all(p.data_ptr() != ptr for p, ptr in zip(params, before["param_ptrs"])),
@@ -64,18 +65,21 @@ def offload_job(mode: str) -> dict:
             "grad_storage": [g.untyped_storage().size() for g in grad_buffers],
             "main_grad_storage": {p.main_grad.untyped_storage().size() for p in params},
         }
-        out["again"] = [offload._offload_model(chunks, True, cpu), offload._offload_optimizer(optimizer, cpu)]
+        out["again"] = [
+            offloader._offload_model(chunks, True, cpu),
+            offloader._offload_optimizer(optimizer, cpu),
+        ]
         host_ptrs = [p.data_ptr() for p in params] + [
             c[k].data_ptr() for c, k in offload.optimizer_tensors(optimizer)
         ]
-        out["reports"] += [offload._load_model(chunks), offload._load_optimizer(optimizer)]
-        out["again"] += [offload._load_model(chunks), offload._load_optimizer(optimizer)]
+        out["reports"] += [offloader._load_model(chunks), offloader._load_optimizer(optimizer)]
+        out["again"] += [offloader._load_model(chunks), offloader._load_optimizer(optimizer)]
         # A second round trip writes into the same host memory: no new (pinned) buffers.
-        offload._offload_model(chunks, True, cpu), offload._offload_optimizer(optimizer, cpu)
+        offloader._offload_model(chunks, True, cpu), offloader._offload_optimizer(optimizer, cpu)
         out["host_reused"] = host_ptrs == [p.data_ptr() for p in params] + [
             c[k].data_ptr() for c, k in offload.optimizer_tensors(optimizer)
         ]
-        offload._load_model(chunks), offload._load_optimizer(optimizer)
+        offloader._load_model(chunks), offloader._load_optimizer(optimizer)
         out["restored"] = all(torch.equal(p, q) for p, q in zip(params, before["params"]))
         out["grads_zero"] = all(g.untyped_storage().size() > 0 and not g.any() for g in grad_buffers)
     out["grad_bytes"] = sum(g.numel() * g.element_size() for g in grad_buffers)
@@ -160,11 +164,15 @@ def test_parameter_buffer_moves_as_one_tensor_and_views_survive():
     buffer = chunk.buffers[0]
     buffers, loose = offload.model_tensors([chunk])
     assert buffers == [buffer] and loose == []
-    report = offload._offload_model([chunk], True, torch.device("cpu"))
+    offloader = offload.Offloader()
+    attributes = [set(vars(t)) for t in (buffer, chunk.module.w, chunk.module.b)]
+    report = offloader._offload_model([chunk], True, torch.device("cpu"))
+    # The bookkeeping is the offloader's: nothing is written on the buffer or the parameters.
+    assert [set(vars(t)) for t in (buffer, chunk.module.w, chunk.module.b)] == attributes
     assert (report.moved_bytes, report.freed_bytes, report.tensors) == (40, 40, 2)
     assert buffer.param_data.untyped_storage().size() == 0
     assert chunk.module.w.untyped_storage().size() == 0  # the views lost their memory too
-    offload._load_model([chunk])
+    offloader._load_model([chunk])
     assert torch.equal(chunk.module.w, torch.tensor([[0.0, 1, 2], [3, 4, 5]]))
     assert torch.equal(chunk.module.b, torch.tensor([6.0, 7, 8, 9]))
     # Still views of the buffer: an update through the buffer reaches the parameter.
@@ -177,7 +185,7 @@ def test_plain_module_on_cpu_is_left_alone():
     linear = torch.nn.Linear(3, 2)
     linear(torch.ones(1, 3)).sum().backward()
     ptr, grad = linear.weight.data_ptr(), linear.weight.grad.clone()
-    report = offload.offload_model([linear])
+    report = offload.Offloader().offload_model([linear])
     assert report.skipped and report.tensors == 0
     assert linear.weight.data_ptr() == ptr and torch.equal(linear.weight.grad, grad)
     assert offload.device_memory_gb() == {"allocated_gb": 0.0, "reserved_gb": 0.0}

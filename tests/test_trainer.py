@@ -244,7 +244,9 @@ def test_offload_switches_park_and_restore_around_generation(dataset, monkeypatc
 
     log: list[tuple[str, object]] = []
     for name in ("offload_optimizer", "load_optimizer", "offload_model", "load_model"):
-        monkeypatch.setattr(offload, name, lambda target, *a, _n=name, **k: log.append((_n, target)))
+        monkeypatch.setattr(
+            offload.Offloader, name, lambda _, target, *a, _n=name, **k: log.append((_n, target))
+        )
     overrides = [
         "rollout.n=2",
         "data.train_batch_size=4",
@@ -265,10 +267,10 @@ def test_colocated_memory_order_parks_training_state_before_the_engine_wakes(dat
     trainer = None
 
     def record(name):
-        return lambda target, *a, **k: trainer.rollout.events.append(f"{name}:{target}")
+        return lambda _, target, *a, **k: trainer.rollout.events.append(f"{name}:{target}")
 
     for name in ("offload_optimizer", "load_optimizer", "offload_model", "load_model"):
-        monkeypatch.setattr(offload, name, record(name))
+        monkeypatch.setattr(offload.Offloader, name, record(name))
     monkeypatch.setattr(offload, "empty_device_cache", lambda: trainer.rollout.events.append("empty_cache"))
     overrides = [
         "rollout.n=2", "data.train_batch_size=4", "rollout.name=vllm",

@@ -210,14 +210,18 @@ def offload_round_trip(actor: Any) -> dict:
     """Offload parameters, gradients and optimizer state; reload; memory and exactness."""
     from verl_megatron.models import offload
 
+    offloader = offload.Offloader()
     before = _weights(actor)
     _sync()
     allocated = [_allocated_gib()]
-    reports = [offload.offload_model(actor.chunks, grads=True), offload.offload_optimizer(actor.optimizer)]
+    reports = [
+        offloader.offload_model(actor.chunks, grads=True),
+        offloader.offload_optimizer(actor.optimizer),
+    ]
     offload.empty_device_cache()
     _sync()
     allocated.append(_allocated_gib())
-    reports += [offload.load_model(actor.chunks), offload.load_optimizer(actor.optimizer)]
+    reports += [offloader.load_model(actor.chunks), offloader.load_optimizer(actor.optimizer)]
     _sync()
     allocated.append(_allocated_gib())
     exact = all(torch.equal(a, b) for a, b in zip(before, _weights(actor)))

@@ -19,8 +19,11 @@ optimizer ``offload_to_cpu`` moves ``param_groups`` tensors, which for the fp32 
 are the model's own parameters and for the fp32 distributed optimizer views of its parameter
 buffer that ``restore_from_cpu`` would not re-attach.
 
+The state of a move (where a parked tensor returns, its reused host copy) is kept by an
+:class:`Offloader` that the caller owns, never on the tensors, buffers or optimizers.
+
 On a machine without CUDA everything already lives in host memory: the
-public functions move nothing, log that once, and return a report saying so.
+public methods move nothing, log that once, and return a report saying so.
 The move itself is written for any pair of devices (``host``/``home``), so its
 bookkeeping is tested on CPU with copies standing in for transfers.
 """
@@ -32,12 +35,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from verl_megatron.distributed.modules import unwrap
 
 logger = logging.getLogger(__name__)
 
-_HOME = "_verl_offload_home"  # attribute: the device a moved tensor returns to
 _NOTICED: set[str] = set()
 
 
@@ -139,159 +142,171 @@ def _no_cuda(tensors: list[torch.Tensor], what: str) -> OffloadReport | None:
     return OffloadReport(skipped=reason)
 
 
-# ----------------------------------------------------------------------- model
+# ------------------------------------------------------------------- offloader
 
 
-def offload_model(chunks: list[torch.nn.Module], grads: bool = True) -> OffloadReport:
-    """Copy parameters to host memory and (with ``grads``) release gradient buffers.
+class Offloader:
+    """Parks models and optimizers in host memory and brings them back; remembers what it moved.
 
-    A no-op on CPU. Call :func:`load_model` before the next forward pass.
+    Its owner (the trainer for the rollout phase, a teacher for its own weights) keeps one for
+    the whole run and passes it where parking happens. The bookkeeping (the device a parked
+    tensor returns to, the host copies reused by the next offload, a released buffer's size)
+    lives here, keyed weakly by the parameters, buffers and optimizers: nothing is written on
+    those objects, and an entry goes when its key does.
     """
-    _, loose = model_tensors(chunks)
-    buffered = [b.param_data for b in _ddp_buffers(chunks) if getattr(b, "param_data", None) is not None]
-    skipped = _no_cuda(loose + buffered, "offload_model")
-    return skipped or _offload_model(chunks, grads, torch.device("cpu"))
 
+    def __init__(self) -> None:
+        self._homes: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        """Parked parameter / buffer / optimizer -> the device it returns to."""
+        self._host: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        """Parameter / buffer -> its host copy; optimizer -> its host copies in slot order. Kept
+        after a load, for the next offload to write into."""
+        self._sizes: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        """Parked buffer -> its parameter storage's size before it was released."""
 
-def load_model(chunks: list[torch.nn.Module]) -> OffloadReport:
-    """Bring back what :func:`offload_model` moved; gradient buffers come back zeroed."""
-    report = _load_model(chunks)
-    if report.tensors == 0:
+    # ------------------------------------------------------------------- model
+
+    def offload_model(self, chunks: list[torch.nn.Module], grads: bool = True) -> OffloadReport:
+        """Copy parameters to host memory and (with ``grads``) release gradient buffers.
+
+        A no-op on CPU. Call :meth:`load_model` before the next forward pass.
+        """
         _, loose = model_tensors(chunks)
-        return _no_cuda([p.data for p in loose], "load_model") or report
-    return report
+        buffered = [b.param_data for b in _ddp_buffers(chunks) if getattr(b, "param_data", None) is not None]
+        skipped = _no_cuda(loose + buffered, "offload_model")
+        return skipped or self._offload_model(chunks, grads, torch.device("cpu"))
 
+    def load_model(self, chunks: list[torch.nn.Module]) -> OffloadReport:
+        """Bring back what :meth:`offload_model` moved; gradient buffers come back zeroed."""
+        report = self._load_model(chunks)
+        if report.tensors == 0:
+            _, loose = model_tensors(chunks)
+            return _no_cuda([p.data for p in loose], "load_model") or report
+        return report
 
-def _offload_model(chunks: list[torch.nn.Module], grads: bool, host: torch.device) -> OffloadReport:
-    report = OffloadReport()
-    buffers, loose = model_tensors(chunks)
-    for buffer in buffers:
-        param_data = getattr(buffer, "param_data", None)
-        if param_data is not None and not hasattr(buffer, _HOME):
-            # Every parameter is a view of param_data: keep the storage object,
-            # copy it out, shrink it to nothing; the views come back with it.
-            setattr(buffer, _HOME, param_data.device)
-            buffer._verl_param_copy = _to_host(param_data, host, getattr(buffer, "_verl_param_copy", None))
-            buffer._verl_param_size = param_data.untyped_storage().size()
-            param_data.untyped_storage().resize_(0)
-            report.moved_bytes += _nbytes(buffer._verl_param_copy)
-            report.tensors += 1
-        grad_data = getattr(buffer, "grad_data", None)
-        if grads and grad_data is not None and grad_data.untyped_storage().size() > 0:
-            # megatron's own release (storage resized to 0, views kept); it records the size.
-            freed = grad_data.untyped_storage().nbytes()
-            buffer.offload_to_cpu(move_params=False, move_grads=True)
-            report.freed_bytes += freed
-            report.tensors += 1
-    for param in loose:
-        if hasattr(param, _HOME):
-            continue
-        setattr(param, _HOME, param.device)
-        param.data = _to_host(param.data, host, getattr(param, "_verl_host_copy", None))
-        param._verl_host_copy = param.data
-        report.moved_bytes += _nbytes(param.data)
-        report.tensors += 1
-        if grads and param.grad is not None:
-            # Spent after the step. Under megatron DDP .grad is an alias of
-            # main_grad (the optimizer sets it), released with the grad buffer.
-            if not hasattr(param, "main_grad"):
-                report.freed_bytes += _nbytes(param.grad)
-            param.grad = None
-    if report.tensors == 0:
-        report.skipped = "already offloaded"
-    return report
-
-
-def _load_model(chunks: list[torch.nn.Module]) -> OffloadReport:
-    report = OffloadReport()
-    buffers, loose = model_tensors(chunks)
-    for buffer in buffers:
-        if hasattr(buffer, _HOME):
-            buffer.param_data.untyped_storage().resize_(buffer._verl_param_size)
-            buffer.param_data.copy_(buffer._verl_param_copy, non_blocking=True)
-            report.moved_bytes += _nbytes(buffer.param_data)
-            report.tensors += 1
-            # The host copy stays allocated for the next offload.
-            delattr(buffer, _HOME)
-        if getattr(buffer, "grad_data_size", 0):
-            # megatron's reload: storage re-allocated and zeroed.
-            report.freed_bytes += buffer.grad_data_size * buffer.grad_data.element_size()
-            buffer.reload_from_cpu(move_params=False, move_grads=True)
-            report.tensors += 1
-    for param in loose:
-        if hasattr(param, _HOME):
-            param.data = param.data.to(getattr(param, _HOME), copy=True, non_blocking=True)
-            delattr(param, _HOME)
+    def _offload_model(self, chunks: list[torch.nn.Module], grads: bool, host: torch.device) -> OffloadReport:
+        report = OffloadReport()
+        buffers, loose = model_tensors(chunks)
+        for buffer in buffers:
+            param_data = getattr(buffer, "param_data", None)
+            if param_data is not None and buffer not in self._homes:
+                # Every parameter is a view of param_data: keep the storage object,
+                # copy it out, shrink it to nothing; the views come back with it.
+                self._homes[buffer] = param_data.device
+                copy = _to_host(param_data, host, self._host.get(buffer))
+                self._host[buffer] = copy
+                self._sizes[buffer] = param_data.untyped_storage().size()
+                param_data.untyped_storage().resize_(0)
+                report.moved_bytes += _nbytes(copy)
+                report.tensors += 1
+            grad_data = getattr(buffer, "grad_data", None)
+            if grads and grad_data is not None and grad_data.untyped_storage().size() > 0:
+                # megatron's own release (storage resized to 0, views kept); it records the size.
+                freed = grad_data.untyped_storage().nbytes()
+                buffer.offload_to_cpu(move_params=False, move_grads=True)
+                report.freed_bytes += freed
+                report.tensors += 1
+        for param in loose:
+            if param in self._homes:
+                continue
+            self._homes[param] = param.device
+            param.data = _to_host(param.data, host, self._host.get(param))
+            self._host[param] = param.data
             report.moved_bytes += _nbytes(param.data)
             report.tensors += 1
-    if report.tensors == 0:
-        report.skipped = "nothing was offloaded"
-    return report
+            if grads and param.grad is not None:
+                # Spent after the step. Under megatron DDP .grad is an alias of
+                # main_grad (the optimizer sets it), released with the grad buffer.
+                if not hasattr(param, "main_grad"):
+                    report.freed_bytes += _nbytes(param.grad)
+                param.grad = None
+        if report.tensors == 0:
+            report.skipped = "already offloaded"
+        return report
 
+    def _load_model(self, chunks: list[torch.nn.Module]) -> OffloadReport:
+        report = OffloadReport()
+        buffers, loose = model_tensors(chunks)
+        for buffer in buffers:
+            if buffer in self._homes:
+                buffer.param_data.untyped_storage().resize_(self._sizes.pop(buffer))
+                buffer.param_data.copy_(self._host[buffer], non_blocking=True)
+                report.moved_bytes += _nbytes(buffer.param_data)
+                report.tensors += 1
+                # The host copy stays allocated for the next offload.
+                del self._homes[buffer]
+            if getattr(buffer, "grad_data_size", 0):
+                # megatron's reload: storage re-allocated and zeroed.
+                report.freed_bytes += buffer.grad_data_size * buffer.grad_data.element_size()
+                buffer.reload_from_cpu(move_params=False, move_grads=True)
+                report.tensors += 1
+        for param in loose:
+            if param in self._homes:
+                param.data = param.data.to(self._homes.pop(param), copy=True, non_blocking=True)
+                report.moved_bytes += _nbytes(param.data)
+                report.tensors += 1
+        if report.tensors == 0:
+            report.skipped = "nothing was offloaded"
+        return report
 
-# ------------------------------------------------------------------- optimizer
+    # --------------------------------------------------------------- optimizer
 
+    def offload_optimizer(self, optimizer) -> OffloadReport:
+        """Copy optimizer state (Adam moments) and fp32 master weights to host memory; a no-op on CPU."""
+        tensors = [c[k] for c, k in optimizer_tensors(optimizer)] + list(_master_params(optimizer))
+        skipped = _no_cuda(tensors, "offload_optimizer")
+        return skipped or self._offload_optimizer(optimizer, torch.device("cpu"))
 
-def offload_optimizer(optimizer) -> OffloadReport:
-    """Copy optimizer state (Adam moments) and fp32 master weights to host memory; a no-op on CPU."""
-    tensors = [c[k] for c, k in optimizer_tensors(optimizer)] + list(_master_params(optimizer))
-    skipped = _no_cuda(tensors, "offload_optimizer")
-    return skipped or _offload_optimizer(optimizer, torch.device("cpu"))
+    def load_optimizer(self, optimizer) -> OffloadReport:
+        """Bring back what :meth:`offload_optimizer` moved."""
+        report = self._load_optimizer(optimizer)
+        if report.tensors == 0:
+            return _no_cuda([c[k] for c, k in optimizer_tensors(optimizer)], "load_optimizer") or report
+        return report
 
+    def _offload_optimizer(self, optimizer, host: torch.device) -> OffloadReport:
+        if optimizer in self._homes:
+            return OffloadReport(skipped="already offloaded")
+        report = OffloadReport()
+        slots = optimizer_tensors(optimizer)
+        masters = list(_master_params(optimizer))
+        home = next((c[k].device for c, k in slots), None) or next((m.device for m in masters), None)
+        # Host copies kept from the previous offload, reused in the same order.
+        previous = self._host.get(optimizer, [])
+        copies: list[torch.Tensor] = []
+        for container, key in slots:
+            reuse = previous[len(copies)] if len(copies) < len(previous) else None
+            container[key] = _to_host(container[key], host, reuse)
+            copies.append(container[key])
+            report.moved_bytes += _nbytes(container[key])
+        for master in masters:
+            reuse = previous[len(copies)] if len(copies) < len(previous) else None
+            master.data = _to_host(master.data, host, reuse)
+            copies.append(master.data)
+            report.moved_bytes += _nbytes(master.data)
+        report.tensors = len(slots) + len(masters)
+        if report.tensors == 0:
+            # Before the first step there is no state yet; nothing to bring back either.
+            return OffloadReport(skipped="optimizer has no state yet")
+        self._host[optimizer] = copies
+        self._homes[optimizer] = home
+        return report
 
-def load_optimizer(optimizer) -> OffloadReport:
-    """Bring back what :func:`offload_optimizer` moved."""
-    report = _load_optimizer(optimizer)
-    if report.tensors == 0:
-        return _no_cuda([c[k] for c, k in optimizer_tensors(optimizer)], "load_optimizer") or report
-    return report
-
-
-def _offload_optimizer(optimizer, host: torch.device) -> OffloadReport:
-    if getattr(optimizer, _HOME, None) is not None:
-        return OffloadReport(skipped="already offloaded")
-    report = OffloadReport()
-    slots = optimizer_tensors(optimizer)
-    masters = list(_master_params(optimizer))
-    home = next((c[k].device for c, k in slots), None) or next((m.device for m in masters), None)
-    # Host copies kept from the previous offload, reused in the same order.
-    previous = getattr(optimizer, "_verl_host_copies", [])
-    copies: list[torch.Tensor] = []
-    for container, key in slots:
-        reuse = previous[len(copies)] if len(copies) < len(previous) else None
-        container[key] = _to_host(container[key], host, reuse)
-        copies.append(container[key])
-        report.moved_bytes += _nbytes(container[key])
-    for master in masters:
-        reuse = previous[len(copies)] if len(copies) < len(previous) else None
-        master.data = _to_host(master.data, host, reuse)
-        copies.append(master.data)
-        report.moved_bytes += _nbytes(master.data)
-    report.tensors = len(slots) + len(masters)
-    if report.tensors == 0:
-        # Before the first step there is no state yet; nothing to bring back either.
-        return OffloadReport(skipped="optimizer has no state yet")
-    optimizer._verl_host_copies = copies
-    setattr(optimizer, _HOME, home)
-    return report
-
-
-def _load_optimizer(optimizer) -> OffloadReport:
-    home = getattr(optimizer, _HOME, None)
-    if home is None:
-        return OffloadReport(skipped="nothing was offloaded")
-    report = OffloadReport()
-    slots = optimizer_tensors(optimizer)
-    masters = list(_master_params(optimizer))
-    for container, key in slots:
-        container[key] = container[key].to(home, copy=True, non_blocking=True)
-        report.moved_bytes += _nbytes(container[key])
-    for master in masters:
-        master.data = master.data.to(home, copy=True, non_blocking=True)
-        report.moved_bytes += _nbytes(master.data)
-    report.tensors = len(slots) + len(masters)
-    setattr(optimizer, _HOME, None)
-    return report
+    def _load_optimizer(self, optimizer) -> OffloadReport:
+        if optimizer not in self._homes:
+            return OffloadReport(skipped="nothing was offloaded")
+        home = self._homes.pop(optimizer)
+        report = OffloadReport()
+        slots = optimizer_tensors(optimizer)
+        masters = list(_master_params(optimizer))
+        for container, key in slots:
+            container[key] = container[key].to(home, copy=True, non_blocking=True)
+            report.moved_bytes += _nbytes(container[key])
+        for master in masters:
+            master.data = master.data.to(home, copy=True, non_blocking=True)
+            report.moved_bytes += _nbytes(master.data)
+        report.tensors = len(slots) + len(masters)
+        return report
 
 
 # ------------------------------------------------------------------ GPU memory

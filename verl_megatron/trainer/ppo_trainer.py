@@ -33,6 +33,7 @@ import numpy as np
 
 from verl_megatron.algos import core_algos
 from verl_megatron.distributed.parallel import Runtime
+from verl_megatron.models.offload import Offloader
 from verl_megatron.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
 from verl_megatron.rollout.layout import gather_replicas, shard_for
 from verl_megatron.trainer import metrics as M
@@ -129,6 +130,7 @@ class PPOTrainer:
         # The rollout engine holds a copy of the weights only for external engines; these
         # count actor updates so a copy is refreshed once per update, not once per call.
         self._weights_version, self._synced_version = 0, -1
+        self.offloader = Offloader()  # what the rollout phase parks, for the whole run
         self._staged_checkpoint: int | None = None  # step saved but not yet published
         self.guard = DivergenceGuard(config.trainer.divergence_guard, config.actor.optim.lr)
         self.routes = components.routes  # MoE routing replay (workers/routes.py), or None
@@ -377,7 +379,13 @@ class PPOTrainer:
     def _rollout_phase(self) -> Iterator[None]:
         """The engine awake, the training state parked (``trainer/rollout_phase.py``)."""
         with rollout_phase(
-            self.config, self.rollout, self.actor, self.ref, self.critic, self._sync_rollout_weights
+            self.config,
+            self.rollout,
+            self.actor,
+            self.ref,
+            self.critic,
+            self._sync_rollout_weights,
+            self.offloader,
         ):
             yield
 

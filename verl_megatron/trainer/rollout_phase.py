@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from verl_megatron.trainer.config import PPOConfig
 
 if TYPE_CHECKING:
+    from verl_megatron.models.offload import Offloader
     from verl_megatron.rollout.base import RolloutEngine
     from verl_megatron.workers.actor import MegatronActor, MegatronRef
     from verl_megatron.workers.critic import MegatronCritic
@@ -31,9 +32,11 @@ def rollout_phase(
     ref: MegatronRef | None,
     critic: MegatronCritic | None,
     sync_weights: Callable[[], None],
+    offloader: Offloader,
 ) -> Iterator[None]:
     """The engine awake with the training state parked (see the module docstring) inside the
-    block; ``sync_weights`` loads the actor's weights into the engine when they changed."""
+    block; ``sync_weights`` loads the actor's weights into the engine when they changed;
+    ``offloader`` (the caller's, kept for the run) parks and restores."""
     from verl_megatron.models import offload
 
     restore: list[tuple[Callable[[Any], None], Any]] = []
@@ -44,20 +47,20 @@ def rollout_phase(
 
     actor_off = config.actor.megatron
     if actor_off.optimizer_offload:
-        park(offload.offload_optimizer, offload.load_optimizer, actor.optimizer)
+        park(offloader.offload_optimizer, offloader.load_optimizer, actor.optimizer)
     if ref is not None and config.ref.megatron.param_offload:
-        park(offload.offload_model, offload.load_model, ref.chunks, grads=False)
+        park(offloader.offload_model, offloader.load_model, ref.chunks, grads=False)
     if critic is not None:
         critic_off = config.critic.megatron
         if critic_off.param_offload:
-            park(offload.offload_model, offload.load_model, critic.chunks, grads=critic_off.grad_offload)
+            park(offloader.offload_model, offloader.load_model, critic.chunks, grads=critic_off.grad_offload)
         if critic_off.optimizer_offload:
-            park(offload.offload_optimizer, offload.load_optimizer, critic.optimizer)
+            park(offloader.offload_optimizer, offloader.load_optimizer, critic.optimizer)
     rollout.wake_up_weights()
     sync_weights()
     # The native engine generates with the actor's own parameters: they stay.
     if actor_off.param_offload and config.rollout.name != "native":
-        park(offload.offload_model, offload.load_model, actor.chunks, grads=actor_off.grad_offload)
+        park(offloader.offload_model, offloader.load_model, actor.chunks, grads=actor_off.grad_offload)
     if restore:
         offload.empty_device_cache()
     rollout.wake_up()

@@ -20,6 +20,7 @@ import os
 import torch
 
 from verl_megatron.distributed.parallel import Runtime
+from verl_megatron.models.offload import Offloader
 from verl_megatron.protocol import DataProto
 from verl_megatron.workers.actor import MegatronRef
 from verl_megatron.workers.config import RefConfig
@@ -76,6 +77,7 @@ class MegatronTeacher:
             load_hf_weights(chunks, config.model.path, rt, config.model)
             self.forward = MegatronRef(rt, forward, chunks)  # frozen: no gradients, no optimizer
         self.chunks = chunks
+        self.offloader = Offloader()  # parks the teacher's weights between calls (``offload``)
         self.param_bytes = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
         self._park()
 
@@ -85,9 +87,7 @@ class MegatronTeacher:
 
     def _park(self) -> None:
         if self.config.offload:
-            from verl_megatron.models.offload import offload_model
-
-            offload_model(self.chunks, grads=False)
+            self.offloader.offload_model(self.chunks, grads=False)
 
     def compute_log_prob(self, data: DataProto) -> torch.Tensor:
         """log p_teacher [B, Tr] of ``data``'s response tokens at ``meta_info['temperature']``."""
@@ -102,9 +102,7 @@ class MegatronTeacher:
         """``forward(data)`` under the teacher's parallel state, its weights loaded for the call."""
         with self.scope():
             if self.config.offload:
-                from verl_megatron.models.offload import load_model
-
-                load_model(self.chunks)
+                self.offloader.load_model(self.chunks)
             try:
                 return forward(data)
             finally:
