@@ -43,6 +43,9 @@ def _snapshot() -> dict[str, Any]:
 def _restore(state: dict[str, Any]) -> None:
     from megatron.core import parallel_state as ps
 
+    # megatron's parallel state is these module globals and nothing else: swapping a layout in
+    # means writing them (kept here in distributed/, the one reader of parallel_state; on the
+    # allowlist of tests/test_no_foreign_attributes.py).
     for name, value in state.items():
         setattr(ps, name, value)
 

@@ -108,4 +108,7 @@ def guard_torch_distributed() -> None:
             return _call(*args, **kwargs)
 
         guarded._wire_guarded = True
+        # Replacing torch.distributed's own functions (kept here in distributed/, on the allowlist of
+        # tests/test_no_foreign_attributes.py): megatron and torch call them directly, so only a
+        # process-wide wrapper sees every tensor sent, whichever library sends it.
         setattr(dist, name, guarded)

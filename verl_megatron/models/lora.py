@@ -360,7 +360,7 @@ class LoraAdapters(torch.nn.Module):
 
 def adapter_container(chunk: torch.nn.Module) -> LoraAdapters | None:
     """The chunk's adapters (DDP-wrapped or not), or None without LoRA."""
-    return getattr(unwrap(chunk), _CONTAINER, None)
+    return dict(unwrap(chunk).named_children()).get(_CONTAINER)
 
 
 def has_lora(chunks: Sequence[torch.nn.Module]) -> bool:
@@ -420,7 +420,7 @@ def apply_lora(
         inner = unwrap(chunk)
         if hasattr(inner, "module") or hasattr(chunk, "ddp_config"):
             raise ValueError("apply_lora: pass the bare chunks, before wrap_ddp")
-        if getattr(inner, _CONTAINER, None) is not None:
+        if adapter_container(inner) is not None:
             raise ValueError("apply_lora: these chunks already have LoRA adapters")
         inner.requires_grad_(False)
         param = next(inner.parameters())
@@ -442,7 +442,9 @@ def apply_lora(
                     if p.tensor_model_parallel:
                         whole = whole.chunk(tp, dim=p.partition_dim)[tp_rank]
                     p.copy_(whole.to(p.dtype))
-        setattr(inner, _CONTAINER, container)
+        # A child module (torch's registration API), not a loose attribute: DDP, the optimizer
+        # and checkpoints must see the adapters as the chunk's parameters, ``lora_adapters.*``.
+        inner.add_module(_CONTAINER, container)
     return list(chunks)
 
 

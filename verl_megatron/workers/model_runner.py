@@ -126,7 +126,11 @@ def _interleaving_plan(num_micro: int, pp: int) -> tuple[int, int]:
 
 @contextlib.contextmanager
 def _schedule_settings(chunks: Sequence[torch.nn.Module], **settings) -> Iterator[None]:
-    """Set TransformerConfig fields that megatron's schedule reads, for one schedule call."""
+    """Set TransformerConfig fields that megatron's schedule reads, for one schedule call.
+
+    megatron's ``get_forward_backward_func`` takes these options only from the model's config
+    (``get_model_config``), so they are set on its declared fields and restored after the call.
+    """
     configs = list({id(c): c for c in (unwrap(chunk).config for chunk in chunks)}.values())
     saved = [{name: getattr(c, name) for name in settings} for c in configs]
     for config in configs:
@@ -577,8 +581,7 @@ def _packed_params(inputs: ModelInputs, device: torch.device):
     packed = inputs.packed_seq_params
     if packed is None or device.type == "cpu":
         return packed
-    for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
-        value = getattr(packed, name, None)
-        if isinstance(value, torch.Tensor):
-            setattr(packed, name, value.to(device))
-    return packed
+    names = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
+    moved = {n: v.to(device) for n in names if isinstance(v := getattr(packed, n, None), torch.Tensor)}
+    # A moved copy: the batch's own parameters stay as they were.
+    return dataclasses.replace(packed, **moved)

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import AutoConfig
+from transformers import AutoConfig, PretrainedConfig
 
 from verl_megatron.protocol import DataProto
 from verl_megatron.trainer.moe_load_balance import load_balance_metrics, moe_load_counts
@@ -322,14 +322,17 @@ def copy_to_local(path: str, use_shm: bool = False) -> str:
     return path
 
 
-def update_model_config(config: Any, override_config: Mapping[str, Any]) -> None:
-    """Set each override on the HF config in place (nested mappings go into sub-configs)."""
+def update_model_config(config: PretrainedConfig, override_config: Mapping[str, Any]) -> None:
+    """Apply the overrides to an HF config in place through its own ``update`` (nested mappings go
+    into sub-configs the same way)."""
+    direct = {}
     for key, value in override_config.items():
         current = getattr(config, key, None)
-        if isinstance(value, Mapping) and current is not None and not isinstance(current, Mapping):
+        if isinstance(value, Mapping) and isinstance(current, PretrainedConfig):
             update_model_config(current, value)
         else:
-            setattr(config, key, value)
+            direct[key] = value
+    config.update(direct)
 
 
 def get_hf_config_override_kwargs(override_config: Any) -> dict[str, Any]:
