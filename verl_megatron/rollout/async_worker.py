@@ -8,6 +8,9 @@ steps the trainer will run (it sends where to start: step, data-loader position,
                 draw the prompts of step s (same loader, same order as the trainer's)
                 generate (in segments with partial_rollout, picking up newer weights between them)
                 send the batch to the trainer, with each token's weight version
+                (async_training.old_log_probs_on_rollout) once the weights of step b-1 are
+                loaded, i.e. after the wait of step b+max_staleness: the old log-probs of the
+                last rows of batch b (``old_log_prob_split``), sent to the trainer
 
 The sampling call number of step s is fixed (``s * CALLS_PER_STEP`` + segment), so a resumed
 run draws the same tokens as an uninterrupted one given the same weights.
@@ -48,11 +51,18 @@ __all__ = [
     "ChunkWeights",
     "RolloutModel",
     "RolloutWorker",
+    "old_log_prob_split",
     "run_rollout_worker",
     "weights_key",
 ]
 
 CALLS_PER_STEP = 1024
+
+
+def old_log_prob_split(rows: int, share: float) -> int:
+    """The first row of a batch of ``rows`` whose old log-probs the rollout ranks compute (they take
+    the last ``round(rows * share)``; the trainer the rows before)."""
+    return rows - round(rows * share)
 
 
 def weights_key(version: int) -> str:
@@ -115,6 +125,9 @@ class RolloutModel:
     """This rank's whole model copy (tp=pp=1), loaded with the starting weights."""
     harness: Any = None
     """``rollout.agent``'s harness (``rollout/agent.py``'s ``Harness``); None without agents."""
+    old_log_probs: Callable[[DataProto], torch.Tensor] | None = None
+    """[B, Tr] log-probs of a batch's responses computed as the actor's old-log-prob pass, on
+    ``chunks`` (``async_training.old_log_probs_on_rollout``); None: the trainer computes them all."""
 
 
 @dataclass(frozen=True)
@@ -148,6 +161,7 @@ class RolloutWorker:
         self.version = -1
         self.wait_s = 0.0  # blocked waiting for weights
         self.agent = self._agent(model.harness) if model.harness is not None else None
+        self.log_probs = model.old_log_probs
 
     def _agent(self, harness: Any) -> Any:
         """The agent rollout over this rank's engine; newer weights load between its engine calls
@@ -217,8 +231,12 @@ class RolloutWorker:
         self.loader.load_state_dict(start["loader"])
         self._receive()  # the weights of step start
         staleness = self.settings.max_staleness
-        sends: list[tuple[int, list[Message]]] = []  # (step, its batch's messages)
-        for step in range(start["step"] + 1, start["total_steps"] + 1):
+        share = float(start.get("old_log_prob_share", 0.0))
+        if share > 0 and self.log_probs is None:
+            raise RuntimeError("the trainer asks for old log-probs, this rollout rank was built without them")
+        sends: list[tuple[int, list[Message]]] = []  # (step, its batch's or old log-probs' messages)
+        due: dict[int, DataProto] = {}  # batches whose old log-probs are still to compute
+        for step in range(start["step"] + 1, start["total_steps"] + 1 + (staleness if share > 0 else 0)):
             began = time.perf_counter()
             # A resumed run starts from the oldest version its next batches were generated with.
             while self.version < max(start.get("version", start["step"]), step - 1 - staleness):
@@ -226,6 +244,10 @@ class RolloutWorker:
             waited = time.perf_counter() - began
             # Weights of step s-1-k came after the trainer took batch s-1-k: those buffers can go.
             sends = _complete_sends(sends, up_to=step - 1 - staleness)
+            if staleness > 0 and step - staleness in due:
+                sends.extend(self._send_old_log_probs(due.pop(step - staleness), step - staleness, share))
+            if step > start["total_steps"]:
+                continue  # only the old log-probs of the last batches were left
             prompts = self.loader.next_batch()
             prompts.non_tensor_batch["uid"] = np.array(
                 [f"{step}-1-{i}" for i in range(len(prompts))], dtype=object
@@ -237,10 +259,29 @@ class RolloutWorker:
             }  # fmt: skip
             if placement.rank == placement.rollout_main:
                 sends.append((step, isend_object(placement.transfer, output, 0)))
+            if share > 0:
+                due[step] = output
+            if staleness == 0 and share > 0:
+                sends.extend(self._send_old_log_probs(due.pop(step), step, share))
         # The trainer sends every version but its last step's: take them so its sends complete.
         while self.version < start["total_steps"] - 1:
             self._receive()
         _complete_sends(sends, up_to=start["total_steps"])
+
+    def _send_old_log_probs(
+        self, batch: DataProto, step: int, share: float
+    ) -> list[tuple[int, list[Message]]]:
+        """Old log-probs of the last rows of ``batch`` (step ``step``) with the weights of step
+        ``step - 1`` (loaded now: the next version needs them first), sent to the trainer."""
+        assert self.log_probs is not None
+        if self.version != step - 1:
+            raise RuntimeError(f"rollout: old log-probs of step {step} due with weights {self.version}")
+        first = old_log_prob_split(len(batch), share)
+        log_probs = self.log_probs(batch.slice(first, None))
+        if self.placement.rank != self.placement.rollout_main:
+            return []
+        message = {"old_log_probs_step": step, "first_row": first, "log_probs": log_probs.cpu()}
+        return [(step, isend_object(self.placement.transfer, message, 0))]
 
 
 def _complete_sends(sends: list[tuple[int, list[Message]]], up_to: int) -> list[tuple[int, list[Message]]]:

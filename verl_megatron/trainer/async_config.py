@@ -28,6 +28,15 @@ class AsyncTrainingConfig:
     and the rest of the responses continue with the new weights; each token records its version."""
     partial_rollout_segment: int = 8
     """Tokens decoded between two checks for new weights when ``partial_rollout`` is on."""
+    old_log_probs_on_rollout: bool = False
+    """The rollout ranks compute the old log-probs of the last rows of each batch (a share of
+    rollout.world_size / (trainer dp + rollout.world_size): half with one rollout rank and one
+    trainer replica) while the trainer computes the others. They do it on their copy of the
+    weights the trainer holds at that step, at the point where they would otherwise wait idle for
+    those weights, with the actor's own log-prob code and micro-batching rules; the trainer's
+    critical path loses that share of the pass. A row's value can differ from a one-rank pass only
+    in float rounding (its micro-batch neighbours differ). Not with MoE routing replay, LoRA or
+    rollout.bitwise_parity."""
 
     def __post_init__(self) -> None:
         if self.max_staleness < 0:

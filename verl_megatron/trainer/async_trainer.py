@@ -18,12 +18,18 @@
   NCCL group (``Placement.weights``); on CPU they go over gloo. Validation generates here, with
   the trainer's own weights.
 
+With ``async_training.old_log_probs_on_rollout`` the old log-probs of a batch's last rows come from
+the rollout ranks (``old_log_probs``): they compute them once the weights of the step have
+arrived, while this rank computes the other rows; messages that arrive before they are asked for
+wait in an inbox.
+
 Per-step metrics ``async/*``: staleness mean/max, fraction of samples that span several
 weight versions (partial rollout), the rollout's wait for weights and generation time.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import TYPE_CHECKING, Any
@@ -35,13 +41,13 @@ import torch.distributed as dist
 from verl_megatron.data import PromptLoader
 from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.protocol import DataProto
-from verl_megatron.rollout.async_worker import weights_key
+from verl_megatron.rollout.async_worker import old_log_prob_split, weights_key
 from verl_megatron.rollout.placement import Placement
 from verl_megatron.rollout.weight_sync import WeightSender, isend_object, recv_object
 from verl_megatron.trainer.components import Components, build_rollout_model, total_training_steps
 from verl_megatron.trainer.config import PPOConfig
 from verl_megatron.trainer.ppo_trainer import PPOTrainer
-from verl_megatron.trainer.rollout_source import ScoreFn
+from verl_megatron.trainer.rollout_source import LogProbFn, ScoreFn
 from verl_megatron.trainer.scoring import BatchScorer
 from verl_megatron.trainer.stall import StageMarks, timed_stage
 from verl_megatron.trainer.trainer_checkpoint import RecentWeights, resumed_step_dir, save_due
@@ -92,6 +98,10 @@ class AsyncRolloutLink:
         self.max_staleness = config.async_training.max_staleness
         self.samples_path = os.path.join(config.trainer.default_local_dir, SAMPLES_FILE)
         self.config = config
+        rollout_ranks = len(placement.rollout_ranks)  # each counted as one more replica of the pass
+        on_rollout = config.async_training.old_log_probs_on_rollout
+        self.log_prob_share = rollout_ranks / (runtime.layout.dp + rollout_ranks) if on_rollout else 0.0
+        self._inbox: list[tuple[str, int, Any]] = []  # (kind, step, message) received ahead of use
         # Exact resume: the versions the rollout still generates with after a checkpoint.
         keep = self.max_staleness if config.trainer.save_freq > 0 and runtime.is_main else 0
         self.recent = RecentWeights(keep)
@@ -117,6 +127,7 @@ class AsyncRolloutLink:
                 "version": min(earlier, default=step),
                 "total_steps": self.total_steps,
                 "loader": self.loader.state_dict(),
+                "old_log_prob_share": self.log_prob_share,
             }
             for rank in self.placement.rollout_ranks:
                 for work, _ in isend_object(self.placement.transfer, start_message, rank):
@@ -175,12 +186,48 @@ class AsyncRolloutLink:
         return batch, metrics
 
     def _receive_batch(self) -> DataProto:
+        return self._receive("batch", -1)
+
+    def _receive(self, kind: str, step: int) -> Any:
+        """The rollout's next batch (``kind="batch"``, whatever its step: the caller checks it) or
+        the old log-probs of ``step`` (``"old_log_probs"``), on every trainer rank."""
         payload: list[Any] = [None]
         if self.runtime.is_main:
-            payload[0] = recv_object(self.placement.transfer, self.placement.rollout_main)
+            payload[0] = self._take(kind, step)
         if self.runtime.world_size > 1:
             dist.broadcast_object_list(payload, src=0)
         return payload[0]
+
+    def _take(self, kind: str, step: int) -> Any:
+        while True:
+            for i, (held, held_step, _) in enumerate(self._inbox):
+                if held == kind and (kind == "batch" or held_step == step):
+                    return self._inbox.pop(i)[2]
+            message = recv_object(self.placement.transfer, self.placement.rollout_main)
+            if isinstance(message, DataProto):
+                self._inbox.append(("batch", message.meta_info["async"]["step"], message))
+            else:
+                self._inbox.append(("old_log_probs", message["old_log_probs_step"], message))
+
+    # ------------------------------------------------------------------ old log-probs
+
+    def old_log_probs(self, step: int, batch: DataProto, compute: LogProbFn) -> torch.Tensor:
+        """[B, Tr] old log-probs of step ``step``'s batch: ``compute``'s (the actor's pass) for the
+        first rows, the rollout ranks' for the last ``log_prob_share`` of them."""
+        if self.log_prob_share == 0:
+            return compute(batch)
+        first = old_log_prob_split(len(batch), self.log_prob_share)
+        parts = [compute(batch.slice(0, first))] if first > 0 else []
+        message = self._receive("old_log_probs", step)
+        theirs = message["log_probs"]
+        width = batch.batch["responses"].shape[1]
+        if message["first_row"] != first or tuple(theirs.shape) != (len(batch) - first, width):
+            raise RuntimeError(
+                f"async step {step}: the rollout sent old log-probs of shape {tuple(theirs.shape)} from row "
+                f"{message['first_row']}, expected {(len(batch) - first, width)} from row {first}"
+            )
+        device = parts[0].device if parts else self.runtime.device
+        return torch.cat([*parts, theirs.to(device)])
 
     def _staleness(self, batch: DataProto, step: int) -> dict[str, float]:
         """Per sample: step - 1 - oldest weight version among its tokens; the bound is enforced."""
@@ -245,6 +292,18 @@ def train_async(
         placement.close()
 
 
+def _actor_log_probs(config: PPOConfig, runtime: Runtime, model: RolloutModel) -> LogProbFn:
+    """The actor's old-log-prob pass (its batching, as ``resolve_worker_configs`` sets it) on a
+    rollout rank's model copy."""
+    from verl_megatron.rollout.config import old_log_prob_micro_batch_size
+    from verl_megatron.workers.actor import ActorLogProbs
+
+    micro = old_log_prob_micro_batch_size(config.rollout, config.actor)
+    actor = dataclasses.replace(config.actor, ppo_infer_micro_batch_size_per_gpu=micro)
+    forward = ActorLogProbs(runtime, actor, model.chunks)
+    return lambda data: forward.compute_log_prob(data)[0]
+
+
 def run_rollout_ranks(config: PPOConfig, placement: Placement) -> dict[str, float]:
     """A rollout rank's run (``train.run`` with ``rollout.placement=separate``)."""
     from verl_megatron.rollout.async_worker import AheadSettings, run_rollout_worker
@@ -256,7 +315,10 @@ def run_rollout_ranks(config: PPOConfig, placement: Placement) -> dict[str, floa
 
     def build(runtime: Runtime) -> RolloutModel:
         # The trainer ranks built the quickstart's assets before the worker's first barrier.
-        return build_rollout_model(prepare_quickstart_assets(config, rank=-1), runtime)
+        model = build_rollout_model(prepare_quickstart_assets(config, rank=-1), runtime)
+        if not asyn.old_log_probs_on_rollout:
+            return model
+        return dataclasses.replace(model, old_log_probs=_actor_log_probs(config, runtime, model))
 
     try:
         return run_rollout_worker(placement, config.trainer.seed, settings, build)

@@ -22,10 +22,10 @@ def check_placement(config: PPOConfig, world_size: int) -> int:
             raise PlacementError(
                 f"rollout.world_size={rollout.world_size} applies only with rollout.placement=separate"
             )
-        if asyn.max_staleness > 0 or asyn.partial_rollout:
+        if asyn.max_staleness > 0 or asyn.partial_rollout or asyn.old_log_probs_on_rollout:
             raise PlacementError(
-                "async_training (max_staleness > 0 or partial_rollout) needs rollout.placement=separate: "
-                "a colocated rollout generates in turn with training"
+                "async_training (max_staleness > 0, partial_rollout or old_log_probs_on_rollout) needs "
+                "rollout.placement=separate: a colocated rollout generates in turn with training"
             )
         return world_size
     if rollout.name != "native":
@@ -53,6 +53,14 @@ def check_placement(config: PPOConfig, world_size: int) -> int:
         "algorithm.adv_estimator=remax": algo.adv_estimator == "remax",
         "rollout.multi_turn.enable=true": rollout.multi_turn.enable,
     }
+    # The rollout's model copy has no routes to replay, no adapters and no parity kernels.
+    if asyn.old_log_probs_on_rollout:
+        unsupported.update({
+            "async_training.old_log_probs_on_rollout with actor.megatron.router_replay.mode=R3":
+                config.actor.megatron.router_replay.mode != "disabled",
+            "async_training.old_log_probs_on_rollout with model.lora_rank > 0": config.model.lora_rank > 0,
+            "async_training.old_log_probs_on_rollout with rollout.bitwise_parity=true": rollout.bitwise_parity,
+        })  # fmt: skip
     for key, on in unsupported.items():
         if on:
             raise PlacementError(f"rollout.placement=separate does not support {key} yet")

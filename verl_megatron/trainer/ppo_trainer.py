@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import torch
 
 from verl_megatron.algos import core_algos
 from verl_megatron.distributed.parallel import Runtime
@@ -45,7 +46,7 @@ from verl_megatron.trainer.guard import DivergenceGuard
 from verl_megatron.trainer.parity_probe import parity_probe
 from verl_megatron.trainer.ppo.rollout_correction import apply_rollout_correction
 from verl_megatron.trainer.rollout_phase import rollout_phase
-from verl_megatron.trainer.rollout_source import RolloutSource
+from verl_megatron.trainer.rollout_source import LogProbFn, RolloutSource
 from verl_megatron.trainer.scoring import Reward, combined_reward, store_scores
 from verl_megatron.trainer.stall import StageMarks, timed_stage
 from verl_megatron.trainer.tracking import Tracking
@@ -74,6 +75,9 @@ class LocalRollout:
         trainer = self._trainer()
         assert trainer is not None, "the trainer of this rollout source is gone"
         return trainer._collect_batch(step, timing)
+
+    def old_log_probs(self, step: int, batch: DataProto, compute: LogProbFn) -> torch.Tensor:
+        return compute(batch)
 
     def after_update(self, step: int, timing: dict[str, float]) -> None:
         pass
@@ -204,7 +208,7 @@ class PPOTrainer:
         with M.timed("step", timing):
             batch, gen_metrics = self.rollout_source.next_batch(step, timing)
             metrics.update(gen_metrics)
-            metrics.update(self._old_log_probs(batch, timing))
+            metrics.update(self._old_log_probs(batch, step, timing))
             if self.config.algorithm.rollout_correction.bypass_mode:  # bypass trusts parity: probe it
                 metrics.update(parity_probe(self.actor, batch, step, self.config.rollout, timing))
             metrics.update(apply_rollout_correction(batch, self.config.algorithm.rollout_correction))
@@ -223,7 +227,7 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ the step's stages
 
-    def _old_log_probs(self, batch: DataProto, timing: dict[str, float]) -> dict[str, float]:
+    def _old_log_probs(self, batch: DataProto, step: int, timing: dict[str, float]) -> dict[str, float]:
         """``old_log_probs``: the rollout's (bypass), recomputed by the actor, or (on-policy) none
         here; with both, how far the rollout's log-probs are from the recomputed ones."""
         bypass = self.config.algorithm.rollout_correction.bypass_mode
@@ -233,7 +237,8 @@ class PPOTrainer:
             batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
         elif recompute:
             with self._stage("old_log_prob", timing):
-                batch.batch["old_log_probs"], _ = self.actor.compute_log_prob(batch)
+                compute = lambda data: self.actor.compute_log_prob(data)[0]  # noqa: E731
+                batch.batch["old_log_probs"] = self.rollout_source.old_log_probs(step, batch, compute)
         # else: an on-policy update takes its own log-probs as the old ones (checked at start-up).
         if bypass or not recompute or "rollout_log_probs" not in batch.batch.keys():  # noqa: SIM118
             return {}

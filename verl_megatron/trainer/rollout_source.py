@@ -1,7 +1,8 @@
 """Where the trainer's batches come from: the step calls its rollout source at two points.
 
     batch, metrics = source.next_batch(step, timing)   # the step's batch, scored
-    ...old log-probs, reference, values, advantages, critic and actor updates...
+    batch.batch["old_log_probs"] = source.old_log_probs(step, batch, compute)  # when recomputed
+    ...reference, values, advantages, critic and actor updates...
     source.after_update(step, timing)                  # the updated weights are out
 
 plus ``start(step)`` once the run has resumed (0: a fresh start) and ``finish()`` after the last
@@ -15,13 +16,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
+import torch
+
 from verl_megatron.protocol import DataProto
 
-__all__ = ["RolloutSource", "ScoreFn"]
+__all__ = ["LogProbFn", "RolloutSource", "ScoreFn"]
 
 ScoreFn = Callable[[DataProto], dict[str, float]]
 """Scores a training batch in place (``token_level_scores`` and the extra info); returns the
 counts of contained scorer failures."""
+
+LogProbFn = Callable[[DataProto], torch.Tensor]
+"""The actor's old-log-prob pass: [B, Tr] log-probs of a batch's response tokens."""
 
 
 class RolloutSource(Protocol):
@@ -32,6 +38,11 @@ class RolloutSource(Protocol):
 
     def next_batch(self, step: int, timing: dict[str, float]) -> tuple[DataProto, dict[str, float]]:
         """Step ``step``'s scored batch and its generation metrics; stage times go to ``timing``."""
+        ...
+
+    def old_log_probs(self, step: int, batch: DataProto, compute: LogProbFn) -> torch.Tensor:
+        """[B, Tr] old log-probs of step ``step``'s batch; ``compute`` is the actor's pass (a
+        colocated run calls it on the whole batch, an async one may have rows computed elsewhere)."""
         ...
 
     def after_update(self, step: int, timing: dict[str, float]) -> None:

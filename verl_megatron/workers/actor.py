@@ -41,7 +41,7 @@ from verl_megatron.workers.output_rows import DeferredHead, head_log_probs
 from verl_megatron.workers.ppo_updates import PPOUpdates
 from verl_megatron.workers.routes import TrainingRoutes
 
-__all__ = ["MegatronActor", "MegatronRef"]
+__all__ = ["ActorLogProbs", "MegatronActor", "MegatronRef"]
 
 _MODEL_KEYS = ("input_ids", "attention_mask", "responses")
 _POLICY_METRICS = ("pg_loss", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower", "entropy", "kl_loss")
@@ -265,6 +265,29 @@ class MegatronRef(_PolicyForward):
         )
 
 
+def _actor_log_prob_batching(config: ActorConfig) -> tuple[int | None, bool, int]:
+    return config.infer_micro_batch_size, config.use_dynamic_bsz, config.ppo_infer_max_token_len_per_gpu
+
+
+class ActorLogProbs(_PolicyForward):
+    """The actor's forward-only log-probs (``compute_log_prob``: same code, micro-batching and
+    length grouping) on another copy of its weights, without optimizer or DDP: an async run's
+    rollout ranks computing their share of ``old_log_probs`` (``trainer/async_trainer.py``)."""
+
+    def __init__(self, runtime: Runtime, config: ActorConfig, chunks: list[torch.nn.Module]) -> None:
+        super().__init__(
+            runtime,
+            chunks,
+            config.use_remove_padding,
+            config.share_prompt_prefix,
+            group_by_length=config.group_by_length,
+        )
+        self.config = config
+
+    def _log_prob_batching(self) -> tuple[int | None, bool, int]:
+        return _actor_log_prob_batching(self.config)
+
+
 def _trainer_loss_config(config: ActorConfig) -> ActorConfig:
     """The config handed to the policy loss: the trainer's defaults where verl's differ.
 
@@ -323,8 +346,7 @@ class MegatronActor(_PolicyForward, PPOUpdates):
         self.moe_stats = moe.MoEStats(runtime, chunks) if moe.is_moe(chunks) else None
 
     def _log_prob_batching(self) -> tuple[int | None, bool, int]:
-        cfg = self.config
-        return cfg.infer_micro_batch_size, cfg.use_dynamic_bsz, cfg.ppo_infer_max_token_len_per_gpu
+        return _actor_log_prob_batching(self.config)
 
     def _keys(self, data: DataProto) -> tuple[str, ...]:
         keys = (*_MODEL_KEYS, "response_mask", "advantages")
