@@ -112,6 +112,8 @@ def digit_fraction(text: str) -> float:
 
 
 STAGES = ("gen", "reward", "old_log_prob", "adv", "update_actor")
+STEP_CPU = "step CPU s (of the best step)"
+TIMED_KEYS = ("step_seconds", "stage_seconds", "step_cpu_seconds", "stage_cpu_seconds")
 OURS, OURS_ON_POLICY, TRL = "verl-megatron", "verl-megatron, on-policy", "TRL GRPOTrainer"
 
 
@@ -119,7 +121,8 @@ OURS, OURS_ON_POLICY, TRL = "verl-megatron", "verl-megatron, on-policy", "TRL GR
 
 
 class _StepClock:
-    """A transformers TrainerCallback recording seconds from step begin to step end."""
+    """A transformers TrainerCallback recording seconds (wall, and the process's CPU) from step
+    begin to step end."""
 
     def __new__(cls):
         from transformers import TrainerCallback
@@ -127,13 +130,15 @@ class _StepClock:
         class Clock(TrainerCallback):
             def __init__(self) -> None:
                 self.seconds: list[float] = []
-                self._start = 0.0
+                self.cpu_seconds: list[float] = []
+                self._start = (0.0, 0.0)
 
             def on_step_begin(self, args, state, control, **kwargs):
-                self._start = time.perf_counter()
+                self._start = (time.perf_counter(), time.process_time())
 
             def on_step_end(self, args, state, control, **kwargs):
-                self.seconds.append(time.perf_counter() - self._start)
+                self.seconds.append(time.perf_counter() - self._start[0])
+                self.cpu_seconds.append(time.process_time() - self._start[1])
 
         return Clock()
 
@@ -211,6 +216,7 @@ def run_trl(model_dir: str, tokenizer, cfg: GRPOBenchConfig, out_dir: str) -> di
     ]
     return {
         "step_seconds": clock.seconds,
+        "step_cpu_seconds": clock.cpu_seconds,
         "mean_completion_length": lengths,
         "distributed_type": str(trainer.accelerator.distributed_type),
         "ddp_wrapped": ddp,
@@ -276,6 +282,26 @@ def _ours_config(model_dir: str, cfg: GRPOBenchConfig, out_dir: Path):
     return load_config(str(path), [f"{k}={v}" for k, v in overrides.items()])
 
 
+class _StageCPU:
+    """The trainer's stage marks (``trainer.stall.StageMarks``) as a CPU clock: process CPU
+    seconds from each stage's start to the next stage's (the last one's until the step ends).
+    The gaps between stages (small: batch bookkeeping) count to the stage before them."""
+
+    def __init__(self) -> None:
+        self._marks: list[tuple[str, float]] = []
+
+    def mark(self, stage: str, step: int | None = None) -> None:
+        self._marks.append((stage, time.process_time()))
+
+    def take(self, end: float) -> dict[str, float]:
+        """Each stage's CPU seconds since the last ``take``, the step ending at CPU time ``end``."""
+        seconds: dict[str, float] = {}
+        for (stage, start), stop in zip(self._marks, [m[1] for m in self._marks[1:]] + [end]):
+            seconds[stage] = seconds.get(stage, 0.0) + stop - start
+        self._marks.clear()
+        return seconds
+
+
 def run_ours(
     model_dir: str, tokenizer, cfg: GRPOBenchConfig, out_dir: str, world_size: int = 1
 ) -> dict[str, Any]:
@@ -283,7 +309,8 @@ def run_ours(
     (``world_size`` > 1: one of the processes of a torchrun job, data parallel).
 
     Returns the seconds of each step (the first is warm-up) and its stage times (verl's
-    ``timing_s/*``: gen, reward, old_log_prob, adv, update_actor).
+    ``timing_s/*``: gen, reward, old_log_prob, adv, update_actor), and the same in process CPU
+    seconds (``step_cpu_seconds``, ``stage_cpu_seconds``).
     """
     from verl_megatron.distributed.parallel import init_runtime, shutdown
     from verl_megatron.trainer.components import build_components
@@ -295,14 +322,17 @@ def run_ours(
     threads = torch.get_num_threads()
     runtime = init_runtime(config.parallel, seed=config.trainer.seed)
     torch.set_num_threads(threads)
-    steps, stages, lengths = [], [], []
+    steps, stages, lengths, cpu_steps, cpu_stages = [], [], [], [], []
+    clock = _StageCPU()
     try:
         config, components = build_components(config, runtime)
-        trainer = PPOTrainer(config, runtime, components)
+        trainer = PPOTrainer(config, runtime, components, stages=clock)
         for step in range(1, 1 + cfg.total_steps):
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             metrics = trainer.train_step(step)
             steps.append(time.perf_counter() - start)
+            cpu_steps.append(time.process_time() - cpu_start)
+            cpu_stages.append(clock.take(cpu_start + cpu_steps[-1]))
             stages.append(
                 {
                     k.removeprefix("timing_s/"): v
@@ -316,6 +346,8 @@ def run_ours(
     return {
         "step_seconds": steps,
         "stage_seconds": stages,
+        "step_cpu_seconds": cpu_steps,
+        "stage_cpu_seconds": cpu_stages,
         "mean_completion_length": [x for x in lengths if x is not None],
     }
 
@@ -323,16 +355,27 @@ def run_ours(
 # ----------------------------------------------------------------------------- section
 
 
+def best_step_stages(raw: dict[str, Any], key: str = "stage_seconds") -> dict[str, float]:
+    """The stage times ``raw[key]`` (per step, warm-up dropped) of the fastest step; {} if none."""
+    stages, timed = raw.get(key) or [], raw["step_seconds"]
+    if not timed or len(stages) < len(timed):
+        return {}
+    return stages[len(stages) - len(timed) + min(range(len(timed)), key=timed.__getitem__)]
+
+
 def _row(impl: str, raw: dict[str, Any], warmup: int) -> dict[str, Any]:
-    """Best and median of the timed steps (warm-up dropped), stages of the best step where known."""
+    """Best and median of the timed steps (warm-up dropped), the best step's process CPU seconds
+    and its stages where known."""
     timed = raw["step_seconds"][warmup:]
     best = min(range(len(timed)), key=timed.__getitem__)
     lengths = raw.get("mean_completion_length") or []
     stages = raw.get("stage_seconds")
+    cpu = raw.get("step_cpu_seconds") or []
     row = {
         "impl": impl,
         "step_s (best)": timed[best],
         "step_s (median)": sorted(timed)[len(timed) // 2],
+        STEP_CPU: cpu[len(cpu) - len(timed) + best] if len(cpu) >= len(timed) else None,
         "timed steps": len(timed),
         "mean response tokens": sum(lengths) / len(lengths) if lengths else None,
     }
@@ -353,28 +396,37 @@ def _ours_shares_prompts(cfg: GRPOBenchConfig) -> bool:
     return shared_prefix_inputs(ids, mask, ids[:, cfg.prompt_len :], t) is not None
 
 
-def step_flops(cfg: GRPOBenchConfig, impl: str) -> dict[str, float]:
-    """Model and spent FLOPs of one GRPO step of ``impl`` (every response full length).
+def stage_flops(cfg: GRPOBenchConfig, impl: str) -> dict[str, dict[str, float]]:
+    """Model and spent FLOPs of each part of one GRPO step of ``impl`` (every response full
+    length), by our stage names: gen, old_log_prob (where the side runs that pass), update_actor.
 
-    model: 2 x matmul params per generated token, a forward (old log-probs, where the side runs
-    that pass) and a forward + backward over every sequence whole. spent: ours prefills each
-    prompt once and expands its cache to the group, runs a shared prompt once per micro-batch
-    (when the layout applies) and the LM head at the response rows; TRL's generate prefills
-    every row, its fused LM head runs at the completion positions.
+    model: 2 x matmul params per generated token, a forward (old log-probs) and a forward +
+    backward over every sequence whole. spent: ours prefills each prompt once and expands its
+    cache to the group, runs a shared prompt once per micro-batch (when the layout applies) and
+    the LM head at the response rows; TRL's generate prefills every row, its fused LM head runs
+    at the completion positions.
     """
     shape, p, r, batch = cfg.shape, cfg.prompt_len, cfg.response_len, cfg.prompts * cfg.group
     t, ours = p + r, impl != TRL
-    passes = 4 if impl == OURS and cfg.recompute_old_log_prob else 3  # in forwards: + old log-probs
     prefilled = cfg.prompts if ours else batch  # rows whose prompt runs through the prefill
-    gen = generation_flops(shape, batch, (prefilled * p, prefilled), p, r)
-    model = gen["model"] + batch * t * (train_flops_per_token(shape, t) / 3 * passes)
+    stages = {"gen": generation_flops(shape, batch, (prefilled * p, prefilled), p, r)}
+    model_pass = batch * t * train_flops_per_token(shape, t) / 3  # one forward
     if ours and _ours_shares_prompts(cfg):
         # prompts run per micro-batch (micro-batches hold consecutive rows), times micro-batches
         groups = -(-cfg.micro_batch // cfg.group) * (batch // cfg.micro_batch)
         pass_flops = forward_flops(shape, groups * p + batch * r, batch * r, groups * p * p + batch * r * t)
     else:
         pass_flops = forward_flops(shape, batch * t, batch * r, batch * t * t)
-    return {"model": model, "spent": gen["spent"] + passes * pass_flops}
+    if impl == OURS and cfg.recompute_old_log_prob:
+        stages["old_log_prob"] = {"model": model_pass, "spent": pass_flops}
+    stages["update_actor"] = {"model": 3 * model_pass, "spent": 3 * pass_flops}  # forward + backward
+    return stages
+
+
+def step_flops(cfg: GRPOBenchConfig, impl: str) -> dict[str, float]:
+    """Model and spent FLOPs of one GRPO step of ``impl``: the sum of :func:`stage_flops`."""
+    stages = stage_flops(cfg, impl).values()
+    return {kind: sum(part[kind] for part in stages) for kind in ("model", "spent")}
 
 
 def _peak_shapes(cfg: GRPOBenchConfig) -> list[tuple[int, int, int]]:
@@ -408,6 +460,7 @@ def measure(
             "impl",
             "step_s (best)",
             "step_s (median)",
+            STEP_CPU,
             "timed steps",
             "mean response tokens",
             *STAGES,
@@ -451,7 +504,7 @@ def measure(
             gc.collect()
             merged = results.setdefault(impl, {})
             for key, value in raw.items():
-                if key in ("step_seconds", "stage_seconds"):  # each run's timed steps (no warm-up)
+                if key in TIMED_KEYS:  # each run's timed steps (no warm-up)
                     merged.setdefault(key, []).extend(value[cfg.warmup :])
                 elif key == "mean_completion_length":
                     merged.setdefault(key, []).extend(value)
@@ -506,6 +559,7 @@ def measure(
         "config": asdict(cfg),
         "matmul_peak": peak,
         "flops": {impl: step_flops(cfg, impl) for impl in results},
+        "stage_flops": {impl: stage_flops(cfg, impl) for impl in results},
     }
     return section
 

@@ -201,17 +201,41 @@ def _grpo(cfg: RealShapeConfig, model_dir: str, tokenizer: Any, workdir: Path, s
     section.ratios[GRPO] = part.ratios.get("step time ours on-policy / TRL (best; same passes as TRL)")
     ours, trl = rows.get(bench_grpo_step.OURS_ON_POLICY), rows.get(bench_grpo_step.TRL)
     if ours is not None and trl is not None:
-        stages = ", ".join(
-            f"{stage} {ours[stage]:.2f} s" for stage in bench_grpo_step.STAGES if ours.get(stage) is not None
-        )
-        floor = (ours.get("update_actor") or 0.0) / trl["step_s (best)"]
-        section.notes.append(
-            f"GRPO step, where the time goes: ours on-policy {ours['step_s (best)']:.2f} s ({stages}); TRL "
-            f"{trl['step_s (best)']:.2f} s (it does not time its stages). What bounds it: the update is float32 "
-            "matmuls on both sides at nearly the same FLOPs (ours runs a shared prompt once per group), so "
-            f"with everything else free the ratio would still be our update / TRL's step = {floor:.2f}"
-        )
+        section.notes.append(_grpo_note(cfg, part, ours, trl))
     return part
+
+
+def _grpo_note(cfg: RealShapeConfig, part: Section, ours: dict[str, Any], trl: dict[str, Any]) -> str:
+    """Where ours' GRPO step goes by stage (wall and process CPU seconds), each part's MFU on the
+    FLOPs it spends, and what the 0.5 target asks of the step."""
+    raw = part.extra["raw"][bench_grpo_step.OURS_ON_POLICY]
+    flops = part.extra["stage_flops"][bench_grpo_step.OURS_ON_POLICY]
+    peak = part.extra["matmul_peak"]["peak_gflops"]
+    wall = bench_grpo_step.best_step_stages(raw)
+    cpu = bench_grpo_step.best_step_stages(raw, "stage_cpu_seconds")
+    shown = [stage for stage in bench_grpo_step.STAGES if stage in wall and wall[stage] >= 0.005]
+    stages = ", ".join(
+        f"{stage} {wall[stage]:.2f} s" + (f" (CPU {cpu[stage]:.2f} s)" if stage in cpu else "")
+        for stage in shown
+    )
+
+    def mfu(stage: str) -> str:
+        spent = flops[stage]["spent"]
+        return (
+            f"{100 * spent / (1e9 * peak * wall[stage]):.0f}% of the matmul peak on {spent / 1e9:.0f} GFLOP"
+        )
+
+    g, budget = cfg.grpo, 0.5 * trl["step_s (best)"]
+    return (
+        f"GRPO step, where the time goes: ours on-policy {ours['step_s (best)']:.2f} s (process CPU "
+        f"{ours[bench_grpo_step.STEP_CPU]:.2f} s) = {stages}; TRL {trl['step_s (best)']:.2f} s (CPU "
+        f"{trl[bench_grpo_step.STEP_CPU]:.2f} s; it does not time its stages). Spent-FLOP MFU by part: "
+        f"generation {mfu('gen')} ({g.response_len - 1} one-token steps of {g.prompts * g.group} rows, each "
+        f"reading every weight: memory-bound), update {mfu('update_actor')} (forward + backward matmuls, "
+        "compute-bound, plus AdamW, clipping and zeroing the gradient buffer, which stream every parameter: "
+        f"memory-bound). The 0.5 target asks for ours <= {budget:.2f} s, "
+        f"{max(ours['step_s (best)'] - budget, 0.0):.2f} s less than now"
+    )
 
 
 def _memory(cfg: RealShapeConfig, model_dir: str, workdir: Path, section: Section) -> Section:

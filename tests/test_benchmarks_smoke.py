@@ -193,6 +193,16 @@ def test_grpo_step_section(quick_run):
         assert _positive(ours[stage])
     on_policy = rows["verl-megatron, on-policy"]  # actor.recompute_old_log_prob=false: no such pass
     assert on_policy["old_log_prob"] is None and _positive(on_policy["update_actor"])
+    # Process CPU seconds: per stage (from the trainer's stage marks) within the step's own.
+    assert _positive(ours["step CPU s (of the best step)"])
+    raw = section["extra"]["raw"]["verl-megatron"]
+    for step_cpu, stages in zip(raw["step_cpu_seconds"], raw["stage_cpu_seconds"], strict=True):
+        assert set(stages) == {"gen", "reward", "old_log_prob", "adv", "update_actor"}
+        assert 0 < sum(stages.values()) <= step_cpu + 1e-6
+    for impl, parts in section["extra"]["stage_flops"].items():  # the step's FLOPs by stage
+        for kind in ("model", "spent"):
+            total = sum(part[kind] for part in parts.values())
+            assert total == pytest.approx(section["extra"]["flops"][impl][kind], rel=1e-12)
     peer = rows.get("TRL GRPOTrainer")
     if importlib.util.find_spec("trl") is None:
         assert "TRL GRPOTrainer" in section["errors"]  # the reason is recorded, not swallowed
@@ -392,4 +402,5 @@ def test_real_shape_section(quick_run):
     )
     assert section["notes"][0].startswith("targets missed: ")
     assert any(note.startswith("update, where the time goes") for note in section["notes"])
+    assert any(note.startswith("GRPO step, where the time goes") for note in section["notes"])
     assert set(section["extra"]["stage_seconds"]) == {"generation", "update", "grpo_step", "memory"}
