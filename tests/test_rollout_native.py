@@ -372,9 +372,11 @@ def packing_job(model_dir: str) -> dict:
         return [impl for impl in impls if isinstance(impl, packed_linear.PackedMatmul)]
 
     # The layers' own modules (what LoRA / MoE layers decode through), not lean_layer.py's ops.
-    with _modules_only(), inference_mode_for(chunks) as bare:
+    store = packed_linear.PackedWeights()
+    with _modules_only(), inference_mode_for(chunks, store) as bare:
         packed, impls = prefill(bare), switched(bare)
-        inside = sum(len(impl.packed) == 1 for impl in impls)  # each ran on its packed weight
+        # each ran on one packed weight of its own, from the store passed in
+        inside = store.packs if all(impl.store is store for impl in impls) else -1
     after = sum("_forward_impl" in vars(m) for m in chunks[0].modules())
     available = packed_linear.packing_available
     packed_linear.packing_available = lambda: False
@@ -406,13 +408,60 @@ def test_packed_linears_change_decoding_logits_only_by_float32_rounding(pool1, m
     _assert_within_float32_error(out["packed"], out["plain"], out["exact"], "packed vs unpacked prefill")
 
 
+def packed_reuse_job(model_dir: str) -> dict:
+    """Generate calls naming weights versions on one engine, the weights changed in between, and
+    a fresh engine's call on the changed weights (sampling; each call's number pinned to 2)."""
+    runtime, chunks, hf_config = _setup(model_dir)
+    engine = _engine(runtime, chunks, hf_config, ignore_eos=True)
+
+    def call(version, eng=engine) -> tuple[dict, int]:
+        eng.load_state_dict({"calls": 2})  # the same seeds in every call
+        before = eng.packed.packs
+        out = eng.generate_sequences(
+            prompt_batch(meta={} if version is None else {"weights_version": version})
+        )
+        return _result(out), eng.packed.packs - before
+
+    packs = {"v0": call(0)[1], "v0 again": call(0)[1]}
+    with torch.no_grad():
+        for param in chunks[0].parameters():
+            param.mul_(0.9)  # an update: every weight changes
+    # Misuse on purpose: the old version after the change reuses the old packed copies.
+    stale, _ = call(0)
+    after, packs["v1"] = call(1)
+    packs["v1 again"] = call(1)[1]
+    fresh, _ = call(None, _engine(runtime, chunks, hf_config, ignore_eos=True))
+    packs["no version"], packs["no version again"] = call(None)[1], call(None)[1]
+    off = _engine(runtime, chunks, hf_config, ignore_eos=True, keep_packed_weights=False)
+    packs["off"], packs["off again"] = call(3, off)[1], call(3, off)[1]
+    return {"packs": packs, "stale": stale, "after": after, "fresh": fresh}
+
+
+def test_packed_weights_kept_per_weights_version(pool1, model_dir):
+    """The engine packs each linear weight once per weights version (4 layers x qkv, proj, gate,
+    up, down + the LM head = 21 packs): a second call at the same version packs nothing; a call at
+    a new version, or naming none, or with rollout.keep_packed_weights=false, packs them all. After
+    the weights change, a call at the new version gives exactly a fresh engine's tokens and
+    log-probs, while the old version's kept copies (misused on purpose) give other log-probs."""
+    out = pool1.run(f"{__name__}:packed_reuse_job", model_dir=model_dir)[0]
+    full = 4 * LAYERS + LAYERS + 1
+    assert out["packs"] == {
+        "v0": full, "v0 again": 0, "v1": full, "v1 again": 0, "no version": full,
+        "no version again": full, "off": full, "off again": full,
+    }, out["packs"]  # fmt: skip
+    for key, value in out["fresh"].items():
+        assert (value == out["after"][key]) if key == "uid" else torch.equal(value, out["after"][key]), key
+    diff = max_abs_diff(out["stale"]["rollout_log_probs"], out["fresh"]["rollout_log_probs"])
+    assert diff > 1e-3, f"stale packed weights gave the fresh engine's log-probs (max diff {diff:.2e})"
+
+
 @contextlib.contextmanager
 def _modules_only():
     """Every layer decodes through its megatron modules (lean_layer.py switched off)."""
     from verl_megatron.rollout import decode
 
     real = decode.lean_layer
-    decode.lean_layer = lambda layer, group: (None, "switched off")
+    decode.lean_layer = lambda layer, group, store: (None, "switched off")
     try:
         yield
     finally:

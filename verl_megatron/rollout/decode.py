@@ -47,7 +47,7 @@ from verl_megatron.models import batch_invariant
 from verl_megatron.rollout import vl_prefill
 from verl_megatron.rollout.cpu.kernels import decode_kernels
 from verl_megatron.rollout.cpu.lean_layer import LeanLayer, lean_layer
-from verl_megatron.rollout.cpu.packed_linear import packed_linears
+from verl_megatron.rollout.cpu.packed_linear import PackedWeights, packed_linears
 from verl_megatron.rollout.gpt_oss_decode import SinkWindows
 from verl_megatron.rollout.mla_decode import MLARotary, mla_cache_shapes, mla_store_and_attend
 from verl_megatron.rollout.qwen3_next_decode import (
@@ -61,8 +61,12 @@ __all__ = ["ChunkDecoder", "inference_mode_for"]
 
 
 @contextlib.contextmanager
-def inference_mode_for(chunks: list[torch.nn.Module]) -> Iterator[list[torch.nn.Module]]:
+def inference_mode_for(
+    chunks: list[torch.nn.Module], packed: PackedWeights | None = None
+) -> Iterator[list[torch.nn.Module]]:
     """Eval mode, no autograd and no sequence parallelism for the duration; yields the bare chunks.
+    On CPU the linears multiply with weights packed into ``packed`` (None: packed for this
+    context only; see packed_linear.py).
 
     Sequence parallelism splits activations along the sequence, which a one-token decoding step
     cannot be; without it the same weights compute the same function.
@@ -79,7 +83,7 @@ def inference_mode_for(chunks: list[torch.nn.Module]) -> Iterator[list[torch.nn.
         for m in bare:
             m.eval()
         # On CPU the linears multiply with pre-packed weights (packed_linear.py).
-        with torch.no_grad(), packed_linears(bare):
+        with torch.no_grad(), packed_linears(bare, packed):
             yield bare
     finally:
         for module, attr in switched:
@@ -130,6 +134,8 @@ class ChunkDecoder:
         max_len: columns T_max of the cache (prompt + response length).
         vocab_size: real vocabulary size; logits columns past it are tp padding.
         batch_invariance: the bitwise parity mode the chunks were switched to (None: off).
+        packed: where lean layers take their packed weights (packed_linear.py; the store the
+            caller passed to :func:`inference_mode_for`). None: packed for this decoder only.
     """
 
     def __init__(
@@ -140,6 +146,7 @@ class ChunkDecoder:
         max_len: int,
         vocab_size: int,
         batch_invariance: batch_invariant.BatchInvariance | None = None,
+        packed: PackedWeights | None = None,
     ) -> None:
         for chunk in chunks:
             _check_supported(chunk)
@@ -205,9 +212,10 @@ class ChunkDecoder:
         self.lean_skipped: list[str] = []
         if self.parity_length is None and self.device.type == "cpu":
             tp_group = runtime.tp_group() if runtime.layout.tp > 1 else None
+            store = PackedWeights(keep=False) if packed is None else packed
             for plans, chunk in zip(self.lean, chunks):
                 for i, layer in enumerate(chunk.decoder.layers):
-                    plans[i], reason = lean_layer(layer, tp_group)
+                    plans[i], reason = lean_layer(layer, tp_group, store)
                     if reason is not None:
                         self.lean_skipped.append(reason)
 

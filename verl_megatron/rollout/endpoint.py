@@ -280,6 +280,8 @@ class PolicyEndpoint:
             "response_length": max(r.max_tokens for r in group),
             "pad_token_id": int(pad),
         }
+        if self.versions is not None:  # set by _generate after refresh(): the native engine's packed weights
+            meta["weights_version"] = group[0].version
         out = self.engine.generate_sequences(
             DataProto.from_dict({"input_ids": ids, "attention_mask": mask}, meta_info=meta)
         )

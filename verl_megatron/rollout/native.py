@@ -45,6 +45,7 @@ from verl_megatron.rollout.base import (
     stop_token_ids,
 )
 from verl_megatron.rollout.config import RolloutConfig
+from verl_megatron.rollout.cpu.packed_linear import PackedWeights
 from verl_megatron.rollout.decode import ChunkDecoder, inference_mode_for
 from verl_megatron.rollout.sampling import (
     SamplingParams,
@@ -99,6 +100,9 @@ class NativeRollout(RolloutEngine):
             else None
         )
         self._routes = route_recorder if route_recorder is not None else NO_RECORDER
+        # CPU: the linears' oneDNN-packed weights, kept between calls of one weights version
+        # (``packed.packs`` counts the weights packed so far).
+        self.packed = PackedWeights(keep=config.keep_packed_weights)
         # Of the last call: decode_steps (forward steps after the prefill), final_cache_rows (rows
         # still decoded at the end), response_tokens, seconds.
         self.stats: dict[str, float] = {}
@@ -107,7 +111,10 @@ class NativeRollout(RolloutEngine):
         """Responses for left-padded prompts [B, Tp] -> [B*n, ...] (keys: ``verl_megatron.rollout.base``).
 
         ``meta_info`` may set ``validate``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
-        ``n``, ``eos_token_id``, ``pad_token_id`` and ``response_length`` for this batch.
+        ``n``, ``eos_token_id``, ``pad_token_id`` and ``response_length`` for this batch, and
+        ``weights_version``: an int that changes whenever the actor's weights change (the
+        trainer's count of updates). Calls naming the same version reuse the weights packed for
+        CPU decoding (``rollout.keep_packed_weights``); without one every call packs afresh.
         """
         input_ids, mask, positions = prompt_tensors(prompts)
         meta = prompts.meta_info
@@ -123,9 +130,14 @@ class NativeRollout(RolloutEngine):
         )
         start = time.perf_counter()
         rows, width = input_ids.shape[0] * params.n, input_ids.shape[1] + response_length
-        with inference_mode_for(self.chunks) as bare, self._routes.recording(rows, width):
+        with (
+            self.packed.for_call(meta.get("weights_version")) as packed,
+            inference_mode_for(self.chunks, packed) as bare,
+            self._routes.recording(rows, width),
+        ):
             responses, response_mask, log_probs = self._decode(
                 bare,
+                packed,
                 input_ids.to(device),
                 mask.to(device).bool(),
                 positions.to(device),
@@ -153,6 +165,7 @@ class NativeRollout(RolloutEngine):
     def _decode(
         self,
         bare: list[torch.nn.Module],
+        packed: PackedWeights,
         input_ids: torch.Tensor,
         prompt_valid: torch.Tensor,
         positions: torch.Tensor,
@@ -165,14 +178,15 @@ class NativeRollout(RolloutEngine):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(responses, response_mask, log_probs), each [B*n, Tr]; see the module docstring.
 
-        ``images``: the prompts' (pixel values, grids), embedded in the prefill (``vl_prefill.py``).
+        ``images``: the prompts' (pixel values, grids), embedded in the prefill (``vl_prefill.py``);
+        ``packed``: the call's packed weights (``cpu/packed_linear.py``).
         """
         batch, prompt_len = input_ids.shape
         n, rows, device = params.n, input_ids.shape[0] * params.n, input_ids.device
         info = getattr(bare[0], "verl_model_info", None)
         vocab = info.vocab_size if info is not None else bare[0].vocab_size
         decoder = ChunkDecoder(
-            bare, self.runtime, batch, prompt_len + response_length, vocab, self.batch_invariance
+            bare, self.runtime, batch, prompt_len + response_length, vocab, self.batch_invariance, packed
         )
 
         key_valid = torch.ones(batch, prompt_len + response_length, dtype=torch.bool, device=device)

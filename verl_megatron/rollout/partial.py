@@ -68,7 +68,8 @@ def generate_with_versions(
         else:
             batch = _continuation(row_ids, row_mask, responses[:, :position], live, pad)
             batch.meta_info = {**prompts.meta_info, "n": 1, "prompt_offset": 0}
-        batch.meta_info["response_length"] = width
+        # Read after refresh(): the engine reuses packed weights only within one version.
+        batch.meta_info.update(response_length=width, weights_version=version())
         out = engine.generate_sequences(batch).to("cpu")
         seg_tokens, seg_mask = out.batch["responses"], out.batch["response_mask"].long()
         span = slice(position, position + width)

@@ -353,10 +353,12 @@ class PPOTrainer:
     def _generate(self, prompts: DataProto, validate: bool, greedy: bool = False) -> DataProto:
         """Responses for the global prompt batch: each dp rank generates its share, then all gather."""
         rollout_cfg = self.config.rollout
+        # weights_version: the native engine keeps its packed weights while it stays the same.
         prompts.meta_info.update(
             eos_token_id=self.tokenizer.eos_token_id,
             pad_token_id=self.tokenizer.pad_token_id,
             validate=validate,
+            weights_version=self._weights_version,
         )
         if greedy:
             prompts.meta_info["do_sample"] = False
@@ -376,7 +378,7 @@ class PPOTrainer:
         output = unpad_dataproto(output, pad * samples_per_prompt)
         # The actor's log-probs must be those of the distribution the rollout sampled from.
         output.meta_info["temperature"] = rollout_cfg.temperature if rollout_cfg.temperature > 0 else 1.0
-        for key in ("validate", "do_sample", "prompt_offset"):
+        for key in ("validate", "do_sample", "prompt_offset", "weights_version"):
             output.meta_info.pop(key, None)
         return output
 

@@ -2,8 +2,9 @@
 
 At decoding sizes (one token for a few dozen rows) a megatron layer's own forward spends a large
 share of its time outside arithmetic: module calls, tensor-parallel region functions, argument
-checks, bias-dropout-add closures. :func:`lean_layer` reads one layer's weights once per generate
-call (packed for oneDNN, see packed_linear.py) and :class:`LeanLayer` runs the step on them:
+checks, bias-dropout-add closures. :func:`lean_layer` takes one layer's weights packed for oneDNN
+from the call's store (packed_linear.py: packed once per weights version) and :class:`LeanLayer`
+runs the step on them:
 
 - the SwiGLU gate is one product with the SiLU fused, and the up projection one product with
   the multiplication by the gate fused (no [B, 2F] intermediate, no split);
@@ -29,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from verl_megatron.rollout.cpu.packed_linear import PackedMatmul, pack_weight, packing_available
+from verl_megatron.rollout.cpu.packed_linear import PackedMatmul, PackedWeights, packing_available
 
 __all__ = ["LeanLayer", "lean_layer"]
 
@@ -86,12 +87,11 @@ class LeanLayer:
         return residual + out
 
 
-def _pack(module: torch.nn.Module, rows: slice | None = None) -> _Packed:
-    weight, bias = module.weight.detach(), getattr(module, "bias", None)
-    if rows is not None:
-        weight = weight[rows]
-        bias = None if bias is None else bias[rows]
-    return _Packed(pack_weight(weight.contiguous()), None if bias is None else bias.detach().contiguous())
+def _pack(module: torch.nn.Module, store: PackedWeights, rows: slice | None = None) -> _Packed:
+    bias = getattr(module, "bias", None)
+    if bias is not None:
+        bias = (bias if rows is None else bias[rows]).detach().contiguous()
+    return _Packed(store.get(module.weight, rows), bias)
 
 
 def _why_not(layer: torch.nn.Module) -> str | None:
@@ -100,6 +100,8 @@ def _why_not(layer: torch.nn.Module) -> str | None:
     from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.mlp import MLP
+
+    from verl_megatron.models.matmul_route import routed_linear_class
 
     if not packing_available():
         return "oneDNN packed linear unavailable"
@@ -112,7 +114,8 @@ def _why_not(layer: torch.nn.Module) -> str | None:
     kinds = {"qkv": ColumnParallelLinear, "proj": RowParallelLinear, "fc1": ColumnParallelLinear,
              "fc2": RowParallelLinear}  # fmt: skip
     for name, module in linears.items():
-        if type(module) is not kinds[name] or not isinstance(
+        # A routed linear (models/matmul_route.py) multiplies as megatron's outside an update.
+        if type(module) not in (kinds[name], routed_linear_class(kinds[name])) or not isinstance(
             vars(module).get("_forward_impl", PackedMatmul), PackedMatmul
         ):
             return f"{name} is {type(module).__name__} with its own matmul"
@@ -144,8 +147,9 @@ def _why_not(layer: torch.nn.Module) -> str | None:
     return None
 
 
-def lean_layer(layer: torch.nn.Module, tp_group) -> tuple[LeanLayer | None, str | None]:
-    """(the layer's :class:`LeanLayer`, None), or (None, why not). ``tp_group``: None at tp=1."""
+def lean_layer(layer: torch.nn.Module, tp_group, store: PackedWeights) -> tuple[LeanLayer | None, str | None]:
+    """(the layer's :class:`LeanLayer`, None), or (None, why not). ``tp_group``: None at tp=1;
+    ``store``: the call's packed weights (packed_linear.py)."""
     reason = _why_not(layer)
     if reason is not None:
         return None, reason
@@ -154,12 +158,12 @@ def lean_layer(layer: torch.nn.Module, tp_group) -> tuple[LeanLayer | None, str 
     groups = attn.num_query_groups_per_partition
     plan = LeanLayer(
         norm1=layer.input_layernorm,
-        qkv=_pack(attn.linear_qkv),
-        proj=_pack(attn.linear_proj),
+        qkv=_pack(attn.linear_qkv, store),
+        proj=_pack(attn.linear_proj, store),
         norm2=layer.pre_mlp_layernorm,
-        gate=_pack(mlp.linear_fc1, slice(0, half)),
-        up=_pack(mlp.linear_fc1, slice(half, None)),
-        down=_pack(mlp.linear_fc2),
+        gate=_pack(mlp.linear_fc1, store, slice(0, half)),
+        up=_pack(mlp.linear_fc1, store, slice(half, None)),
+        down=_pack(mlp.linear_fc2, store),
         groups=groups,
         heads_per_group=attn.num_attention_heads_per_partition // groups,
         head_dim=attn.hidden_size_per_attention_head,
