@@ -43,7 +43,7 @@ def step_job(dtype_name: str, fused: bool, tied: bool) -> dict:
 
 def _step(dtype: torch.dtype, fused: bool, tied: bool) -> dict:
     from verl_megatron.distributed.parallel import ParallelLayout
-    from verl_megatron.models.grad_accumulation import accumulate_into_main_grad
+    from verl_megatron.models.matmul_route import MatmulRoute, accumulate_into_main_grad
     from verl_megatron.models.megatron_model import (
         OptimSettings,
         attach_schedule_hooks,
@@ -53,10 +53,12 @@ def _step(dtype: torch.dtype, fused: bool, tied: bool) -> dict:
     )
     from verl_megatron.models.sharding import gather_full_state, load_full_state, seeded_tensor
 
+    route = MatmulRoute()
+
     def make(pre, post, vp_stage):
         return tiny_gpt.make_gpt(
             pre, post, vp_stage, vocab=VOCAB, seq=SEQ, hidden=HIDDEN, layers=LAYERS, heads=HEADS,
-            groups=GROUPS, ffn=FFN, dtype=dtype, tied=tied,
+            groups=GROUPS, ffn=FFN, dtype=dtype, tied=tied, route=route,
         )  # fmt: skip
 
     def float32_weights(name, shape):  # the same numbers in both dtypes (randn draws per dtype)
@@ -85,9 +87,11 @@ def _step(dtype: torch.dtype, fused: bool, tied: bool) -> dict:
         out = tiny_gpt.run_schedule(
             chunks, micro_batches, forward_step, num_micro, seq=SEQ, micro_batch=MICRO_BATCH
         )
+    # Nothing is set on the modules; the route is off again after the update.
     leftover = [
         type(m).__name__ for c in chunks for m in c.modules() if {"_forward_impl", "forward"} & set(vars(m))
     ]
+    leftover += ["route still on"] if route.accumulate_main_grad else []
     grads = gather_full_state(chunks, grads=True)
     ok, _, _ = optimizer.step()
     assert ok
@@ -123,3 +127,57 @@ def test_fused_accumulation_matches_ddp_hook_path(pool1, tied):
     assert_adam_weights_close(
         fused["weights"], hook["weights"], lr=LR, steps=1, what="weights after one step"
     )
+
+
+def routed_build_job() -> dict:
+    """The tiny GPT built twice from one seed, once with a route: parameter names, values and
+    megatron attributes, and one forward's logits, of both; the routed layers' classes."""
+    from verl_megatron.distributed.parallel import ParallelLayout
+    from verl_megatron.models.matmul_route import MatmulRoute, routed_layers
+
+    route = MatmulRoute()
+    models = {}
+    for routed in (False, True):
+
+        def make(pre, post, vp_stage, routed=routed):
+            return tiny_gpt.make_gpt(
+                pre, post, vp_stage, vocab=VOCAB, seq=SEQ, hidden=HIDDEN, layers=LAYERS, heads=HEADS,
+                groups=GROUPS, ffn=FFN, dtype=torch.float32, tied=False, route=route if routed else None,
+            )  # fmt: skip
+
+        _, chunks = tiny_gpt.seeded_chunks(ParallelLayout(), make, layers=LAYERS, heads=HEADS, groups=GROUPS)
+        models[routed] = chunks[0]
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(SEQ).expand(2, SEQ)
+
+    def described(model):
+        attrs = ("tensor_model_parallel", "partition_dim", "is_embedding_or_output_parameter")
+        return {
+            n: (p.detach().clone(), [getattr(p, a, None) for a in attrs]) for n, p in model.named_parameters()
+        }
+
+    return {
+        "params": {r: described(m) for r, m in models.items()},
+        "logits": {r: m(ids, positions, attention_mask=None).detach() for r, m in models.items()},
+        "routed": sorted({type(m).__name__ for m in routed_layers(models[True])}),
+        "unrouted": len(routed_layers(models[False])),
+    }
+
+
+def test_routed_layers_build_and_compute_as_megatrons(pool1):
+    """The builder's routed linears, embedding and LM head (models/matmul_route.py) hold the same
+    parameters (names, random init, megatron's attributes) and, with the route off, give the
+    same logits bit for bit as megatron's own layers."""
+    out = pool1.run(f"{__name__}:routed_build_job")[0]
+    assert out["routed"] == [
+        "RoutedColumnParallelLinear",
+        "RoutedRowParallelLinear",
+        "RoutedVocabParallelEmbedding",
+    ]
+    assert out["unrouted"] == 0
+    plain, routed = out["params"][False], out["params"][True]
+    assert plain.keys() == routed.keys() and "output_layer.weight" in plain, sorted(routed)
+    differ = [n for n in plain if not torch.equal(plain[n][0], routed[n][0]) or plain[n][1] != routed[n][1]]
+    assert not differ, f"parameters or their attributes differ: {differ}"
+    diff = (out["logits"][True] - out["logits"][False]).abs()
+    assert torch.equal(out["logits"][True], out["logits"][False]), f"max diff {float(diff.max())}"

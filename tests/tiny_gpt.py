@@ -28,10 +28,12 @@ def make_gpt(
     ffn: int,
     dtype: torch.dtype = torch.float64,
     tied: bool = False,
+    route: Any = None,
     **config: Any,
 ):
     """One GPTModel chunk; ``config`` overrides TransformerConfig fields (dropout, SwiGLU, ...);
-    ``tied``: the LM head shares the embedding's weight."""
+    ``tied``: the LM head shares the embedding's weight; ``route``: a ``models.matmul_route.MatmulRoute``
+    for the linears and embedding to consult, as the builder gives them (None: megatron's layers)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -55,9 +57,14 @@ def make_gpt(
         "add_bias_linear": False,
         **config,
     }
-    return GPTModel(
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if route is not None:
+        from verl_megatron.models.matmul_route import route_spec
+
+        spec = route_spec(spec, route)
+    model = GPTModel(
         config=TransformerConfig(**settings),
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=spec,
         vocab_size=vocab,
         max_sequence_length=seq,
         pre_process=pre,
@@ -66,6 +73,11 @@ def make_gpt(
         position_embedding_type="rope",
         vp_stage=vp_stage,
     )
+    if route is not None:
+        from verl_megatron.models.matmul_route import route_embedding_and_head
+
+        route_embedding_and_head(model, route)
+    return model
 
 
 def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

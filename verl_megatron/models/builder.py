@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -54,6 +54,9 @@ from verl_megatron.models.config import (
     read_hf_architecture,
 )
 from verl_megatron.models.megatron_model import build_chunks
+
+if TYPE_CHECKING:
+    from verl_megatron.models.matmul_route import MatmulRoute
 
 
 @dataclass(frozen=True)
@@ -218,16 +221,24 @@ def _moe_block_spec(config: Any, use_te: bool, vp_stage: int | None):
 
 
 def build_gpt_chunks(
-    hf_config: Any, runtime: Runtime, model_cfg: ModelConfig, *, value_head: bool = False
+    hf_config: Any,
+    runtime: Runtime,
+    model_cfg: ModelConfig,
+    *,
+    value_head: bool = False,
+    route: MatmulRoute | None = None,
 ) -> list[torch.nn.Module]:
     """Random-init megatron GPTModel chunks (one per virtual stage) for a Llama-family HF config.
 
     ``value_head=True`` builds the critic: the last stage ends in a :class:`ValueHead` and the
     embeddings are never tied. The layout and settings are validated before anything is built.
+    ``route``: the object the model's linears and embedding consult for their matmul
+    (``models/matmul_route.py``); None gives the model a route of its own.
     """
     from megatron.core.models.gpt import GPTModel
 
     from verl_megatron.models.families.qwen3_vl_model import vl_model_class
+    from verl_megatron.models.matmul_route import MatmulRoute, route_embedding_and_head, route_spec
 
     config = hf_to_transformer_config(hf_config, runtime.layout, model_cfg)
     arch = read_hf_architecture(hf_config)
@@ -236,12 +247,15 @@ def build_gpt_chunks(
     use_te = model_cfg.resolve_use_te()
     rope = arch.rope
 
+    route = MatmulRoute() if route is None else route
+
     def make_chunk(pre_process: bool, post_process: bool, vp_stage: int | None) -> torch.nn.Module:
         spec = _layer_spec(arch, use_te, config, vp_stage)
         if arch.gpt_oss is not None:  # sinks, sliding windows, YaRN (families/gpt_oss_layers.py)
             from verl_megatron.models.families import gpt_oss_layers
 
             gpt_oss_layers.use_gpt_oss_layers(spec, arch.gpt_oss)
+        spec = route_spec(spec, route)
         model_class, vl_kwargs = (GPTModel, {}) if arch.vl is None else vl_model_class(arch.vl, runtime.seed, model_cfg, value_head)
         model = model_class(
             config=config,
@@ -258,6 +272,7 @@ def build_gpt_chunks(
             vp_stage=vp_stage,
             **vl_kwargs,
         )
+        route_embedding_and_head(model, route)
         if rope.rope_type == "llama3":
             rotary = model.rotary_pos_emb
             rotary.inv_freq = llama3_inv_freq(rotary.inv_freq, rope)

@@ -9,10 +9,12 @@ weight gradient's matmul adds its product into the buffer itself (``main_grad.ad
 GEMM's own accumulate): no temporary, no second pass. The update equals DDP's up to float32
 rounding (the product is summed into the buffer inside the GEMM instead of after it).
 
-:func:`accumulate_into_main_grad` switches megatron's column/row parallel linears of
-DDP-wrapped chunks for the duration of a ``with`` block (an update: forward, backward, and any
-recomputed forward inside backward) and restores them after, so rollout and log-prob passes
-keep their own matmuls. It switches nothing where the fused path would not be megatron's:
+The layers that use these kernels are ours (``models/matmul_route.py``: megatron's column/row
+parallel linears and vocabulary-parallel embedding, subclassed, consulting a route object the
+builder hands them); ``matmul_route.accumulate_into_main_grad`` turns their route on for the
+duration of a ``with`` block (an update: forward, backward, and any recomputed forward inside
+backward), so rollout and log-prob passes keep megatron's matmuls. Per call the route falls
+through to megatron's implementation wherever the fused path would not be megatron's:
 
 - a chunk not wrapped by DDP, or wrapped with ``overlap_grad_reduce`` (DDP's per-parameter
   hook must then see every gradient to start the bucket's reduction);
@@ -25,14 +27,11 @@ keep their own matmuls. It switches nothing where the fused path would not be me
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from verl_megatron.distributed.modules import unwrap
-
-__all__ = ["accumulate_into_main_grad", "fusable_chunks"]
+__all__ = ["accumulates", "embedding_into_main_grad", "fusable_chunks", "linear_into_main_grad"]
 
 
 class _AccumulatingLinear(torch.autograd.Function):
@@ -54,27 +53,22 @@ class _AccumulatingLinear(torch.autograd.Function):
         return grad_x, None, None
 
 
-class _FusedWgradImpl:
-    """Stands in for megatron's ``_forward_impl`` (same arguments) while an update runs."""
+def linear_into_main_grad(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    allreduce_dgrad: bool,
+    tp_group: torch.distributed.ProcessGroup | None,
+) -> torch.Tensor:
+    """megatron's linear (input [..., K] @ weight [N, K].T + bias) for a weight that
+    :func:`accumulates`, without sequence parallelism: the weight gradient goes into ``main_grad``."""
+    if allreduce_dgrad:
+        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
-    def __init__(self, original) -> None:
-        self.original = original
-
-    def __call__(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, **kwargs):
-        # megatron passes everything by keyword; its two implementations order them differently.
-        if (
-            kwargs.get("sequence_parallel")
-            or kwargs.get("grad_output_buffer") is not None
-            or not _accumulates(weight)
-        ):
-            return self.original(input=input, weight=weight, bias=bias, **kwargs)
-        if kwargs.get("allreduce_dgrad"):
-            from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
-
-            # Forward: identity; backward: the input gradient all-reduced over tp (megatron's order).
-            input = copy_to_tensor_model_parallel_region(input, group=kwargs.get("tp_group"))
-        out = _AccumulatingLinear.apply(input, weight, weight.main_grad)
-        return out if bias is None else out + bias
+        # Forward: identity; backward: the input gradient all-reduced over tp (megatron's order).
+        input = copy_to_tensor_model_parallel_region(input, group=tp_group)
+    out = _AccumulatingLinear.apply(input, weight, weight.main_grad)
+    return out if bias is None else out + bias
 
 
 class _AccumulatingEmbedding(torch.autograd.Function):
@@ -94,22 +88,12 @@ class _AccumulatingEmbedding(torch.autograd.Function):
         return None, None, None
 
 
-class _FusedEmbeddingForward:
-    """Stands in for a vocabulary-parallel embedding's ``forward`` while an update runs: at tp=1
-    without sequence-parallel scatter the lookup is the whole forward."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module
-        self.original = module.forward
-
-    def __call__(self, input_: torch.Tensor) -> torch.Tensor:
-        module = self.module
-        if module.tp_group.size() > 1 or module.reduce_scatter_embeddings or not _accumulates(module.weight):
-            return self.original(input_)
-        return _AccumulatingEmbedding.apply(input_, module.weight, module.weight.main_grad)
+def embedding_into_main_grad(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Rows of ``weight`` (one that :func:`accumulates`) at ``ids``; the gradient goes into ``main_grad``."""
+    return _AccumulatingEmbedding.apply(ids, weight, weight.main_grad)
 
 
-def _accumulates(weight: torch.Tensor) -> bool:
+def accumulates(weight: torch.Tensor) -> bool:
     """Whether ``weight``'s gradient may go straight into its DDP buffer here."""
     main_grad = getattr(weight, "main_grad", None)
     return (
@@ -128,34 +112,3 @@ def fusable_chunks(chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
         for chunk in chunks
         if getattr(chunk, "ddp_config", None) is not None and not chunk.ddp_config.overlap_grad_reduce
     ]
-
-
-@contextlib.contextmanager
-def accumulate_into_main_grad(chunks: Sequence[torch.nn.Module]) -> Iterator[int]:
-    """Within the context, the column/row parallel linears and vocabulary-parallel embeddings
-    of ``chunks`` add their weight gradients into DDP's buffer (see the module doc); yields how
-    many layers were switched."""
-    from megatron.core.tensor_parallel.layers import (
-        ColumnParallelLinear,
-        RowParallelLinear,
-        VocabParallelEmbedding,
-    )
-
-    switched: list[tuple[torch.nn.Module, str]] = []
-    for chunk in fusable_chunks(chunks):
-        for module in unwrap(chunk).modules():
-            if (
-                isinstance(module, (ColumnParallelLinear, RowParallelLinear))
-                and "_forward_impl" not in vars(module)  # batch-invariant kernels stay
-                and not getattr(module, "explicit_expert_comm", False)
-            ):
-                module._forward_impl = _FusedWgradImpl(module._forward_impl)
-                switched.append((module, "_forward_impl"))
-            elif type(module) is VocabParallelEmbedding and "forward" not in vars(module):
-                module.forward = _FusedEmbeddingForward(module)
-                switched.append((module, "forward"))
-    try:
-        yield len(switched)
-    finally:
-        for module, name in switched:
-            delattr(module, name)

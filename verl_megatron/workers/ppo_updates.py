@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from verl_megatron.models.grad_accumulation import accumulate_into_main_grad
+from verl_megatron.models.matmul_route import accumulate_into_main_grad
 from verl_megatron.workers.model_runner import ModelRunner
 
 __all__ = ["PPOUpdates"]

@@ -1,0 +1,218 @@
+"""Linear and embedding layers whose weight-gradient path is chosen by a route object we own.
+
+megatron's column/row parallel linears and vocabulary-parallel embedding compute their products
+with megatron's own functions. Our subclasses here take a :class:`MatmulRoute` in their
+constructor (the builder puts it in the layer spec's params, ``models/builder.py``) and consult
+it at every call; switching a feature changes state on the route, never on megatron's objects.
+
+The builder routes every linear its layer spec names (megatron's classes and our subclasses of
+them, e.g. GPT-OSS's expert down projection) except multi-latent attention's two down
+projections, whose class megatron compares by identity, and it rebuilds the GPTModel's input
+embedding and LM head as routed layers (:func:`route_embedding_and_head`). Linears a module
+constructs itself (Qwen3-Next's DeltaNet projections) stay megatron's.
+
+Today the route carries one switch, :meth:`MatmulRoute.accumulating_main_grad` (see
+``models/grad_accumulation.py`` for the kernels and why): while it is on, a layer whose weight
+is trainable, float32 and on the CPU, with a float32 DDP buffer (``main_grad``), adds its weight
+gradient into that buffer inside the GEMM. Everything else (frozen or bf16 weights, sequence
+parallelism, expert layers with explicit communication, tensor-parallel embeddings) falls through
+to megatron's implementation per call, so numbers are megatron's wherever the switch is off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from verl_megatron.distributed.modules import unwrap
+from verl_megatron.models.grad_accumulation import (
+    accumulates,
+    embedding_into_main_grad,
+    fusable_chunks,
+    linear_into_main_grad,
+)
+
+__all__ = [
+    "MatmulRoute",
+    "RoutedColumnParallelLinear",
+    "RoutedRowParallelLinear",
+    "RoutedVocabParallelEmbedding",
+    "accumulate_into_main_grad",
+    "route_embedding_and_head",
+    "route_spec",
+    "routed_layers",
+    "routed_linear_class",
+]
+
+
+class MatmulRoute:
+    """How the routed layers of one model multiply: owned by whoever built the model, shared by
+    all its chunks' layers. ``accumulate_main_grad`` is False outside
+    :meth:`accumulating_main_grad` scopes."""
+
+    def __init__(self) -> None:
+        self.accumulate_main_grad = False
+
+    @contextlib.contextmanager
+    def accumulating_main_grad(self) -> Iterator[None]:
+        """Within the scope (an update: forward, backward, recomputed forwards) routed layers add
+        weight gradients into DDP's buffer where they may."""
+        previous, self.accumulate_main_grad = self.accumulate_main_grad, True
+        try:
+            yield
+        finally:
+            self.accumulate_main_grad = previous
+
+
+class _RoutedLinear:
+    """The ``_forward_impl`` of megatron's parallel linears (same keyword arguments), through the
+    route; mixed in before a megatron linear class by :func:`routed_linear_class`."""
+
+    def __init__(self, *args: Any, route: MatmulRoute, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.route = route
+
+    def _forward_impl(self, input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any):
+        if (
+            self.route.accumulate_main_grad
+            and not args
+            and not getattr(self, "explicit_expert_comm", False)
+            and not kwargs.get("sequence_parallel")
+            and kwargs.get("grad_output_buffer") is None
+            and accumulates(weight)
+        ):
+            return linear_into_main_grad(
+                input,
+                weight,
+                kwargs.get("bias"),
+                kwargs.get("allreduce_dgrad", False),
+                kwargs.get("tp_group"),
+            )
+        return super()._forward_impl(input, weight, *args, **kwargs)
+
+
+@functools.cache
+def _routed(linear: type) -> type:
+    name = f"Routed{linear.__name__}"
+    doc = f"``{linear.__qualname__}`` (same parameters and arguments) consulting a ``route``."
+    return type(name, (_RoutedLinear, linear), {"__module__": __name__, "__qualname__": name, "__doc__": doc})
+
+
+def routed_linear_class(module: Any) -> type | None:
+    """The routed counterpart of ``module`` when it is megatron's column/row parallel linear class
+    or a subclass of it (one class per input class), else None."""
+    if (
+        isinstance(module, type)
+        and issubclass(module, (ColumnParallelLinear, RowParallelLinear))
+        and not issubclass(module, _RoutedLinear)
+    ):
+        return _routed(module)
+    return None
+
+
+RoutedColumnParallelLinear = _routed(ColumnParallelLinear)
+RoutedRowParallelLinear = _routed(RowParallelLinear)
+
+
+class RoutedVocabParallelEmbedding(VocabParallelEmbedding):
+    """megatron's ``VocabParallelEmbedding`` consulting ``route``: at tp=1 without the
+    sequence-parallel scatter the lookup is the whole forward, and its gradient can go into the buffer."""
+
+    def __init__(self, *args: Any, route: MatmulRoute, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.route = route
+
+    def forward(self, input_: torch.Tensor) -> torch.Tensor:
+        if (
+            self.route.accumulate_main_grad
+            and self.tp_group.size() == 1
+            and not self.reduce_scatter_embeddings
+            and accumulates(self.weight)
+        ):
+            return embedding_into_main_grad(input_, self.weight)
+        return super().forward(input_)
+
+
+def routed_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The layers of ``model`` (bare, not DDP-wrapped) that consult a route."""
+    return [m for m in model.modules() if isinstance(m, (_RoutedLinear, RoutedVocabParallelEmbedding))]
+
+
+@contextlib.contextmanager
+def accumulate_into_main_grad(chunks: Sequence[torch.nn.Module]) -> Iterator[int]:
+    """Within the context, the routed linears and embeddings of the DDP-wrapped ``chunks`` that
+    ``grad_accumulation.fusable_chunks`` admits add their weight gradients into DDP's buffer
+    (``models/grad_accumulation.py``): the scope is entered on their routes, nothing is set on the
+    modules. Yields how many layers consult those routes."""
+    layers = [m for chunk in fusable_chunks(chunks) for m in routed_layers(unwrap(chunk))]
+    with contextlib.ExitStack() as stack:
+        for route in {id(m.route): m.route for m in layers}.values():
+            stack.enter_context(route.accumulating_main_grad())
+        yield len(layers)
+
+
+# Spec fields whose class megatron compares by identity (multi-latent attention's down projections
+# pick their arguments by it): they keep megatron's layer, and its matmul.
+_CLASS_COMPARED = frozenset({"linear_q_down_proj", "linear_kv_down_proj"})
+
+
+def route_spec(spec: Any, route: MatmulRoute) -> Any:
+    """``spec`` (a layer or block ModuleSpec, changed in place and returned) with every submodule
+    that is exactly megatron's column/row parallel linear built as its routed counterpart, ``route``
+    among the spec's params."""
+    if isinstance(spec, ModuleSpec):
+        spec.submodules = route_spec(spec.submodules, route)
+        return spec
+    if isinstance(spec, list):
+        return [route_spec(item, route) for item in spec]
+    routed = routed_linear_class(spec)
+    if routed is not None:
+        return ModuleSpec(module=routed, params={"route": route})
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        for field in dataclasses.fields(spec):
+            if field.name not in _CLASS_COMPARED:
+                setattr(spec, field.name, route_spec(getattr(spec, field.name), route))
+    return spec
+
+
+def route_embedding_and_head(model: torch.nn.Module, route: MatmulRoute) -> None:
+    """Give a freshly built ``GPTModel`` routed input embedding and LM head, in place.
+
+    ``GPTModel`` builds both itself (they are not in the layer spec); each is rebuilt as its
+    routed counterpart on the meta device (no memory, no random draws) and takes over the built
+    layer's Parameter objects, so weights, their megatron attributes and state-dict names stay.
+    """
+    embedding = getattr(model, "embedding", None)
+    if embedding is not None and type(embedding.word_embeddings) is VocabParallelEmbedding:
+        old = embedding.word_embeddings
+        with torch.device("meta"):
+            new = RoutedVocabParallelEmbedding(
+                old.num_embeddings, old.embedding_dim, init_method=model.config.embedding_init_method,
+                reduce_scatter_embeddings=old.reduce_scatter_embeddings, config=model.config,
+                tp_group=old.tp_group, route=route,
+            )  # fmt: skip
+        new.weight = old.weight
+        embedding.word_embeddings = new
+    head = getattr(model, "output_layer", None) if getattr(model, "post_process", False) else None
+    if type(head) is ColumnParallelLinear:
+        with torch.device("meta"):
+            new = RoutedColumnParallelLinear(
+                head.input_size, head.output_size, config=model.config, init_method=model.config.init_method,
+                bias=head.bias is not None, skip_bias_add=head.skip_bias_add, gather_output=head.gather_output,
+                skip_weight_param_allocation=head.weight is None,
+                embedding_activation_buffer=head.embedding_activation_buffer,
+                grad_output_buffer=head.grad_output_buffer, tp_group=head.tp_group, route=route,
+            )  # fmt: skip
+        new.weight, new.bias = head.weight, head.bias
+        model.output_layer = new
