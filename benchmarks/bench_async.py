@@ -6,7 +6,10 @@ under ``torchrun --nproc_per_node=2``, one after the other in the same run:
 - ``sync``: today's default, both ranks generate their half of the batch, then both train (dp=2).
 - ``async``: ``rollout.placement=separate rollout.world_size=1 async_training.max_staleness=1``
   with token-level TIS (``algorithm.rollout_correction.rollout_is=token``): rank 1 generates the
-  batch of step s+1 while rank 0 trains step s (dp=1), weights sent after every update.
+  batch of step s+1 while rank 0 trains step s (dp=1), weights sent after every update; with
+  ``async_training.old_log_probs_on_rollout=true`` rank 1 also computes the old log-probs of the
+  last half of each batch's rows when that step's weights arrive (where it would wait for them
+  idle) while rank 0 computes the first half: the same numbers up to float rounding.
 
 Same cores in both modes: the machine's thread budget (``--threads``, 2 in a full run) is split
 over the 2 processes, so every process runs ``budget // 2`` torch threads (1 on 2 cores) in both
@@ -32,8 +35,10 @@ Two parts:
    waiting per step: in sync mode a rank never waits for the other role, it does both in turn
    (generation and training time are given); in async mode the trainer waits for the rollout's
    batch (``timing_s/wait_rollout``) and the rollout for weights (``async/rollout_wait_weights_s``).
-2. learning: the quickstart as shipped (150 steps, validation every 10); the first step at which
-   the mean validation reward reaches ``target`` (0.8, the quickstart's promise) in each mode.
+2. learning: the quickstart as shipped (150 steps, validation every 5), once per seed in
+   ``seeds`` (``trainer.seed``: model, data and sampling) in each mode; the first step at which
+   the mean validation reward reaches ``target`` (0.8, the quickstart's promise), per seed and
+   its median per mode (one seed's curve moves the first crossing by tens of steps).
    Minutes on 2 CPU cores; ``--quick`` and ``benchmarks/run.py --quick`` skip it.
 
     python benchmarks/bench_async.py                  # both parts
@@ -69,6 +74,7 @@ MODES = {
         "rollout.world_size=1",
         "async_training.max_staleness=1",
         "algorithm.rollout_correction.rollout_is=token",
+        "async_training.old_log_probs_on_rollout=true",
     ],
 }
 VAL_KEY = "val/test_score/synthetic/reverse"
@@ -100,7 +106,9 @@ class AsyncBenchConfig:
     steps: int = 12
     learning: bool = True
     learning_steps: int = 150
-    test_freq: int = 10
+    test_freq: int = 5
+    seeds: tuple[int, ...] = (1, 2)
+    """``trainer.seed`` of the learning runs (1: the quickstart's own), the same in both modes."""
     target: float = 0.8
     timeout_s: int = 3600
     workloads: tuple[str, ...] = tuple(WORKLOADS)
@@ -168,6 +176,7 @@ def throughput_row(workload: str, mode: str, rows: list[dict[str, Any]]) -> dict
         "trainer: waits for batch_s": _mean(steps, "timing_s/wait_rollout") if mode == "async" else 0.0,
         "rollout rank: gen_s": _mean(steps, "async/rollout_gen_s"),
         "rollout rank: waits for weights_s": _mean(steps, "async/rollout_wait_weights_s"),
+        "rollout rank: old_log_prob_s": _mean(steps, "async/rollout_old_log_prob_s"),
         "staleness (mean)": _mean(steps, "async/staleness_mean") if mode == "async" else 0.0,
         "response length (mean)": _mean(steps, "response_length/mean"),
         "response length (max)": _mean(steps, "response_length/max"),
@@ -178,16 +187,20 @@ def throughput_row(workload: str, mode: str, rows: list[dict[str, Any]]) -> dict
 def _ceiling_note(workload: str, by_mode: dict[str, dict[str, Any]]) -> str:
     """What bounds async on ``workload``: the busier of its two roles, the trainer (its step less
     the wait for the batch) and the rollout rank (its generation of the whole batch on one
-    process); async's step can be no shorter, however well the two overlap."""
+    process and its share of the old log-probs); async's step can be no shorter, however well the
+    two overlap."""
     sync, asyn = by_mode["sync"], by_mode["async"]
     if sync["step_s"] is None or asyn["step_s"] is None:
         return f"{workload}: no step times"
     busy = asyn["step_s"] - (asyn["trainer: waits for batch_s"] or 0.0)
-    bound = max(busy, asyn["rollout rank: gen_s"] or 0.0)
+    rollout_busy = (asyn["rollout rank: gen_s"] or 0.0) + (asyn["rollout rank: old_log_prob_s"] or 0.0)
+    bound = max(busy, rollout_busy)
     return (
         f"{workload}: the async trainer is busy {busy:.3f} s a step (old log-probs "
-        f"{asyn['trainer: old_log_prob_s'] or 0.0:.3f} s + update {asyn['trainer: update_actor_s'] or 0.0:.3f} s "
-        f"of the whole batch on one process), its rollout rank generates for {asyn['rollout rank: gen_s'] or 0.0:.3f} s "
+        f"{asyn['trainer: old_log_prob_s'] or 0.0:.3f} s, its rows and the wait for the rollout's, + update "
+        f"{asyn['trainer: update_actor_s'] or 0.0:.3f} s of the whole batch on one process), its rollout rank "
+        f"generates for {asyn['rollout rank: gen_s'] or 0.0:.3f} s, computes old log-probs for "
+        f"{asyn['rollout rank: old_log_prob_s'] or 0.0:.3f} s "
         f"and waits {asyn['rollout rank: waits for weights_s'] or 0.0:.3f} s for weights; sync's step is "
         f"{sync['step_s']:.3f} s, of which generation {sync['trainer: gen_s'] or 0.0:.3f} s: async cannot exceed "
         f"{sync['step_s'] / bound:.2f}x here however its generation overlaps"
@@ -199,6 +212,37 @@ def steps_to_target(rows: list[dict[str, Any]], target: float) -> tuple[int | No
     val = [(r["step"], r[VAL_KEY]) for r in rows if VAL_KEY in r]
     reached = next((step for step, score in val if score >= target), None)
     return reached, (val[-1][1] if val else None)
+
+
+def median_steps(reached: list[int | None]) -> float | None:
+    """Median first step at the target over the seeds; None when a seed never reached it."""
+    return None if not reached or None in reached else float(statistics.median(reached))
+
+
+def _learning(config: AsyncBenchConfig, tmp: Path, section: Section) -> None:
+    """The learning runs (every seed in both modes); steps to the target per seed, and the ratio of
+    the modes' medians."""
+    learn = [f"trainer.total_training_steps={config.learning_steps}", f"trainer.test_freq={config.test_freq}"]
+    median = {}
+    for mode in MODES:
+        runs = {}
+        for seed in config.seeds:
+            out = tmp / f"learn_{mode}_{seed}"
+            rows = train(mode, [*learn, f"trainer.seed={seed}"], out, config.timeout_s, config.options)
+            reached, last = steps_to_target(rows, config.target)
+            curve = [(r["step"], round(r[VAL_KEY], 4)) for r in rows if VAL_KEY in r]
+            runs[seed] = {"steps_to_target": reached, "last_val_reward": last, "val_curve": curve}
+        median[mode] = median_steps([r["steps_to_target"] for r in runs.values()])
+        section.extra[f"learning_{mode}"] = {"median_steps_to_target": median[mode], "seeds": runs}
+        per_seed = ", ".join(
+            f"seed {seed}: step {r['steps_to_target']} ({r['last_val_reward']:.3f} at step {config.learning_steps})"
+            for seed, r in runs.items()
+        )
+        section.notes.append(
+            f"learning, {mode}: validation reward >= {config.target} first at (checked every "
+            f"{config.test_freq}) {per_seed}; median {median[mode]}"
+        )
+    section.ratios["steps to target async / sync"] = ratio(median["async"], median["sync"])
 
 
 def run(config: AsyncBenchConfig, workdir: Path) -> Section:
@@ -228,32 +272,15 @@ def run(config: AsyncBenchConfig, workdir: Path) -> Section:
             )
             section.notes.append(_ceiling_note(workload, by_mode))
         if config.learning:
-            learn = [
-                f"trainer.total_training_steps={config.learning_steps}",
-                f"trainer.test_freq={config.test_freq}",
-            ]
-            reached = {}
-            for mode in MODES:
-                rows = train(mode, learn, Path(tmp) / f"learn_{mode}", config.timeout_s, config.options)
-                reached[mode], last = steps_to_target(rows, config.target)
-                curve = [(r["step"], round(r[VAL_KEY], 4)) for r in rows if VAL_KEY in r]
-                section.extra[f"learning_{mode}"] = {
-                    "steps_to_target": reached[mode],
-                    "last_val_reward": last,
-                    "val_curve": curve,
-                }
-                section.notes.append(
-                    f"learning, {mode}: validation reward >= {config.target} first at step {reached[mode]} "
-                    f"(checked every {config.test_freq}), {last:.3f} at step {config.learning_steps}"
-                )
-            section.ratios["steps to target async / sync"] = ratio(reached["async"], reached["sync"])
+            _learning(config, Path(tmp), section)
         else:
             section.notes.append(
                 "learning comparison skipped (--quick / --no-learning); run `python benchmarks/bench_async.py`"
             )
     section.notes.append(
         "sync: both ranks generate then both train (dp=2), nobody waits for another role; async: rank 0 "
-        "trains (dp=1) while rank 1 generates the next batch; every process runs "
+        "trains (dp=1) while rank 1 generates the next batch and computes half of the old log-probs of "
+        "the batch rank 0 trains; every process runs "
         f"{threads_per_process(torch.get_num_threads())} torch thread(s) in both modes"
     )
     return section

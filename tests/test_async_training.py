@@ -246,6 +246,9 @@ def test_off_policy_batches_are_one_version_stale_and_corrected(job) -> None:
     assert (
         "timing_s/send_weights" in rows[3] and "timing_s/send_weights" not in rows[4]
     )  # none after the last
+    # old_log_probs_on_rollout: before generating batch s the rollout computed its share of batch s-1
+    assert rows[1]["async/rollout_old_log_prob_s"] == 0.0
+    assert all(rows[s]["async/rollout_old_log_prob_s"] > 0.0 for s in (2, 3, 4))
     samples = _rows(os.path.join(job, "straight", "samples.jsonl"))
     assert [r["weight_version"][0] for r in samples] == [0, 0, 1, 2]
 

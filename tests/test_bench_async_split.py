@@ -61,3 +61,13 @@ def test_bypass_bound_is_the_step_without_its_old_log_prob_stage():
     assert bench.bypass_bound(0.5, 0.055) == (0.5 - 0.055) / 0.5  # 0.89: the stage's 11% share
     assert bench.bypass_bound(None, 0.1) is None and bench.bypass_bound(0.5, None) is None
     assert bench.FULL.rounds == 3 and bench.FULL.steps == 3  # 9 timed steps a variant, alternating
+
+
+def test_learning_is_judged_on_the_median_of_several_seeds():
+    bench = _bench_async()
+    assert bench.FULL.test_freq == 5 and len(set(bench.FULL.seeds)) >= 2
+    assert bench.median_steps([80, 95]) == 87.5
+    assert bench.median_steps([80, 95, 120]) == 95.0
+    assert bench.median_steps([80, None]) is None  # a seed that never reached the target: no number
+    # async computes half of the old log-probs on its rollout rank, a throughput option only
+    assert "async_training.old_log_probs_on_rollout=true" in bench.MODES["async"]

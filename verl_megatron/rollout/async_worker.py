@@ -244,8 +244,11 @@ class RolloutWorker:
             waited = time.perf_counter() - began
             # Weights of step s-1-k came after the trainer took batch s-1-k: those buffers can go.
             sends = _complete_sends(sends, up_to=step - 1 - staleness)
+            log_prob_s = 0.0
             if staleness > 0 and step - staleness in due:
+                began = time.perf_counter()
                 sends.extend(self._send_old_log_probs(due.pop(step - staleness), step - staleness, share))
+                log_prob_s = time.perf_counter() - began
             if step > start["total_steps"]:
                 continue  # only the old log-probs of the last batches were left
             prompts = self.loader.next_batch()
@@ -256,6 +259,7 @@ class RolloutWorker:
             output = self._generate(prompts, step)
             output.meta_info["async"] = {
                 "step": step, "rollout_wait_weights_s": waited, "rollout_gen_s": time.perf_counter() - began,
+                "rollout_old_log_prob_s": log_prob_s,
             }  # fmt: skip
             if placement.rank == placement.rollout_main:
                 sends.append((step, isend_object(placement.transfer, output, 0)))

@@ -24,7 +24,8 @@ arrived, while this rank computes the other rows; messages that arrive before th
 wait in an inbox.
 
 Per-step metrics ``async/*``: staleness mean/max, fraction of samples that span several
-weight versions (partial rollout), the rollout's wait for weights and generation time.
+weight versions (partial rollout), the rollout's wait for weights and generation time, and the
+time it spent on its share of old log-probs before generating the batch.
 """
 
 from __future__ import annotations
@@ -180,6 +181,8 @@ class AsyncRolloutLink:
         metrics = self._staleness(batch, step)
         metrics["async/rollout_wait_weights_s"] = float(info["rollout_wait_weights_s"])
         metrics["async/rollout_gen_s"] = float(info["rollout_gen_s"])
+        # the rollout's share of the previous batch's old log-probs, computed before this batch
+        metrics["async/rollout_old_log_prob_s"] = float(info.get("rollout_old_log_prob_s", 0.0))
         with timed_stage(self.stages, "reward", step, timing):
             metrics.update(self.score(batch))
         self._log_samples(step, batch)
