@@ -48,6 +48,11 @@ SEPARATE = ["rollout.placement=separate", "rollout.world_size=1"]
             2,
             "does not support async_training.old_log_probs_on_rollout with model.lora_rank > 0",
         ),
+        (
+            [*SEPARATE, "async_training.old_log_probs_on_rollout=true", "actor.recompute_old_log_prob=false"],
+            2,
+            "old_log_probs_on_rollout with actor.recompute_old_log_prob=false (none to compute)",
+        ),
     ],
 )
 def test_bad_async_settings_are_named_at_start_up(overrides, world_size, message) -> None:

@@ -60,6 +60,8 @@ def check_placement(config: PPOConfig, world_size: int) -> int:
                 config.actor.megatron.router_replay.mode != "disabled",
             "async_training.old_log_probs_on_rollout with model.lora_rank > 0": config.model.lora_rank > 0,
             "async_training.old_log_probs_on_rollout with rollout.bitwise_parity=true": rollout.bitwise_parity,
+            "async_training.old_log_probs_on_rollout with actor.recompute_old_log_prob=false (none to compute)":
+                not config.actor.recompute_old_log_prob,
         })  # fmt: skip
     for key, on in unsupported.items():
         if on:
