@@ -12,6 +12,13 @@ Before timing, a short greedy run checks that both sides produce the same tokens
 not just the same sizes). The two sides then run interleaved (A, B, A, B); the headline is the
 fastest repeat, the median is reported beside it.
 
+The weights do not change during the benchmark, so every native call names one weights version
+and the engine reuses its oneDNN-packed weights from the warm-up on (as the trainer's calls
+between two updates do: validation, several calls of n samples, multi-turn turns). A cold call,
+at a new version and so packing every weight, is timed once after the interleaved repeats and
+reported beside them (``extra['native_cold_s']``): the first rollout after each update pays it.
+With ``large_batch`` both sides also run once at that batch on the same models.
+
     python benchmarks/bench_generate.py                  # full size
     python benchmarks/bench_generate.py --quick          # smoke sizes (numbers mean nothing)
     python benchmarks/bench_generate.py --out FILE.json  # also write the result (default: print only)
@@ -38,6 +45,7 @@ from common import (
     SHARED_HEAP_NOTE,
     ModelShape,
     Section,
+    Timing,
     best_peak,
     build_assets,
     error_text,
@@ -54,6 +62,12 @@ from common import (
 NATIVE, HF = "verl-megatron native engine", "HF generate"
 HF_STATIC = "HF generate, static cache"
 HF_COMPILED = "HF generate, static cache + torch.compile"
+NATIVE_COLD = f"{NATIVE}, cold call (packs every weight)"
+
+
+def at_batch(impl: str, batch: int) -> str:
+    """The row name of ``impl``'s call at the larger batch (``GenerateBenchConfig.large_batch``)."""
+    return f"{impl}, batch {batch}"
 
 
 @dataclass(frozen=True)
@@ -80,6 +94,8 @@ class GenerateBenchConfig:
     seed: int = 0
     static_cache: bool = True
     """also time HF with a static KV cache, eager and under torch.compile (inductor on CPU)"""
+    large_batch: int | None = None
+    """also time one call per side at this batch (same models, prompt lengths and new tokens)"""
 
 
 FULL = GenerateBenchConfig(replace(MEDIUM_SHAPE, intermediate_size=1376))
@@ -120,10 +136,18 @@ def _sides(model_dir: str, tokenizer: Any):
     return engine, hf
 
 
-def _native_call(engine, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, greedy: bool = False):
+def _native_call(
+    engine, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, greedy: bool = False, version: int = 0
+):
+    """The engine's generate; ``version``: the weights version the call names (the weights never
+    change here: a new one only to time a cold call, which packs every weight again)."""
     from verl_megatron.protocol import DataProto
 
-    meta = {"response_length": new_tokens, **({"do_sample": False} if greedy else {})}
+    meta = {
+        "response_length": new_tokens,
+        "weights_version": version,
+        **({"do_sample": False} if greedy else {}),
+    }
     out = engine.generate_sequences(
         DataProto.from_dict({"input_ids": ids, "attention_mask": mask}, meta_info=meta)
     )
@@ -179,7 +203,8 @@ def run(cfg: GenerateBenchConfig, workdir: Path) -> Section:
 
 def _gemms(cfg: GenerateBenchConfig) -> list[tuple[int, int, int]]:
     """The model's matmuls at a decoding step's rows and at the prefill's: the peak's shapes."""
-    return cfg.shape.gemm_shapes(cfg.batch) + cfg.shape.gemm_shapes(cfg.batch * cfg.prompt_len)
+    steps = cfg.shape.gemm_shapes(cfg.large_batch) if cfg.large_batch else []
+    return cfg.shape.gemm_shapes(cfg.batch) + cfg.shape.gemm_shapes(cfg.batch * cfg.prompt_len) + steps
 
 
 def side_flops(cfg: GenerateBenchConfig, mask: torch.Tensor) -> dict[str, dict[str, float]]:
@@ -222,11 +247,18 @@ def measure(cfg: GenerateBenchConfig, model_dir: str, tokenizer: Any) -> Section
                 continue
             fns[name] = fn
     timings = time_interleaved(fns, repeats=cfg.repeats, warmup=0)
-    # One call generating a single token: our prefill (and one draw) alone, for the profile note.
-    prefill_s = time_once(lambda: _native_call(engine, ids, mask, 1))[0]
-    peak = best_peak(peak_before, measure_matmul_peak(_gemms(cfg), repeats=3))
     flops = side_flops(cfg, mask)
-    tokens = cfg.batch * cfg.new_tokens
+    # A new weights version: the call packs every weight again, as the first after an update.
+    packs = engine.packed.packs
+    timings[NATIVE_COLD] = Timing(
+        [time_once(lambda: _native_call(engine, ids, mask, cfg.new_tokens, version=1))[0]]
+    )
+    flops[NATIVE_COLD], cold_packs = flops[NATIVE], engine.packed.packs - packs
+    # One call generating a single token: our prefill (and one draw) alone, for the profile note.
+    prefill_s = time_once(lambda: _native_call(engine, ids, mask, 1, version=1))[0]
+    if cfg.large_batch:
+        _time_large_batch(cfg, engine, hf, pad, timings, flops)
+    peak = best_peak(peak_before, measure_matmul_peak(_gemms(cfg), repeats=3))
     section = Section(
         name="generation",
         title="Generation throughput: native rollout engine vs Hugging Face generate (same weights)",
@@ -252,6 +284,9 @@ def measure(cfg: GenerateBenchConfig, model_dir: str, tokenizer: Any) -> Section
         extra={"settings": asdict(cfg), "timings": {k: t.as_dict() for k, t in timings.items()}},
     )
     for name, timing in timings.items():
+        tokens = (
+            cfg.large_batch if name.endswith(f", batch {cfg.large_batch}") else cfg.batch
+        ) * cfg.new_tokens
         section.rows.append(
             {
                 "impl": name,
@@ -262,7 +297,10 @@ def measure(cfg: GenerateBenchConfig, model_dir: str, tokenizer: Any) -> Section
                 **mfu_columns(flops[name], timing.best, peak["peak_gflops"]),
             }
         )
-    section.extra.update(matmul_peak=peak, flops={k: flops[k] for k in timings}, native_prefill_s=prefill_s)
+    section.extra.update(
+        matmul_peak=peak, flops={k: flops[k] for k in timings}, native_prefill_s=prefill_s,
+        native_cold_s=timings[NATIVE_COLD].best, native_cold_packs=cold_packs,
+    )  # fmt: skip
     by_name = {row["impl"]: row for row in section.rows}
     native, peer = by_name[NATIVE], by_name[HF]
     section.ratios["tokens/s native / HF generate (best)"] = ratio(
@@ -278,6 +316,17 @@ def measure(cfg: GenerateBenchConfig, model_dir: str, tokenizer: Any) -> Section
             )
     for kind, column in (("model", MFU_MODEL), ("spent", MFU_SPENT)):
         section.ratios[f"MFU native, {kind} FLOPs (fraction of matmul peak)"] = native[column] / 100
+    section.ratios["seconds native cold call (packing included) / best warm call"] = ratio(
+        by_name[NATIVE_COLD]["seconds (best)"], native["seconds (best)"]
+    )
+    if cfg.large_batch:
+        big = {impl: by_name[at_batch(impl, cfg.large_batch)] for impl in (NATIVE, HF)}
+        section.ratios[f"tokens/s native / HF generate at batch {cfg.large_batch} (one call each)"] = ratio(
+            big[NATIVE]["tokens/s (best)"], big[HF]["tokens/s (best)"]
+        )
+        section.ratios[f"MFU native at batch {cfg.large_batch}, model FLOPs (fraction of matmul peak)"] = (
+            big[NATIVE][MFU_MODEL] / 100
+        )
     section.notes.append(
         f"matmul peak {peak['peak_gflops']:.1f} GFLOP/s: best torch.matmul rate over the model's GEMM shapes "
         f"at M = {cfg.batch} (a decoding step) and {cfg.batch * cfg.prompt_len} (the prefill), "
@@ -295,6 +344,19 @@ def measure(cfg: GenerateBenchConfig, model_dir: str, tokenizer: Any) -> Section
     )
     section.extra["greedy_check_identical"] = agree
     return section
+
+
+def _time_large_batch(cfg: GenerateBenchConfig, engine, hf, pad: int, timings: dict, flops: dict) -> None:
+    """One call per side (interleaved) at ``cfg.large_batch``, into ``timings`` / ``flops``."""
+    big = replace(cfg, batch=cfg.large_batch)
+    ids, mask = make_prompts(big, pad)
+    fns = {
+        NATIVE: lambda: _native_call(engine, ids, mask, cfg.new_tokens, version=1),
+        HF: lambda: _hf_call(hf, ids, mask, cfg.new_tokens, pad),
+    }
+    big_flops = side_flops(big, mask)
+    for impl, timing in time_interleaved(fns, repeats=1, warmup=0).items():
+        timings[at_batch(impl, big.batch)], flops[at_batch(impl, big.batch)] = timing, big_flops[impl]
 
 
 def run_section(quick: bool, workdir: Path) -> Section:

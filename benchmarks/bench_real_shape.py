@@ -7,7 +7,9 @@ the weights) is built on the spot and the other sections' code runs on it, sized
 minutes on 2 cores:
 
 - generation: ``bench_generate`` (native engine vs HF ``generate``, same weights, sampling, EOS
-  ignored), plus a one-token call of ours that times its prefill alone;
+  ignored; our timed calls name one weights version, so they reuse the packed weights, and a cold
+  call that packs them is reported beside them), plus a one-token call of ours that times its
+  prefill alone, and one call per side at a larger batch (``large_batch``) on the same models;
 - update: ``bench_update``'s two PPO updates (ours vs plain PyTorch + AdamW with
   ``logits_to_keep``) under ``bench_profile``'s stage clock, one side after the other (both at
   once would hold ~16 GB of weights, gradients and Adam moments);
@@ -61,13 +63,29 @@ NAME = "real_shape"
 GEN = "generation tokens/s native / HF generate (best; same weights, sampling)"
 GEN_MFU = "generation MFU native, model FLOPs (2 x params x tokens/s / matmul peak)"
 GEN_MFU_SPENT = "generation MFU native, spent FLOPs (fraction of matmul peak)"
+GEN_COLD = "generation seconds native cold call (packing included) / best warm call"
+GEN_LARGE = "generation tokens/s native / HF generate, large batch (one call each; batch in config)"
+GEN_LARGE_MFU = "generation MFU native, large batch, model FLOPs (fraction of matmul peak)"
 UPDATE = "update tokens/s ours / plain PyTorch + AdamW (best)"
 UPDATE_MFU = "update CPU MFU ours, model FLOPs (fraction of matmul peak)"
 UPDATE_MFU_SPENT = "update CPU MFU ours, spent FLOPs (fraction of matmul peak)"
 GRPO = "GRPO step time ours on-policy / TRL GRPOTrainer (best; same passes)"
 MEMORY = "log-prob stage peak ours / full [B,T,V] float32 logits"
 MEMORY_TENSORS = "log-prob stage tensor peak ours / full [B,T,V] float32 logits (repeats exactly)"
-RATIOS = (GEN, GEN_MFU, GEN_MFU_SPENT, UPDATE, UPDATE_MFU, UPDATE_MFU_SPENT, GRPO, MEMORY, MEMORY_TENSORS)
+RATIOS = (
+    GEN,
+    GEN_MFU,
+    GEN_MFU_SPENT,
+    GEN_COLD,
+    GEN_LARGE,
+    GEN_LARGE_MFU,
+    UPDATE,
+    UPDATE_MFU,
+    UPDATE_MFU_SPENT,
+    GRPO,
+    MEMORY,
+    MEMORY_TENSORS,
+)
 COLUMNS = ["stage", "impl", "seconds (best)", "tokens/s (best)", MFU_MODEL, MFU_SPENT, "peak / full logits"]
 
 
@@ -96,7 +114,7 @@ class RealShapeConfig:
 FULL = RealShapeConfig(
     generation=GenerateBenchConfig(
         QWEN25_05B_SHAPE, batch=16, prompt_len=32, new_tokens=32, repeats=2, check=GreedyCheck(2, 8),
-        static_cache=False,
+        static_cache=False, large_batch=64,
     ),
     update=UpdateBenchConfig(
         shape=QWEN25_05B_SHAPE, batch=4, prompt_len=32, response_len=96, micro_batch=2, repeats=2
@@ -109,7 +127,7 @@ FULL = RealShapeConfig(
 )  # fmt: skip
 _TINY = replace(QUICK_SHAPE, tie_word_embeddings=True)
 QUICK = RealShapeConfig(
-    generation=replace(bench_generate.QUICK, shape=_TINY),
+    generation=replace(bench_generate.QUICK, shape=_TINY, large_batch=8),
     update=replace(bench_update.QUICK, shape=_TINY),
     grpo=replace(bench_grpo_step.QUICK, shape=_TINY),
     memory=replace(bench_memory.QUICK, shape=_TINY),  # one checkpoint for all stages: V 512
@@ -122,32 +140,72 @@ QUICK = RealShapeConfig(
 def _generation(cfg: RealShapeConfig, model_dir: str, tokenizer: Any, section: Section) -> Section:
     part = bench_generate.measure(cfg.generation, model_dir, tokenizer)
     rows = {row["impl"]: row for row in part.rows}
-    for impl in (bench_generate.NATIVE, bench_generate.HF):
-        if impl in rows:
-            section.rows.append(_row("generation", impl, rows[impl], "seconds (best)", "tokens/s (best)"))
+    g = cfg.generation
+    stages = [
+        ("generation", impl, impl)
+        for impl in (bench_generate.NATIVE, bench_generate.HF, bench_generate.NATIVE_COLD)
+    ]
+    stages += [
+        (f"generation, batch {g.large_batch}", impl, bench_generate.at_batch(impl, g.large_batch))
+        for impl in (bench_generate.NATIVE, bench_generate.HF)
+    ]
+    for stage, impl, name in stages:
+        if name in rows:
+            section.rows.append(_row(stage, impl, rows[name], "seconds (best)", "tokens/s (best)"))
     section.ratios[GEN] = part.ratios.get("tokens/s native / HF generate (best)")
     section.ratios[GEN_MFU] = part.ratios.get("MFU native, model FLOPs (fraction of matmul peak)")
     section.ratios[GEN_MFU_SPENT] = part.ratios.get("MFU native, spent FLOPs (fraction of matmul peak)")
+    section.ratios[GEN_COLD] = part.ratios.get("seconds native cold call (packing included) / best warm call")
+    section.ratios[GEN_LARGE] = part.ratios.get(
+        f"tokens/s native / HF generate at batch {g.large_batch} (one call each)"
+    )
+    section.ratios[GEN_LARGE_MFU] = part.ratios.get(
+        f"MFU native at batch {g.large_batch}, model FLOPs (fraction of matmul peak)"
+    )
     if bench_generate.NATIVE in rows:
-        section.notes.append(
-            _generation_note(cfg, rows[bench_generate.NATIVE], part.extra, measure_copy_bandwidth())
-        )
+        section.notes.append(_generation_note(cfg, rows, part.extra, measure_copy_bandwidth()))
     return part
 
 
-def _generation_note(cfg: RealShapeConfig, native: dict[str, Any], extra: dict, bandwidth: float) -> str:
-    """Where ours' generation time goes (prefill, steps) and the two floors of a step's time."""
+def _generation_note(
+    cfg: RealShapeConfig, rows: dict[str, dict[str, Any]], extra: dict, bandwidth: float
+) -> str:
+    """Where ours' generation time goes (prefill, steps, packing) and, at each batch, the two
+    floors of a decoding step's time and the MFU they allow."""
     g, shape, prefill_s = cfg.generation, cfg.shape, extra["native_prefill_s"]
-    step_ms = 1000 * (native["seconds (best)"] - prefill_s) / max(g.new_tokens - 1, 1)
+    warm, peak = rows[bench_generate.NATIVE]["seconds (best)"], extra["matmul_peak"]["peak_gflops"]
+    step_ms = 1000 * (warm - prefill_s) / max(g.new_tokens - 1, 1)
     weights_gb = 4 * shape.matmul_params / 1e9
-    bound = f"; at the measured copy bandwidth {bandwidth:.1f} GB/s reading them takes >= {1000 * weights_gb / bandwidth:.0f} ms"
+    read_ms = 1000 * weights_gb / bandwidth
+
+    def bound(batch: int) -> str:
+        matmul_ms = 2e3 * shape.matmul_params * batch / peak / 1e9
+        # The whole call with every step at its floor and the prefill as measured (scaled by rows).
+        call_s = prefill_s * batch / g.batch + (g.new_tokens - 1) * max(matmul_ms, read_ms) / 1000
+        call_mfu = 2 * shape.matmul_params * batch * g.new_tokens / (peak * 1e9 * call_s)
+        return (
+            f"at batch {batch} its matmuls take >= {matmul_ms:.0f} ms at the matmul peak, against >= "
+            f"{read_ms:.0f} ms to read the weights, so a step's MFU is at most "
+            f"{matmul_ms / max(matmul_ms, read_ms):.2f} and a call's, with every step at that floor, "
+            f"{call_mfu:.2f}"
+        )
+
+    large = bench_generate.at_batch(bench_generate.NATIVE, g.large_batch) if g.large_batch else None
+    large_text = (
+        f"; {bound(g.large_batch)} (measured: {rows[large]['seconds (best)']:.2f} s for {g.large_batch} rows, "
+        f"MFU {rows[large][MFU_MODEL] / 100:.3f})"
+        if large in rows
+        else ""
+    )
     return (
-        f"generation, where the time goes: ours {native['seconds (best)']:.2f} s = prefill of {g.batch} prompts "
+        f"generation, where the time goes: ours {warm:.2f} s = prefill of {g.batch} prompts "
         f"{prefill_s:.2f} s + {g.new_tokens - 1} one-token steps of {g.batch} rows at {step_ms:.0f} ms each. "
-        f"What bounds it: a step reads every weight once ({weights_gb:.2f} GB float32){bound}, and does "
-        f"{2 * g.batch} FLOPs per weight ({g.batch / 2:.0f} FLOPs per byte); at the matmul peak "
-        f"{extra['matmul_peak']['peak_gflops']:.0f} GFLOP/s its matmuls take >= "
-        f"{2e3 * shape.matmul_params * g.batch / extra['matmul_peak']['peak_gflops'] / 1e9:.0f} ms"
+        f"The timed calls name one weights version, so they reuse the weights packed for oneDNN "
+        f"(rollout.keep_packed_weights); a cold call at a new version packs {extra['native_cold_packs']} weights "
+        f"first: {extra['native_cold_s']:.2f} s (the first rollout after each update pays it). "
+        f"What bounds it: a step reads every weight once ({weights_gb:.2f} GB float32; at the measured copy "
+        f"bandwidth {bandwidth:.1f} GB/s >= {read_ms:.0f} ms) and does 2 x rows FLOPs per weight; "
+        f"{bound(g.batch)}{large_text}. The prefill is compute-bound, so a whole call's MFU can exceed a step's"
     )
 
 

@@ -362,6 +362,9 @@ def test_real_shape_section(quick_run):
         "generation tokens/s native / HF generate (best; same weights, sampling)",
         "generation MFU native, model FLOPs (2 x params x tokens/s / matmul peak)",
         "generation MFU native, spent FLOPs (fraction of matmul peak)",
+        "generation seconds native cold call (packing included) / best warm call",
+        "generation tokens/s native / HF generate, large batch (one call each; batch in config)",
+        "generation MFU native, large batch, model FLOPs (fraction of matmul peak)",
         "update tokens/s ours / plain PyTorch + AdamW (best)",
         "update CPU MFU ours, model FLOPs (fraction of matmul peak)",
         "update CPU MFU ours, spent FLOPs (fraction of matmul peak)",
@@ -373,6 +376,8 @@ def test_real_shape_section(quick_run):
     rows = {(r["stage"], r["impl"]): r for r in section["rows"]}
     assert sorted(rows) == sorted([
         ("generation", "verl-megatron native engine"), ("generation", "HF generate"),
+        ("generation", "verl-megatron native engine, cold call (packs every weight)"),
+        ("generation, batch 8", "verl-megatron native engine"), ("generation, batch 8", "HF generate"),
         ("update", "verl-megatron"), ("update", "HF + torch.optim.AdamW"),
         ("GRPO step", "verl-megatron, on-policy"), ("GRPO step", "TRL GRPOTrainer"),
         ("log-prob memory", "verl-megatron compute_log_prob"),
@@ -390,6 +395,23 @@ def test_real_shape_section(quick_run):
     assert ratios[
         "generation MFU native, model FLOPs (2 x params x tokens/s / matmul peak)"
     ] == pytest.approx(rows[gen][common.MFU_MODEL] / 100, rel=1e-12)
+    cold = rows[("generation", "verl-megatron native engine, cold call (packs every weight)")]
+    assert ratios["generation seconds native cold call (packing included) / best warm call"] == pytest.approx(
+        cold["seconds (best)"] / rows[gen]["seconds (best)"], rel=1e-12
+    )
+    big = {
+        impl: rows[("generation, batch 8", impl)] for impl in ("verl-megatron native engine", "HF generate")
+    }
+    assert ratios[
+        "generation tokens/s native / HF generate, large batch (one call each; batch in config)"
+    ] == pytest.approx(
+        big["verl-megatron native engine"]["tokens/s (best)"] / big["HF generate"]["tokens/s (best)"],
+        rel=1e-12,
+    )
+    assert any(
+        note.startswith("generation, where the time goes") and "cold call" in note
+        for note in section["notes"]
+    )
     grpo = [
         rows[("GRPO step", impl)]["seconds (best)"]
         for impl in ("verl-megatron, on-policy", "TRL GRPOTrainer")
