@@ -113,7 +113,10 @@ def test_tool_call_turns_token_exact_with_env_tokens_masked(char_tokenizer):
             return AgentOutcome(reward=1.0, turn_rewards=[0.25, 0.0])
 
     rollout = AgentRollout(engine, _config(), tok, Harness(), [eos])
-    out = rollout.generate_sequences(_prompts(tok, ["12"]))
+    prompts = _prompts(tok, ["12"])
+    prompts.meta_info["weights_version"] = 5  # the trainer's: every engine call names it
+    out = rollout.generate_sequences(prompts)
+    assert [m["weights_version"] for m in engine.metas] == [5, 5]
     assert seen == [("tool_calls", {"role": "assistant", "content": "", "tool_calls": [
         {"id": "call_0", "type": "function", "function": {"name": "lookup", "arguments": '{"key": "42"}'}}]}), "7"]  # fmt: skip
     env = [*_ids(tok, "<|tool|>v42"), eos, *_ids(tok, "<|assistant|>")]
@@ -167,6 +170,7 @@ def test_sampling_parameters_n_stop_strings_and_completions(char_tokenizer):
     ] * 2  # through the "5" that completes "45"
     assert chat["trajectory_id"] == "t0" and chat["choices"][0]["finish_reason"] == "stop"
     meta = engine.metas[0]
+    assert "weights_version" not in meta  # serve() named none: the engine packs afresh
     assert (meta["temperature"], meta["top_p"], meta["top_k"], meta["n"], meta["do_sample"], meta["response_length"]) == (
         0.5, 0.9, 3, 2, True, 6)  # fmt: skip
     text = replies["text"]["choices"][0]

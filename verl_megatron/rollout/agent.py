@@ -280,7 +280,8 @@ class AgentRollout(WrappedRollout):
                 return min(sum(not s.done for s in slots), self.config.agent.max_concurrency)
 
         greedy = (True, 1.0, 1.0, -1) if validate else None
-        self.endpoint.serve(lambda: live() == 0, live, deadline, sampling=greedy)
+        version = prompts.meta_info.get("weights_version")  # the trainer's, for the whole call
+        self.endpoint.serve(lambda: live() == 0, live, deadline, sampling=greedy, weights_version=version)
         with lock:  # a thread that ends from now on writes into a copy nobody reads
             finished = [_Slot(s.task, s.done, s.outcome, s.failure, _env_seconds(s)) for s in slots]
         for slot in finished:

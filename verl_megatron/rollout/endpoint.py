@@ -129,6 +129,7 @@ class PolicyEndpoint:
         self._thread: threading.Thread | None = None
         self._deadline = 0.0
         self._override: tuple[bool, float, float, int] | None = None
+        self._weights_version: int | None = None  # serve()'s, while it runs (colocated)
         self.engine_calls = 0
 
     # ------------------------------------------------------------------ lifetime
@@ -182,14 +183,18 @@ class PolicyEndpoint:
         waiting: Callable[[], int],
         deadline: float,
         sampling: tuple[bool, float, float, int] | None = None,
+        weights_version: int | None = None,
     ) -> None:
         """Answer requests until ``finished()`` or ``deadline`` (``time.monotonic``).
 
         After the first request of a round, waits up to ``settings.batch_wait_s`` for
         ``waiting()`` requests (the conversations not busy elsewhere) so one engine call serves
         them. ``sampling`` (validation): these settings replace every request's.
+        ``weights_version``: the version of the weights, fixed while serving, that the engine
+        calls name (the native engine then reuses its packed weights); ignored when ``versions``
+        tracks them.
         """
-        self._deadline, self._override = deadline, sampling
+        self._deadline, self._override, self._weights_version = deadline, sampling, weights_version
         try:
             while not finished() and time.monotonic() < deadline:
                 try:
@@ -205,7 +210,7 @@ class PolicyEndpoint:
                 self._generate(batch)
         finally:
             self._fail_pending("the rollout's deadline passed")
-            self._override = None
+            self._override, self._weights_version = None, None
 
     def _drain(self) -> list[GenerationRequest]:
         out = []
@@ -280,8 +285,10 @@ class PolicyEndpoint:
             "response_length": max(r.max_tokens for r in group),
             "pad_token_id": int(pad),
         }
-        if self.versions is not None:  # set by _generate after refresh(): the native engine's packed weights
-            meta["weights_version"] = group[0].version
+        # The native engine reuses its packed weights while the version stays the same.
+        version = group[0].version if self.versions is not None else self._weights_version
+        if version is not None:  # tracked: set by _generate after refresh()
+            meta["weights_version"] = version
         out = self.engine.generate_sequences(
             DataProto.from_dict({"input_ids": ids, "attention_mask": mask}, meta_info=meta)
         )
