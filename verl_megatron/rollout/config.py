@@ -204,8 +204,8 @@ class RolloutConfig:
     """native engine on CPU (float32): keep the linears' oneDNN-packed weight copies from one
     generate call to the next while the caller's weights version (the trainer's count of actor
     updates) stays the same, instead of re-packing them every call (about 0.5 s of CPU per call
-    at 0.5B parameters); validation, calls of several samples, multi-turn turns, partial-rollout
-    segments and (rollout.placement=separate) agent turns reuse them. Memory: the copies are a
+    at 0.5B parameters); validation, calls of several samples, multi-turn and agent turns and
+    partial-rollout segments reuse them. Memory: the copies are a
     second float32 copy of every linear weight (about as large as the model), held from a call
     until the next call of another version, i.e. through the training update in between; false
     frees them at the end of every call."""
