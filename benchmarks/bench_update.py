@@ -173,6 +173,7 @@ def build_actor(
     from verl_megatron.models.config import ModelConfig, load_hf_config
     from verl_megatron.models.convert import load_hf_weights
     from verl_megatron.models.lora import apply_configured_lora
+    from verl_megatron.models.matmul_route import MatmulRoute
     from verl_megatron.models.megatron_model import build_optimizer, wrap_ddp
     from verl_megatron.workers.actor import MegatronActor
     from verl_megatron.workers.config import ActorConfig, OptimConfig
@@ -181,7 +182,8 @@ def build_actor(
     runtime = init_runtime(ParallelLayout(), seed)
     rank, alpha = lora or (0, 16.0)  # rank 0: no adapters (ModelConfig's defaults)
     model_cfg = ModelConfig(path=model_dir, dtype="float32", use_te=False, lora_rank=rank, lora_alpha=alpha)
-    chunks = build_gpt_chunks(load_hf_config(model_dir), runtime, model_cfg)
+    route = MatmulRoute()  # the trainer's update path (models/matmul_route.py)
+    chunks = build_gpt_chunks(load_hf_config(model_dir), runtime, model_cfg, route=route)
     load_hf_weights(chunks, model_dir, runtime)
     chunks = wrap_ddp(apply_configured_lora(chunks, model_cfg, seed))
     optim = OptimConfig(lr=lr, weight_decay=0.01, clip_grad=1.0)
@@ -195,7 +197,9 @@ def build_actor(
         clip_ratio_high=clip_ratio,
         optim=optim,
     )
-    return MegatronActor(runtime, config, chunks, optimizer, build_lr_scheduler(optimizer, optim))
+    return MegatronActor(
+        runtime, config, chunks, optimizer, build_lr_scheduler(optimizer, optim), route=route
+    )
 
 
 def build_update_actor(model_dir: str, cfg: UpdateBenchConfig, lora: tuple[int, float] | None = None):

@@ -68,14 +68,14 @@ def padded_batch(
     }
 
 
-def build_model(runtime, path: str, *, value_head: bool = False, ddp: bool = True):
+def build_model(runtime, path: str, *, value_head: bool = False, ddp: bool = True, route=None):
     from verl_megatron.models.builder import build_gpt_chunks
     from verl_megatron.models.config import ModelConfig, load_hf_config
     from verl_megatron.models.convert import load_hf_weights
     from verl_megatron.models.megatron_model import wrap_ddp
 
     model_cfg = ModelConfig(path=path, dtype="float32", use_te=False)
-    chunks = build_gpt_chunks(load_hf_config(path), runtime, model_cfg, value_head=value_head)
+    chunks = build_gpt_chunks(load_hf_config(path), runtime, model_cfg, value_head=value_head, route=route)
     load_hf_weights(chunks, path, runtime, model_cfg)
     return wrap_ddp(chunks) if ddp else chunks
 
@@ -119,14 +119,18 @@ def actor_config(variant: str):
 
 
 def build_actor(runtime, path: str, cfg) -> tuple[list, Any]:
-    """(chunks, MegatronActor) on the checkpoint at ``path``, with its optimizer and LR schedule."""
+    """(chunks, MegatronActor) on the checkpoint at ``path``, with its optimizer and LR schedule;
+    built as the trainer builds it, with a ``MatmulRoute`` its updates turn on."""
+    from verl_megatron.models.matmul_route import MatmulRoute
     from verl_megatron.models.megatron_model import build_optimizer
     from verl_megatron.workers.actor import MegatronActor
     from verl_megatron.workers.lr_schedule import build_lr_scheduler, optim_settings
 
-    chunks = build_model(runtime, path)
+    route = MatmulRoute()
+    chunks = build_model(runtime, path, route=route)
     optimizer = build_optimizer(chunks, optim_settings(cfg.optim))
-    return chunks, MegatronActor(runtime, cfg, chunks, optimizer, build_lr_scheduler(optimizer, cfg.optim))
+    scheduler = build_lr_scheduler(optimizer, cfg.optim)
+    return chunks, MegatronActor(runtime, cfg, chunks, optimizer, scheduler, route=route)
 
 
 def kl_update(actor, spoil: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:

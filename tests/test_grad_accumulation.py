@@ -12,8 +12,6 @@ Adam step lands on the hook path's weights up to float32 noise.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
@@ -30,8 +28,8 @@ FLOAT32_ERROR_FACTOR = 2.0
 
 
 def step_job(dtype_name: str, fused: bool, tied: bool) -> dict:
-    """One training step; returns the loss, the gradients before the step, the updated weights
-    and how many layers the fused path switched (0 when not fused)."""
+    """One training step; returns the loss, the gradients before the step, the updated weights,
+    whether the route was on and how many layers consult it."""
     dtype = getattr(torch, dtype_name)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # megatron's torch RMSNorm takes no dtype argument
@@ -43,7 +41,7 @@ def step_job(dtype_name: str, fused: bool, tied: bool) -> dict:
 
 def _step(dtype: torch.dtype, fused: bool, tied: bool) -> dict:
     from verl_megatron.distributed.parallel import ParallelLayout
-    from verl_megatron.models.matmul_route import MatmulRoute, accumulate_into_main_grad
+    from verl_megatron.models.matmul_route import MatmulRoute, accumulate_into_main_grad, routed_layers
     from verl_megatron.models.megatron_model import (
         OptimSettings,
         attach_schedule_hooks,
@@ -83,7 +81,7 @@ def _step(dtype: torch.dtype, fused: bool, tied: bool) -> dict:
         batch, micro_batch=MICRO_BATCH, seq=SEQ, dp=1, dp_rank=0
     )
     zero_grads(chunks, optimizer)
-    with accumulate_into_main_grad(chunks) if fused else contextlib.nullcontext(0) as switched:
+    with accumulate_into_main_grad(route if fused else None, chunks) as switched:
         out = tiny_gpt.run_schedule(
             chunks, micro_batches, forward_step, num_micro, seq=SEQ, micro_batch=MICRO_BATCH
         )
@@ -100,6 +98,7 @@ def _step(dtype: torch.dtype, fused: bool, tied: bool) -> dict:
         "grads": grads,
         "weights": gather_full_state(chunks),
         "switched": switched,
+        "routed": sum(len(routed_layers(c.module)) for c in chunks),
         "leftover": leftover,
     }
 
@@ -111,7 +110,8 @@ def test_fused_accumulation_matches_ddp_hook_path(pool1, tied):
 
     ref, hook, fused = run("float64", False), run("float32", False), run("float32", True)
     # Per layer qkv, proj, fc1, fc2; the embedding; the LM head (the tied one too: its matmul).
-    assert fused["switched"] == 4 * LAYERS + 2, fused["switched"]
+    assert fused["routed"] == hook["routed"] == 4 * LAYERS + 2, (fused["routed"], hook["routed"])
+    assert fused["switched"] and not hook["switched"], (fused["switched"], hook["switched"])
     assert fused["leftover"] == [], f"modules still switched after the update: {fused['leftover']}"
     assert fused["loss"] == hook["loss"], (fused["loss"], hook["loss"])
     assert abs(hook["loss"] - ref["loss"]) < 1e-5 * abs(ref["loss"]), (hook["loss"], ref["loss"])
@@ -181,3 +181,111 @@ def test_routed_layers_build_and_compute_as_megatrons(pool1):
     assert not differ, f"parameters or their attributes differ: {differ}"
     diff = (out["logits"][True] - out["logits"][False]).abs()
     assert torch.equal(out["logits"][True], out["logits"][False]), f"max diff {float(diff.max())}"
+
+
+def rebuild_job() -> dict:
+    """The tiny GPT built without a route, then its embedding and LM head rebuilt as routed layers
+    under a dispatch mode recording the device of every tensor an operation makes: the devices, the
+    CPU random state before and after, and whether the rebuilt layers hold the built Parameters."""
+    from types import SimpleNamespace
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from verl_megatron.distributed.parallel import ParallelLayout
+    from verl_megatron.models.matmul_route import MatmulRoute, route_embedding_and_head
+
+    def make(pre, post, vp_stage):
+        return tiny_gpt.make_gpt(
+            pre, post, vp_stage, vocab=VOCAB, seq=SEQ, hidden=HIDDEN, layers=LAYERS, heads=HEADS,
+            groups=GROUPS, ffn=FFN, dtype=torch.float32, tied=False,
+        )  # fmt: skip
+
+    _, chunks = tiny_gpt.seeded_chunks(ParallelLayout(), make, layers=LAYERS, heads=HEADS, groups=GROUPS)
+    model = chunks[0]
+    built = [model.embedding.word_embeddings.weight, model.output_layer.weight]
+    devices: set[str] = set()
+
+    class Devices(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            devices.update(t.device.type for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+            return out
+
+    before = torch.get_rng_state()
+    with Devices():
+        route_embedding_and_head(model, MatmulRoute())
+    rebuilt = [model.embedding.word_embeddings, model.output_layer]
+    try:  # a GPU build (megatron would allocate and draw on the GPU whatever the device context)
+        route_embedding_and_head(SimpleNamespace(config=SimpleNamespace(use_cpu_initialization=False)), None)
+        refused = ""
+    except ValueError as error:
+        refused = str(error)
+    return {
+        "refused": refused,
+        "devices": sorted(devices),
+        "rng_unchanged": torch.equal(before, torch.get_rng_state()),
+        "classes": [type(m).__name__ for m in rebuilt],
+        "same_parameters": [m.weight is w for m, w in zip(rebuilt, built, strict=True)],
+    }
+
+
+def test_embedding_and_head_rebuild_is_free(pool1):
+    """The routed embedding and LM head are rebuilt on the meta device: every tensor made during
+    the rebuild is a meta tensor (no memory) and the CPU generator has drawn nothing (random init
+    after it is unchanged); the built Parameters carry over. A model not built for the CPU is refused."""
+    out = pool1.run(f"{__name__}:rebuild_job")[0]
+    assert out["devices"] == ["meta"], f"tensors made off the meta device: {out['devices']}"
+    assert out["rng_unchanged"], "the rebuild drew from the CPU random generator"
+    assert out["classes"] == ["RoutedVocabParallelEmbedding", "RoutedColumnParallelLinear"], out["classes"]
+    assert out["same_parameters"] == [True, True], out["same_parameters"]
+    assert "use_cpu_initialization=False" in out["refused"], out["refused"]
+
+
+def _spec_classes(spec) -> list[type]:
+    """Every class a layer spec names, depth first (ModuleSpec modules and bare classes)."""
+    import dataclasses
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if isinstance(spec, ModuleSpec):
+        return [spec.module, *_spec_classes(spec.submodules)]
+    if isinstance(spec, type):
+        return [spec]
+    if dataclasses.is_dataclass(spec):
+        return [c for f in dataclasses.fields(spec) for c in _spec_classes(getattr(spec, f.name))]
+    return []
+
+
+def route_spec_job() -> dict:
+    """Linear class names of the routed local spec; a TE-like spec's classes before and after."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from verl_megatron.models.matmul_route import MatmulRoute, route_spec
+
+    local = route_spec(get_gpt_layer_local_spec(normalization="RMSNorm"), MatmulRoute())
+
+    te_like = {
+        n: type(n, (torch.nn.Module,), {}) for n in ("TELayerNormColumnParallelLinear", "TERowParallelLinear")
+    }
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    attention, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
+    attention.linear_qkv = mlp.linear_fc1 = te_like["TELayerNormColumnParallelLinear"]
+    attention.linear_proj = mlp.linear_fc2 = te_like["TERowParallelLinear"]
+    before = [c.__name__ for c in _spec_classes(spec)]
+    after = _spec_classes(route_spec(spec, MatmulRoute()))
+    return {
+        "local": [c.__name__ for c in _spec_classes(local) if "Linear" in c.__name__],
+        "te_before": before,
+        "te_after": [c.__name__ for c in after],
+    }
+
+
+def test_route_spec_routes_megatrons_linears_only(pool1):
+    """route_spec turns megatron's column/row linears of the local spec into routed ones and leaves
+    Transformer Engine's alone: in a spec naming TE-like linears (TE's classes derive from
+    transformer_engine's modules, not megatron's, and TE is not installed here) nothing changes."""
+    out = pool1.run(f"{__name__}:route_spec_job")[0]
+    assert out["local"] == ["RoutedColumnParallelLinear", "RoutedRowParallelLinear"] * 2, out["local"]
+    assert "TERowParallelLinear" in out["te_before"], out["te_before"]
+    assert out["te_after"] == out["te_before"], f"a TE-like spec changed: {out['te_after']}"

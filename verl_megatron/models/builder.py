@@ -232,13 +232,15 @@ def build_gpt_chunks(
 
     ``value_head=True`` builds the critic: the last stage ends in a :class:`ValueHead` and the
     embeddings are never tied. The layout and settings are validated before anything is built.
-    ``route``: the object the model's linears and embedding consult for their matmul
-    (``models/matmul_route.py``); None gives the model a route of its own.
+    ``route``: the object the model's linears, input embedding and LM head consult for their
+    matmul (``models/matmul_route.py``; the caller hands the same one to the update). A model is
+    routed only where the route can act, when built for the CPU; None, or a GPU build, keeps
+    megatron's layers as they are.
     """
     from megatron.core.models.gpt import GPTModel
 
     from verl_megatron.models.families.qwen3_vl_model import vl_model_class
-    from verl_megatron.models.matmul_route import MatmulRoute, route_embedding_and_head, route_spec
+    from verl_megatron.models.matmul_route import route_embedding_and_head, route_spec
 
     config = hf_to_transformer_config(hf_config, runtime.layout, model_cfg)
     arch = read_hf_architecture(hf_config)
@@ -247,7 +249,9 @@ def build_gpt_chunks(
     use_te = model_cfg.resolve_use_te()
     rope = arch.rope
 
-    route = MatmulRoute() if route is None else route
+    # The route's kernels are CPU code (megatron's CUDA gradient_accumulation_fusion is their
+    # counterpart), and only a CPU build lets the embedding and head be rebuilt for free.
+    routed = route if config.use_cpu_initialization else None
 
     def make_chunk(pre_process: bool, post_process: bool, vp_stage: int | None) -> torch.nn.Module:
         spec = _layer_spec(arch, use_te, config, vp_stage)
@@ -255,7 +259,8 @@ def build_gpt_chunks(
             from verl_megatron.models.families import gpt_oss_layers
 
             gpt_oss_layers.use_gpt_oss_layers(spec, arch.gpt_oss)
-        spec = route_spec(spec, route)
+        if routed is not None:
+            spec = route_spec(spec, routed)
         model_class, vl_kwargs = (GPTModel, {}) if arch.vl is None else vl_model_class(arch.vl, runtime.seed, model_cfg, value_head)
         model = model_class(
             config=config,
@@ -272,7 +277,8 @@ def build_gpt_chunks(
             vp_stage=vp_stage,
             **vl_kwargs,
         )
-        route_embedding_and_head(model, route)
+        if routed is not None:
+            route_embedding_and_head(model, routed)
         if rope.rope_type == "llama3":
             rotary = model.rotary_pos_emb
             rotary.inv_freq = llama3_inv_freq(rotary.inv_freq, rope)

@@ -5,11 +5,17 @@ with megatron's own functions. Our subclasses here take a :class:`MatmulRoute` i
 constructor (the builder puts it in the layer spec's params, ``models/builder.py``) and consult
 it at every call; switching a feature changes state on the route, never on megatron's objects.
 
-The builder routes every linear its layer spec names (megatron's classes and our subclasses of
-them, e.g. GPT-OSS's expert down projection) except multi-latent attention's two down
-projections, whose class megatron compares by identity, and it rebuilds the GPTModel's input
-embedding and LM head as routed layers (:func:`route_embedding_and_head`). Linears a module
-constructs itself (Qwen3-Next's DeltaNet projections) stay megatron's.
+Whoever builds a model to train it creates its route and hands the same object to the builder
+and to the update (``workers/ppo_updates.py``). The builder routes a model only where the route
+can act, a model built for the CPU (``use_cpu_initialization``: the kernels are CPU code, the
+counterpart of megatron's CUDA ``gradient_accumulation_fusion``); a GPU build, or a build without
+a route, keeps megatron's layers untouched. It routes every linear its layer spec names
+(megatron's classes and our subclasses of them, e.g. GPT-OSS's expert down projection) except
+multi-latent attention's two down projections, whose class megatron compares by identity, and
+it rebuilds the GPTModel's input embedding and LM head as routed layers
+(:func:`route_embedding_and_head`). Transformer Engine's linears are not megatron's classes and
+are never routed; linears a module constructs itself (Qwen3-Next's DeltaNet projections) stay
+megatron's.
 
 Today the route carries one switch, :meth:`MatmulRoute.accumulating_main_grad` (see
 ``models/grad_accumulation.py`` for the kernels and why): while it is on, a layer whose weight
@@ -35,7 +41,6 @@ from megatron.core.tensor_parallel.layers import (
 )
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from verl_megatron.distributed.modules import unwrap
 from verl_megatron.models.grad_accumulation import (
     accumulates,
     embedding_into_main_grad,
@@ -150,16 +155,16 @@ def routed_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 @contextlib.contextmanager
-def accumulate_into_main_grad(chunks: Sequence[torch.nn.Module]) -> Iterator[int]:
-    """Within the context, the routed linears and embeddings of the DDP-wrapped ``chunks`` that
-    ``grad_accumulation.fusable_chunks`` admits add their weight gradients into DDP's buffer
-    (``models/grad_accumulation.py``): the scope is entered on their routes, nothing is set on the
-    modules. Yields how many layers consult those routes."""
-    layers = [m for chunk in fusable_chunks(chunks) for m in routed_layers(unwrap(chunk))]
-    with contextlib.ExitStack() as stack:
-        for route in {id(m.route): m.route for m in layers}.values():
-            stack.enter_context(route.accumulating_main_grad())
-        yield len(layers)
+def accumulate_into_main_grad(route: MatmulRoute | None, chunks: Sequence[torch.nn.Module]) -> Iterator[bool]:
+    """Within the context, the layers consulting ``route`` (the one ``chunks`` were built with;
+    None: none) add their weight gradients into DDP's buffer (``models/grad_accumulation.py``),
+    provided ``grad_accumulation.fusable_chunks`` admits the DDP-wrapped ``chunks``: the scope is
+    entered on the route, nothing is set on the modules. Yields whether the route was turned on."""
+    if route is None or not fusable_chunks(chunks):
+        yield False
+        return
+    with route.accumulating_main_grad():
+        yield True
 
 
 # Spec fields whose class megatron compares by identity (multi-latent attention's down projections
@@ -190,9 +195,18 @@ def route_embedding_and_head(model: torch.nn.Module, route: MatmulRoute) -> None
     """Give a freshly built ``GPTModel`` routed input embedding and LM head, in place.
 
     ``GPTModel`` builds both itself (they are not in the layer spec); each is rebuilt as its
-    routed counterpart on the meta device (no memory, no random draws) and takes over the built
-    layer's Parameter objects, so weights, their megatron attributes and state-dict names stay.
+    routed counterpart on the meta device and takes over the built layer's Parameter objects, so
+    weights, their megatron attributes and state-dict names stay. The rebuild is free only for a
+    model built for the CPU: megatron then allocates with no device named (the meta context
+    applies: no memory, and random init on meta tensors draws nothing), while for a GPU build it
+    allocates on ``torch.cuda.current_device()`` and initializes from the CUDA generator whatever
+    the context, so a GPU build is refused.
     """
+    if not model.config.use_cpu_initialization:
+        raise ValueError(
+            "route_embedding_and_head: the model is not built for the CPU (use_cpu_initialization=False); "
+            "megatron would allocate and initialize the rebuilt layers on the GPU"
+        )
     embedding = getattr(model, "embedding", None)
     if embedding is not None and type(embedding.word_embeddings) is VocabParallelEmbedding:
         old = embedding.word_embeddings

@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # the workers and engines import megatron: only for the annot
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
+    from verl_megatron.models.matmul_route import MatmulRoute
     from verl_megatron.reward.model_rewards import ModelRewards
     from verl_megatron.rollout.async_worker import RolloutModel
     from verl_megatron.rollout.base import RolloutEngine
@@ -124,13 +125,18 @@ def build_loaders(
 
 
 def policy_chunks(
-    config: PPOConfig, runtime: Runtime, hf_config: PretrainedConfig, value_head: bool = False
+    config: PPOConfig,
+    runtime: Runtime,
+    hf_config: PretrainedConfig,
+    value_head: bool = False,
+    route: MatmulRoute | None = None,
 ) -> list[torch.nn.Module]:
-    """This rank's model chunks of ``model.path`` (a value head instead of the LM head for critics)."""
+    """This rank's model chunks of ``model.path`` (a value head instead of the LM head for critics);
+    ``route``: the update's ``MatmulRoute`` for a model to be trained (``build_gpt_chunks``)."""
     from verl_megatron.models.builder import build_gpt_chunks
     from verl_megatron.models.convert import load_hf_weights
 
-    chunks = build_gpt_chunks(hf_config, runtime, config.model, value_head=value_head)
+    chunks = build_gpt_chunks(hf_config, runtime, config.model, value_head=value_head, route=route)
     # Weights go in before the optimizer exists: its fp32 master copies are taken from them.
     load_hf_weights(chunks, config.model.path, runtime, config.model)
     return chunks
@@ -209,11 +215,16 @@ def _build_training(
 
     def build() -> Training:
         from verl_megatron.models.lora import apply_configured_lora
+        from verl_megatron.models.matmul_route import MatmulRoute
         from verl_megatron.workers.actor import MegatronActor, MegatronRef
 
         bf16 = config.model.dtype == "bfloat16"
+        # Each trained model's update turns on the route its layers were built with.
+        route, critic_route = MatmulRoute(), MatmulRoute()
         # model.lora_rank > 0: frozen base + adapters, before the optimizer sees the parameters.
-        policy = apply_configured_lora(policy_chunks(config, runtime, hf_config), config.model, runtime.seed)
+        policy = apply_configured_lora(
+            policy_chunks(config, runtime, hf_config, route=route), config.model, runtime.seed
+        )
         actor_chunks, optimizer, scheduler = _trained(policy, config.actor.optim, bf16)
         replay = _route_replay(config, runtime, actor_chunks)
         routes.extend([replay] if replay is not None else [])
@@ -232,6 +243,7 @@ def _build_training(
             scheduler,
             route_replay=replay.training if replay is not None else None,
             batch_invariance=invariance,
+            route=route,
         )
         ref = None
         if use_reference(config):
@@ -241,9 +253,11 @@ def _build_training(
             from verl_megatron.workers.critic import MegatronCritic
 
             critic_parts = _trained(
-                policy_chunks(config, runtime, hf_config, value_head=True), config.critic.optim, bf16
+                policy_chunks(config, runtime, hf_config, value_head=True, route=critic_route),
+                config.critic.optim,
+                bf16,
             )
-            critic = MegatronCritic(runtime, config.critic, *critic_parts)
+            critic = MegatronCritic(runtime, config.critic, *critic_parts, route=critic_route)
         return actor, ref, critic
 
     return build

@@ -116,6 +116,7 @@ def build_sft(config: PPOConfig, runtime: Runtime) -> tuple[PPOConfig, SFTParts]
     """Tokenizer, SFT loaders and the actor; the config with the actor's run length filled in."""
     from verl_megatron.models.config import load_hf_config
     from verl_megatron.models.lora import apply_configured_lora
+    from verl_megatron.models.matmul_route import MatmulRoute
     from verl_megatron.models.megatron_model import build_optimizer, wrap_ddp
     from verl_megatron.trainer.components import policy_chunks, total_training_steps
     from verl_megatron.utils.tokenizer import hf_tokenizer
@@ -134,12 +135,20 @@ def build_sft(config: PPOConfig, runtime: Runtime) -> tuple[PPOConfig, SFTParts]
         optim=dataclasses.replace(config.actor.optim, total_training_steps=steps),
     )
     config = dataclasses.replace(config, actor=actor_config)
-    policy = apply_configured_lora(policy_chunks(config, runtime, hf_config), config.model, runtime.seed)
+    route = MatmulRoute()  # the update's matmul route (models/matmul_route.py)
+    policy = apply_configured_lora(
+        policy_chunks(config, runtime, hf_config, route=route), config.model, runtime.seed
+    )
     settings = optim_settings(actor_config.optim, bf16=config.model.dtype == "bfloat16")
     chunks = wrap_ddp(policy, settings)
     optimizer = build_optimizer(chunks, settings)
     actor = SFTActor(
-        runtime, actor_config, chunks, optimizer, build_lr_scheduler(optimizer, actor_config.optim)
+        runtime,
+        actor_config,
+        chunks,
+        optimizer,
+        build_lr_scheduler(optimizer, actor_config.optim),
+        route=route,
     )
     return config, SFTParts(tokenizer, hf_config, actor, train_loader, val_loader)
 

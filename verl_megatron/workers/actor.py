@@ -30,6 +30,7 @@ from verl_megatron.distributed.modules import unwrap
 from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.models.batch_invariant import BatchInvariance
 from verl_megatron.models.logprobs import CHUNK_BYTES, vocab_parallel_log_probs
+from verl_megatron.models.matmul_route import MatmulRoute
 from verl_megatron.models.megatron_model import attach_schedule_hooks
 from verl_megatron.models.routing import ROW_ID_KEY
 from verl_megatron.protocol import DataProto
@@ -310,6 +311,7 @@ class MegatronActor(_PolicyForward, PPOUpdates):
     checkpointing. ``route_replay``: MoE routing replay's training side (``workers/routes.py``),
     built on these chunks, when the rollout records routes. ``batch_invariance``: the bitwise
     parity mode the chunks were switched to (``models.batch_invariant.enable``), if any.
+    ``route``: the ``MatmulRoute`` the chunks were built with, on during updates (see ``PPOUpdates``).
     """
 
     def __init__(
@@ -321,6 +323,7 @@ class MegatronActor(_PolicyForward, PPOUpdates):
         scheduler,
         route_replay: TrainingRoutes | None = None,
         batch_invariance: BatchInvariance | None = None,
+        route: MatmulRoute | None = None,
     ) -> None:
         if not all(hasattr(c, "no_sync") for c in chunks):
             raise ValueError(
@@ -339,6 +342,7 @@ class MegatronActor(_PolicyForward, PPOUpdates):
         self.config = config
         self.optimizer = optimizer
         self.scheduler = scheduler
+        self.route = route
         self.policy_loss_fn = core_algos.get_policy_loss_fn(config.policy_loss.loss_mode)
         self.loss_config = PolicyLossSettings.of(_trainer_loss_config(config))  # the loss's numbers only
         self.update_calls = 0

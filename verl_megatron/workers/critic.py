@@ -16,6 +16,7 @@ import torch
 
 from verl_megatron.algos import core_algos
 from verl_megatron.distributed.parallel import Runtime
+from verl_megatron.models.matmul_route import MatmulRoute
 from verl_megatron.models.megatron_model import attach_schedule_hooks
 from verl_megatron.protocol import DataProto
 from verl_megatron.workers.actor import batch_tensors
@@ -36,11 +37,13 @@ class MegatronCritic(PPOUpdates):
     ``chunks`` are DDP-wrapped chunks whose last stage outputs [b, S, 1] values (built with
     ``build_gpt_chunks(..., value_head=True)``); ``optimizer`` and ``scheduler`` as for
     :class:`~verl_megatron.workers.actor.MegatronActor`. All stay reachable as attributes.
+    ``route``: the ``MatmulRoute`` the chunks were built with, on during updates (see ``PPOUpdates``).
     """
 
     def __init__(
-        self, runtime: Runtime, config: CriticConfig, chunks: list[torch.nn.Module], optimizer, scheduler
-    ) -> None:
+        self, runtime: Runtime, config: CriticConfig, chunks: list[torch.nn.Module], optimizer, scheduler,
+        route: MatmulRoute | None = None,
+    ) -> None:  # fmt: skip
         if not all(hasattr(c, "no_sync") for c in chunks):
             raise ValueError(
                 "MegatronCritic needs DDP-wrapped chunks (verl_megatron.models.megatron_model.wrap_ddp)"
@@ -51,6 +54,7 @@ class MegatronCritic(PPOUpdates):
         self.chunks = chunks
         self.optimizer = optimizer
         self.scheduler = scheduler
+        self.route = route
         self.runner = ModelRunner(
             runtime,
             chunks,

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from verl_megatron.models.matmul_route import accumulate_into_main_grad
+from verl_megatron.models.matmul_route import MatmulRoute, accumulate_into_main_grad
 from verl_megatron.workers.model_runner import ModelRunner
 
 __all__ = ["PPOUpdates"]
@@ -15,13 +15,16 @@ __all__ = ["PPOUpdates"]
 class PPOUpdates:
     """The update call the actor and the critic share: PPO epochs of one optimizer step per
     mini-batch through ``runner``, then one scheduler step. ``update_calls`` counts the calls
-    (it seeds the mini-batch order and is checkpointed by the trainer)."""
+    (it seeds the mini-batch order and is checkpointed by the trainer). ``route``: the one the
+    chunks were built with (``build_gpt_chunks(..., route=)``), turned on for each update; None
+    leaves the update on DDP's own gradient path."""
 
     runner: ModelRunner
     config: Any
     optimizer: Any
     scheduler: Any
     update_calls: int
+    route: MatmulRoute | None
 
     def _ppo_update(
         self, batch: dict[str, torch.Tensor], *, prefix: str, **epochs
@@ -33,7 +36,7 @@ class PPOUpdates:
         seed = cfg.data_loader_seed if cfg.data_loader_seed is not None else self.runner.runtime.seed
         lr = float(self.optimizer.param_groups[0]["lr"])
         # Weight gradients go straight into DDP's buffer while the update runs (CPU, float32).
-        with accumulate_into_main_grad(self.runner.chunks):
+        with accumulate_into_main_grad(self.route, self.runner.chunks):
             history, skipped = self.runner.ppo_epochs(
                 batch, self.optimizer, cfg=cfg, seed=seed + 7919 * self.update_calls, prefix=prefix, **epochs
             )
