@@ -54,15 +54,6 @@ def test_ceiling_note_is_the_sync_step_over_the_trainers_busy_time():
     )
 
 
-def test_bypass_bound_is_the_step_without_its_old_log_prob_stage():
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    bench = importlib.import_module("bench_bypass")
-    assert bench.bypass_bound(0.5, 0.055) == (0.5 - 0.055) / 0.5  # 0.89: the stage's 11% share
-    assert bench.bypass_bound(None, 0.1) is None and bench.bypass_bound(0.5, None) is None
-    assert bench.FULL.rounds == 3 and bench.FULL.steps == 3  # 9 timed steps a variant, alternating
-
-
 def test_learning_is_judged_on_the_median_of_several_seeds():
     bench = _bench_async()
     assert bench.FULL.test_freq == 5 and len(set(bench.FULL.seeds)) >= 2

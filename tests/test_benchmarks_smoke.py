@@ -225,6 +225,8 @@ def test_bypass_section(quick_run):
     assert rows["parity+bypass"]["old_log_prob_cpu_s"] == 0.0 and _positive(
         rows["parity"]["old_log_prob_cpu_s"]
     )
+    # Bypass probed at its last step: the probe's own CPU seconds, none for the other variants.
+    assert _positive(rows["parity+bypass"]["probe_cpu_s"]) and rows["parity"]["probe_cpu_s"] is None
 
 
 def test_scaling_section(quick_run):
