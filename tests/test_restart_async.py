@@ -14,7 +14,7 @@ import sys
 from tests import restart_job as job
 
 # Wall-clock times of the rollout rank, logged as async/* metrics.
-TIMES = ("async/rollout_wait_weights_s", "async/rollout_gen_s")
+TIMES = ("async/rollout_wait_weights_s", "async/rollout_gen_s", "async/rollout_reward_s")
 
 
 def test_async_resume_regenerates_with_the_uninterrupted_runs_weights(tmp_path) -> None:

@@ -7,7 +7,8 @@ steps the trainer will run (it sends where to start: step, data-loader position,
     for step s: receive weight versions until the loaded one is >= s-1-max_staleness
                 draw the prompts of step s (same loader, same order as the trainer's)
                 generate (in segments with partial_rollout, picking up newer weights between them)
-                send the batch to the trainer, with each token's weight version
+                (a function reward, ``RolloutModel.score``) score it on the rollout's main rank
+                send the batch to the trainer, with each token's weight version (and its scores)
                 (async_training.old_log_probs_on_rollout) once the weights of step b-1 are
                 loaded, i.e. after the wait of step b+max_staleness: the old log-probs of the
                 last rows of batch b (``old_log_prob_split``), sent to the trainer
@@ -128,6 +129,9 @@ class RolloutModel:
     old_log_probs: Callable[[DataProto], torch.Tensor] | None = None
     """[B, Tr] log-probs of a batch's responses computed as the actor's old-log-prob pass, on
     ``chunks`` (``async_training.old_log_probs_on_rollout``); None: the trainer computes them all."""
+    score: Callable[[DataProto], tuple[torch.Tensor, dict[str, list[Any]]]] | None = None
+    """(reward [B, Tr], per-sample extra info) of a generated batch, sent with it in
+    ``meta_info["reward"]`` for the trainer to store as-is; None: the trainer scores it."""
 
 
 @dataclass(frozen=True)
@@ -162,6 +166,7 @@ class RolloutWorker:
         self.wait_s = 0.0  # blocked waiting for weights
         self.agent = self._agent(model.harness) if model.harness is not None else None
         self.log_probs = model.old_log_probs
+        self.score = model.score
 
     def _agent(self, harness: Any) -> Any:
         """The agent rollout over this rank's engine; newer weights load between its engine calls
@@ -257,11 +262,15 @@ class RolloutWorker:
             )
             began = time.perf_counter()
             output = self._generate(prompts, step)
+            gen_s = time.perf_counter() - began
+            main = placement.rank == placement.rollout_main
+            if main and self.score is not None:  # the batch as the trainer would score it
+                output.meta_info["reward"] = self.score(output)
             output.meta_info["async"] = {
-                "step": step, "rollout_wait_weights_s": waited, "rollout_gen_s": time.perf_counter() - began,
-                "rollout_old_log_prob_s": log_prob_s,
+                "step": step, "rollout_wait_weights_s": waited, "rollout_gen_s": gen_s,
+                "rollout_old_log_prob_s": log_prob_s, "rollout_reward_s": time.perf_counter() - began - gen_s,
             }  # fmt: skip
-            if placement.rank == placement.rollout_main:
+            if main:
                 sends.append((step, isend_object(placement.transfer, output, 0)))
             if share > 0:
                 due[step] = output

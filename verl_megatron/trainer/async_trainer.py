@@ -18,6 +18,11 @@
   NCCL group (``Placement.weights``); on CPU they go over gloo. Validation generates here, with
   the trainer's own weights.
 
+A function reward (``rollout_scores``: no reward model or judge, a built-in rule-based manager
+and scorer) is computed on the rollout's main rank before it sends the batch; the trainer stores
+the scores, token-level reward and extra info it received as-is (``stored_rollout_scores``),
+the same values its own ``BatchScorer`` would compute from the same batch.
+
 With ``async_training.old_log_probs_on_rollout`` the old log-probs of a batch's last rows come from
 the rollout ranks (``old_log_probs``): they compute them once the weights of the step have
 arrived, while this rank computes the other rows; messages that arrive before they are asked for
@@ -25,12 +30,13 @@ wait in an inbox.
 
 Per-step metrics ``async/*``: staleness mean/max, fraction of samples that span several
 weight versions (partial rollout), the rollout's wait for weights and generation time, and the
-time it spent on its share of old log-probs before generating the batch.
+time it spent on its share of old log-probs before generating the batch, and on scoring it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from typing import TYPE_CHECKING, Any
@@ -42,14 +48,15 @@ import torch.distributed as dist
 from verl_megatron.data import PromptLoader
 from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.protocol import DataProto
+from verl_megatron.reward.loading import compute_reward
 from verl_megatron.rollout.async_worker import old_log_prob_split, weights_key
 from verl_megatron.rollout.placement import Placement
 from verl_megatron.rollout.weight_sync import WeightSender, isend_object, recv_object
-from verl_megatron.trainer.components import Components, build_rollout_model, total_training_steps
+from verl_megatron.trainer.components import Components, build_rollout_model, reward_fns, total_training_steps
 from verl_megatron.trainer.config import PPOConfig
 from verl_megatron.trainer.ppo_trainer import PPOTrainer
 from verl_megatron.trainer.rollout_source import LogProbFn, ScoreFn
-from verl_megatron.trainer.scoring import BatchScorer
+from verl_megatron.trainer.scoring import BatchScorer, store_scores
 from verl_megatron.trainer.stall import StageMarks, timed_stage
 from verl_megatron.trainer.trainer_checkpoint import RecentWeights, resumed_step_dir, save_due
 
@@ -57,13 +64,53 @@ if TYPE_CHECKING:
     from verl_megatron.rollout.async_worker import RolloutModel
     from verl_megatron.workers.actor import MegatronActor
 
-__all__ = ["SAMPLES_FILE", "AsyncRolloutLink", "StalenessError", "run_rollout_ranks", "train_async"]
+__all__ = [
+    "ROLLOUT_SCORED_MANAGERS",
+    "SAMPLES_FILE",
+    "AsyncRolloutLink",
+    "StalenessError",
+    "rollout_scores",
+    "run_rollout_ranks",
+    "stored_rollout_scores",
+    "train_async",
+]
 
 SAMPLES_FILE = "samples.jsonl"
 
 
+# Built-in rule-based managers: a pure function of the batch, no state kept between steps.
+ROLLOUT_SCORED_MANAGERS = ("naive", "dapo", "batch")
+
+
 class StalenessError(RuntimeError):
     """A batch holds samples older than async_training.max_staleness allows."""
+
+
+def rollout_scores(config: PPOConfig) -> bool:
+    """Whether the rollout ranks score their batches (the one place this is decided).
+
+    Only a function reward moves: no reward model or judge (their models live on the trainer),
+    one of ``ROLLOUT_SCORED_MANAGERS``, no ``custom_reward_function`` (a user's file may keep
+    state between calls; it stays, contained, on the trainer) and no printed samples
+    (``num_examine``: the trainer's log shows them). Anything else scores on the trainer.
+    """
+    reward = config.reward_model
+    return (
+        not reward.enable
+        and not reward.judge.enable
+        and reward.reward_manager in ROLLOUT_SCORED_MANAGERS
+        and not config.custom_reward_function.path
+        and reward.num_examine == 0
+    )
+
+
+def stored_rollout_scores(batch: DataProto) -> dict[str, float]:
+    """A ``ScoreFn`` for batches the rollout scored: stores the (reward [B, Tr], extra info) sent in
+    ``meta_info["reward"]`` as the trainer's own scoring would; the scorer-failure counts."""
+    reward = batch.meta_info.pop("reward", None)
+    if reward is None:
+        raise RuntimeError("async: the rollout sent a batch without its scores (rollout_scores disagrees)")
+    return store_scores(batch, *reward)
 
 
 class AsyncRolloutLink:
@@ -183,6 +230,7 @@ class AsyncRolloutLink:
         metrics["async/rollout_gen_s"] = float(info["rollout_gen_s"])
         # the rollout's share of the previous batch's old log-probs, computed before this batch
         metrics["async/rollout_old_log_prob_s"] = float(info.get("rollout_old_log_prob_s", 0.0))
+        metrics["async/rollout_reward_s"] = float(info.get("rollout_reward_s", 0.0))
         with timed_stage(self.stages, "reward", step, timing):
             metrics.update(self.score(batch))
         self._log_samples(step, batch)
@@ -282,7 +330,11 @@ def train_async(
 ) -> dict[str, float]:
     """A trainer rank's run (``train.run`` with ``rollout.placement=separate``); ``stages``: the
     stall watchdog's handle (``trainer/stall.py``), told every stage of the trainer's steps."""
-    score = BatchScorer(components.reward_fn, runtime, components.model_rewards)
+    score = (
+        stored_rollout_scores
+        if rollout_scores(config)
+        else BatchScorer(components.reward_fn, runtime, components.model_rewards)
+    )
     total_steps = total_training_steps(config, len(components.train_loader))
     try:
         link = AsyncRolloutLink(
@@ -316,9 +368,14 @@ def run_rollout_ranks(config: PPOConfig, placement: Placement) -> dict[str, floa
     segment = asyn.partial_rollout_segment if asyn.partial_rollout else config.rollout.response_length
     settings = AheadSettings(rollout=config.rollout, max_staleness=asyn.max_staleness, segment=segment)
 
+    managers: list[Any] = []  # the reward managers built here (training's first), closed at the end
+
     def build(runtime: Runtime) -> RolloutModel:
         # The trainer ranks built the quickstart's assets before the worker's first barrier.
         model = build_rollout_model(prepare_quickstart_assets(config, rank=-1), runtime)
+        if rollout_scores(config):
+            managers.extend(reward_fns(config, model.tokenizer))
+            model = dataclasses.replace(model, score=functools.partial(compute_reward, reward_fn=managers[0]))
         if not asyn.old_log_probs_on_rollout:
             return model
         return dataclasses.replace(model, old_log_probs=_actor_log_probs(config, runtime, model))
@@ -326,4 +383,6 @@ def run_rollout_ranks(config: PPOConfig, placement: Placement) -> dict[str, floa
     try:
         return run_rollout_worker(placement, config.trainer.seed, settings, build)
     finally:
+        for manager in managers:
+            getattr(manager, "close", lambda: None)()
         placement.close()

@@ -45,6 +45,7 @@ __all__ = [
     "build_rollout_model",
     "policy_chunks",
     "resolve_worker_configs",
+    "reward_fns",
     "total_training_steps",
 ]
 
@@ -176,7 +177,8 @@ def build_colocated(
     return training, rollout
 
 
-def _reward_fns(config: PPOConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[RewardFn, RewardFn]:
+def reward_fns(config: PPOConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[RewardFn, RewardFn]:
+    """(training, validation) reward managers; the rollout ranks of an async run build the first too."""
     from verl_megatron.reward.loading import load_reward_manager
 
     extra: dict[str, Any] = {}
@@ -326,7 +328,7 @@ def build_components(config: PPOConfig, runtime: Runtime) -> tuple[PPOConfig, Co
 
         stops = stop_token_ids(config.rollout, {}, tokenizer, hf_config)
         rollout = AgentRollout(rollout, config.rollout, tokenizer, harness, stops)
-    reward_fn, val_reward_fn = _reward_fns(config, tokenizer)
+    reward_fn, val_reward_fn = reward_fns(config, tokenizer)
     model_rewards = build_model_rewards(config, runtime, tokenizer)
     return config, Components(
         tokenizer=tokenizer,
