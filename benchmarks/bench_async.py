@@ -177,6 +177,7 @@ def throughput_row(workload: str, mode: str, rows: list[dict[str, Any]]) -> dict
         "rollout rank: gen_s": _mean(steps, "async/rollout_gen_s"),
         "rollout rank: waits for weights_s": _mean(steps, "async/rollout_wait_weights_s"),
         "rollout rank: old_log_prob_s": _mean(steps, "async/rollout_old_log_prob_s"),
+        "rollout rank: reward_s": _mean(steps, "async/rollout_reward_s"),
         "staleness (mean)": _mean(steps, "async/staleness_mean") if mode == "async" else 0.0,
         "response length (mean)": _mean(steps, "response_length/mean"),
         "response length (max)": _mean(steps, "response_length/max"),
@@ -187,21 +188,21 @@ def throughput_row(workload: str, mode: str, rows: list[dict[str, Any]]) -> dict
 def _ceiling_note(workload: str, by_mode: dict[str, dict[str, Any]]) -> str:
     """What bounds async on ``workload``: the busier of its two roles, the trainer (its step less
     the wait for the batch) and the rollout rank (its generation of the whole batch on one
-    process and its share of the old log-probs); async's step can be no shorter, however well the
+    process, its share of the old log-probs and the rewards it scores); async's step can be no shorter, however well the
     two overlap."""
     sync, asyn = by_mode["sync"], by_mode["async"]
     if sync["step_s"] is None or asyn["step_s"] is None:
         return f"{workload}: no step times"
     busy = asyn["step_s"] - (asyn["trainer: waits for batch_s"] or 0.0)
-    rollout_busy = (asyn["rollout rank: gen_s"] or 0.0) + (asyn["rollout rank: old_log_prob_s"] or 0.0)
+    rollout_busy = sum(asyn[f"rollout rank: {k}_s"] or 0.0 for k in ("gen", "old_log_prob", "reward"))
     bound = max(busy, rollout_busy)
     return (
         f"{workload}: the async trainer is busy {busy:.3f} s a step (old log-probs "
         f"{asyn['trainer: old_log_prob_s'] or 0.0:.3f} s, its rows and the wait for the rollout's, + update "
         f"{asyn['trainer: update_actor_s'] or 0.0:.3f} s of the whole batch on one process), its rollout rank "
         f"generates for {asyn['rollout rank: gen_s'] or 0.0:.3f} s, computes old log-probs for "
-        f"{asyn['rollout rank: old_log_prob_s'] or 0.0:.3f} s "
-        f"and waits {asyn['rollout rank: waits for weights_s'] or 0.0:.3f} s for weights; sync's step is "
+        f"{asyn['rollout rank: old_log_prob_s'] or 0.0:.3f} s, scores rewards for "
+        f"{asyn['rollout rank: reward_s'] or 0.0:.3f} s and waits {asyn['rollout rank: waits for weights_s'] or 0.0:.3f} s for weights; sync's step is "
         f"{sync['step_s']:.3f} s, of which generation {sync['trainer: gen_s'] or 0.0:.3f} s: async cannot exceed "
         f"{sync['step_s'] / bound:.2f}x here however its generation overlaps"
     )
