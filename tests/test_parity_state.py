@@ -58,10 +58,11 @@ def _packed_training_step(chunk: torch.nn.Module) -> None:
 def state_job(path: str) -> dict:
     from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
     from verl_megatron.models import batch_invariant
+    from verl_megatron.models.matmul_route import MatmulRoute
     from verl_megatron.rollout.decode import ChunkDecoder, inference_mode_for
 
     runtime = init_runtime(ParallelLayout(), seed=3)
-    chunks = build_model(runtime, path)
+    chunks = build_model(runtime, path, route=MatmulRoute())  # parity's kernels run through the route
     invariance = batch_invariant.enable(chunks, KEY_LENGTH)
     ids, positions, key_valid = _prompts()
 

@@ -62,7 +62,7 @@ def prompt_batch(lengths: list[int] = PROMPT_LENGTHS, seed: int = 0, meta: dict 
     )
 
 
-def _setup(model_dir: str, tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 11):
+def _setup(model_dir: str, tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 11, route=None):
     from transformers import AutoConfig
 
     from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
@@ -73,7 +73,7 @@ def _setup(model_dir: str, tp: int = 1, pp: int = 1, vpp: int | None = None, see
     runtime = init_runtime(ParallelLayout(tp=tp, pp=pp, vpp=vpp), seed=seed)
     hf_config = AutoConfig.from_pretrained(model_dir)
     model_cfg = ModelConfig(path=model_dir, dtype="float32")
-    chunks = build_gpt_chunks(hf_config, runtime, model_cfg)
+    chunks = build_gpt_chunks(hf_config, runtime, model_cfg, route=route)
     load_hf_weights(chunks, model_dir, runtime, model_cfg)
     return runtime, chunks, hf_config
 
@@ -353,10 +353,11 @@ def packing_job(model_dir: str) -> dict:
     """Prefill logits with packed linears, without them, and by a cache-free full forward;
     which layers the packing switched, inside and after the context, and with parity kernels."""
     from verl_megatron.models import batch_invariant
+    from verl_megatron.models.matmul_route import MatmulRoute
     from verl_megatron.rollout.cpu import packed_linear
     from verl_megatron.rollout.decode import ChunkDecoder, inference_mode_for
 
-    runtime, chunks, _ = _setup(model_dir)
+    runtime, chunks, _ = _setup(model_dir, route=MatmulRoute())  # parity's kernels run through it
     prompts = prompt_batch()
     ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"].bool()
     width = ids.shape[1]
@@ -507,9 +508,10 @@ def lean_job(model_dir: str, tp: int) -> dict:
     forward of the same tokens, and which layers stay on the modules under a forward hook or
     the parity kernels."""
     from verl_megatron.models import batch_invariant
+    from verl_megatron.models.matmul_route import MatmulRoute
     from verl_megatron.rollout import decode
 
-    runtime, chunks, _ = _setup(model_dir, tp=tp)
+    runtime, chunks, _ = _setup(model_dir, tp=tp, route=MatmulRoute())  # parity's kernels run through it
 
     def two_steps(bare, invariance=None) -> tuple[torch.Tensor, int, list[str]]:
         decoder, logits = _prefill_and_step(bare, runtime, invariance)

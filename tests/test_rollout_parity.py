@@ -65,6 +65,7 @@ def _prompts(seed: int = 0):
 def _actor(runtime, model_dir: str, layout: str, parity: bool):
     from tests.test_actor_update import build_model
     from verl_megatron.models import batch_invariant
+    from verl_megatron.models.matmul_route import MatmulRoute
     from verl_megatron.models.megatron_model import build_optimizer
     from verl_megatron.workers.actor import MegatronActor
     from verl_megatron.workers.config import ActorConfig, OptimConfig
@@ -74,7 +75,8 @@ def _actor(runtime, model_dir: str, layout: str, parity: bool):
         ppo_mini_batch_size=3, ppo_micro_batch_size_per_gpu=2, rollout_n=N, ppo_max_token_len_per_gpu=40,
         optim=OptimConfig(lr=1e-2, weight_decay=0.0, clip_grad=1.0), **LAYOUTS[layout],
     )  # fmt: skip
-    chunks = build_model(runtime, model_dir)
+    # The batch-invariant kernels run through the linears' matmul route (models/matmul_route.py).
+    chunks = build_model(runtime, model_dir, route=MatmulRoute() if parity else None)
     invariance = batch_invariant.enable(chunks, PROMPT_LENGTH + RESPONSE_LENGTH) if parity else None
     optimizer = build_optimizer(chunks, optim_settings(cfg.optim))
     return MegatronActor(

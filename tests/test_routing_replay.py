@@ -156,15 +156,16 @@ def moe_model(tmp_path_factory) -> str:
     return str(path)
 
 
-def _moe_chunks(runtime, path: str):
-    """The checkpoint as our builder makes it: megatron MoE chunks of ``runtime``'s layout, DDP-wrapped."""
+def _moe_chunks(runtime, path: str, route=None):
+    """The checkpoint as our builder makes it: megatron MoE chunks of ``runtime``'s layout, DDP-wrapped
+    (``route``: the linears' matmul route, ``models/matmul_route.py``)."""
     from verl_megatron.models.builder import build_gpt_chunks
     from verl_megatron.models.config import ModelConfig, load_hf_config
     from verl_megatron.models.convert import load_hf_weights
     from verl_megatron.models.megatron_model import wrap_ddp
 
     model_cfg = ModelConfig(path=path, dtype="float32", use_te=False)
-    chunks = build_gpt_chunks(load_hf_config(path), runtime, model_cfg)
+    chunks = build_gpt_chunks(load_hf_config(path), runtime, model_cfg, route=route)
     load_hf_weights(chunks, path, runtime, model_cfg)
     return wrap_ddp(chunks)
 
@@ -211,7 +212,9 @@ def replay_job(
     from verl_megatron.workers.routes import RunRoutes
 
     runtime = init_runtime(ParallelLayout(tp=tp, pp=pp, ep=ep), seed=3)
-    chunks = _moe_chunks(runtime, path)
+    from verl_megatron.models.matmul_route import MatmulRoute
+
+    chunks = _moe_chunks(runtime, path, MatmulRoute() if parity else None)
     invariance = None
     if parity:
         from verl_megatron.models import batch_invariant

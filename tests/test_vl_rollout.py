@@ -46,6 +46,7 @@ def vl_rollout_job(path: str, tp: int, parity: bool = False) -> dict:
     from verl_megatron.models.builder import build_gpt_chunks
     from verl_megatron.models.config import ModelConfig, load_hf_config
     from verl_megatron.models.convert import load_hf_weights
+    from verl_megatron.models.matmul_route import MatmulRoute
     from verl_megatron.models.megatron_model import build_optimizer, wrap_ddp
     from verl_megatron.rollout import RolloutConfig, build_rollout
     from verl_megatron.workers.actor import MegatronActor
@@ -55,7 +56,8 @@ def vl_rollout_job(path: str, tp: int, parity: bool = False) -> dict:
     hf_config = load_hf_config(path)
     prompts = vl_prompts(path, hf_config)
     model_cfg = ModelConfig(path=path, dtype="float32", use_te=False)
-    chunks = build_gpt_chunks(hf_config, runtime, model_cfg)
+    # parity's batch-invariant kernels run through the linears' matmul route (models/matmul_route.py)
+    chunks = build_gpt_chunks(hf_config, runtime, model_cfg, route=MatmulRoute() if parity else None)
     load_hf_weights(chunks, path, runtime, model_cfg)
     chunks = wrap_ddp(chunks)
     length = prompts.batch["input_ids"].shape[1]

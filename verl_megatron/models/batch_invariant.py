@@ -10,7 +10,9 @@ differ. Bitwise parity needs every reduction to happen in the same order in both
   (the last one zero-padded) and multiplied as one batched GEMM of [TILE_ROWS, K] x [K, N]
   items. Every item has the same shape whatever M, so a row's result depends only on the row
   and the weight (checked empirically in ``tests/test_rollout_parity.py`` at several thread
-  counts). The backward pass is an ordinary one (:class:`_TiledLinear`).
+  counts). The backward pass is an ordinary one (:class:`_TiledLinear`). The model's linears
+  run it through their matmul route (``models/matmul_route.py``: :func:`enable` turns the route
+  on), so the model must be built for the CPU with a route.
 - **attention** (:func:`attention`): each sequence's keys sit in canonical columns (column j
   holds the sequence's j-th token, whatever the batch layout: left-padded prompt, padded row or
   packed segment) and are padded to one fixed key length L for every call, masked with -inf.
@@ -36,7 +38,7 @@ The mode is a value, :class:`BatchInvariance` (the fixed L), made once from the 
 (``rollout.bitwise_parity``) and handed to what needs it: :func:`enable` switches a model's
 chunks to these kernels and gives each core attention the object; the model runner and the
 decoder take it as a constructor argument.
-Needs megatron's local layer spec (Transformer Engine kernels cannot be swapped this way).
+Needs megatron's local layer spec (Transformer Engine kernels cannot be routed or swapped).
 Verified in float32 and bfloat16 on CPU (MKL); that a batched GEMM item's result does not depend on the
 number of items is an empirical property of the BLAS, not yet checked on a GPU (cuBLAS).
 """
@@ -54,7 +56,15 @@ from verl_megatron.models.families.qwen2_vl_vision import MatmulSite
 from verl_megatron.models.lora import ColumnAdapter, RowAdapter
 from verl_megatron.models.sdpa_attention import SDPADotProductAttention
 
-__all__ = ["TILE_ROWS", "BatchInvariance", "attention", "enable", "matmul_rows", "self_attention"]
+__all__ = [
+    "TILE_ROWS",
+    "BatchInvariance",
+    "attention",
+    "enable",
+    "linear_forward_impl",
+    "matmul_rows",
+    "self_attention",
+]
 
 TILE_ROWS = 16
 """Rows per GEMM item. Smaller tiles waste less on padding when decoding few rows; larger ones
@@ -114,7 +124,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out if bias is None else out + bias
 
 
-def _linear_forward_impl(
+def linear_forward_impl(
     input: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -127,7 +137,8 @@ def _linear_forward_impl(
     tp_group=None,
 ) -> torch.Tensor:
     """Drop-in for megatron's ``linear_with_grad_accumulation_and_async_allreduce`` (same
-    arguments, same communication), with the batch-invariant matmul."""
+    arguments, same communication), with the batch-invariant matmul: what a routed linear
+    (``models/matmul_route.py``) runs once its route has the batch-invariant kernels on."""
     from megatron.core.tensor_parallel.mappings import (
         copy_to_tensor_model_parallel_region,
         gather_from_sequence_parallel_region,
@@ -283,6 +294,25 @@ def _check(chunk: torch.nn.Module) -> None:
         raise ValueError(f"{where} does not support a gated shared expert (e.g. qwen2_moe)")
 
 
+def _linear_routes(chunk: torch.nn.Module) -> list:
+    """The routes (``models/matmul_route.MatmulRoute``) the column/row parallel linears of
+    ``chunk`` consult; ValueError naming the first linear built without one."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    routes = []
+    for name, module in chunk.named_modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            route = getattr(module, "route", None)
+            if route is None:
+                raise ValueError(
+                    f"rollout.bitwise_parity: linear {name} ({type(module).__name__}) consults no matmul route; "
+                    "the batch-invariant kernels need a model built for the CPU with one "
+                    "(build_gpt_chunks(..., route=MatmulRoute()))"
+                )
+            routes.append(route)
+    return routes
+
+
 def _router_gating(router: torch.nn.Module, input: torch.Tensor) -> torch.Tensor:
     """Megatron's ``TopKRouter.gating`` (logits in ``moe_router_dtype``) with the tiled matmul.
 
@@ -340,16 +370,23 @@ class BatchInvariance:
         return position_ids[0].long()
 
     def switch(self, chunks: Sequence[torch.nn.Module]) -> None:
-        """Switch model chunks (DDP-wrapped or bare) to the batch-invariant kernels, in place."""
-        from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+        """Switch model chunks (DDP-wrapped or bare) to the batch-invariant kernels, in place.
+
+        The linears multiply through the route they were built with (``models/matmul_route.py``):
+        the route of each is turned to the tiled kernel, nothing is set on megatron's linears. So
+        the chunks must be built for the CPU with a route (``build_gpt_chunks(route=...)``)."""
         from megatron.core.transformer.moe.router import TopKRouter
 
-        for chunk in (unwrap(c) for c in chunks):
+        bare = [unwrap(c) for c in chunks]
+        routes = []
+        for chunk in bare:
             _check(chunk)
+            routes.extend(_linear_routes(chunk))
+        for route in routes:
+            route.use_batch_invariant_kernels()
+        for chunk in bare:
             for module in chunk.modules():
-                if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-                    module._forward_impl = _linear_forward_impl
-                elif isinstance(module, SDPADotProductAttention):
+                if isinstance(module, SDPADotProductAttention):
                     module.use_fixed_length_attention(self.self_attention)
                 elif isinstance(module, TopKRouter):
                     module.gating = functools.partial(_router_gating, module)

@@ -17,7 +17,11 @@ it rebuilds the GPTModel's input embedding and LM head as routed layers
 are never routed; linears a module constructs itself (Qwen3-Next's DeltaNet projections) stay
 megatron's.
 
-Today the route carries one switch, :meth:`MatmulRoute.accumulating_main_grad` (see
+Bitwise parity's batch-invariant kernel (``models/batch_invariant.py``) is a setting of the route
+too, turned on for good by :meth:`MatmulRoute.use_batch_invariant_kernels` when a model's chunks are
+switched: it comes ahead of every other path (packed decoding weights skip such layers).
+
+The update's switch is :meth:`MatmulRoute.accumulating_main_grad` (see
 ``models/grad_accumulation.py`` for the kernels and why): while it is on, a layer whose weight
 is trainable, float32 and on the CPU, with a float32 DDP buffer (``main_grad``), adds its weight
 gradient into that buffer inside the GEMM. Everything else (frozen or bf16 weights, sequence
@@ -41,6 +45,7 @@ from megatron.core.tensor_parallel.layers import (
 )
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from verl_megatron.models.batch_invariant import linear_forward_impl
 from verl_megatron.models.grad_accumulation import (
     accumulates,
     embedding_into_main_grad,
@@ -64,10 +69,19 @@ __all__ = [
 class MatmulRoute:
     """How the routed layers of one model multiply: owned by whoever built the model, shared by
     all its chunks' layers. ``accumulate_main_grad`` is False outside
-    :meth:`accumulating_main_grad` scopes."""
+    :meth:`accumulating_main_grad` scopes; ``batch_invariant`` is set once, for good, by
+    :meth:`use_batch_invariant_kernels`."""
 
     def __init__(self) -> None:
         self.accumulate_main_grad = False
+        self.batch_invariant = False
+
+    def use_batch_invariant_kernels(self) -> None:
+        """From now on the routed linears multiply with the batch-invariant tiled kernel
+        (``models/batch_invariant.py``, bitwise parity; ``BatchInvariance.switch`` calls this), ahead
+        of every other path: weight gradients then take the kernel's ordinary backward, and
+        decoding never uses packed weights."""
+        self.batch_invariant = True
 
     @contextlib.contextmanager
     def accumulating_main_grad(self) -> Iterator[None]:
@@ -89,6 +103,8 @@ class _RoutedLinear:
         self.route = route
 
     def _forward_impl(self, input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any):
+        if self.route.batch_invariant:
+            return linear_forward_impl(input, weight, *args, **kwargs)
         if (
             self.route.accumulate_main_grad
             and not args

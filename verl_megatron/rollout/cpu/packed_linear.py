@@ -11,8 +11,8 @@ a 16M-parameter LM head) into a :class:`PackedWeights` store.
 Only the matrix multiply changes: the layer's own ``forward`` still does its tensor-parallel
 communication, bias handling and output gathering, and LoRA's forward hooks still run, because
 the swap is of megatron's per-layer ``_forward_impl`` (the function it calls for the matmul).
-Layers whose ``_forward_impl`` is already replaced (the batch-invariant kernels of bitwise
-parity) keep theirs, so parity is untouched. The packed product differs from ``torch.matmul``
+Linears whose matmul route runs the batch-invariant kernels of bitwise parity
+(``models/matmul_route.py``) keep them, so parity is untouched. The packed product differs from ``torch.matmul``
 only by float32 rounding (a different summation order).
 
 Across calls: weights change only when the trainer updates them, while a run makes many generate
@@ -35,7 +35,14 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-__all__ = ["PackedMatmul", "PackedWeights", "pack_weight", "packed_linears", "packing_available"]
+__all__ = [
+    "PackedMatmul",
+    "PackedWeights",
+    "batch_invariant_route",
+    "pack_weight",
+    "packed_linears",
+    "packing_available",
+]
 
 # Rows the packed layout is tuned for: a decoding batch. The layout barely depends on it
 # (16..4096 rows measured within 10% of each other at 8, 64 and 512 rows).
@@ -129,6 +136,12 @@ class PackedMatmul:
         return out.view(*input.shape[:-1], out.shape[-1])
 
 
+def batch_invariant_route(module: torch.nn.Module) -> bool:
+    """Whether ``module`` multiplies through a matmul route with bitwise parity's kernels on
+    (``models/matmul_route.MatmulRoute.use_batch_invariant_kernels``): its product is not replaced."""
+    return bool(getattr(getattr(module, "route", None), "batch_invariant", False))
+
+
 def _on_cpu(module: torch.nn.Module) -> bool:
     return all(p.device.type == "cpu" for p in module.parameters(recurse=False))
 
@@ -148,7 +161,7 @@ def packed_linears(chunks: Sequence[torch.nn.Module], store: PackedWeights | Non
             for module in chunk.modules():
                 if (
                     isinstance(module, (ColumnParallelLinear, RowParallelLinear))
-                    and "_forward_impl" not in vars(module)  # batch-invariant kernels stay
+                    and not batch_invariant_route(module)  # parity's kernels stay
                     and not getattr(module, "explicit_expert_comm", False)
                     and _on_cpu(module)
                 ):
