@@ -42,7 +42,12 @@ SEPARATE = ["rollout.placement=separate", "rollout.world_size=1"]
         (["async_training.max_staleness=1"], 2, "needs rollout.placement=separate"),
         (["rollout.placement=apart"], 2, "rollout.placement must be 'colocated' or 'separate'"),
         ([*SEPARATE, "algorithm.adv_estimator=remax"], 2, "does not support algorithm.adv_estimator=remax"),
-        (["async_training.old_log_probs_on_rollout=true"], 2, "old_log_probs_on_rollout) needs rollout.placement"),
+        ([*SEPARATE, "rollout.bitwise_parity=true"], 2, "does not support rollout.bitwise_parity=true"),
+        (
+            ["async_training.old_log_probs_on_rollout=true"],
+            2,
+            "old_log_probs_on_rollout) needs rollout.placement",
+        ),
         (
             [*SEPARATE, "async_training.old_log_probs_on_rollout=true", "model.lora_rank=4"],
             2,

@@ -52,6 +52,8 @@ def check_placement(config: PPOConfig, world_size: int) -> int:
         "algorithm.filter_groups.enable=true": algo.filter_groups.enable,
         "algorithm.adv_estimator=remax": algo.adv_estimator == "remax",
         "rollout.multi_turn.enable=true": rollout.multi_turn.enable,
+        # Its model copy is built without the matmul route that carries the tiled kernels.
+        "rollout.bitwise_parity=true": rollout.bitwise_parity,
     }
     # The rollout's model copy has no routes to replay, no adapters and no parity kernels.
     if asyn.old_log_probs_on_rollout:
@@ -59,7 +61,6 @@ def check_placement(config: PPOConfig, world_size: int) -> int:
             "async_training.old_log_probs_on_rollout with actor.megatron.router_replay.mode=R3":
                 config.actor.megatron.router_replay.mode != "disabled",
             "async_training.old_log_probs_on_rollout with model.lora_rank > 0": config.model.lora_rank > 0,
-            "async_training.old_log_probs_on_rollout with rollout.bitwise_parity=true": rollout.bitwise_parity,
             "async_training.old_log_probs_on_rollout with actor.recompute_old_log_prob=false (none to compute)":
                 not config.actor.recompute_old_log_prob,
         })  # fmt: skip

@@ -16,6 +16,8 @@ import os
 from dataclasses import fields, is_dataclass
 from typing import Any
 
+import torch
+
 from verl_megatron.algos import core_algos
 from verl_megatron.data.config import TRUNCATION_MODES
 from verl_megatron.distributed.parallel import ParallelLayout
@@ -197,6 +199,11 @@ def _check_algorithm(config: PPOConfig) -> None:
         raise ConfigError(
             "rollout.bitwise_parity=true needs megatron's local layer spec (model.use_te=false): "
             "Transformer Engine's kernels cannot be switched to the batch-invariant ones"
+        )
+    if config.rollout.bitwise_parity and torch.cuda.is_available():
+        raise ConfigError(
+            "rollout.bitwise_parity=true runs the batch-invariant kernels of CPU builds only "
+            "(models/matmul_route.py); on a GPU machine leave it false"
         )
     check_rollout_correction(config)
     _check_old_log_prob(config)
