@@ -100,8 +100,6 @@ utils/tokenizer/__init__.py  tokenizer.pad_token*
     verl's hf_tokenizer contract: a missing pad token is set to eos on the tokenizer it returns (warned)
 models/builder.py  model.verl_model_info
     debt: the builder's ModelInfo written on the GPTModel and read back by its users; pass it explicitly
-models/batch_invariant.py  module.gating
-    pending: bitwise parity swaps the tiled gating into megatron's TopKRouter (its linears now run through the matmul route; the router could too, as a routed subclass in MoESubmodules.router)
 rollout/decode.py  *
     pending: being removed by this session's rollout decoding work
 rollout/cpu/packed_linear.py  module._forward_impl

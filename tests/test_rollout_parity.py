@@ -239,15 +239,13 @@ def test_moe_router_gating_rows_do_not_depend_on_the_batch():
     g = torch.Generator().manual_seed(0)
     x, weight = torch.randn(300, 256, generator=g), torch.randn(64, 256, generator=g)
     router = SimpleNamespace(config=SimpleNamespace(moe_router_dtype="fp32"), weight=weight, bias=None)
-    whole, plain = bi._router_gating(router, x), router_gating_linear(x, weight, None, torch.float32)
+    whole, plain = bi.router_gating(router, x), router_gating_linear(x, weight, None, torch.float32)
     gaps = [float((router_gating_linear(x[s : s + 1], weight, None, torch.float32)[0] - plain[s]).abs().max())
             for s in range(40)]  # fmt: skip
     assert max(gaps) > 0, "megatron's gating is row-stable here: the check below proves nothing"
     for rows in (1, 3, 17, 100):
         for start in (0, 13, 150):
-            assert torch.equal(
-                bi._router_gating(router, x[start : start + rows]), whole[start : start + rows]
-            )
+            assert torch.equal(bi.router_gating(router, x[start : start + rows]), whole[start : start + rows])
 
 
 def test_packed_segments_attend_like_padded_rows():

@@ -220,8 +220,8 @@ def replay_job(
         from verl_megatron.models import batch_invariant
 
         invariance = batch_invariant.enable(chunks, PROMPT_LEN + RESPONSE_LEN)
-        routers = [m for m in chunks[0].modules() if type(m).__name__ == "TopKRouter"]
-        assert routers and all("_router_gating" in repr(m.gating) for m in routers)
+        routers = [m for m in chunks[0].modules() if type(m).__name__ == "RoutedTopKRouter"]
+        assert routers and all(m.route.batch_invariant and "gating" not in vars(m) for m in routers)
     cfg = ActorConfig(ppo_mini_batch_size=len(PROMPT_LENGTHS), ppo_micro_batch_size_per_gpu=2, rollout_n=N,
                       shuffle=True, optim=OptimConfig(lr=lr, weight_decay=0.0))  # fmt: skip
     optimizer = build_optimizer(chunks, optim_settings(cfg.optim))

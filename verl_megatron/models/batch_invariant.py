@@ -23,8 +23,9 @@ differ. Bitwise parity needs every reduction to happen in the same order in both
   applied per model call by ``models/rotary_positions.py``); megatron's rotary embedding
   otherwise numbers the whole packed row, which gives the same attention mathematically but
   not bitwise.
-- **MoE routers** (:func:`_router_gating`): the gating matmul is tiled the same way; the experts
-  are column/row-parallel linears. **LoRA adapters**' A and B products use :func:`linear` too.
+- **MoE routers** (:func:`router_gating`): the gating matmul is tiled the same way, through the
+  router's matmul route (the builder builds megatron's ``TopKRouter`` as ``matmul_route.RoutedTopKRouter``);
+  the experts are column/row-parallel linears. **LoRA adapters**' A and B products use :func:`linear` too.
 - **the vision tower** of a vision-language model (its linears, patch embedding and mergers, DeepStack's
   too: ``families/qwen2_vl_vision.MatmulSite``) uses :func:`linear`: the rollout runs it once on a
   batch's images, the actor on a micro-batch's, and a patch's features must not depend on the others.
@@ -45,7 +46,6 @@ number of items is an empirical property of the BLAS, not yet checked on a GPU (
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -63,6 +63,7 @@ __all__ = [
     "enable",
     "linear_forward_impl",
     "matmul_rows",
+    "router_gating",
     "self_attention",
 ]
 
@@ -295,17 +296,19 @@ def _check(chunk: torch.nn.Module) -> None:
 
 
 def _linear_routes(chunk: torch.nn.Module) -> list:
-    """The routes (``models/matmul_route.MatmulRoute``) the column/row parallel linears of
-    ``chunk`` consult; ValueError naming the first linear built without one."""
+    """The routes (``models/matmul_route.MatmulRoute``) the column/row parallel linears and the
+    MoE routers of ``chunk`` consult; ValueError naming the first one built without a route."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.moe.router import TopKRouter
 
     routes = []
     for name, module in chunk.named_modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, TopKRouter)):
             route = getattr(module, "route", None)
             if route is None:
+                kind = "router" if isinstance(module, TopKRouter) else "linear"
                 raise ValueError(
-                    f"rollout.bitwise_parity: linear {name} ({type(module).__name__}) consults no matmul route; "
+                    f"rollout.bitwise_parity: {kind} {name} ({type(module).__name__}) consults no matmul route; "
                     "the batch-invariant kernels need a model built for the CPU with one "
                     "(build_gpt_chunks(..., route=MatmulRoute()))"
                 )
@@ -313,8 +316,10 @@ def _linear_routes(chunk: torch.nn.Module) -> list:
     return routes
 
 
-def _router_gating(router: torch.nn.Module, input: torch.Tensor) -> torch.Tensor:
-    """Megatron's ``TopKRouter.gating`` (logits in ``moe_router_dtype``) with the tiled matmul.
+def router_gating(router: torch.nn.Module, input: torch.Tensor) -> torch.Tensor:
+    """Megatron's ``TopKRouter.gating`` (logits in ``moe_router_dtype``) with the tiled matmul:
+    input [N, hidden] -> [N, experts]; what a routed router (``models/matmul_route.py``) runs once
+    its route has the batch-invariant kernels on.
 
     The rest of the MoE layer already treats each token alone: softmax / top-k per row, experts
     made of the column/row-parallel linears switched here, and the unpermutation adds a
@@ -372,11 +377,10 @@ class BatchInvariance:
     def switch(self, chunks: Sequence[torch.nn.Module]) -> None:
         """Switch model chunks (DDP-wrapped or bare) to the batch-invariant kernels, in place.
 
-        The linears multiply through the route they were built with (``models/matmul_route.py``):
-        the route of each is turned to the tiled kernel, nothing is set on megatron's linears. So
-        the chunks must be built for the CPU with a route (``build_gpt_chunks(route=...)``)."""
-        from megatron.core.transformer.moe.router import TopKRouter
-
+        The linears and MoE routers multiply through the route they were built with
+        (``models/matmul_route.py``): the route of each is turned to the tiled kernel, nothing is
+        set on megatron's layers. So the chunks must be built for the CPU with a route
+        (``build_gpt_chunks(route=...)``)."""
         bare = [unwrap(c) for c in chunks]
         routes = []
         for chunk in bare:
@@ -388,8 +392,6 @@ class BatchInvariance:
             for module in chunk.modules():
                 if isinstance(module, SDPADotProductAttention):
                     module.use_fixed_length_attention(self.self_attention)
-                elif isinstance(module, TopKRouter):
-                    module.gating = functools.partial(_router_gating, module)
                 elif isinstance(module, (ColumnAdapter, RowAdapter, MatmulSite)):  # LoRA, the vision tower
                     module.use_matmul(linear)
 

@@ -19,7 +19,9 @@ megatron's.
 
 Bitwise parity's batch-invariant kernel (``models/batch_invariant.py``) is a setting of the route
 too, turned on for good by :meth:`MatmulRoute.use_batch_invariant_kernels` when a model's chunks are
-switched: it comes ahead of every other path (packed decoding weights skip such layers).
+switched: it comes ahead of every other path (packed decoding weights skip such layers). MoE
+routers are routed for it alone: the spec's router (``MoESubmodules.router``) is built as
+:data:`RoutedTopKRouter`, whose gating matmul takes the same kernel once the route is switched.
 
 The update's switch is :meth:`MatmulRoute.accumulating_main_grad` (see
 ``models/grad_accumulation.py`` for the kernels and why): while it is on, a layer whose weight
@@ -43,9 +45,10 @@ from megatron.core.tensor_parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from verl_megatron.models.batch_invariant import linear_forward_impl
+from verl_megatron.models.batch_invariant import linear_forward_impl, router_gating
 from verl_megatron.models.grad_accumulation import (
     accumulates,
     embedding_into_main_grad,
@@ -57,12 +60,14 @@ __all__ = [
     "MatmulRoute",
     "RoutedColumnParallelLinear",
     "RoutedRowParallelLinear",
+    "RoutedTopKRouter",
     "RoutedVocabParallelEmbedding",
     "accumulate_into_main_grad",
     "route_embedding_and_head",
     "route_spec",
     "routed_layers",
     "routed_linear_class",
+    "routed_router_class",
 ]
 
 
@@ -123,11 +128,26 @@ class _RoutedLinear:
         return super()._forward_impl(input, weight, *args, **kwargs)
 
 
+class _RoutedRouter:
+    """The ``gating`` of megatron's top-k router (the [tokens, experts] logits), through the route;
+    mixed in before megatron's router class by :func:`routed_router_class`. Routing itself (top-k,
+    routing replay's hook, the auxiliary losses) stays megatron's."""
+
+    def __init__(self, *args: Any, route: MatmulRoute, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.route = route
+
+    def gating(self, input: torch.Tensor) -> torch.Tensor:
+        if self.route.batch_invariant:
+            return router_gating(self, input)
+        return super().gating(input)
+
+
 @functools.cache
-def _routed(linear: type) -> type:
-    name = f"Routed{linear.__name__}"
-    doc = f"``{linear.__qualname__}`` (same parameters and arguments) consulting a ``route``."
-    return type(name, (_RoutedLinear, linear), {"__module__": __name__, "__qualname__": name, "__doc__": doc})
+def _routed(base: type, mixin: type = _RoutedLinear) -> type:
+    name = f"Routed{base.__name__}"
+    doc = f"``{base.__qualname__}`` (same parameters and arguments) consulting a ``route``."
+    return type(name, (mixin, base), {"__module__": __name__, "__qualname__": name, "__doc__": doc})
 
 
 def routed_linear_class(module: Any) -> type | None:
@@ -142,8 +162,17 @@ def routed_linear_class(module: Any) -> type | None:
     return None
 
 
+def routed_router_class(module: Any) -> type | None:
+    """The routed counterpart of ``module`` when it is megatron's ``TopKRouter`` or a subclass of
+    it (one class per input class), else None."""
+    if isinstance(module, type) and issubclass(module, TopKRouter) and not issubclass(module, _RoutedRouter):
+        return _routed(module, _RoutedRouter)
+    return None
+
+
 RoutedColumnParallelLinear = _routed(ColumnParallelLinear)
 RoutedRowParallelLinear = _routed(RowParallelLinear)
+RoutedTopKRouter = _routed(TopKRouter, _RoutedRouter)
 
 
 class RoutedVocabParallelEmbedding(VocabParallelEmbedding):
@@ -166,7 +195,8 @@ class RoutedVocabParallelEmbedding(VocabParallelEmbedding):
 
 
 def routed_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The layers of ``model`` (bare, not DDP-wrapped) that consult a route."""
+    """The linears and embeddings of ``model`` (bare, not DDP-wrapped) that consult a route
+    (routers, whose route only picks their gating's kernel, are not listed)."""
     return [m for m in model.modules() if isinstance(m, (_RoutedLinear, RoutedVocabParallelEmbedding))]
 
 
@@ -190,8 +220,9 @@ _CLASS_COMPARED = frozenset({"linear_q_down_proj", "linear_kv_down_proj"})
 
 def route_spec(spec: Any, route: MatmulRoute) -> Any:
     """``spec`` (a layer or block ModuleSpec, changed in place and returned) with every submodule
-    that is exactly megatron's column/row parallel linear built as its routed counterpart, ``route``
-    among the spec's params."""
+    that is megatron's column/row parallel linear built as its routed counterpart, ``route`` among
+    the spec's params, and every MoE router (``MoESubmodules.router``, a builder called with
+    ``config`` and ``pg_collection``) built as the routed router with ``route``."""
     if isinstance(spec, ModuleSpec):
         spec.submodules = route_spec(spec.submodules, route)
         return spec
@@ -200,6 +231,9 @@ def route_spec(spec: Any, route: MatmulRoute) -> Any:
     routed = routed_linear_class(spec)
     if routed is not None:
         return ModuleSpec(module=routed, params={"route": route})
+    router = routed_router_class(spec)
+    if router is not None:
+        return functools.partial(router, route=route)
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
         for field in dataclasses.fields(spec):
             if field.name not in _CLASS_COMPARED:
