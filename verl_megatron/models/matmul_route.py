@@ -99,13 +99,18 @@ class MatmulRoute:
             self.accumulate_main_grad = previous
 
 
-class _RoutedLinear:
-    """The ``_forward_impl`` of megatron's parallel linears (same keyword arguments), through the
-    route; mixed in before a megatron linear class by :func:`routed_linear_class`."""
+class _ConsultsRoute:
+    """Mixed in before a megatron layer class: the constructor takes ``route`` (keyword) besides
+    the layer's own arguments and keeps it for the layer's calls."""
 
     def __init__(self, *args: Any, route: MatmulRoute, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.route = route
+
+
+class _RoutedLinear(_ConsultsRoute):
+    """The ``_forward_impl`` of megatron's parallel linears (same keyword arguments), through the
+    route; mixed in before a megatron linear class by :func:`routed_linear_class`."""
 
     def _forward_impl(self, input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any):
         if self.route.batch_invariant:
@@ -128,14 +133,10 @@ class _RoutedLinear:
         return super()._forward_impl(input, weight, *args, **kwargs)
 
 
-class _RoutedRouter:
+class _RoutedRouter(_ConsultsRoute):
     """The ``gating`` of megatron's top-k router (the [tokens, experts] logits), through the route;
     mixed in before megatron's router class by :func:`routed_router_class`. Routing itself (top-k,
     routing replay's hook, the auxiliary losses) stays megatron's."""
-
-    def __init__(self, *args: Any, route: MatmulRoute, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.route = route
 
     def gating(self, input: torch.Tensor) -> torch.Tensor:
         if self.route.batch_invariant:
@@ -175,13 +176,9 @@ RoutedRowParallelLinear = _routed(RowParallelLinear)
 RoutedTopKRouter = _routed(TopKRouter, _RoutedRouter)
 
 
-class RoutedVocabParallelEmbedding(VocabParallelEmbedding):
+class RoutedVocabParallelEmbedding(_ConsultsRoute, VocabParallelEmbedding):
     """megatron's ``VocabParallelEmbedding`` consulting ``route``: at tp=1 without the
     sequence-parallel scatter the lookup is the whole forward, and its gradient can go into the buffer."""
-
-    def __init__(self, *args: Any, route: MatmulRoute, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.route = route
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         if (
