@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["CHUNK_BYTES", "vocab_parallel_log_probs"]
+__all__ = ["CHUNK_BYTES", "rows_per_chunk", "vocab_parallel_log_probs"]
 
 # float32 logits per row chunk: 16 MiB is 128 rows at a 32k vocabulary. Measured on a 2-core CPU
 # (forward + backward of [768, 32k]): chunks of 16-32 MiB beat no chunking by 1.2-2x, 4-8 MiB
@@ -35,7 +35,8 @@ __all__ = ["CHUNK_BYTES", "vocab_parallel_log_probs"]
 CHUNK_BYTES = 16 * 2**20
 
 
-def _rows_per_chunk(vocab: int, chunk_rows: int | None) -> int:
+def rows_per_chunk(vocab: int, chunk_rows: int | None = None) -> int:
+    """Rows per chunk of ``vocab`` float32 columns: ``chunk_rows`` (>= 1) or ``CHUNK_BYTES``' worth."""
     if chunk_rows is not None:
         if chunk_rows < 1:
             raise ValueError(f"vocab_parallel_log_probs: chunk_rows must be >= 1, got {chunk_rows}")
@@ -182,7 +183,7 @@ def vocab_parallel_log_probs(
     if vocab_size is not None and vocab_size <= 0:
         raise ValueError(f"vocab_parallel_log_probs: vocab_size must be positive, got {vocab_size}")
     shape = labels.shape
-    rows = _rows_per_chunk(logits.shape[-1], chunk_rows)
+    rows = rows_per_chunk(logits.shape[-1], chunk_rows)
     flat, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1).long()
     if _group_size(tp_group) == 1:
         log_probs, entropy = _ChunkedLogProbs.apply(

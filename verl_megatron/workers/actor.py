@@ -29,7 +29,7 @@ from verl_megatron.algos.policy_losses import metrics_on_device
 from verl_megatron.distributed.modules import unwrap
 from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.models.batch_invariant import BatchInvariance
-from verl_megatron.models.logprobs import CHUNK_BYTES, vocab_parallel_log_probs
+from verl_megatron.models.logprobs import rows_per_chunk, vocab_parallel_log_probs
 from verl_megatron.models.matmul_route import MatmulRoute
 from verl_megatron.models.megatron_model import attach_schedule_hooks
 from verl_megatron.models.routing import ROW_ID_KEY
@@ -487,7 +487,7 @@ class MegatronActor(_PolicyForward, PPOUpdates):
             teacher[..., start : start + real],
             beta=beta,
             temperature=temperature,
-            chunk_tokens=max(1, CHUNK_BYTES // (4 * max(real, 1))),  # float32 chunks of ~16 MiB
+            chunk_tokens=rows_per_chunk(real),  # float32 chunks of ~16 MiB
             tp_group=self.runtime.tp_group(),
         )
         return mb.inputs.merge_cp(per_token)

@@ -33,7 +33,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from verl_megatron.distributed.modules import unwrap
-from verl_megatron.models.logprobs import CHUNK_BYTES, vocab_parallel_log_probs
+from verl_megatron.models.logprobs import rows_per_chunk, vocab_parallel_log_probs
 from verl_megatron.workers.model_inputs import ModelInputs
 
 __all__ = ["DeferredHead", "OutputRowSelector", "head_log_probs"]
@@ -125,7 +125,7 @@ def head_log_probs(
     flat = labels.reshape(-1).to(device)
     if flat.numel() != head.rows:
         raise ValueError(f"head_log_probs: {flat.numel()} labels for {head.rows} selected rows")
-    rows = rows or max(1, CHUNK_BYTES // (4 * max(head.local_vocab, 1)))
+    rows = rows_per_chunk(head.local_vocab, rows)
     # Each chunk's logits are a temporary of its call: freed before the next chunk's are made.
     parts = [
         vocab_parallel_log_probs(
