@@ -52,7 +52,12 @@ from verl_megatron.reward.loading import compute_reward
 from verl_megatron.rollout.async_worker import old_log_prob_split, weights_key
 from verl_megatron.rollout.placement import Placement
 from verl_megatron.rollout.weight_sync import WeightSender, isend_object, recv_object
-from verl_megatron.trainer.components import Components, build_rollout_model, reward_fns, total_training_steps
+from verl_megatron.trainer.components import (
+    Components,
+    build_rollout_model,
+    total_training_steps,
+    train_reward_fn,
+)
 from verl_megatron.trainer.config import PPOConfig
 from verl_megatron.trainer.ppo_trainer import PPOTrainer
 from verl_megatron.trainer.rollout_source import LogProbFn, ScoreFn
@@ -368,13 +373,13 @@ def run_rollout_ranks(config: PPOConfig, placement: Placement) -> dict[str, floa
     segment = asyn.partial_rollout_segment if asyn.partial_rollout else config.rollout.response_length
     settings = AheadSettings(rollout=config.rollout, max_staleness=asyn.max_staleness, segment=segment)
 
-    managers: list[Any] = []  # the reward managers built here (training's first), closed at the end
+    managers: list[Any] = []  # the training reward manager when built here, closed at the end
 
     def build(runtime: Runtime) -> RolloutModel:
         # The trainer ranks built the quickstart's assets before the worker's first barrier.
         model = build_rollout_model(prepare_quickstart_assets(config, rank=-1), runtime)
         if rollout_scores(config):
-            managers.extend(reward_fns(config, model.tokenizer))
+            managers.append(train_reward_fn(config, model.tokenizer))
             model = dataclasses.replace(model, score=functools.partial(compute_reward, reward_fn=managers[0]))
         if not asyn.old_log_probs_on_rollout:
             return model

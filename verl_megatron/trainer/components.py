@@ -47,6 +47,7 @@ __all__ = [
     "resolve_worker_configs",
     "reward_fns",
     "total_training_steps",
+    "train_reward_fn",
 ]
 
 RewardFn = Callable[..., Any]
@@ -177,17 +178,31 @@ def build_colocated(
     return training, rollout
 
 
-def reward_fns(config: PPOConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[RewardFn, RewardFn]:
-    """(training, validation) reward managers; the rollout ranks of an async run build the first too."""
+def _reward_extra(config: PPOConfig) -> dict[str, Any]:
+    """The training reward manager's arguments beyond ``reward_model.reward_kwargs``."""
+    if config.reward_model.reward_manager != "dapo":
+        return {}
+    return {
+        "max_resp_len": config.data.max_response_length,
+        "overlong_buffer_cfg": config.reward_model.overlong_buffer,
+    }
+
+
+def train_reward_fn(config: PPOConfig, tokenizer: PreTrainedTokenizerBase) -> RewardFn:
+    """The training reward manager; the rollout ranks of an async run build it too."""
     from verl_megatron.reward.loading import load_reward_manager
 
-    extra: dict[str, Any] = {}
-    if config.reward_model.reward_manager == "dapo":
-        extra = {
-            "max_resp_len": config.data.max_response_length,
-            "overlong_buffer_cfg": config.reward_model.overlong_buffer,
-        }
-    train = load_reward_manager(config, tokenizer, num_examine=config.reward_model.num_examine, **extra)
+    return load_reward_manager(
+        config, tokenizer, num_examine=config.reward_model.num_examine, **_reward_extra(config)
+    )
+
+
+def reward_fns(config: PPOConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[RewardFn, RewardFn]:
+    """(training, validation) reward managers."""
+    from verl_megatron.reward.loading import load_reward_manager
+
+    extra = _reward_extra(config)
+    train = train_reward_fn(config, tokenizer)
     # Validation scores are the task's own score (verl: no overlong shaping, one sample printed).
     val_extra = dict(extra, overlong_buffer_cfg=None) if extra else {}
     val = load_reward_manager(
