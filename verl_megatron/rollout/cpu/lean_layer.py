@@ -30,12 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from verl_megatron.rollout.cpu.packed_linear import (
-    PackedMatmul,
-    PackedWeights,
-    batch_invariant_route,
-    packing_available,
-)
+from verl_megatron.rollout.cpu.packed_linear import PackedWeights, batch_invariant_route, packing_available
 
 __all__ = ["LeanLayer", "lean_layer"]
 
@@ -121,11 +116,8 @@ def _why_not(layer: torch.nn.Module) -> str | None:
     for name, module in linears.items():
         # A routed linear (models/matmul_route.py) multiplies as megatron's outside an update
         # unless its route runs parity's batch-invariant kernels.
-        if (
-            type(module) not in (kinds[name], routed_linear_class(kinds[name]))
-            or not isinstance(vars(module).get("_forward_impl", PackedMatmul), PackedMatmul)
-            or batch_invariant_route(module)
-        ):
+        own = (kinds[name], routed_linear_class(kinds[name]))
+        if type(module) not in own or batch_invariant_route(module):
             return f"{name} is {type(module).__name__} with its own matmul"
         if module.weight.device.type != "cpu" or module.weight.dtype != torch.float32:
             return f"{name} weight is {module.weight.dtype} on {module.weight.device}"
