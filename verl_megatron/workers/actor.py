@@ -266,27 +266,34 @@ class MegatronRef(_PolicyForward):
         )
 
 
-def _actor_log_prob_batching(config: ActorConfig) -> tuple[int | None, bool, int]:
-    return config.infer_micro_batch_size, config.use_dynamic_bsz, config.ppo_infer_max_token_len_per_gpu
-
-
 class ActorLogProbs(_PolicyForward):
-    """The actor's forward-only log-probs (``compute_log_prob``: same code, micro-batching and
-    length grouping) on another copy of its weights, without optimizer or DDP: an async run's
-    rollout ranks computing their share of ``old_log_probs`` (``trainer/async_trainer.py``)."""
+    """The actor's forward-only log-probs (``compute_log_prob``: its micro-batching and length
+    grouping), ``MegatronActor``'s base; alone, on another copy of its weights without optimizer
+    or DDP: an async run's rollout ranks computing their share of ``old_log_probs``
+    (``trainer/async_trainer.py``)."""
 
-    def __init__(self, runtime: Runtime, config: ActorConfig, chunks: list[torch.nn.Module]) -> None:
+    def __init__(
+        self,
+        runtime: Runtime,
+        config: ActorConfig,
+        chunks: list[torch.nn.Module],
+        route_replay: TrainingRoutes | None = None,
+        batch_invariance: BatchInvariance | None = None,
+    ) -> None:
         super().__init__(
             runtime,
             chunks,
             config.use_remove_padding,
             config.share_prompt_prefix,
-            group_by_length=config.group_by_length,
+            route_replay,
+            batch_invariance,
+            config.group_by_length,
         )
         self.config = config
 
     def _log_prob_batching(self) -> tuple[int | None, bool, int]:
-        return _actor_log_prob_batching(self.config)
+        cfg = self.config
+        return cfg.infer_micro_batch_size, cfg.use_dynamic_bsz, cfg.ppo_infer_max_token_len_per_gpu
 
 
 def _trainer_loss_config(config: ActorConfig) -> ActorConfig:
@@ -302,7 +309,7 @@ def _trainer_loss_config(config: ActorConfig) -> ActorConfig:
     return loss_config
 
 
-class MegatronActor(_PolicyForward, PPOUpdates):
+class MegatronActor(ActorLogProbs, PPOUpdates):
     """PPO policy: log-probs for the batch and PPO updates with megatron's optimizer.
 
     ``chunks`` are DDP-wrapped (``wrap_ddp``); ``optimizer`` is a megatron optimizer over
@@ -329,17 +336,8 @@ class MegatronActor(_PolicyForward, PPOUpdates):
             raise ValueError(
                 "MegatronActor needs DDP-wrapped chunks (verl_megatron.models.megatron_model.wrap_ddp)"
             )
-        super().__init__(
-            runtime,
-            chunks,
-            config.use_remove_padding,
-            config.share_prompt_prefix,
-            route_replay,
-            batch_invariance,
-            config.group_by_length,
-        )
+        super().__init__(runtime, config, chunks, route_replay, batch_invariance)
         config.validate()
-        self.config = config
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.route = route
@@ -348,9 +346,6 @@ class MegatronActor(_PolicyForward, PPOUpdates):
         self.update_calls = 0
         attach_schedule_hooks(chunks)
         self.moe_stats = moe.MoEStats(runtime, chunks) if moe.is_moe(chunks) else None
-
-    def _log_prob_batching(self) -> tuple[int | None, bool, int]:
-        return _actor_log_prob_batching(self.config)
 
     def _keys(self, data: DataProto) -> tuple[str, ...]:
         keys = (*_MODEL_KEYS, "response_mask", "advantages")
