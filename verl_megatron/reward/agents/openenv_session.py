@@ -56,7 +56,6 @@ class WorkerSession:
         self.timeout_s, self.deadline = timeout_s, deadline
         server = _EnvServer(factory, env_kwargs, action)
         self.worker = CallWorker(server, "environment", "rollout.agent.kwargs.env_timeout_s")
-        self.pid = self.worker.pid
 
     def _call(self, op: str, args: dict[str, Any]) -> Any:
         limit = min(self.timeout_s, self.deadline - time.monotonic())
@@ -84,7 +83,7 @@ class InProcessSession:
 
     def __init__(self, factory: Callable[..., Any], env_kwargs: dict[str, Any],
                  lock: AbstractContextManager) -> None:  # fmt: skip
-        self.env, self.lock, self.pid = factory(**env_kwargs), lock, None
+        self.env, self.lock = factory(**env_kwargs), lock
 
     def reset(self, **kwargs: Any) -> tuple[dict[str, Any], str]:
         with self.lock:

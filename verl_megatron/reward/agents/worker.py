@@ -83,7 +83,6 @@ class CallWorker:
             self.process.start()
         finally:
             child.close()
-        self.pid = self.process.pid
         try:
             if not self.conn.poll(_START_TIMEOUT_S):
                 raise RuntimeError(f"the {what}'s worker process did not start within {_START_TIMEOUT_S:g} s")
