@@ -355,32 +355,35 @@ def run_ours(
 # ----------------------------------------------------------------------------- section
 
 
+def _at_best(values: list, timed: list[float]) -> Any:
+    """The entry of ``values`` (one per step, aligned to the last of them) at the fastest of the
+    ``timed`` steps; None if there is none."""
+    if not timed or len(values) < len(timed):
+        return None
+    return values[len(values) - len(timed) + min(range(len(timed)), key=timed.__getitem__)]
+
+
 def best_step_stages(raw: dict[str, Any], key: str = "stage_seconds") -> dict[str, float]:
     """The stage times ``raw[key]`` (per step, warm-up dropped) of the fastest step; {} if none."""
-    stages, timed = raw.get(key) or [], raw["step_seconds"]
-    if not timed or len(stages) < len(timed):
-        return {}
-    return stages[len(stages) - len(timed) + min(range(len(timed)), key=timed.__getitem__)]
+    return _at_best(raw.get(key) or [], raw["step_seconds"]) or {}
 
 
 def _row(impl: str, raw: dict[str, Any], warmup: int) -> dict[str, Any]:
     """Best and median of the timed steps (warm-up dropped), the best step's process CPU seconds
     and its stages where known."""
     timed = raw["step_seconds"][warmup:]
-    best = min(range(len(timed)), key=timed.__getitem__)
     lengths = raw.get("mean_completion_length") or []
-    stages = raw.get("stage_seconds")
-    cpu = raw.get("step_cpu_seconds") or []
     row = {
         "impl": impl,
-        "step_s (best)": timed[best],
+        "step_s (best)": min(timed),
         "step_s (median)": sorted(timed)[len(timed) // 2],
-        STEP_CPU: cpu[len(cpu) - len(timed) + best] if len(cpu) >= len(timed) else None,
+        STEP_CPU: _at_best(raw.get("step_cpu_seconds") or [], timed),
         "timed steps": len(timed),
         "mean response tokens": sum(lengths) / len(lengths) if lengths else None,
     }
-    if stages:
-        row.update({stage: stages[len(stages) - len(timed) + best].get(stage) for stage in STAGES})
+    if raw.get("stage_seconds"):
+        best = _at_best(raw["stage_seconds"], timed) or {}
+        row.update({stage: best.get(stage) for stage in STAGES})
     return row
 
 
