@@ -283,10 +283,9 @@ def measure(cfg: GenerateBenchConfig, model_dir: str, tokenizer: Any) -> Section
         },
         extra={"settings": asdict(cfg), "timings": {k: t.as_dict() for k, t in timings.items()}},
     )
+    large = {at_batch(impl, cfg.large_batch) for impl in (NATIVE, HF)} if cfg.large_batch else set()
     for name, timing in timings.items():
-        tokens = (
-            cfg.large_batch if name.endswith(f", batch {cfg.large_batch}") else cfg.batch
-        ) * cfg.new_tokens
+        tokens = (cfg.large_batch if name in large else cfg.batch) * cfg.new_tokens
         section.rows.append(
             {
                 "impl": name,
