@@ -4,17 +4,11 @@ over the run's processes in both modes, and a long-tailed workload whose lengths
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+from tests.bench_modules import bench_module
 
 
 def _bench_async():
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    return importlib.import_module("bench_async")
+    return bench_module("bench_async")
 
 
 def test_every_process_gets_its_share_of_the_cores():

@@ -4,19 +4,13 @@ parity step less its old-log-prob pass plus that charge."""
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+from tests.bench_modules import bench_module
 
 
 def _bench():
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    return importlib.import_module("bench_bypass")
+    return bench_module("bench_bypass")
 
 
 def _step(cpu: float, old_log_prob: float = 0.0, probe: float = 0.0, diff: float | None = None) -> dict:
