@@ -220,7 +220,7 @@ class AsyncRolloutLink:
 
     def next_batch(self, step: int, timing: dict[str, float]) -> tuple[DataProto, dict[str, float]]:
         with timed_stage(self.stages, "wait_rollout", step, timing):
-            batch = self._receive_batch()
+            batch = self._receive("batch", -1)
         info = batch.meta_info.pop("async")
         prompts = self.loader.next_batch()
         expected = np.repeat(np.asarray(prompts.non_tensor_batch["index"]), self.n)
@@ -231,18 +231,13 @@ class AsyncRolloutLink:
                 f"{got[:: self.n][:8].tolist()}, the trainer's loader drew {expected[:: self.n][:8].tolist()}"
             )
         metrics = self._staleness(batch, step)
-        metrics["async/rollout_wait_weights_s"] = float(info["rollout_wait_weights_s"])
-        metrics["async/rollout_gen_s"] = float(info["rollout_gen_s"])
-        # the rollout's share of the previous batch's old log-probs, computed before this batch
-        metrics["async/rollout_old_log_prob_s"] = float(info.get("rollout_old_log_prob_s", 0.0))
-        metrics["async/rollout_reward_s"] = float(info.get("rollout_reward_s", 0.0))
+        # rollout_old_log_prob_s: its share of the previous batch's old log-probs, before this batch
+        for key in ("rollout_wait_weights_s", "rollout_gen_s", "rollout_old_log_prob_s", "rollout_reward_s"):
+            metrics[f"async/{key}"] = float(info[key])
         with timed_stage(self.stages, "reward", step, timing):
             metrics.update(self.score(batch))
         self._log_samples(step, batch)
         return batch, metrics
-
-    def _receive_batch(self) -> DataProto:
-        return self._receive("batch", -1)
 
     def _receive(self, kind: str, step: int) -> Any:
         """The rollout's next batch (``kind="batch"``, whatever its step: the caller checks it) or
