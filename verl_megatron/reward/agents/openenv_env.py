@@ -39,6 +39,7 @@ unless ``isolation: none`` (named errors).
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import threading
@@ -140,16 +141,11 @@ class OpenEnvHarness:
             raise ConfigError(
                 f"{_KEY}={env!r}: {self.factory.__name__} is not an openenv Environment subclass"
             )
-        probe = self._make()
-        if not isinstance(probe, environment):
-            raise ConfigError(f"{_KEY}={env!r} made a {type(probe).__name__}, not an openenv Environment")
-        concurrent = bool(getattr(probe, "SUPPORTS_CONCURRENT_SESSIONS", False))
+        env_class = self._env_class(environment)
+        concurrent = bool(getattr(env_class, "SUPPORTS_CONCURRENT_SESSIONS", False))
         self._lock = nullcontext() if concurrent else threading.Lock()
-        probe.close()
         self.action = (
-            _load(action, "rollout.agent.kwargs.action")
-            if action
-            else _action_class(type(probe), action_base)
+            _load(action, "rollout.agent.kwargs.action") if action else _action_class(env_class, action_base)
         )
         if not (isinstance(self.action, type) and issubclass(self.action, action_base)):
             raise ConfigError(
@@ -165,11 +161,34 @@ class OpenEnvHarness:
         self.system_prompt = system_prompt
         self.sampling = dict(sampling or {})
 
+    def _env_class(self, environment: type) -> type:
+        """The Environment class the factory makes. A class answers for itself (its arguments are
+        checked against its signature), so the user's constructor runs only where ``isolation``
+        puts it; any other factory is called once here to see what it makes."""
+        if isinstance(self.factory, type):
+            try:
+                inspect.signature(self.factory).bind(**self.env_kwargs)
+            except TypeError as err:
+                raise self._bad_kwargs(err) from None
+            except ValueError:  # no signature to read: the first reset will tell
+                pass
+            return self.factory
+        probe = self._make()
+        if not isinstance(probe, environment):
+            raise ConfigError(
+                f"{_KEY}={self.spec!r} made a {type(probe).__name__}, not an openenv Environment"
+            )
+        probe.close()
+        return type(probe)
+
+    def _bad_kwargs(self, err: TypeError) -> ConfigError:
+        return ConfigError(f"{_KEY}={self.spec!r} with rollout.agent.kwargs.env_kwargs: {err}")
+
     def _make(self) -> Any:
         try:
             return self.factory(**self.env_kwargs)
         except TypeError as err:
-            raise ConfigError(f"{_KEY}={self.spec!r} with rollout.agent.kwargs.env_kwargs: {err}") from None
+            raise self._bad_kwargs(err) from None
 
     def session(self, deadline: float = float("inf")) -> WorkerSession | InProcessSession:
         """A fresh environment instance for one trajectory, where ``isolation`` puts it."""
