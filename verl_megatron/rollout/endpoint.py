@@ -285,9 +285,10 @@ class PolicyEndpoint:
             "response_length": max(r.max_tokens for r in group),
             "pad_token_id": int(pad),
         }
-        # The native engine reuses its packed weights while the version stays the same.
+        # The native engine reuses its packed weights while the version stays the same. Tracked
+        # (separate placement): the version _generate set after refresh(); else serve()'s.
         version = group[0].version if self.versions is not None else self._weights_version
-        if version is not None:  # tracked: set by _generate after refresh()
+        if version is not None:  # None: a colocated serve() given no version
             meta["weights_version"] = version
         out = self.engine.generate_sequences(
             DataProto.from_dict({"input_ids": ids, "attention_mask": mask}, meta_info=meta)
