@@ -30,8 +30,6 @@ Run alone: ``python benchmarks/bench_memory.py [--quick]``.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import json
 import re
 import resource
@@ -58,6 +56,8 @@ from common import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from verl_megatron.utils.cpu_heap import M_MMAP_THRESHOLD, glibc
 
 MIB = 2**20
 IMPLS = {
@@ -114,7 +114,6 @@ def _reset_high_water_mark() -> bool:
         return False
 
 
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 _MMAP_FROM = 256 * 1024  # allocations from this size on get their own mapping during the stage
 
 
@@ -122,13 +121,11 @@ def _measure_in_use() -> bool:
     """From now on, glibc serves every allocation of ``_MMAP_FROM`` bytes or more with its own
     mapping, given back when freed, and the heap's free memory goes back to the OS; False where
     the C library is not glibc."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        mallopt, trim = libc.mallopt, libc.malloc_trim
-    except (OSError, AttributeError):
+    libc = glibc()
+    if libc is None:
         return False
-    trim(0)
-    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_FROM))
+    libc.malloc_trim(0)
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, _MMAP_FROM))
 
 
 class _LiveBytes(TorchDispatchMode):

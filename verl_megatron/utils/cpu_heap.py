@@ -21,11 +21,22 @@ import ctypes.util
 import functools
 import os
 
-__all__ = ["keep_freed_memory"]
+__all__ = ["M_MMAP_THRESHOLD", "M_TRIM_THRESHOLD", "glibc", "keep_freed_memory"]
 
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers
 _TRIM = 1 << 30  # free heap kept before returning any to the OS
 _MMAP = 32 << 20  # glibc's own ceiling for the adaptive threshold
+
+
+@functools.cache
+def glibc() -> ctypes.CDLL | None:
+    """This process's C library where it is glibc's (it has ``mallopt`` and ``malloc_trim``), else
+    None (no C library found, or another one, e.g. macOS's: nothing to tune)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    except OSError:
+        return None
+    return libc if all(hasattr(libc, name) for name in ("mallopt", "malloc_trim")) else None
 
 
 @functools.cache
@@ -33,8 +44,7 @@ def keep_freed_memory() -> bool:
     """Set glibc's trim / mmap thresholds for this process; True if they were set."""
     if any(name in os.environ for name in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")):
         return False
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
-    except (OSError, AttributeError):  # no C library found, or not glibc's (macOS): nothing to tune
+    libc = glibc()
+    if libc is None:
         return False
-    return bool(mallopt(_M_TRIM_THRESHOLD, _TRIM)) and bool(mallopt(_M_MMAP_THRESHOLD, _MMAP))
+    return bool(libc.mallopt(M_TRIM_THRESHOLD, _TRIM)) and bool(libc.mallopt(M_MMAP_THRESHOLD, _MMAP))
