@@ -14,6 +14,16 @@ time on a shared machine. The variants run ``rounds`` times, alternating (off, p
 then bypass, parity, off, ...), so a burst of load or a drift hits all alike; medians are over
 every timed step of every round.
 
+What each stage column covers: the trainer is handed its actor and rollout engine wrapped in
+``TimedCalls`` (through the ``Components`` it is built from; nothing is set on either object),
+which adds the CPU seconds of each of the trainer's calls of three methods to the step's stage:
+``gen_cpu_s`` the rollout engine's ``generate_sequences`` (not the weight sync, wake-up and
+parking around it, nor the prompts' padding and the replicas' gather in the trainer's ``gen``
+stage); ``old_log_prob_cpu_s`` the actor's ``compute_log_prob`` of the old-log-prob stage (0 under
+bypass, which calls it only for the probe: ``probe_cpu_s``); ``update_actor_cpu_s`` the actor's
+``update_policy``. The trainer's own ``timing_s/*`` stages are wall time and wider, so they are
+not used.
+
 The section runs at 1 torch thread, whatever the headline thread count: at 2 threads the
 process's CPU seconds count libgomp's idle worker spinning between ops (stage CPU ~2x its wall
 time: the old run's 'off' step took 0.177 s wall, 0.345 s CPU), so they are as noisy as wall
@@ -42,6 +52,7 @@ Run alone: ``python benchmarks/bench_bypass.py [--quick]``.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -84,11 +95,16 @@ def run_variant(model_dir: str, cfg: GRPOBenchConfig, out_dir: Path, parity: boo
     steps: list[dict[str, Any]] = []
     try:
         config, components = build_components(config, runtime)
-        trainer = PPOTrainer(config, runtime, components)
         stage_cpu: dict[str, float] = {}
-        _time_cpu(trainer.rollout, "generate_sequences", "gen", stage_cpu)
-        _time_cpu(trainer.actor, "compute_log_prob", PROBE if bypass else "old_log_prob", stage_cpu)
-        _time_cpu(trainer.actor, "update_policy", "update_actor", stage_cpu)
+        log_probs = PROBE if bypass else "old_log_prob"
+        timed = replace(
+            components,
+            rollout=TimedCalls(components.rollout, {"generate_sequences": "gen"}, stage_cpu),
+            actor=TimedCalls(
+                components.actor, {"compute_log_prob": log_probs, "update_policy": "update_actor"}, stage_cpu
+            ),
+        )
+        trainer = PPOTrainer(config, runtime, timed)
         for step in range(1, 1 + cfg.total_steps):
             stage_cpu.clear()
             wall, cpu = time.perf_counter(), time.process_time()
@@ -106,18 +122,35 @@ def run_variant(model_dir: str, cfg: GRPOBenchConfig, out_dir: Path, parity: boo
     return {"steps": steps[cfg.warmup :]}
 
 
-def _time_cpu(owner: Any, method: str, stage: str, totals: dict[str, float]) -> None:
-    """Wrap ``owner.method`` (on the instance) to add its CPU seconds to ``totals[stage]``."""
-    inner = getattr(owner, method)
+class TimedCalls:
+    """Stands in for ``inner`` (the actor, the rollout engine) where the trainer is handed it (its
+    ``Components``): every attribute is ``inner``'s, and each call of a method named in ``stages``
+    adds its ``clock`` seconds (CPU) to ``totals[stage]``. Nothing is set on ``inner``; only calls
+    made through the stand-in are timed, which are all of the trainer's calls of these methods."""
 
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        start = time.process_time()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            totals[stage] = totals.get(stage, 0.0) + time.process_time() - start
+    def __init__(
+        self,
+        inner: Any,
+        stages: dict[str, str],
+        totals: dict[str, float],
+        clock: Callable[[], float] = time.process_time,
+    ) -> None:
+        self._inner, self._stages, self._totals, self._clock = inner, stages, totals, clock
 
-    setattr(owner, method, timed)
+    def __getattr__(self, name: str) -> Any:  # only for names the stand-in does not have itself
+        value = getattr(self._inner, name)
+        stage = self._stages.get(name)
+        if stage is None:
+            return value
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = self._clock()
+            try:
+                return value(*args, **kwargs)
+            finally:
+                self._totals[stage] = self._totals.get(stage, 0.0) + self._clock() - start
+
+        return timed
 
 
 def bypass_bound(

@@ -1,6 +1,7 @@
 """benchmarks/bench_bypass.py's arithmetic: a bypass step that probed stays out of the step medians,
 the probe is reported on its own and charged per step at the default interval, and the bound is the
-parity step less its old-log-prob pass plus that charge."""
+parity step less its old-log-prob pass plus that charge; the stage timer stands in for the actor
+without setting anything on it."""
 
 from __future__ import annotations
 
@@ -54,3 +55,30 @@ def test_probe_steps_leave_the_medians_and_are_charged_per_step():
     partial = bench.bypass_ratios({"parity": parity}, interval=10)
     assert partial["step cpu, parity+bypass without its probe / parity"] is None
     assert partial["bound: (parity step - its old_log_prob + probe / 10) / parity step"] is not None
+
+
+class _Actor:
+    def __init__(self) -> None:
+        self.chunks, self.seen = ["chunk"], []
+
+    def compute_log_prob(self, data: int) -> int:
+        self.seen.append(data)
+        return 2 * data
+
+    def update_policy(self, data: int) -> None:
+        raise ValueError("diverged")
+
+
+def test_stage_timer_adds_each_call_to_its_stage_and_leaves_the_actor_alone():
+    bench = _bench()
+    actor, totals = _Actor(), {}
+    ticks = iter([1.0, 1.25, 10.0, 10.5, 20.0, 21.0])  # (start, end) of each timed call
+    stages = {"compute_log_prob": "old_log_prob", "update_policy": "update_actor"}
+    timed = bench.TimedCalls(actor, stages, totals, clock=lambda: next(ticks))
+    assert timed.chunks is actor.chunks  # other attributes are the actor's own
+    assert timed.compute_log_prob(3) == 6 and timed.compute_log_prob(4) == 8 and actor.seen == [3, 4]
+    with pytest.raises(ValueError, match="diverged"):
+        timed.update_policy(0)
+    # Both log-prob calls in one stage (0.25 + 0.5 s); a call that raised is still counted.
+    assert totals == {"old_log_prob": 0.75, "update_actor": 1.0}, totals
+    assert set(vars(actor)) == {"chunks", "seen"} and "compute_log_prob" not in vars(actor)
