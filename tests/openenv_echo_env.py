@@ -93,3 +93,19 @@ class StepExitsEnv(PidEnv):
 class ResetFailsEnv(EchoTwiceEnv):
     def reset(self, seed=None, episode_id=None, **kwargs) -> DigitsObservation:
         raise RuntimeError("the server is down\nsecond line")
+
+
+def make_echo_env(**kwargs) -> EchoTwiceEnv:
+    """A factory that is not a class; logs the pid it runs in (["made", [], [], pid]) first."""
+    if os.environ.get(LOG_VAR):
+        with open(os.environ[LOG_VAR], "a") as f:
+            f.write(json.dumps(["made", [], [], os.getpid()]) + "\n")
+    return EchoTwiceEnv(**kwargs)
+
+
+def make_a_dict() -> dict:
+    return {}
+
+
+def make_fails() -> EchoTwiceEnv:
+    raise RuntimeError("no license server\nsecond line")

@@ -29,6 +29,7 @@ from verl_megatron.rollout.config import AgentConfig, RolloutConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = "tests.openenv_echo_env:EchoTwiceEnv"  # imported by the tests only (openenv imports gradio: ~4 s)
+FACTORY = "tests.openenv_echo_env:make_echo_env"  # a function returning an EchoTwiceEnv
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +60,21 @@ def test_named_errors_for_bad_environments(tmp_path):
             r"env=.*ResetFailsEnv.*reset\(\) raised RuntimeError: the server is down$",
         ),
         ({"env": ENV, "env_kwargs": {"size": 2}}, r"env_kwargs: .*unexpected keyword argument 'size'"),
+        # A factory that is not a class: the same errors from a worker (default) or from here.
+        ({"env": FACTORY, "env_kwargs": {"size": 2}}, r"env_kwargs: .*unexpected keyword argument 'size'"),
+        (
+            {"env": FACTORY, "env_kwargs": {"size": 2}, "isolation": "none"},
+            r"env_kwargs: .*keyword argument 'size'",
+        ),
+        (
+            {"env": "tests.openenv_echo_env:make_a_dict"},
+            r"make_a_dict' made a dict, not an openenv Environment$",
+        ),
+        ({"env": "tests.openenv_echo_env:make_a_dict", "isolation": "none"}, r"made a dict, not an openenv"),
+        (
+            {"env": "tests.openenv_echo_env:make_fails"},
+            r"make_fails\(\) raised RuntimeError: no license server$",
+        ),
         ({"env": ENV, "action_field": "text"}, r"action_field='text'.*DigitsAction.*\['digits'\]"),
         ({"env": ENV, "action": "builtins:str"}, r"name the openenv Action class"),
         ({"env": ENV, "isolation": "thread"}, r"kwargs\.isolation must be one of \('process', 'none'\)"),
@@ -68,6 +84,43 @@ def test_named_errors_for_bad_environments(tmp_path):
         with pytest.raises(ConfigError, match=match) as caught:
             _harness(**kwargs)
         assert "\n" not in str(caught.value), str(caught.value)
+
+
+@pytest.mark.parametrize("isolation", ["process", "none"])
+def test_a_factory_function_runs_only_where_the_instances_live(tmp_path, monkeypatch, isolation):
+    """The Action class and the concurrency flag come from what the factory makes; it is called
+    once to see that and once for the start-up reset, in workers (never this process) by default."""
+    from tests.openenv_echo_env import LOG_VAR, DigitsAction, read_log
+
+    log = tmp_path / "pids.jsonl"
+    monkeypatch.setenv(LOG_VAR, str(log))
+    harness = _harness(env=FACTORY, isolation=isolation)
+    assert harness.action is DigitsAction and harness.action_field == "digits"
+    assert isinstance(harness._lock, contextlib.nullcontext)  # EchoTwiceEnv supports concurrent sessions
+    entries = read_log(str(log))
+    assert [e[0] for e in entries] == ["made", "made", "probe"], entries
+    pids = [e[3] for e in entries]
+    if isolation == "none":
+        assert set(pids) == {os.getpid()}, pids
+    else:  # one worker to see what it makes, one for the reset
+        assert os.getpid() not in pids and pids[0] != pids[1] == pids[2], pids
+
+
+def test_a_factory_in_a_user_file_gives_its_action_class_from_a_worker(tmp_path):
+    env_file = tmp_path / "word_env.py"
+    env_file.write_text(
+        "from openenv.core.env_server.interfaces import Environment\n"
+        "from openenv.core.env_server.types import Action, Observation, State\n"
+        "class WordAction(Action):\n    word: str\n"
+        "class WordEnv(Environment[WordAction, Observation, State]):\n"
+        "    def reset(self, seed=None, episode_id=None, **kw):\n        return Observation()\n"
+        "    def step(self, action, timeout_s=None, **kw):\n        return Observation(done=True)\n"
+        "    @property\n    def state(self):\n        return State()\n"
+        "def make():\n    return WordEnv()\n"
+    )
+    harness = _harness(env=f"{env_file}:make")
+    assert harness.action.__name__ == "WordAction" and harness.action_field == "word"
+    assert not isinstance(harness._lock, contextlib.nullcontext)  # no SUPPORTS_CONCURRENT_SESSIONS
 
 
 def _batch(tok, rows: list[tuple[str, dict]], width: int = 8) -> DataProto:

@@ -34,7 +34,9 @@ refuses a turn (``max_turns``, token budget). Every model call's reward is its s
 ``Observation.reward`` (None: 0; one per turn, ``AgentOutcome.turn_rewards``); the reset
 observation's reward is the trajectory reward. A reset or step that raises counts as the
 trajectory's failure (``error``). Build time checks the class and runs one reset, in a worker
-unless ``isolation: none`` (named errors).
+unless ``isolation: none`` (named errors); a factory that is not a class is called once there too
+(``openenv_session.factory_made``), to see what it makes: the user's code runs in the trainer only
+with ``isolation: none``.
 """
 
 from __future__ import annotations
@@ -43,12 +45,19 @@ import inspect
 import json
 import os
 import threading
-import typing
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
 from verl_megatron.errors import ConfigError
-from verl_megatron.reward.agents.openenv_session import EnvCallError, InProcessSession, WorkerSession
+from verl_megatron.reward.agents.openenv_session import (
+    EnvCallError,
+    EnvMade,
+    InProcessSession,
+    WorkerSession,
+    class_made,
+    factory_made,
+)
 from verl_megatron.reward.agents.worker import check_isolation
 from verl_megatron.rollout.agent import AgentOutcome, AgentTask, ChatClient, EndpointError
 from verl_megatron.rollout.config import AgentConfig
@@ -96,16 +105,6 @@ def observation_text(observation: Any, field: str | None = None) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
-def _action_class(env_type: type, action_base: type) -> type | None:
-    """The ActT of the first ``Environment[ActT, ...]`` among the class's generic bases."""
-    for klass in env_type.__mro__:
-        for base in getattr(klass, "__orig_bases__", ()):
-            args = typing.get_args(base)
-            if args and isinstance(args[0], type) and issubclass(args[0], action_base):
-                return args[0]
-    return None
-
-
 class OpenEnvHarness:
     """The OpenEnv episode loop of the module docstring."""
 
@@ -141,12 +140,9 @@ class OpenEnvHarness:
             raise ConfigError(
                 f"{_KEY}={env!r}: {self.factory.__name__} is not an openenv Environment subclass"
             )
-        env_class = self._env_class(environment)
-        concurrent = bool(getattr(env_class, "SUPPORTS_CONCURRENT_SESSIONS", False))
-        self._lock = nullcontext() if concurrent else threading.Lock()
-        self.action = (
-            _load(action, "rollout.agent.kwargs.action") if action else _action_class(env_class, action_base)
-        )
+        made = self._what_it_makes(environment, action_base)
+        self._lock = nullcontext() if made.concurrent else threading.Lock()
+        self.action = _load(action, "rollout.agent.kwargs.action") if action else made.action
         if not (isinstance(self.action, type) and issubclass(self.action, action_base)):
             raise ConfigError(
                 f"rollout.agent.kwargs.action: name the openenv Action class of {env!r} (got {self.action!r})"
@@ -161,34 +157,39 @@ class OpenEnvHarness:
         self.system_prompt = system_prompt
         self.sampling = dict(sampling or {})
 
-    def _env_class(self, environment: type) -> type:
-        """The Environment class the factory makes. A class answers for itself (its arguments are
-        checked against its signature), so the user's constructor runs only where ``isolation``
-        puts it; any other factory is called once here to see what it makes."""
+    def _what_it_makes(self, environment: type, action_base: type) -> EnvMade:
+        """What the factory makes. A class answers for itself (its arguments are checked against
+        its signature); any other factory is called once where ``isolation`` puts the instances
+        (a worker by default), so the user's code runs only there."""
         if isinstance(self.factory, type):
             try:
                 inspect.signature(self.factory).bind(**self.env_kwargs)
             except TypeError as err:
-                raise self._bad_kwargs(err) from None
+                raise self._bad_kwargs(str(err)) from None
             except ValueError:  # no signature to read: the first reset will tell
                 pass
-            return self.factory
-        probe = self._make()
-        if not isinstance(probe, environment):
-            raise ConfigError(
-                f"{_KEY}={self.spec!r} made a {type(probe).__name__}, not an openenv Environment"
-            )
-        probe.close()
-        return type(probe)
+            return class_made(self.factory, action_base)
+        args = (self.factory, self.env_kwargs, environment, action_base, self.isolation, self.env_timeout_s)
+        made = self._user_call(
+            f"{getattr(self.factory, '__name__', 'factory')}()", lambda: factory_made(*args)
+        )
+        if made.kwargs_error:
+            raise self._bad_kwargs(made.kwargs_error)
+        if not made.is_environment:
+            raise ConfigError(f"{_KEY}={self.spec!r} made a {made.type_name}, not an openenv Environment")
+        return made
 
-    def _bad_kwargs(self, err: TypeError) -> ConfigError:
-        return ConfigError(f"{_KEY}={self.spec!r} with rollout.agent.kwargs.env_kwargs: {err}")
+    def _bad_kwargs(self, problem: str) -> ConfigError:
+        return ConfigError(f"{_KEY}={self.spec!r} with rollout.agent.kwargs.env_kwargs: {problem}")
 
-    def _make(self) -> Any:
+    def _user_call(self, what: str, call: Callable[[], Any]) -> Any:
+        """``call()`` of the user's environment code (here or in a worker): whatever it raises is
+        a one-line ConfigError naming ``what`` raised it."""
         try:
-            return self.factory(**self.env_kwargs)
-        except TypeError as err:
-            raise self._bad_kwargs(err) from None
+            return call()
+        except Exception as err:
+            problem = err.detail.splitlines()[0] if isinstance(err, EnvCallError) else _first_line(err)
+            raise ConfigError(f"{_KEY}={self.spec!r}: {what} raised {problem}") from None
 
     def session(self, deadline: float = float("inf")) -> WorkerSession | InProcessSession:
         """A fresh environment instance for one trajectory, where ``isolation`` puts it."""
@@ -200,10 +201,9 @@ class OpenEnvHarness:
         """One reset of a fresh instance (a worker's, by default): a failure is a ConfigError."""
         session = self.session()
         try:
-            return session.reset(seed=0, episode_id="probe", **reset_kwargs)
-        except Exception as err:
-            problem = err.detail.splitlines()[0] if isinstance(err, EnvCallError) else _first_line(err)
-            raise ConfigError(f"{_KEY}={self.spec!r}: reset() raised {problem}") from None
+            return self._user_call(
+                "reset()", lambda: session.reset(seed=0, episode_id="probe", **reset_kwargs)
+            )
         finally:
             session.close()
 
