@@ -26,11 +26,15 @@ VAL_KEY = "val/test_score/synthetic/reverse"
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="quickstart_deepseek.yaml")
-    parser.add_argument("--steps", type=int, default=None, help="trainer.total_training_steps (default: the recipe's)")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="trainer.total_training_steps (default: the recipe's)"
+    )
     parser.add_argument("--target", type=float, default=0.8)
     parser.add_argument("--val-key", default=VAL_KEY, help="the validation reward's metric")
     parser.add_argument("overrides", nargs="*", help="config overrides, key=value")
-    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "quickstart_deepseek.json"))
+    parser.add_argument(
+        "--out", default=os.path.join(ROOT, "benchmarks", "results", "quickstart_deepseek.json")
+    )
     args = parser.parse_args(argv)
 
     sys.path.insert(0, ROOT)

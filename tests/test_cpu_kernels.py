@@ -314,7 +314,9 @@ def test_a_lock_left_by_a_killed_build_is_removed_and_builds_are_serialized(tmp_
     monkeypatch.setattr(cpp_extension, "load", fake_load)
     results = []
     with pytest.warns(UserWarning, match="left by a build that was killed"):
-        threads = [threading.Thread(target=lambda: results.append(cpu_kernels._build("generic"))) for _ in range(2)]
+        threads = [
+            threading.Thread(target=lambda: results.append(cpu_kernels._build("generic"))) for _ in range(2)
+        ]
         for thread in threads:
             thread.start()
         for thread in threads:

@@ -51,7 +51,11 @@ def _cache_sizes(runtime, chunks) -> dict:
     config, heads = attention.config, attention.num_attention_heads_per_partition
     decompressed = heads * (config.qk_head_dim + config.qk_pos_emb_head_dim + config.v_head_dim) * itemsize
     latent = (config.kv_lora_rank + config.qk_pos_emb_head_dim) * itemsize
-    return {"per_token": cached / (rows * columns * len(layers)), "latent": latent, "decompressed": decompressed}
+    return {
+        "per_token": cached / (rows * columns * len(layers)),
+        "latent": latent,
+        "decompressed": decompressed,
+    }
 
 
 def _assert_latent_cache(run: dict, tp: int, what: str) -> None:

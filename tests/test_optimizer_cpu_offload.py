@@ -88,11 +88,16 @@ def precision_aware_job(path: str) -> dict:
     )
     planned = {}
     for aware in (True, False):
-        chunks = build_gpt_chunks(load_hf_config(path), runtime, ModelConfig(path=path, dtype="bfloat16", use_te=False))
+        chunks = build_gpt_chunks(
+            load_hf_config(path), runtime, ModelConfig(path=path, dtype="bfloat16", use_te=False)
+        )
         settings = optim_settings(dataclasses.replace(optim, use_precision_aware_optimizer=aware), bf16=True)
         chunks = wrap_ddp(chunks, settings)
         if not aware:  # the planner's plain build, counted as the precision-aware CPU step
-            plain = optim_settings(dataclasses.replace(optim, optimizer_cpu_offload=False, use_precision_aware_optimizer=False), bf16=True)
+            plain = optim_settings(
+                dataclasses.replace(optim, optimizer_cpu_offload=False, use_precision_aware_optimizer=False),
+                bf16=True,
+            )
             opt = get_megatron_optimizer(optimizer_config(plain), chunks)
             planned = {f: vars(count_state(chunks, opt, f, True)) for f in (0.0, 1.0)}
             continue
@@ -162,7 +167,9 @@ def test_precision_aware_keys_are_checked():
     from verl_megatron.models.megatron_model import check_precision_aware_support
     from verl_megatron.workers.config import ActorConfig, OptimConfig
 
-    aware = dict(use_precision_aware_optimizer=True, optimizer_cpu_offload=True, use_distributed_optimizer=True)
+    aware = dict(
+        use_precision_aware_optimizer=True, optimizer_cpu_offload=True, use_distributed_optimizer=True
+    )
     for wrong, needs in (
         ({"optimizer_cpu_offload": False}, r"needs optim\.optimizer_cpu_offload=true"),
         ({"use_distributed_optimizer": False}, r"needs optim\.use_distributed_optimizer=true .* got False"),
@@ -174,7 +181,9 @@ def test_precision_aware_keys_are_checked():
     worker = ActorConfig(optim=OptimConfig(**aware), ppo_micro_batch_size_per_gpu=1)
     with pytest.raises(WorkerConfigError, match=r"^actor\.optim\.optimizer_cpu_offload=true needs CUDA"):
         worker.validate()
-    with pytest.raises(WorkerConfigError, match=r"^critic\.optim\.use_precision_aware_optimizer=true needs Transformer"):
+    with pytest.raises(
+        WorkerConfigError, match=r"^critic\.optim\.use_precision_aware_optimizer=true needs Transformer"
+    ):
         check_precision_aware_support("critic.optim")
 
 
@@ -234,4 +243,6 @@ def test_precision_aware_has_no_gpu_masters_as_planned(pool1, model_path):
     full, none = aware["planned"][1.0], aware["planned"][0.0]
     assert full["master"] == 0 and full["moments"] == 0, full
     assert full["host"] == 16 * elements + 4 * n, (full, elements, n)
-    assert none["master"] == 4 * elements and none["host"] == 0 and none["moments"] == 8 * elements + 4 * n, none
+    assert none["master"] == 4 * elements and none["host"] == 0 and none["moments"] == 8 * elements + 4 * n, (
+        none
+    )

@@ -279,7 +279,9 @@ def test_quickstart_deepseek_runs_a_step(pool1, tmp_path):
     out = str(tmp_path / "quickstart_deepseek")
     overrides = ["trainer.total_training_steps=1", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8"]
     overrides += ["actor.ppo_micro_batch_size_per_gpu=64", "trainer.val_before_train=false"]
-    (result,) = pool1.run(f"{__name__}:recipe_job", recipe="quickstart_deepseek", out_dir=out, overrides=overrides)
+    (result,) = pool1.run(
+        f"{__name__}:recipe_job", recipe="quickstart_deepseek", out_dir=out, overrides=overrides
+    )
     last = {k: v for row in result["rows"] if row["step"] == 1 for k, v in row.items()}
     with open(os.path.join(out, "assets", "model", "config.json")) as f:
         hf = json.load(f)

@@ -46,7 +46,9 @@ def test_trainer_gae_advantages_are_zero_on_masked_cells() -> None:
         },
         non_tensors={"uid": np.array(["a", "b"], dtype=object)},
     )
-    fake = SimpleNamespace(config=SimpleNamespace(algorithm=AlgoConfig(adv_estimator="gae")), kl_ctrl=None, teacher=None)
+    fake = SimpleNamespace(
+        config=SimpleNamespace(algorithm=AlgoConfig(adv_estimator="gae")), kl_ctrl=None, teacher=None
+    )
     PPOTrainer._compute_advantages(fake, batch)
     advantages = batch.batch["advantages"]
     assert torch.equal(advantages * (1 - mask), torch.zeros_like(advantages))

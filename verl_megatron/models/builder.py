@@ -261,7 +261,11 @@ def build_gpt_chunks(
             gpt_oss_layers.use_gpt_oss_layers(spec, arch.gpt_oss)
         if routed is not None:
             spec = route_spec(spec, routed)
-        model_class, vl_kwargs = (GPTModel, {}) if arch.vl is None else vl_model_class(arch.vl, runtime.seed, model_cfg, value_head)
+        model_class, vl_kwargs = (
+            (GPTModel, {})
+            if arch.vl is None
+            else vl_model_class(arch.vl, runtime.seed, model_cfg, value_head)
+        )
         model = model_class(
             config=config,
             transformer_layer_spec=spec,

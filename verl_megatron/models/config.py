@@ -388,7 +388,9 @@ def read_hf_architecture(hf_config: Any) -> HFArchitecture:
         max_position_embeddings=hf_config.max_position_embeddings,
         rope=rope,
         initializer_range=getattr(hf_config, "initializer_range", 0.02),
-        moe=read_gpt_oss_moe(hf_config, num_layers) if gpt_oss else read_moe_architecture(hf_config, num_layers),
+        moe=read_gpt_oss_moe(hf_config, num_layers)
+        if gpt_oss
+        else read_moe_architecture(hf_config, num_layers),
         mla=mla,
         gpt_oss=gpt_oss,
         linear=read_linear_attention(hf_config),
@@ -455,8 +457,7 @@ def hf_to_transformer_config(hf_config: Any, layout: ParallelLayout, model_cfg: 
     if arch.mla is not None:
         check_mla_split(arch.mla, arch.num_attention_heads, layout.tp)
     model_cfg.validate(layout)
-    use_te = model_cfg.resolve_use_te()
-    dtype = model_cfg.torch_dtype
+    use_te, dtype = model_cfg.resolve_use_te(), model_cfg.torch_dtype
     kwargs: dict[str, Any] = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -508,7 +509,9 @@ def hf_to_transformer_config(hf_config: Any, layout: ParallelLayout, model_cfg: 
         check_linear_split(arch.linear, layout.tp, use_te)
         kwargs.update(linear_transformer_config())
     if arch.vl is not None or model_cfg.freeze_vision_tower:
-        check_vl_settings(arch.vl, sequence_parallel=model_cfg.sequence_parallel, freeze=model_cfg.freeze_vision_tower)
+        check_vl_settings(
+            arch.vl, sequence_parallel=model_cfg.sequence_parallel, freeze=model_cfg.freeze_vision_tower
+        )
         kwargs.update(vl_transformer_config(arch.vl))
     kwargs.update(model_cfg.recompute_settings())
     kwargs.update(model_cfg.override_transformer_config)

@@ -208,7 +208,9 @@ def _build(spec: RoleSpec, runtime: Runtime, use_distributed_optimizer: bool | N
     plain = replace(optim, optimizer_cpu_offload=False, use_precision_aware_optimizer=False)
     settings = optim_settings(plain, bf16=spec.model.dtype == "bfloat16")
     chunks = wrap_ddp(chunks, settings)
-    return count_state(chunks, build_optimizer(chunks, settings), fraction, optim.use_precision_aware_optimizer)
+    return count_state(
+        chunks, build_optimizer(chunks, settings), fraction, optim.use_precision_aware_optimizer
+    )
 
 
 def build_role_state(
