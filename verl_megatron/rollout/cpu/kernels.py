@@ -1,4 +1,4 @@
-"""Compiled CPU kernels for a decoding step (``csrc/decode_kernels.cpp``), float32.
+"""Compiled CPU kernels for a decoding step (``csrc/decode_kernels.cpp``, ``csrc/panel_linear.cpp``), float32.
 
 Why: at decoding sizes the torch ops around the matmuls cost more than their arithmetic.
 
@@ -51,7 +51,9 @@ __all__ = ["ARCHES", "ARCH_ENV", "DISABLE_ENV", "build_name", "decode_kernels"]
 DISABLE_ENV = "VERL_MEGATRON_CPU_KERNELS"
 ARCH_ENV = "VERL_MEGATRON_CPU_KERNELS_ARCH"
 ARCHES = ("native", "generic")
-_SOURCE = Path(__file__).with_name("csrc") / "decode_kernels.cpp"
+_SOURCES = tuple(
+    Path(__file__).with_name("csrc") / name for name in ("decode_kernels.cpp", "panel_linear.cpp")
+)
 _COMMON_FLAGS = ["-O3", "-ffast-math", "-fopenmp"]
 
 _lock = threading.Lock()
@@ -110,7 +112,10 @@ def _compiler() -> str:
 
 
 def _source_hash() -> str:
-    return hashlib.sha256(_SOURCE.read_bytes()).hexdigest()
+    digest = hashlib.sha256()
+    for source in _SOURCES:
+        digest.update(source.read_bytes())
+    return digest.hexdigest()
 
 
 def build_name(arch: str | None = None) -> str:
@@ -146,7 +151,7 @@ def _build(arch: str) -> ModuleType:
     with _build_flock(name):
         return load(
             name=name,
-            sources=[str(_SOURCE)],
+            sources=[str(source) for source in _SOURCES],
             extra_cflags=_flags(arch),
             extra_ldflags=["-fopenmp"],
             verbose=False,
@@ -189,7 +194,10 @@ def decode_kernels(arch: str | None = None) -> ModuleType | None:
     - ``decode_step_attention(qkv [B, G, P + 2, D], cos, signed_sin [B, R], k_cache, v_cache
       [B, G, T, D], start, mask [B, start + 1], scale)`` -> [B, G, P, D]: a lean layer's rotary
       embedding, cache write and attention in one pass;
-    - ``sample_softmax(scaled_logits [B, V], uniforms [B], block)`` -> (tokens [B], log-probs [B]).
+    - ``sample_softmax(scaled_logits [B, V], uniforms [B], block)`` -> (tokens [B], log-probs [B]);
+    - ``panel_linear(x [M, K], panels [ceil(N / 16), K, 16], N, bias, epilogue, other)`` -> [M, N]:
+      a decoding-size linear that streams the weight (csrc/panel_linear.cpp, packed_linear.py),
+      and ``panel_linear_streams()``: whether this build has its AVX-512 tile.
 
     ``arch``: ``native`` or ``generic`` (default: $VERL_MEGATRON_CPU_KERNELS_ARCH, else
     native); another value is a ValueError. The first call for a target in a process loads, and

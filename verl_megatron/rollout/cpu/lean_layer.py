@@ -34,13 +34,13 @@ from verl_megatron.rollout.cpu.packed_linear import PackedWeights, batch_invaria
 
 __all__ = ["LeanLayer", "lean_layer"]
 
-# None in builds without oneDNN, where packing_available() keeps every layer on its modules.
-_linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
-
 
 @dataclass
 class _Packed:
-    weight: torch.Tensor  # oneDNN-packed [out, in]
+    """One linear of the layer: its weight rows (packed on first use by the call's store) and bias."""
+
+    weight: torch.Tensor  # the module's own [out, in]
+    rows: slice | None
     bias: torch.Tensor | None
 
 
@@ -64,34 +64,40 @@ class LeanLayer:
     heads_per_group: int
     head_dim: int
     tp_group: object | None  # None at tp=1
+    store: PackedWeights  # the call's packed weights
+
+    def _linear(self, x: torch.Tensor, linear: _Packed, epilogue: str = "none", other=None, bias=True):
+        return self.store.linear(
+            x, linear.weight, linear.bias if bias else None, linear.rows, epilogue, other
+        )
 
     def __call__(self, hidden: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         s, batch, width = hidden.shape
         x = self.norm1(hidden).reshape(s * batch, width)
-        qkv = _linear(x, self.qkv.weight, self.qkv.bias, "none", [], "")
+        qkv = self._linear(x, self.qkv)
         context = attend(qkv.view(s, batch, self.groups, self.heads_per_group + 2, self.head_dim))
         hidden = self._project(context.reshape(s * batch, -1), self.proj, hidden.reshape(s * batch, width))
         x = self.norm2(hidden)
-        gate = _linear(x, self.gate.weight, self.gate.bias, "swish", [], "")
-        inner = _linear.binary(x, gate, self.up.weight, self.up.bias, "mul")
+        gate = self._linear(x, self.gate, "swish")
+        inner = self._linear(x, self.up, "mul", gate)
         return self._project(inner, self.down, hidden).view(s, batch, width)
 
     def _project(self, x: torch.Tensor, linear: _Packed, residual: torch.Tensor) -> torch.Tensor:
         """residual + x @ W^T + b, for a row-parallel W (summed over tp ranks before the bias)."""
         if self.tp_group is None:
-            return _linear.binary(x, residual, linear.weight, linear.bias, "add")
-        out = _linear(x, linear.weight, None, "none", [], "")
+            return self._linear(x, linear, "add", residual)
+        out = self._linear(x, linear, bias=False)
         dist.all_reduce(out, group=self.tp_group)
         if linear.bias is not None:
             out = out + linear.bias
         return residual + out
 
 
-def _pack(module: torch.nn.Module, store: PackedWeights, rows: slice | None = None) -> _Packed:
+def _pack(module: torch.nn.Module, rows: slice | None = None) -> _Packed:
     bias = getattr(module, "bias", None)
     if bias is not None:
         bias = (bias if rows is None else bias[rows]).detach().contiguous()
-    return _Packed(store.get(module.weight, rows), bias)
+    return _Packed(module.weight, rows, bias)
 
 
 def _why_not(layer: torch.nn.Module) -> str | None:
@@ -158,15 +164,16 @@ def lean_layer(layer: torch.nn.Module, tp_group, store: PackedWeights) -> tuple[
     groups = attn.num_query_groups_per_partition
     plan = LeanLayer(
         norm1=layer.input_layernorm,
-        qkv=_pack(attn.linear_qkv, store),
-        proj=_pack(attn.linear_proj, store),
+        qkv=_pack(attn.linear_qkv),
+        proj=_pack(attn.linear_proj),
         norm2=layer.pre_mlp_layernorm,
-        gate=_pack(mlp.linear_fc1, store, slice(0, half)),
-        up=_pack(mlp.linear_fc1, store, slice(half, None)),
-        down=_pack(mlp.linear_fc2, store),
+        gate=_pack(mlp.linear_fc1, slice(0, half)),
+        up=_pack(mlp.linear_fc1, slice(half, None)),
+        down=_pack(mlp.linear_fc2),
         groups=groups,
         heads_per_group=attn.num_attention_heads_per_partition // groups,
         head_dim=attn.hidden_size_per_attention_head,
         tp_group=tp_group if attn.world_size > 1 else None,
+        store=store,
     )
     return plan, None

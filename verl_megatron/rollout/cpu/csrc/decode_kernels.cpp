@@ -259,9 +259,16 @@ std::tuple<torch::Tensor, torch::Tensor> sample_softmax(torch::Tensor logits, to
   return {tokens, log_probs};
 }
 
+// panel_linear.cpp
+bool panel_linear_streams();
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias,
+                           int64_t epilogue, c10::optional<torch::Tensor> other);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "one new token's attention over a KV cache (CPU, float32)");
   m.def("decode_step_attention", &decode_step_attention,
         "a lean layer's rotary, cache write and attention for one new token (CPU, float32)");
   m.def("sample_softmax", &sample_softmax, "inverse-CDF draw from softmax(logits) per row (CPU, float32)");
+  m.def("panel_linear", &panel_linear, "a few rows times a weight stored in 16-column panels (CPU, float32)");
+  m.def("panel_linear_streams", &panel_linear_streams, "whether this build has the streaming AVX-512 tile");
 }
