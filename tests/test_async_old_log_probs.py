@@ -15,6 +15,7 @@ inbox, partial rollout, resume) runs in tests/async_job.py, whose runs set the o
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.test_actor_update import TEMPERATURE, TP_LEN, _hf_log_probs, build_actor, build_model, make_batch
@@ -25,12 +26,12 @@ SETTINGS = {
 }  # fmt: skip
 
 
-def split_job(path: str) -> dict:
+def split_job(path: str, share: float = 0.5) -> dict:
     from tests.test_actor_update import kl_actor_config
     from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
     from verl_megatron.models.convert import iter_hf_weights
     from verl_megatron.protocol import DataProto
-    from verl_megatron.rollout.async_worker import ChunkWeights, old_log_prob_split
+    from verl_megatron.rollout.async_worker import ChunkWeights, last_rows_log_probs
     from verl_megatron.workers.actor import ActorLogProbs
 
     runtime = init_runtime(ParallelLayout(), seed=5)
@@ -46,15 +47,17 @@ def split_job(path: str) -> dict:
     loader = ChunkWeights(copy)
     loader.load(list(iter_hf_weights(chunks, runtime)))
     loader.finish_version()
-    first = old_log_prob_split(len(batch), 0.5)
-    own, _ = actor.compute_log_prob(batch.slice(0, first))
-    theirs = ActorLogProbs(runtime, config, copy).compute_log_prob(batch.slice(first, None))[0]
-    return {"whole": whole, "split": torch.cat([own, theirs]), "first": first}
+    rollout_pass = ActorLogProbs(runtime, config, copy)
+    first, theirs = last_rows_log_probs(batch, share, lambda data: rollout_pass.compute_log_prob(data)[0])
+    own = [actor.compute_log_prob(batch.slice(0, first))[0]] if first > 0 else []
+    return {"whole": whole, "split": torch.cat([*own, theirs]), "first": first}
 
 
-def test_split_old_log_probs_are_the_actors_own(pool1, model_path):
-    run = pool1.run(f"{__name__}:split_job", path=model_path)[0]
-    assert run["first"] == 4  # half of the 8 rows on each side
+@pytest.mark.parametrize(("share", "first"), [(0.5, 4), (0.75, 2), (1.0, 0)])
+def test_split_old_log_probs_are_the_actors_own(pool1, model_path, share, first):
+    # async_training.old_log_probs_rollout_share: half by default, any fraction, or every row
+    run = pool1.run(f"{__name__}:split_job", path=model_path, share=share)[0]
+    assert run["first"] == first  # rows 0..first-1 on the actor, the others on the copy
     valid = make_batch()["attention_mask"][:, TP_LEN:].bool()
     exact = _hf_log_probs(model_path, torch.float64)[0][valid]
     floor = float((run["whole"][valid].double() - exact).abs().max())

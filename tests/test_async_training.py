@@ -6,6 +6,7 @@ repeats no sample."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -58,6 +59,24 @@ SEPARATE = ["rollout.placement=separate", "rollout.world_size=1"]
             2,
             "old_log_probs_on_rollout with actor.recompute_old_log_prob=false (none to compute)",
         ),
+        (
+            [*SEPARATE, "async_training.old_log_probs_rollout_share=0.6"],
+            2,
+            "old_log_probs_rollout_share is set but async_training.old_log_probs_on_rollout is false",
+        ),
+        *[
+            (
+                [
+                    *SEPARATE,
+                    "async_training.old_log_probs_on_rollout=true",
+                    f"async_training.old_log_probs_rollout_share={v}",
+                ],
+                2,
+                f"async_training.old_log_probs_rollout_share must be in (0, 1] (the rollout ranks' fraction "
+                f"of each batch's rows), got {v}",
+            )
+            for v in ("0.0", "1.5", "-0.25")
+        ],
     ],
 )
 def test_bad_async_settings_are_named_at_start_up(overrides, world_size, message) -> None:
@@ -75,6 +94,27 @@ def test_separate_placement_resolves_the_layout_on_the_trainer_ranks() -> None:
     config = load_config(QUICKSTART, [*SEPARATE, *fits, "async_training.max_staleness=1", rc])
     assert validate_config(config, 3).dp == 2  # 3 processes, 1 generates
     assert validate_config(load_config(QUICKSTART, fits), 2).dp == 2  # colocated: every rank trains
+
+
+def test_rollout_share_of_old_log_probs_is_chosen_or_one_per_replica() -> None:
+    from verl_megatron.rollout.async_worker import last_rows_log_probs
+    from verl_megatron.trainer.async_config import AsyncTrainingConfig
+    from verl_megatron.trainer.async_trainer import rollout_log_prob_share
+
+    assert rollout_log_prob_share(AsyncTrainingConfig(), 1, 1) == 0.0  # off: the trainer computes every row
+    on = AsyncTrainingConfig(old_log_probs_on_rollout=True)
+    per_replica = [rollout_log_prob_share(on, dp, ranks) for dp, ranks in ((1, 1), (2, 1), (1, 3))]
+    assert per_replica == [0.5, 1 / 3, 0.75]
+    chosen = dataclasses.replace(on, old_log_probs_rollout_share=0.625)
+    assert rollout_log_prob_share(chosen, 1, 1) == rollout_log_prob_share(chosen, 4, 2) == 0.625
+    # The rollout's rows: the last round(B * share); none computed when that rounds to 0.
+    batch = DataProto.from_dict({"responses": torch.arange(24).reshape(8, 3)})
+    calls: list[int] = []
+    pass_ = lambda data: calls.append(len(data)) or data.batch["responses"].float()  # noqa: E731
+    first, log_probs = last_rows_log_probs(batch, 0.625, pass_)
+    assert (first, calls) == (3, [5]) and torch.equal(log_probs, torch.arange(9, 24).reshape(5, 3).float())
+    first, log_probs = last_rows_log_probs(batch, 0.05, pass_)
+    assert (first, calls, tuple(log_probs.shape)) == (8, [5], (0, 3))
 
 
 # ------------------------------------------------------------------ the weight wire

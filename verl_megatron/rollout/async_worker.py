@@ -52,6 +52,7 @@ __all__ = [
     "ChunkWeights",
     "RolloutModel",
     "RolloutWorker",
+    "last_rows_log_probs",
     "old_log_prob_split",
     "run_rollout_worker",
     "weights_key",
@@ -64,6 +65,18 @@ def old_log_prob_split(rows: int, share: float) -> int:
     """The first row of a batch of ``rows`` whose old log-probs the rollout ranks compute (they take
     the last ``round(rows * share)``; the trainer the rows before)."""
     return rows - round(rows * share)
+
+
+def last_rows_log_probs(
+    batch: DataProto, share: float, compute: Callable[[DataProto], torch.Tensor]
+) -> tuple[int, torch.Tensor]:
+    """(first row, [B - first, Tr] log-probs of rows first..B-1 by ``compute``): the rollout ranks'
+    part of a batch's old log-probs (``old_log_prob_split``); [0, Tr] when the share rounds to no
+    row of this batch (``compute`` is not called)."""
+    first = old_log_prob_split(len(batch), share)
+    if first == len(batch):
+        return first, torch.zeros(0, batch.batch["responses"].shape[1])
+    return first, compute(batch.slice(first, None))
 
 
 def weights_key(version: int) -> str:
@@ -289,8 +302,7 @@ class RolloutWorker:
         assert self.log_probs is not None
         if self.version != step - 1:
             raise RuntimeError(f"rollout: old log-probs of step {step} due with weights {self.version}")
-        first = old_log_prob_split(len(batch), share)
-        log_probs = self.log_probs(batch.slice(first, None))
+        first, log_probs = last_rows_log_probs(batch, share, self.log_probs)
         if self.placement.rank != self.placement.rollout_main:
             return []
         message = {"old_log_probs_step": step, "first_row": first, "log_probs": log_probs.cpu()}

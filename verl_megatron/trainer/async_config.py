@@ -30,13 +30,21 @@ class AsyncTrainingConfig:
     """Tokens decoded between two checks for new weights when ``partial_rollout`` is on."""
     old_log_probs_on_rollout: bool = False
     """The rollout ranks compute the old log-probs of the last rows of each batch (a share of
-    rollout.world_size / (trainer dp + rollout.world_size): half with one rollout rank and one
-    trainer replica) while the trainer computes the others. They do it on their copy of the
+    ``old_log_probs_rollout_share``, by default rollout.world_size / (trainer dp +
+    rollout.world_size): half with one rollout rank and one trainer replica) while the trainer
+    computes the others. They do it on their copy of the
     weights the trainer holds at that step, at the point where they would otherwise wait idle for
     those weights, with the actor's own log-prob code and micro-batching rules; the trainer's
     critical path loses that share of the pass. A row's value can differ from a one-rank pass only
     in float rounding (its micro-batch neighbours differ). Not with MoE routing replay, LoRA or
     rollout.bitwise_parity."""
+    old_log_probs_rollout_share: float | None = None
+    """With ``old_log_probs_on_rollout``: the fraction of each batch's rows (its last ones) whose old
+    log-probs the rollout ranks compute, in (0, 1]; None: rollout.world_size / (trainer dp +
+    rollout.world_size), each rollout rank counted as one more replica of the pass. A fixed
+    number, not one measured from the roles' idle times, so the rows each side computes (and a
+    row's float rounding) do not depend on timing; choose it from the run's ``async/*`` times
+    (``benchmarks/bench_async.py`` prints the roles' busy times)."""
 
     def __post_init__(self) -> None:
         if self.max_staleness < 0:
@@ -46,4 +54,15 @@ class AsyncTrainingConfig:
         if self.partial_rollout_segment < 1:
             raise AsyncTrainingConfigError(
                 f"async_training.partial_rollout_segment must be >= 1, got {self.partial_rollout_segment}"
+            )
+        share = self.old_log_probs_rollout_share
+        if share is not None and not self.old_log_probs_on_rollout:
+            raise AsyncTrainingConfigError(
+                "async_training.old_log_probs_rollout_share is set but async_training.old_log_probs_on_rollout "
+                "is false (no old log-probs are computed on the rollout ranks)"
+            )
+        if share is not None and not 0 < share <= 1:
+            raise AsyncTrainingConfigError(
+                f"async_training.old_log_probs_rollout_share must be in (0, 1] (the rollout ranks' fraction of "
+                f"each batch's rows), got {share}"
             )

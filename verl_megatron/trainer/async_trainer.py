@@ -67,6 +67,7 @@ from verl_megatron.trainer.trainer_checkpoint import RecentWeights, resumed_step
 
 if TYPE_CHECKING:
     from verl_megatron.rollout.async_worker import RolloutModel
+    from verl_megatron.trainer.async_config import AsyncTrainingConfig
     from verl_megatron.workers.actor import MegatronActor
 
 __all__ = [
@@ -74,6 +75,7 @@ __all__ = [
     "SAMPLES_FILE",
     "AsyncRolloutLink",
     "StalenessError",
+    "rollout_log_prob_share",
     "rollout_scores",
     "run_rollout_ranks",
     "stored_rollout_scores",
@@ -107,6 +109,17 @@ def rollout_scores(config: PPOConfig) -> bool:
         and not config.custom_reward_function.path
         and reward.num_examine == 0
     )
+
+
+def rollout_log_prob_share(asyn: AsyncTrainingConfig, dp: int, rollout_ranks: int) -> float:
+    """The fraction of each batch's rows whose old log-probs the rollout ranks compute: 0 without
+    ``async_training.old_log_probs_on_rollout``, else ``old_log_probs_rollout_share``, by default
+    one share per replica of the pass (each rollout rank counted as one more, next to dp)."""
+    if not asyn.old_log_probs_on_rollout:
+        return 0.0
+    if asyn.old_log_probs_rollout_share is not None:
+        return float(asyn.old_log_probs_rollout_share)
+    return rollout_ranks / (dp + rollout_ranks)
 
 
 def stored_rollout_scores(batch: DataProto) -> dict[str, float]:
@@ -151,10 +164,10 @@ class AsyncRolloutLink:
         self.max_staleness = config.async_training.max_staleness
         self.samples_path = os.path.join(config.trainer.default_local_dir, SAMPLES_FILE)
         self.config = config
-        rollout_ranks = len(placement.rollout_ranks)  # each counted as one more replica of the pass
-        on_rollout = config.async_training.old_log_probs_on_rollout
-        self.log_prob_share = rollout_ranks / (runtime.layout.dp + rollout_ranks) if on_rollout else 0.0
-        self._inbox: list[tuple[str, int, Any]] = []  # (kind, step, message) received ahead of use
+        self.log_prob_share = rollout_log_prob_share(
+            config.async_training, runtime.layout.dp, len(placement.rollout_ranks)
+        )
+        self._inbox: list[DataProto | dict[str, Any]] = []  # batches and old log-probs received ahead of use
         # Exact resume: the versions the rollout still generates with after a checkpoint.
         keep = self.max_staleness if config.trainer.save_freq > 0 and runtime.is_main else 0
         self.recent = RecentWeights(keep)
@@ -250,15 +263,16 @@ class AsyncRolloutLink:
         return payload[0]
 
     def _take(self, kind: str, step: int) -> Any:
-        while True:
-            for i, (held, held_step, _) in enumerate(self._inbox):
-                if held == kind and (kind == "batch" or held_step == step):
-                    return self._inbox.pop(i)[2]
-            message = recv_object(self.placement.transfer, self.placement.rollout_main)
+        def wanted(message: DataProto | dict[str, Any]) -> bool:
             if isinstance(message, DataProto):
-                self._inbox.append(("batch", message.meta_info["async"]["step"], message))
-            else:
-                self._inbox.append(("old_log_probs", message["old_log_probs_step"], message))
+                return kind == "batch"
+            return kind == "old_log_probs" and message["old_log_probs_step"] == step
+
+        while True:
+            for i, held in enumerate(self._inbox):
+                if wanted(held):
+                    return self._inbox.pop(i)
+            self._inbox.append(recv_object(self.placement.transfer, self.placement.rollout_main))
 
     # ------------------------------------------------------------------ old log-probs
 
