@@ -188,14 +188,16 @@ def throughput_row(workload: str, mode: str, rows: list[dict[str, Any]]) -> dict
 def _ceiling_note(workload: str, by_mode: dict[str, dict[str, Any]]) -> str:
     """What bounds async on ``workload``: the busier of its two roles, the trainer (its step less
     the wait for the batch) and the rollout rank (its generation of the whole batch on one
-    process, its share of the old log-probs and the rewards it scores); async's step can be no shorter, however well the
-    two overlap."""
+    process, its share of the old log-probs and the rewards it scores); async's step can be no
+    shorter, however well the two overlap. Moving work from one role to the other (e.g.
+    ``async_training.old_log_probs_rollout_share``) can at best make both equally busy: their
+    mean busy time bounds every such split."""
     sync, asyn = by_mode["sync"], by_mode["async"]
     if sync["step_s"] is None or asyn["step_s"] is None:
         return f"{workload}: no step times"
     busy = asyn["step_s"] - (asyn["trainer: waits for batch_s"] or 0.0)
     rollout_busy = sum(asyn[f"rollout rank: {k}_s"] or 0.0 for k in ("gen", "old_log_prob", "reward"))
-    bound = max(busy, rollout_busy)
+    bound, balanced = max(busy, rollout_busy), (busy + rollout_busy) / 2
     return (
         f"{workload}: the async trainer is busy {busy:.3f} s a step (old log-probs "
         f"{asyn['trainer: old_log_prob_s'] or 0.0:.3f} s, its rows and the wait for the rollout's, + update "
@@ -204,7 +206,8 @@ def _ceiling_note(workload: str, by_mode: dict[str, dict[str, Any]]) -> str:
         f"{asyn['rollout rank: old_log_prob_s'] or 0.0:.3f} s, scores rewards for "
         f"{asyn['rollout rank: reward_s'] or 0.0:.3f} s and waits {asyn['rollout rank: waits for weights_s'] or 0.0:.3f} s for weights; sync's step is "
         f"{sync['step_s']:.3f} s, of which generation {sync['trainer: gen_s'] or 0.0:.3f} s: async cannot exceed "
-        f"{sync['step_s'] / bound:.2f}x here however its generation overlaps"
+        f"{sync['step_s'] / bound:.2f}x here however its generation overlaps, and no split of this work "
+        f"between the two roles beyond {sync['step_s'] / balanced:.2f}x (both equally busy)"
     )
 
 

@@ -40,11 +40,16 @@ def test_ceiling_note_is_the_sync_step_over_the_trainers_busy_time():
             "trainer: waits for batch_s": 0.25,
             "trainer: old_log_prob_s": 0.25,
             "trainer: update_actor_s": 0.75,
+            "rollout rank: gen_s": 0.375,
+            "rollout rank: old_log_prob_s": 0.25,
+            "rollout rank: reward_s": 0.125,
         }
     )
     note = bench._ceiling_note("w", {"sync": sync, "async": asyn})
+    # trainer busy 1.0 s, rollout busy 0.75 s: the split can at best make both 0.875 s
     assert "busy 1.000 s" in note and note.endswith(
-        "cannot exceed 1.50x here however its generation overlaps"
+        "cannot exceed 1.50x here however its generation overlaps, and no split of this work between the "
+        "two roles beyond 1.71x (both equally busy)"
     )
 
 
