@@ -117,6 +117,39 @@ def test_rollout_share_of_old_log_probs_is_chosen_or_one_per_replica() -> None:
     assert (first, calls, tuple(log_probs.shape)) == (8, [5], (0, 3))
 
 
+def test_batches_cross_in_narrow_integers_and_arrive_unchanged() -> None:
+    import pickle
+
+    import numpy as np
+
+    from verl_megatron.rollout.async_worker import from_wire, to_wire
+
+    tensors = {
+        "responses": torch.tensor([[5, 151_000], [0, 9]]),  # token ids past int16: int32
+        "response_mask": torch.tensor([[1, 1], [1, 0]]),  # 0/1: int8
+        "rollout_versions": torch.tensor([[-1, 300], [2, -1]]),  # -1..300: int16
+        "big": torch.tensor([[2**40, 0], [0, 0]]),  # needs int64: left as it is
+        "log_probs": torch.tensor([[-0.5, -1.25], [0.0, -2.0]]),  # floats are not touched
+        "done": torch.tensor([[True, False], [False, True]]),
+    }
+    batch = DataProto.from_dict(
+        dict(tensors), {"index": np.array([3, 4], dtype=object)}, {"async": {"step": 2}}
+    )
+    wire = to_wire(batch)
+    widths = {k: wire.batch[k].dtype for k in tensors}
+    assert widths == {
+        "responses": torch.int32, "response_mask": torch.int8, "rollout_versions": torch.int16,
+        "big": torch.int64, "log_probs": torch.float32, "done": torch.bool,
+    }  # fmt: skip
+    assert all(batch.batch[k].dtype == v.dtype for k, v in tensors.items())  # the sender's batch unchanged
+    nbytes = lambda data: sum(v.numel() * v.element_size() for v in data.batch.values())  # noqa: E731
+    assert nbytes(batch) - nbytes(wire) == 4 * (8 - 4) + 4 * (8 - 1) + 4 * (8 - 2)
+    back = from_wire(pickle.loads(pickle.dumps(wire)))
+    for key, value in tensors.items():
+        assert back.batch[key].dtype == value.dtype and torch.equal(back.batch[key], value), key
+    assert back.meta_info == {"async": {"step": 2}} and back.non_tensor_batch["index"].tolist() == [3, 4]
+
+
 # ------------------------------------------------------------------ the weight wire
 
 

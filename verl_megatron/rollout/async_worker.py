@@ -52,9 +52,11 @@ __all__ = [
     "ChunkWeights",
     "RolloutModel",
     "RolloutWorker",
+    "from_wire",
     "last_rows_log_probs",
     "old_log_prob_split",
     "run_rollout_worker",
+    "to_wire",
     "weights_key",
 ]
 
@@ -77,6 +79,46 @@ def last_rows_log_probs(
     if first == len(batch):
         return first, torch.zeros(0, batch.batch["responses"].shape[1])
     return first, compute(batch.slice(first, None))
+
+
+def to_wire(batch: DataProto) -> DataProto:
+    """``batch`` for the trip to the trainer: each integer tensor in the narrowest integer dtype
+    that holds its values, its own dtype named in ``meta_info["wire_dtypes"]`` (``from_wire``
+    restores it). Token ids, positions, masks and weight versions are int64 in the batch and most
+    of its bytes; the trainer waits for the transfer at the start of its step, so fewer bytes
+    shorten its critical path (the quickstart's 512 rows of 8 + 128 tokens: 3.8 MB a message ->
+    1.0 MB; token ids of a vocabulary past 32767 stay 4 bytes). The values are unchanged, and
+    ``batch`` itself too."""
+    tensors, dtypes = {}, {}
+    for key, value in batch.batch.items():
+        narrow = _narrowest_int(value)
+        tensors[key] = value if narrow is None else value.to(narrow)
+        if narrow is not None:
+            dtypes[key] = str(value.dtype).removeprefix("torch.")
+    meta = {**batch.meta_info, "wire_dtypes": dtypes}
+    return DataProto.from_dict(tensors, dict(batch.non_tensor_batch), meta)
+
+
+def from_wire(batch: DataProto) -> DataProto:
+    """The batch ``to_wire`` sent, its integer tensors back in their own dtypes (in place)."""
+    for key, name in batch.meta_info.pop("wire_dtypes").items():
+        batch.batch[key] = batch.batch[key].to(getattr(torch, name))
+    return batch
+
+
+def _narrowest_int(tensor: torch.Tensor) -> torch.dtype | None:
+    """The narrowest of int8/16/32 narrower than ``tensor``'s integer dtype that holds its values;
+    None for other dtypes, empty tensors and values that need their own width."""
+    if tensor.dtype not in (torch.int16, torch.int32, torch.int64) or tensor.numel() == 0:
+        return None
+    low, high = int(tensor.min()), int(tensor.max())
+    for dtype in (torch.int8, torch.int16, torch.int32):
+        if dtype.itemsize >= tensor.dtype.itemsize:
+            return None
+        info = torch.iinfo(dtype)
+        if info.min <= low and high <= info.max:
+            return dtype
+    return None
 
 
 def weights_key(version: int) -> str:
@@ -284,7 +326,7 @@ class RolloutWorker:
                 "rollout_old_log_prob_s": log_prob_s, "rollout_reward_s": time.perf_counter() - began - gen_s,
             }  # fmt: skip
             if main:
-                sends.append((step, isend_object(placement.transfer, output, 0)))
+                sends.append((step, isend_object(placement.transfer, to_wire(output), 0)))
             if share > 0:
                 due[step] = output
             if staleness == 0 and share > 0:

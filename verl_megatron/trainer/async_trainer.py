@@ -49,7 +49,7 @@ from verl_megatron.data import PromptLoader
 from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.protocol import DataProto
 from verl_megatron.reward.loading import compute_reward
-from verl_megatron.rollout.async_worker import old_log_prob_split, weights_key
+from verl_megatron.rollout.async_worker import from_wire, old_log_prob_split, weights_key
 from verl_megatron.rollout.placement import Placement
 from verl_megatron.rollout.weight_sync import WeightSender, isend_object, recv_object
 from verl_megatron.trainer.components import (
@@ -233,7 +233,7 @@ class AsyncRolloutLink:
 
     def next_batch(self, step: int, timing: dict[str, float]) -> tuple[DataProto, dict[str, float]]:
         with timed_stage(self.stages, "wait_rollout", step, timing):
-            batch = self._receive("batch", -1)
+            batch = from_wire(self._receive("batch", -1))
         info = batch.meta_info.pop("async")
         prompts = self.loader.next_batch()
         expected = np.repeat(np.asarray(prompts.non_tensor_batch["index"]), self.n)
