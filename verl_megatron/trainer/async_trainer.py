@@ -26,7 +26,8 @@ the same values its own ``BatchScorer`` would compute from the same batch.
 With ``async_training.old_log_probs_on_rollout`` the old log-probs of a batch's last rows come from
 the rollout ranks (``old_log_probs``): they compute them once the weights of the step have
 arrived, while this rank computes the other rows; messages that arrive before they are asked for
-wait in an inbox.
+wait in an inbox. With ``actor.old_log_probs_from_first_update`` the rollout takes every row after
+the first mini-batch and this rank computes none (its update forward gives the first's).
 
 Per-step metrics ``async/*``: staleness mean/max, fraction of samples that span several
 weight versions (partial rollout), the rollout's wait for weights and generation time, and the
@@ -111,12 +112,16 @@ def rollout_scores(config: PPOConfig) -> bool:
     )
 
 
-def rollout_log_prob_share(asyn: AsyncTrainingConfig, dp: int, rollout_ranks: int) -> float:
+def rollout_log_prob_share(asyn: AsyncTrainingConfig, dp: int, rollout_ranks: int, own: float = 0.0) -> float:
     """The fraction of each batch's rows whose old log-probs the rollout ranks compute: 0 without
     ``async_training.old_log_probs_on_rollout``, else ``old_log_probs_rollout_share``, by default
-    one share per replica of the pass (each rollout rank counted as one more, next to dp)."""
+    one share per replica of the pass (each rollout rank counted as one more, next to dp).
+    ``own``: the fraction (the first rows) whose old log-probs the actor's update gives itself
+    (``actor.old_log_probs_from_first_update``): the rollout ranks then take all the others."""
     if not asyn.old_log_probs_on_rollout:
         return 0.0
+    if own > 0:
+        return 1.0 - own
     if asyn.old_log_probs_rollout_share is not None:
         return float(asyn.old_log_probs_rollout_share)
     return rollout_ranks / (dp + rollout_ranks)
@@ -164,8 +169,12 @@ class AsyncRolloutLink:
         self.max_staleness = config.async_training.max_staleness
         self.samples_path = os.path.join(config.trainer.default_local_dir, SAMPLES_FILE)
         self.config = config
+        own = config.actor.ppo_mini_batch_size / config.data.train_batch_size  # the first mini-batch
         self.log_prob_share = rollout_log_prob_share(
-            config.async_training, runtime.layout.dp, len(placement.rollout_ranks)
+            config.async_training,
+            runtime.layout.dp,
+            len(placement.rollout_ranks),
+            own=own if config.actor.old_log_probs_from_first_update else 0.0,
         )
         self._inbox: list[DataProto | dict[str, Any]] = []  # batches and old log-probs received ahead of use
         # Exact resume: the versions the rollout still generates with after a checkpoint.

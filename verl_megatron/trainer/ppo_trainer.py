@@ -36,15 +36,16 @@ from verl_megatron.algos import core_algos
 from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.models.offload import Offloader
 from verl_megatron.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
+from verl_megatron.rollout.async_worker import first_rows_skipped
 from verl_megatron.rollout.layout import gather_replicas, shard_for
 from verl_megatron.trainer import metrics as M
 from verl_megatron.trainer.components import Components, RewardFn, total_training_steps
 from verl_megatron.trainer.config import PPOConfig, to_dict
 from verl_megatron.trainer.distill_stage import DistillTeacher, distill_advantages, teacher_log_probs
 from verl_megatron.trainer.final_export import export_final_model
+from verl_megatron.trainer.first_mini_batch import first_update_rows, rollout_correction
 from verl_megatron.trainer.guard import DivergenceGuard
 from verl_megatron.trainer.parity_probe import parity_probe
-from verl_megatron.trainer.ppo.rollout_correction import apply_rollout_correction
 from verl_megatron.trainer.rollout_phase import rollout_phase
 from verl_megatron.trainer.rollout_source import LogProbFn, RolloutSource
 from verl_megatron.trainer.scoring import Reward, combined_reward, store_scores
@@ -211,7 +212,7 @@ class PPOTrainer:
             metrics.update(self._old_log_probs(batch, step, timing))
             if self.config.algorithm.rollout_correction.bypass_mode:  # bypass trusts parity: probe it
                 metrics.update(parity_probe(self.actor, batch, step, self.config.rollout, timing))
-            metrics.update(apply_rollout_correction(batch, self.config.algorithm.rollout_correction))
+            metrics.update(rollout_correction(batch, self.config))
             self._reference_and_values(batch, timing)
             if self.teacher is not None:  # log p_teacher of the sampled tokens
                 metrics.update(teacher_log_probs(self.teacher, batch, timing, self.config.algorithm.distill))
@@ -232,18 +233,24 @@ class PPOTrainer:
         here; with both, how far the rollout's log-probs are from the recomputed ones."""
         bypass = self.config.algorithm.rollout_correction.bypass_mode
         recompute = self.config.actor.recompute_old_log_prob
+        own = first_update_rows(self.config)
         if bypass:
             # Equal bit for bit to a recomputation (bitwise parity, required at start-up).
             batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
         elif recompute:
             with self._stage("old_log_prob", timing):
                 compute = lambda data: self.actor.compute_log_prob(data)[0]  # noqa: E731
+                if own:  # the first mini-batch's rows (NaN here) come from the actor's update forward
+                    compute = first_rows_skipped(own, compute)
                 batch.batch["old_log_probs"] = self.rollout_source.old_log_probs(step, batch, compute)
         # else: an on-policy update takes its own log-probs as the old ones (checked at start-up).
         if bypass or not recompute or "rollout_log_probs" not in batch.batch.keys():  # noqa: SIM118
             return {}
+        rows = slice(own, None)  # the rows the pass computed
         return M.rollout_probs_diff_metrics(
-            batch.batch["rollout_log_probs"], batch.batch["old_log_probs"], batch.batch["response_mask"]
+            batch.batch["rollout_log_probs"][rows],
+            batch.batch["old_log_probs"][rows],
+            batch.batch["response_mask"][rows],
         )
 
     def _reference_and_values(self, batch: DataProto, timing: dict[str, float]) -> None:

@@ -170,6 +170,32 @@ def _check_old_log_prob(config: PPOConfig) -> None:
         )
 
 
+def _check_old_log_probs_from_first_update(config: PPOConfig) -> None:
+    """actor.old_log_probs_from_first_update leaves the first mini-batch's old log-probs unset (NaN)
+    until its update: nothing may read them before (the actor's own conditions: workers/config.py)."""
+    algo, asyn = config.algorithm, config.async_training
+    if not config.actor.old_log_probs_from_first_update:
+        return
+    why = None
+    if algo.use_kl_in_reward:
+        why = "algorithm.use_kl_in_reward=true reads them for the KL penalty"
+    elif algo.rollout_correction.bypass_mode:
+        why = "algorithm.rollout_correction.bypass_mode replaces them by the rollout's"
+    elif algo.rollout_correction.rollout_rs is not None:
+        why = "algorithm.rollout_correction.rollout_rs rejects tokens by them before the update"
+    elif algo.rollout_correction.rollout_is_batch_normalize:
+        why = "algorithm.rollout_correction.rollout_is_batch_normalize needs every row's weight first"
+    elif algo.distill.enable:
+        why = "algorithm.distill.enable=true reads them for its advantages"
+    elif asyn.old_log_probs_rollout_share is not None:
+        why = "async_training.old_log_probs_rollout_share is set (the rollout takes every later row)"
+    if why is not None:
+        raise ConfigError(
+            "actor.old_log_probs_from_first_update=true: the first mini-batch's old log-probs exist only "
+            f"in its update, but {why}"
+        )
+
+
 def _check_algorithm(config: PPOConfig) -> None:
     algo = config.algorithm
     if algo.adv_estimator not in core_algos.ADV_ESTIMATOR_REGISTRY:
@@ -207,6 +233,7 @@ def _check_algorithm(config: PPOConfig) -> None:
         )
     check_rollout_correction(config)
     _check_old_log_prob(config)
+    _check_old_log_probs_from_first_update(config)
     _check_estimator_inputs(config)
 
 

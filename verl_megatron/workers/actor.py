@@ -26,6 +26,7 @@ import torch.distributed as dist
 from verl_megatron.algos import core_algos
 from verl_megatron.algos.gkd import generalized_jsd_per_token
 from verl_megatron.algos.policy_losses import metrics_on_device
+from verl_megatron.algos.rollout_corr_helper import compute_rollout_correction_weights
 from verl_megatron.distributed.modules import unwrap
 from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.models.batch_invariant import BatchInvariance
@@ -42,10 +43,15 @@ from verl_megatron.workers.output_rows import DeferredHead, head_log_probs
 from verl_megatron.workers.ppo_updates import PPOUpdates
 from verl_megatron.workers.routes import TrainingRoutes
 
-__all__ = ["ActorLogProbs", "MegatronActor", "MegatronRef"]
+__all__ = ["FIRST_UPDATE_IS", "ActorLogProbs", "MegatronActor", "MegatronRef"]
 
 _MODEL_KEYS = ("input_ids", "attention_mask", "responses")
 _POLICY_METRICS = ("pg_loss", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower", "entropy", "kl_loss")
+# [B] bool: rows whose old log-probs are their update forward's (old_log_probs_from_first_update).
+_OWN_OLD_KEY = "_old_log_probs_from_update"
+# meta_info key: rollout correction's IS settings (rollout_is, rollout_is_threshold) for those rows,
+# whose weights the update computes from its forward and ``rollout_log_probs``.
+FIRST_UPDATE_IS = "first_update_rollout_is"
 
 
 def batch_tensors(data: DataProto, keys: tuple[str, ...], where: str) -> dict[str, torch.Tensor]:
@@ -309,6 +315,27 @@ def _trainer_loss_config(config: ActorConfig) -> ActorConfig:
     return loss_config
 
 
+def _old_and_is_weights(
+    t: dict[str, torch.Tensor], log_probs: torch.Tensor, own_is: dict | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A micro-batch's old log-probs and IS weights. On-policy without a recomputation pass (for
+    all rows, or for the first mini-batch's rows with old_log_probs_from_first_update) this
+    forward's log-probs, detached, are the old ones; those rows' IS weights (``own_is``: rollout
+    correction's settings) come from them and the rollout's log-probs, as the trainer's do."""
+    old = t["old_log_probs"] if "old_log_probs" in t else log_probs.detach()
+    weights = t.get("rollout_is_weights")
+    if _OWN_OLD_KEY not in t:
+        return old, weights
+    own = t[_OWN_OLD_KEY].unsqueeze(-1)
+    old = torch.where(own, log_probs.detach(), old)
+    if own_is is not None and weights is not None:
+        mine, _ = compute_rollout_correction_weights(
+            old - t["rollout_log_probs"], t["response_mask"], **own_is
+        )
+        weights = torch.where(own, mine, weights)
+    return old, weights
+
+
 class MegatronActor(ActorLogProbs, PPOUpdates):
     """PPO policy: log-probs for the batch and PPO updates with megatron's optimizer.
 
@@ -357,6 +384,8 @@ class MegatronActor(ActorLogProbs, PPOUpdates):
             keys += ("rollout_is_weights",)
         if "distill_jsd" in data.meta_info:
             keys += ("teacher_logits",)
+        if FIRST_UPDATE_IS in data.meta_info:
+            keys += ("rollout_log_probs",)
         return keys + _row_keys(data)
 
     def update_policy(self, data: DataProto) -> dict[str, float | list[float]]:
@@ -382,11 +411,20 @@ class MegatronActor(ActorLogProbs, PPOUpdates):
                 f"MegatronActor.update_policy: teacher_logits cover {batch['teacher_logits'].shape[-1]} "
                 f"tokens, the student's vocabulary {self.runner.vocab_size}"
             )
+        if cfg.old_log_probs_from_first_update:  # rows 0..M-1: the first mini-batch (no shuffle, 1 epoch)
+            size = batch["responses"].shape[0]
+            batch[_OWN_OLD_KEY] = torch.arange(size) < cfg.ppo_mini_batch_size * cfg.rollout_n
+            keys += (_OWN_OLD_KEY,)
         metrics = self._ppo_update(
             batch,
             prefix="actor",
             tensor_keys=[k for k in keys if k not in _MODEL_KEYS],
-            loss_step=functools.partial(self._policy_step, temperature=temperature, jsd=jsd),
+            loss_step=functools.partial(
+                self._policy_step,
+                temperature=temperature,
+                jsd=jsd,
+                own_is=data.meta_info.get(FIRST_UPDATE_IS),
+            ),
             metric_names=_POLICY_METRICS + (("gkd_jsd",) if jsd is not None else ()),
         )
         if not cfg.use_kl_loss:
@@ -406,6 +444,7 @@ class MegatronActor(ActorLogProbs, PPOUpdates):
         jsd: dict[str, float] | None,
         counts: dict,
         num_micro: int,
+        own_is: dict | None = None,
     ) -> StepResult:
         """Loss of one micro-batch with global counts, and its metric partial sums."""
         cfg = self.config
@@ -421,17 +460,17 @@ class MegatronActor(ActorLogProbs, PPOUpdates):
             k: counts[k] for k in ("dp_size", "batch_num_tokens", "global_batch_size", "loss_scale_factor")
         }
         agg["robust"] = True  # empty mini-batch -> 0 (verl: NaN); padding never leaks; float32 sums
+        old, is_weights = _old_and_is_weights(t, log_probs, own_is)
         # Metrics as device tensors: summed over micro-batches, moved to the host once per mini-batch.
         with metrics_on_device():
             pg_loss, pg_metrics = self.policy_loss_fn(
-                # On-policy without a recomputation pass: this forward's log-probs are the old ones.
-                t["old_log_probs"] if "old_log_probs" in t else log_probs.detach(),
+                old,
                 log_probs,
                 t["advantages"],
                 mask,
                 cfg.loss_agg_mode,
                 self.loss_config,
-                t.get("rollout_is_weights"),
+                is_weights,
                 global_batch_info=agg,
             )
         entropy_agg = core_algos.agg_loss(entropy, mask, cfg.loss_agg_mode, **agg)

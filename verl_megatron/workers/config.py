@@ -341,9 +341,33 @@ class ActorConfig(PPOWorkerConfig):
     for an on-policy update only (one mini-batch, one epoch; checked at start-up): the update's own
     log-probs, detached, are the old ones (the ratio is exactly 1, as in verl's actor on-policy and
     TRL's GRPO with one iteration), and the trainer skips that pass; the gradient is the same."""
+    old_log_probs_from_first_update: bool = False
+    """The first mini-batch's old log-probs (rows 0..ppo_mini_batch_size * rollout_n - 1, before
+    any optimizer step of the call) are its own update forward's, detached (ratio exactly 1): the
+    old-log-prob pass computes only the later mini-batches' rows (in async mode with
+    old_log_probs_on_rollout the rollout takes all of those, the trainer none). The values given
+    for the first rows are ignored (the trainer leaves them NaN). Needs recompute_old_log_prob,
+    ppo_epochs=1 and shuffle=false (checked here); readers of old log-probs before the update are
+    refused at start-up (trainer/validate.py)."""
 
     def _check_role(self) -> None:
         _check_kl_type("actor.kl_loss_type", self.kl_loss_type)
+        if self.old_log_probs_from_first_update:
+            for wrong, why in (
+                (
+                    not self.recompute_old_log_prob,
+                    "recompute_old_log_prob=false (all rows' come from the update)",
+                ),
+                (
+                    self.ppo_epochs != 1,
+                    f"ppo_epochs={self.ppo_epochs} (a later epoch has no pre-update forward)",
+                ),
+                (self.shuffle, "shuffle=true (the first mini-batch's rows must be rows 0..M-1)"),
+            ):
+                if wrong:
+                    raise WorkerConfigError(
+                        f"actor.old_log_probs_from_first_update=true needs no actor.{why}"
+                    )
         if self.clip_ratio_c <= 1.0:
             raise WorkerConfigError(f"actor.clip_ratio_c must be > 1 (dual clip), got {self.clip_ratio_c}")
 

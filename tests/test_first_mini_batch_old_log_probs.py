@@ -1,0 +1,217 @@
+"""``actor.old_log_probs_from_first_update``: the first mini-batch's old log-probs are its own update
+forward's, detached; the old-log-prob pass computes only the later mini-batches' rows.
+
+Before the first optimizer step of an update call the weights are the pass's, so the option changes
+the first mini-batch's old log-probs only by the float32 rounding of another batching. The actor
+test (tests/test_actor_update.py's batch: 8 rows, two mini-batches of 4, token-budget micro-batches
+of 16 tokens in the update and one micro-batch in the pass) updates two actors from the same
+checkpoint, one given every row's old log-probs, one given NaN in rows 0..3 and the option: the
+option's first step has a ratio of exactly 1 (ppo_kl and clip fraction 0), the plain one's differs
+from 1 by at most exp(2 eps) - 1, eps = the pass's largest error against a float64 transformers
+forward (c = 2: the pass and the update forward are two float32 evaluations of the same sums, each
+within eps of it); the first loss differs by at most max|A| times that; the update forward itself
+(entropy, KL loss) is bit-identical; the second step and the weights after both steps agree to the
+float32 bounds of tests/test_actor_update.py. With bitwise parity (the pass and the update forward
+give the same bits) a 2-step quickstart run with the option trains bit for bit like one without,
+while the pass sees half the rows. Refusals are named at start-up.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.closeness import assert_adam_weights_close, assert_close_report
+from tests.test_actor_update import (
+    LR,
+    TEMPERATURE,
+    TP_LEN,
+    _hf_log_probs,
+    build_actor,
+    full_weights,
+    make_batch,
+)
+from tests.test_e2e import QUICKSTART
+from tests.test_rollout_parity import QUICKSTART_PARITY
+
+SETTINGS = {"use_remove_padding": True, "use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 16}
+FIRST = 4  # rows of the first mini-batch (ppo_mini_batch_size of kl_actor_config)
+OPTION = "actor.old_log_probs_from_first_update=true"
+IS = {"rollout_is": "token", "rollout_is_threshold": 2.0}  # truncated importance weights (TIS)
+
+
+def update_job(path: str) -> dict:
+    from tests.test_actor_update import kl_actor_config
+    from verl_megatron.algos.rollout_corr_helper import compute_rollout_correction_weights
+    from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
+    from verl_megatron.protocol import DataProto
+    from verl_megatron.workers.actor import FIRST_UPDATE_IS
+
+    runtime = init_runtime(ParallelLayout(), seed=5)
+    out: dict = {}
+    for own in (False, True):
+        chunks, actor = build_actor(
+            runtime, path, kl_actor_config(old_log_probs_from_first_update=own, **SETTINGS)
+        )
+        data = DataProto.from_dict(make_batch(), meta_info={"temperature": TEMPERATURE})
+        old, _ = actor.compute_log_prob(data)
+        data.batch["ref_log_prob"] = old - 0.3 * data.batch["response_mask"]
+        mask = data.batch["response_mask"]
+        g = torch.Generator().manual_seed(3)
+        data.batch["rollout_log_probs"] = old + 0.5 * torch.randn(old.shape, generator=g) * mask
+        weights, _ = compute_rollout_correction_weights(old - data.batch["rollout_log_probs"], mask, **IS)
+        given = old.clone()
+        if own:  # as the trainer leaves them: never read
+            given[:FIRST] = weights[:FIRST] = float("nan")
+            data.meta_info[FIRST_UPDATE_IS] = IS
+        data.batch["old_log_probs"], data.batch["rollout_is_weights"] = given, weights
+        out[own] = {
+            "old": old,
+            "metrics": actor.update_policy(data),
+            "weights": full_weights(chunks, runtime),
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def updates(pool1, model_path) -> dict:
+    return pool1.run(f"{__name__}:update_job", path=model_path)[0]
+
+
+def test_first_mini_batch_ratio_is_one_and_the_update_matches(updates, model_path):
+    plain, own = updates[False], updates[True]
+    hf64, _ = _hf_log_probs(model_path, torch.float64)
+    valid = make_batch()["attention_mask"][:, TP_LEN:].bool()
+    eps = float((plain["old"].double() - hf64).abs()[valid].max())
+    assert 0 < eps < 1e-4, eps
+    first = {k: v[0] for k, v in own["metrics"].items() if isinstance(v, list)}
+    # The ratio of the first mini-batch is exactly 1.
+    assert first["actor/ppo_kl"] == 0.0 and first["actor/pg_clipfrac"] == 0.0, first
+    assert own["metrics"]["actor/skipped_steps"] == 0.0
+    # The plain run's first ratio: within exp(2 eps) - 1 of 1 (its ppo_kl within 2 eps of 0).
+    plain_first = {k: v[0] for k, v in plain["metrics"].items() if isinstance(v, list)}
+    assert abs(plain_first["actor/ppo_kl"]) <= 2 * eps, (plain_first["actor/ppo_kl"], eps)
+    advantages = make_batch()["advantages"][:FIRST].abs().max().item()
+    # token-mean of -A * w * ratio: the ratio and the IS weight w (<= 2) each within exp(+-2 eps) of
+    # the plain run's, times max|A| * 2, plus float32 rounding of the sum.
+    loss_bound = advantages * 2 * (math.expm1(4 * eps) + 64 * 2.0**-24)
+    loss_diff = abs(first["actor/pg_loss"] - plain_first["actor/pg_loss"])
+    assert loss_diff <= loss_bound, (
+        f"first pg_loss differs by {loss_diff:.3g} > {loss_bound:.3g} (eps {eps:.3g})"
+    )
+    # The update forward itself is the same computation in both runs.
+    for key in ("actor/entropy", "actor/kl_loss"):
+        assert first[key] == plain_first[key], (key, first[key], plain_first[key])
+    second = {k: v[1:] for k, v in own["metrics"].items() if isinstance(v, list)}
+    plain_second = {k: v[1:] for k, v in plain["metrics"].items() if isinstance(v, list)}
+    assert_close_report(second, plain_second, rtol=1e-4, atol=1e-6, what="second mini-batch's metrics")
+    assert_close_report(
+        own["metrics"]["actor/grad_norm"][0],
+        plain_first["actor/grad_norm"],
+        rtol=1e-4,
+        atol=1e-6,
+        what="grad_norm",
+    )
+    assert_adam_weights_close(
+        own["weights"], plain["weights"], lr=LR, steps=2, what="weights after both steps"
+    )
+
+
+def parity_job(out_dir: str, overrides: list[str]) -> dict:
+    """A 2-step parity quickstart run; its metrics and the rows of each old-log-prob pass (rank 0)."""
+    import os
+
+    from verl_megatron.train import run
+    from verl_megatron.trainer.tracking import read_jsonl_metrics
+    from verl_megatron.workers.actor import MegatronActor
+
+    rows: list[int] = []
+    original = MegatronActor.compute_log_prob
+
+    def counted(self, data, *args, **kwargs):
+        rows.append(len(data))
+        return original(self, data, *args, **kwargs)
+
+    MegatronActor.compute_log_prob = counted
+    try:
+        run(QUICKSTART, [f"trainer.default_local_dir={out_dir}", *QUICKSTART_PARITY, *overrides])
+    finally:
+        MegatronActor.compute_log_prob = original
+    metrics = read_jsonl_metrics(os.path.join(out_dir, "metrics.jsonl"))
+    return {"rows": [r for r in metrics if r.get("step", 0) > 0], "pass_rows": rows}
+
+
+def test_parity_run_trains_bit_for_bit_the_same_with_half_the_pass(pool1, tmp_path):
+    tis = "algorithm.rollout_correction.rollout_is=token"  # the first rows' weights from the update
+    plain = pool1.run(f"{__name__}:parity_job", out_dir=str(tmp_path / "plain"), overrides=[tis])[0]
+    own = pool1.run(f"{__name__}:parity_job", out_dir=str(tmp_path / "own"), overrides=[tis, OPTION])[0]
+    # 4 prompts x 4 samples, mini-batches of 2 x 4: the pass takes rows 8..15 only.
+    assert plain["pass_rows"] == [16, 16] and own["pass_rows"] == [8, 8], (
+        plain["pass_rows"],
+        own["pass_rows"],
+    )
+    assert plain["rows"][1]["actor/grad_norm"] > 0  # a real update
+    assert len(plain["rows"]) == len(own["rows"]) == 2
+    trained = ("actor/", "response_length/", "critic/score")
+    pairs = {
+        (row["step"], key): (value, other.get(key))
+        for row, other in zip(plain["rows"], own["rows"])
+        for key, value in row.items()
+        if key.startswith(trained)
+    }
+    differ = {where: values for where, values in pairs.items() if values[0] != values[1]}
+    assert len(pairs) > 20 and not differ, f"{len(differ)} of {len(pairs)} metrics differ: {differ}"
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("actor.recompute_old_log_prob=false", r"needs no actor\.recompute_old_log_prob=false"),
+        ("actor.ppo_epochs=2", r"needs no actor\.ppo_epochs=2"),
+        ("actor.shuffle=true", r"needs no actor\.shuffle=true"),
+        ("algorithm.use_kl_in_reward=true", r"exist only in its update, but algorithm\.use_kl_in_reward"),
+        (
+            "algorithm.rollout_correction.rollout_rs=token_k2 algorithm.rollout_correction.rollout_rs_threshold=0.5",
+            r"but algorithm\.rollout_correction\.rollout_rs rejects",
+        ),
+        (
+            "algorithm.rollout_correction.rollout_is=token algorithm.rollout_correction.rollout_is_batch_normalize=true",
+            r"but algorithm\.rollout_correction\.rollout_is_batch_normalize",
+        ),
+    ],
+)
+def test_refused_where_the_first_rows_are_read_before_the_update(override, named):
+    from verl_megatron.errors import ConfigError
+    from verl_megatron.trainer.config import load_config, validate_config
+
+    overrides = [*QUICKSTART_PARITY, OPTION]
+    validate_config(load_config(QUICKSTART, overrides), 1)
+    with pytest.raises(ConfigError, match=r"actor\.old_log_probs_from_first_update=true.*" + named):
+        validate_config(load_config(QUICKSTART, [*overrides, *override.split()]), 1)
+
+
+def test_async_rollout_takes_every_later_row_and_the_trainer_none():
+    from verl_megatron.protocol import DataProto
+    from verl_megatron.rollout.async_worker import first_rows_skipped, old_log_prob_split
+    from verl_megatron.trainer.async_config import AsyncTrainingConfig
+    from verl_megatron.trainer.async_trainer import rollout_log_prob_share
+
+    on = AsyncTrainingConfig(old_log_probs_on_rollout=True)
+    for rows, first in ((16, 8), (16, 4), (12, 4), (512, 256)):
+        share = rollout_log_prob_share(on, 1, 1, own=first / rows)
+        assert old_log_prob_split(rows, share) == first, (rows, first, share)
+    assert rollout_log_prob_share(AsyncTrainingConfig(), 1, 1, own=0.5) == 0.0  # off: the trainer's pass
+    batch = DataProto.from_dict({"responses": torch.arange(48).reshape(16, 3)}, meta_info={})
+    calls: list[int] = []
+
+    def compute(data: DataProto) -> torch.Tensor:
+        calls.append(len(data))
+        return data.batch["responses"].float()
+
+    skipped = first_rows_skipped(8, compute)
+    assert torch.isnan(skipped(batch.slice(0, 8))).all() and calls == []  # the trainer's share: none
+    whole = skipped(batch)
+    assert calls == [8] and torch.isnan(whole[:8]).all()
+    assert torch.equal(whole[8:], batch.batch["responses"][8:].float())
