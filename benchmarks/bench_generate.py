@@ -13,7 +13,7 @@ not just the same sizes). The two sides then run interleaved (A, B, A, B); the h
 fastest repeat, the median is reported beside it.
 
 The weights do not change during the benchmark, so every native call names one weights version
-and the engine reuses its oneDNN-packed weights from the warm-up on (as the trainer's calls
+and the engine reuses its packed weights (panels / oneDNN) from the warm-up on (as the trainer's calls
 between two updates do: validation, several calls of n samples, multi-turn turns). A cold call,
 at a new version and so packing every weight, is timed once after the interleaved repeats and
 reported beside them (``extra['native_cold_s']``): the first rollout after each update pays it.

@@ -200,8 +200,10 @@ def _generation_note(
     return (
         f"generation, where the time goes: ours {warm:.2f} s = prefill of {g.batch} prompts "
         f"{prefill_s:.2f} s + {g.new_tokens - 1} one-token steps of {g.batch} rows at {step_ms:.0f} ms each. "
-        f"The timed calls name one weights version, so they reuse the weights packed for oneDNN "
-        f"(rollout.keep_packed_weights); a cold call at a new version packs {extra['native_cold_packs']} weights "
+        f"The timed calls name one weights version, so they reuse their packed weights (16-column panels "
+        f"for the steps' products of up to 64 rows, streamed once per step by the compiled panel kernel; "
+        f"oneDNN's layout for the prefill; rollout.keep_packed_weights); a cold call at a new version packs "
+        f"{extra['native_cold_packs']} weights "
         f"first: {extra['native_cold_s']:.2f} s (the first rollout after each update pays it). "
         f"What bounds it: a step reads every weight once ({weights_gb:.2f} GB float32; at the measured copy "
         f"bandwidth {bandwidth:.1f} GB/s >= {read_ms:.0f} ms) and does 2 x rows FLOPs per weight; "
