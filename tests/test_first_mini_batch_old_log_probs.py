@@ -192,16 +192,20 @@ def test_refused_where_the_first_rows_are_read_before_the_update(override, named
         validate_config(load_config(QUICKSTART, [*overrides, *override.split()]), 1)
 
 
-def test_async_rollout_takes_every_later_row_and_the_trainer_none():
+def test_async_split_of_the_later_rows():
     from verl_megatron.protocol import DataProto
     from verl_megatron.rollout.async_worker import first_rows_skipped, old_log_prob_split
     from verl_megatron.trainer.async_config import AsyncTrainingConfig
     from verl_megatron.trainer.async_trainer import rollout_log_prob_share
 
     on = AsyncTrainingConfig(old_log_probs_on_rollout=True)
-    for rows, first in ((16, 8), (16, 4), (12, 4), (512, 256)):
-        share = rollout_log_prob_share(on, 1, 1, own=first / rows)
-        assert old_log_prob_split(rows, share) == first, (rows, first, share)
+    all_later = AsyncTrainingConfig(old_log_probs_on_rollout=True, old_log_probs_rollout_share=1.0)
+    # (rows, first mini-batch, the rollout's first row: by default half of the later rows at dp=1)
+    for rows, own, split in ((16, 8, 12), (16, 4, 10), (12, 4, 8), (512, 256, 384)):
+        share = rollout_log_prob_share(on, 1, 1, own=own / rows)
+        assert old_log_prob_split(rows, share) == split, (rows, own, share)
+        share = rollout_log_prob_share(all_later, 1, 1, own=own / rows)  # every later row on the rollout
+        assert old_log_prob_split(rows, share) == own, (rows, own, share)
     assert rollout_log_prob_share(AsyncTrainingConfig(), 1, 1, own=0.5) == 0.0  # off: the trainer's pass
     batch = DataProto.from_dict({"responses": torch.arange(48).reshape(16, 3)}, meta_info={})
     calls: list[int] = []
@@ -212,6 +216,9 @@ def test_async_rollout_takes_every_later_row_and_the_trainer_none():
 
     skipped = first_rows_skipped(8, compute)
     assert torch.isnan(skipped(batch.slice(0, 8))).all() and calls == []  # the trainer's share: none
+    mine = skipped(batch.slice(0, 12))  # the trainer's share: the rows between the two
+    assert calls == [4] and torch.isnan(mine[:8]).all()
     whole = skipped(batch)
-    assert calls == [8] and torch.isnan(whole[:8]).all()
+    assert calls == [4, 8] and torch.isnan(whole[:8]).all()
     assert torch.equal(whole[8:], batch.batch["responses"][8:].float())
+    assert torch.equal(mine[8:], whole[8:12])

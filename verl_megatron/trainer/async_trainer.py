@@ -26,8 +26,10 @@ the same values its own ``BatchScorer`` would compute from the same batch.
 With ``async_training.old_log_probs_on_rollout`` the old log-probs of a batch's last rows come from
 the rollout ranks (``old_log_probs``): they compute them once the weights of the step have
 arrived, while this rank computes the other rows; messages that arrive before they are asked for
-wait in an inbox. With ``actor.old_log_probs_from_first_update`` the rollout takes every row after
-the first mini-batch and this rank computes none (its update forward gives the first's).
+wait in an inbox. With ``actor.old_log_probs_from_first_update`` the first mini-batch's rows need no
+pass (the update forward gives them) and the share applies to the other rows: by default half of
+them here, half on the rollout rank, each pass half as long as without the option (share 1.0: the
+rollout takes them all and this rank computes none, but then waits for them as long).
 
 Per-step metrics ``async/*``: staleness mean/max, fraction of samples that span several
 weight versions (partial rollout), the rollout's wait for weights and generation time, and the
@@ -117,14 +119,13 @@ def rollout_log_prob_share(asyn: AsyncTrainingConfig, dp: int, rollout_ranks: in
     ``async_training.old_log_probs_on_rollout``, else ``old_log_probs_rollout_share``, by default
     one share per replica of the pass (each rollout rank counted as one more, next to dp).
     ``own``: the fraction (the first rows) whose old log-probs the actor's update gives itself
-    (``actor.old_log_probs_from_first_update``): the rollout ranks then take all the others."""
+    (``actor.old_log_probs_from_first_update``): that share is then one of the other rows (1.0: all
+    of them, the trainer computing none)."""
     if not asyn.old_log_probs_on_rollout:
         return 0.0
-    if own > 0:
-        return 1.0 - own
     if asyn.old_log_probs_rollout_share is not None:
-        return float(asyn.old_log_probs_rollout_share)
-    return rollout_ranks / (dp + rollout_ranks)
+        return float(asyn.old_log_probs_rollout_share) * (1.0 - own)
+    return rollout_ranks / (dp + rollout_ranks) * (1.0 - own)
 
 
 def stored_rollout_scores(batch: DataProto) -> dict[str, float]:

@@ -173,7 +173,7 @@ def _check_old_log_prob(config: PPOConfig) -> None:
 def _check_old_log_probs_from_first_update(config: PPOConfig) -> None:
     """actor.old_log_probs_from_first_update leaves the first mini-batch's old log-probs unset (NaN)
     until its update: nothing may read them before (the actor's own conditions: workers/config.py)."""
-    algo, asyn = config.algorithm, config.async_training
+    algo = config.algorithm
     if not config.actor.old_log_probs_from_first_update:
         return
     why = None
@@ -187,8 +187,6 @@ def _check_old_log_probs_from_first_update(config: PPOConfig) -> None:
         why = "algorithm.rollout_correction.rollout_is_batch_normalize needs every row's weight first"
     elif algo.distill.enable:
         why = "algorithm.distill.enable=true reads them for its advantages"
-    elif asyn.old_log_probs_rollout_share is not None:
-        why = "async_training.old_log_probs_rollout_share is set (the rollout takes every later row)"
     if why is not None:
         raise ConfigError(
             "actor.old_log_probs_from_first_update=true: the first mini-batch's old log-probs exist only "
