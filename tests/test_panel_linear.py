@@ -57,7 +57,9 @@ def _where(diff: torch.Tensor) -> str:
     return f"max diff {float(diff.max()):.3e} at row {row}, column {col}"
 
 
-SHAPES = [(1, 1, 1), (5, 37, 7), (16, 16, 300), (17, 64, 600), (33, 21, 513)]  # (M, N, K)
+# (M, N, K): up to 16 rows one panel at a time, more rows two panels at a time (8 rows a tile);
+# odd panel counts, partial row tiles and a zero-padded last panel in both.
+SHAPES = [(1, 1, 1), (5, 37, 7), (16, 16, 300), (17, 64, 600), (20, 37, 300), (33, 21, 513), (64, 48, 96)]
 
 
 @pytest.mark.parametrize("epilogue", ["none", "mul", "add"])
