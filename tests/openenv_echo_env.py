@@ -109,3 +109,8 @@ def make_a_dict() -> dict:
 
 def make_fails() -> EchoTwiceEnv:
     raise RuntimeError("no license server\nsecond line")
+
+
+def make_type_error() -> EchoTwiceEnv:
+    """Its own body raises TypeError (not a wrong env_kwargs: it is given none)."""
+    return EchoTwiceEnv(*[None] * 9)

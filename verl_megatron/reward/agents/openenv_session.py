@@ -71,10 +71,13 @@ def class_made(env_type: type, action_base: type) -> EnvMade:
 
 def _make_one(factory: Callable[..., Any], env_kwargs: dict[str, Any], environment: type,
               action_base: type) -> EnvMade:  # fmt: skip
-    """Make one instance with ``factory``, close it, and say what it was."""
+    """Make one instance with ``factory``, close it, and say what it was. A TypeError is taken for
+    one of ``env_kwargs`` only where there are some; without any it is the factory's own error."""
     try:
         env = factory(**env_kwargs)
     except TypeError as err:
+        if not env_kwargs:
+            raise
         return EnvMade("", kwargs_error=str(err))
     if not isinstance(env, environment):
         return EnvMade(type(env).__name__)
