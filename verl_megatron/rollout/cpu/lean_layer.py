@@ -2,9 +2,10 @@
 
 At decoding sizes (one token for a few dozen rows) a megatron layer's own forward spends a large
 share of its time outside arithmetic: module calls, tensor-parallel region functions, argument
-checks, bias-dropout-add closures. :func:`lean_layer` takes one layer's weights packed for oneDNN
-from the call's store (packed_linear.py: packed once per weights version) and :class:`LeanLayer`
-runs the step on them:
+checks, bias-dropout-add closures. :func:`lean_layer` takes one layer's weights and
+:class:`LeanLayer` runs the step on them, each product through the call's store
+(packed_linear.py: packed once per weights version, in panels up to ``PANEL_MAX_ROWS`` rows where
+the compiled kernel streams, else for oneDNN):
 
 - the SwiGLU gate is one product with the SiLU fused, and the up projection one product with
   the multiplication by the gate fused (no [B, 2F] intermediate, no split);

@@ -1,4 +1,5 @@
-"""Linear layers with oneDNN-packed weights for decoding on CPU (float32).
+"""Linear layers with pre-packed weights for decoding on CPU (float32): oneDNN's blocked layout,
+or 16-column panels for products of at most ``PANEL_MAX_ROWS`` rows (below).
 
 A decoding step multiplies a few dozen rows (one per sequence) by every weight matrix. At those
 sizes the plain ``torch.matmul`` path re-lays-out the weight for every call and reaches about
@@ -135,7 +136,7 @@ class PackedWeights:
         self.panels = panels
         self.packs = 0  # weights packed so far (each miss, either layout), for tests and benchmarks
         self._version: int | None = None
-        # (id of the weight, rows, layout) -> (the weight itself, its packed rows); holding the
+        # (id of the weight, rows, panels?) -> (the weight itself, its packed rows); holding the
         # weight keeps its id from being reused by another tensor while the entry exists.
         self._entries: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         # The last version's panel buffers under the same keys, written over in place when the
@@ -161,9 +162,7 @@ class PackedWeights:
     def get(self, weight: torch.Tensor, rows: slice | None = None, panels: bool = False) -> torch.Tensor:
         """``weight[rows]`` ([out, in], float32, CPU) packed for oneDNN (or in panels), from the
         store or packed now."""
-        key = (
-            (id(weight), None, None, panels) if rows is None else (id(weight), rows.start, rows.stop, panels)
-        )
+        key = (id(weight), None if rows is None else (rows.start, rows.stop, rows.step), panels)
         entry = self._entries.get(key)
         if entry is None or entry[0] is not weight:
             source = (weight.detach() if rows is None else weight.detach()[rows]).contiguous()

@@ -146,6 +146,7 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10
   TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == kLanes, "panel_linear: x [M, K], panels [P, K, 16]");
   const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
   TORCH_CHECK(panels.size(1) == K && N > 0 && (N + kLanes - 1) / kLanes == P, "panel_linear: shapes do not match");
+  TORCH_CHECK(K > 0, "panel_linear: K must be at least 1 (no k step would write the tile's sums)");
   TORCH_CHECK(epilogue >= kNone && epilogue <= kAdd, "panel_linear: epilogue must be 0..3");
   TORCH_CHECK((epilogue == kMul || epilogue == kAdd) == other.has_value(), "panel_linear: `other` goes with epilogues 2 and 3");
   std::vector<torch::Tensor> inputs = {x, panels};
