@@ -11,6 +11,9 @@ Why: at decoding sizes the torch ops around the matmuls cost more than their ari
   writes the new key and value into the cache in the same pass.
 - Sampling from the full softmax (no top-k / top-p): ``sample_softmax`` draws by the same
   two-level inverse CDF as sampling.py in one pass for the maximum and one for the exponentials.
+- Linears of at most 64 rows (a decoding step reads every weight once, so it is bound by memory):
+  ``panel_linear`` streams each weight from 16-column panels (AVX-512 builds only; the numbers
+  are in packed_linear.py).
 
 Whole generate calls at the benchmark size (batch 64, 128 tokens, interleaved pairs on the
 2-core CI machine): attention 3.58 vs 3.79 s median, and with rotary and cache write 3.70 vs
@@ -26,7 +29,8 @@ elsewhere no ``-march`` at all). The build's name is a hash of everything that c
 source; the flags; torch's version), so a cache shared by different machines, or a machine moved
 to another CPU, never loads a build made for another CPU. Where they cannot be built, or with
 ``VERL_MEGATRON_CPU_KERNELS=0``, decoding keeps the torch ops, with one warning saying why. The
-two agree to float32 rounding for either target (tests/test_cpu_kernels.py).
+two agree to float32 rounding for either target (tests/test_cpu_kernels.py; the panel product:
+tests/test_panel_linear.py).
 """
 
 from __future__ import annotations
