@@ -39,7 +39,8 @@ class AsyncTrainingConfig:
     in float rounding (its micro-batch neighbours differ). Not with MoE routing replay, LoRA or
     rollout.bitwise_parity."""
     old_log_probs_rollout_share: float | None = None
-    """With ``old_log_probs_on_rollout``: the fraction of each batch's rows (its last ones) whose old
+    """With ``old_log_probs_on_rollout``: the fraction of each batch's rows (its last ones; with
+    ``actor.old_log_probs_from_first_update``, of the rows after the first mini-batch) whose old
     log-probs the rollout ranks compute, in (0, 1]; None: rollout.world_size / (trainer dp +
     rollout.world_size), each rollout rank counted as one more replica of the pass. A fixed
     number, not one measured from the roles' idle times, so the rows each side computes (and a

@@ -27,9 +27,10 @@ With ``async_training.old_log_probs_on_rollout`` the old log-probs of a batch's 
 the rollout ranks (``old_log_probs``): they compute them once the weights of the step have
 arrived, while this rank computes the other rows; messages that arrive before they are asked for
 wait in an inbox. With ``actor.old_log_probs_from_first_update`` the first mini-batch's rows need no
-pass (the update forward gives them) and the share applies to the other rows: by default half of
-them here, half on the rollout rank, each pass half as long as without the option (share 1.0: the
-rollout takes them all and this rank computes none, but then waits for them as long).
+pass (the update forward gives them) and the share applies to the other rows (by default one
+share per replica as without the option: with one rollout rank and dp=1, half of them here and half
+there, so with two mini-batches each pass is half as long as without it; share 1.0: the rollout
+takes them all and this rank computes none, but then waits for them as long).
 
 Per-step metrics ``async/*``: staleness mean/max, fraction of samples that span several
 weight versions (partial rollout), the rollout's wait for weights and generation time, and the
@@ -62,6 +63,7 @@ from verl_megatron.trainer.components import (
     train_reward_fn,
 )
 from verl_megatron.trainer.config import PPOConfig
+from verl_megatron.trainer.first_mini_batch import first_update_rows
 from verl_megatron.trainer.ppo_trainer import PPOTrainer
 from verl_megatron.trainer.rollout_source import LogProbFn, ScoreFn
 from verl_megatron.trainer.scoring import BatchScorer, store_scores
@@ -170,12 +172,12 @@ class AsyncRolloutLink:
         self.max_staleness = config.async_training.max_staleness
         self.samples_path = os.path.join(config.trainer.default_local_dir, SAMPLES_FILE)
         self.config = config
-        own = config.actor.ppo_mini_batch_size / config.data.train_batch_size  # the first mini-batch
+        rows = config.data.train_batch_size * config.rollout.n
         self.log_prob_share = rollout_log_prob_share(
             config.async_training,
             runtime.layout.dp,
             len(placement.rollout_ranks),
-            own=own if config.actor.old_log_probs_from_first_update else 0.0,
+            own=first_update_rows(config) / rows,  # the first mini-batch's fraction (0 when off)
         )
         self._inbox: list[DataProto | dict[str, Any]] = []  # batches and old log-probs received ahead of use
         # Exact resume: the versions the rollout still generates with after a checkpoint.
