@@ -41,12 +41,11 @@ constexpr int64_t kAhead = 2048;  // prefetch distance in floats (8 KiB) along t
 
 enum Epilogue : int64_t { kNone = 0, kSwish = 1, kMul = 2, kAdd = 3 };
 
-// sums[j, m, 0:16] = sum over k of x[m, k] * panel_j[k, 0:16] for MB rows of x (row stride ldx)
+// sums[j, m, 0:16] = sum over k of x[m, k] * panel_j[k, 0:16] for MB rows of x [MB, K]
 // and PN consecutive panels (panel_j = panel + j * K * 16).
 #if defined(__AVX512F__)
 template <int MB, int PN>
-void tile(const float* __restrict__ x, int64_t ldx, const float* __restrict__ panel, int64_t K,
-          float* __restrict__ sums) {
+void tile(const float* __restrict__ x, const float* __restrict__ panel, int64_t K, float* __restrict__ sums) {
   for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
     const int64_t k1 = std::min(K, k0 + kChunk);
     __m512 acc[PN][MB];
@@ -61,7 +60,7 @@ void tile(const float* __restrict__ x, int64_t ldx, const float* __restrict__ pa
         w[j] = _mm512_loadu_ps(line);
       }
       for (int m = 0; m < MB; ++m) {
-        const __m512 xv = _mm512_set1_ps(x[m * ldx + k]);
+        const __m512 xv = _mm512_set1_ps(x[m * K + k]);
         for (int j = 0; j < PN; ++j) acc[j][m] = _mm512_fmadd_ps(xv, w[j], acc[j][m]);
       }
     }
@@ -77,14 +76,13 @@ constexpr bool kStreams = true;
 // The same order in plain loops, for targets without AVX-512 (the compiler vectorizes the lanes;
 // it fuses the multiply-add where the target has FMA).
 template <int MB, int PN>
-void tile(const float* __restrict__ x, int64_t ldx, const float* __restrict__ panel, int64_t K,
-          float* __restrict__ sums) {
+void tile(const float* __restrict__ x, const float* __restrict__ panel, int64_t K, float* __restrict__ sums) {
   for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
     const int64_t k1 = std::min(K, k0 + kChunk);
     float acc[PN][MB][kLanes] = {};
     for (int64_t k = k0; k < k1; ++k) {
       for (int m = 0; m < MB; ++m) {
-        const float xv = x[m * ldx + k];
+        const float xv = x[m * K + k];
         for (int j = 0; j < PN; ++j) {
           const float* w = panel + j * K * kLanes + k * kLanes;
 #pragma omp simd
@@ -103,7 +101,7 @@ void tile(const float* __restrict__ x, int64_t ldx, const float* __restrict__ pa
 constexpr bool kStreams = false;
 #endif
 
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*);
+using TileFn = void (*)(const float*, const float*, int64_t, float*);
 
 template <int PN, int... MB>
 constexpr std::array<TileFn, sizeof...(MB)> tiles(std::integer_sequence<int, MB...>) {
@@ -178,7 +176,7 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10
       const float* panel = wp + p * K * kLanes;
       for (int64_t m = 0; m < M; m += block) {
         const int64_t rows = std::min(block, M - m);
-        (panels_here == 2 ? kPairTiles[rows - 1] : kTiles[rows - 1])(xp + m * K, K, panel, K, sums);
+        (panels_here == 2 ? kPairTiles[rows - 1] : kTiles[rows - 1])(xp + m * K, panel, K, sums);
         for (int64_t j = 0; j < panels_here; ++j) {
           const int64_t n0 = (p + j) * kLanes, n1 = std::min(N, n0 + kLanes);
           finish(sums + j * rows * kLanes, rows, n0, n1, bp, epilogue, opp ? opp + m * N : nullptr, op + m * N, N);
