@@ -41,6 +41,7 @@ __all__ = [
     "compute_rollout_correction_weights",
     "compute_rollout_rejection_mask",
     "compute_rs_metrics",
+    "rollout_is_weights",
 ]
 
 TOKEN_LEVEL_ROLLOUT_RS_OPTIONS: set[str] = {"token_k1", "token_k2", "token_k3"}
@@ -253,6 +254,39 @@ def _is_batch_mean(weights: torch.Tensor, response_mask: torch.Tensor, rollout_i
     return total[0] / total[1].clamp_min(1e-8)
 
 
+def _is_weights(
+    log_ratio: torch.Tensor, response_mask: torch.Tensor, rollout_is: str, upper: float, lower: float | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(truncated or masked weights, raw weights, the log-ratio they came from): the arithmetic of
+    :func:`compute_rollout_correction_weights` without its metrics or batch normalisation."""
+    if rollout_is not in IS_LEVELS:
+        raise ValueError(f"Invalid rollout_is: {rollout_is}. Must be one of {set(IS_LEVELS)}.")
+    if rollout_is == "token":
+        log_for_metrics = log_ratio
+        raw = torch.exp(torch.clamp(log_ratio, -SAFETY_BOUND, SAFETY_BOUND))
+    else:
+        log_for_metrics = masked_sum(log_ratio, response_mask, -1).unsqueeze(-1)
+        raw = torch.exp(torch.clamp(log_for_metrics, -SAFETY_BOUND, SAFETY_BOUND)).expand_as(log_ratio)
+    raw = raw * response_mask
+    if lower is None:
+        return raw.clamp(max=upper), raw, log_for_metrics
+    inside = (raw >= lower) & (raw <= upper)
+    return torch.where(inside, raw, torch.zeros_like(raw)), raw, log_for_metrics
+
+
+def rollout_is_weights(
+    log_ratio: torch.Tensor,
+    response_mask: torch.Tensor,
+    rollout_is: str = "token",
+    rollout_is_threshold: str | float = 2.0,
+) -> torch.Tensor:
+    """The detached IS weights of :func:`compute_rollout_correction_weights` (no batch
+    normalisation), without its metrics: for a caller inside the update, where the metrics would
+    cost a host sync per micro-batch and nobody reads them."""
+    upper, lower = parse_rollout_is_threshold(rollout_is_threshold)
+    return _is_weights(log_ratio, response_mask, rollout_is, upper, lower)[0].detach()
+
+
 def compute_rollout_correction_weights(
     log_ratio: torch.Tensor,
     response_mask: torch.Tensor,
@@ -268,21 +302,8 @@ def compute_rollout_correction_weights(
     With batch normalisation the weights are divided by their mean (tokens, or rows for
     sequence level; over all ranks when torch.distributed is up).
     """
-    if rollout_is not in IS_LEVELS:
-        raise ValueError(f"Invalid rollout_is: {rollout_is}. Must be one of {set(IS_LEVELS)}.")
     upper, lower = parse_rollout_is_threshold(rollout_is_threshold)
-    if rollout_is == "token":
-        log_for_metrics = log_ratio
-        raw = torch.exp(torch.clamp(log_ratio, -SAFETY_BOUND, SAFETY_BOUND))
-    else:
-        log_for_metrics = masked_sum(log_ratio, response_mask, -1).unsqueeze(-1)
-        raw = torch.exp(torch.clamp(log_for_metrics, -SAFETY_BOUND, SAFETY_BOUND)).expand_as(log_ratio)
-    raw = raw * response_mask
-    if lower is None:
-        weights = raw.clamp(max=upper)
-    else:
-        inside = (raw >= lower) & (raw <= upper)
-        weights = torch.where(inside, raw, torch.zeros_like(raw))
+    weights, raw, log_for_metrics = _is_weights(log_ratio, response_mask, rollout_is, upper, lower)
     metrics = compute_is_metrics(weights, raw, log_for_metrics, response_mask, rollout_is, upper, lower)
     if lower is not None:
         outside = (raw < lower) | (raw > upper)

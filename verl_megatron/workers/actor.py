@@ -26,7 +26,7 @@ import torch.distributed as dist
 from verl_megatron.algos import core_algos
 from verl_megatron.algos.gkd import generalized_jsd_per_token
 from verl_megatron.algos.policy_losses import metrics_on_device
-from verl_megatron.algos.rollout_corr_helper import compute_rollout_correction_weights
+from verl_megatron.algos.rollout_corr_helper import rollout_is_weights
 from verl_megatron.distributed.modules import unwrap
 from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.models.batch_invariant import BatchInvariance
@@ -329,9 +329,7 @@ def _old_and_is_weights(
     own = t[_OWN_OLD_KEY].unsqueeze(-1)
     old = torch.where(own, log_probs.detach(), old)
     if own_is is not None and weights is not None:
-        mine, _ = compute_rollout_correction_weights(
-            old - t["rollout_log_probs"], t["response_mask"], **own_is
-        )
+        mine = rollout_is_weights(old - t["rollout_log_probs"], t["response_mask"], **own_is)
         weights = torch.where(own, mine, weights)
     return old, weights
 
