@@ -194,9 +194,10 @@ def test_refused_where_the_first_rows_are_read_before_the_update(override, named
 
 def test_async_split_of_the_later_rows():
     from verl_megatron.protocol import DataProto
-    from verl_megatron.rollout.async_worker import first_rows_skipped, old_log_prob_split
+    from verl_megatron.rollout.async_worker import old_log_prob_split
     from verl_megatron.trainer.async_config import AsyncTrainingConfig
     from verl_megatron.trainer.async_trainer import rollout_log_prob_share
+    from verl_megatron.trainer.first_mini_batch import first_rows_skipped
 
     on = AsyncTrainingConfig(old_log_probs_on_rollout=True)
     all_later = AsyncTrainingConfig(old_log_probs_on_rollout=True, old_log_probs_rollout_share=1.0)

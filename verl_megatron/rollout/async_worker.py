@@ -52,7 +52,6 @@ __all__ = [
     "ChunkWeights",
     "RolloutModel",
     "RolloutWorker",
-    "first_rows_skipped",
     "from_wire",
     "last_rows_log_probs",
     "old_log_prob_split",
@@ -80,25 +79,6 @@ def last_rows_log_probs(
     if first == len(batch):
         return first, torch.zeros(0, batch.batch["responses"].shape[1])
     return first, compute(batch.slice(first, None))
-
-
-def first_rows_skipped(
-    rows: int, compute: Callable[[DataProto], torch.Tensor]
-) -> Callable[[DataProto], torch.Tensor]:
-    """``compute`` for a batch whose first ``rows`` rows need no old log-probs (the actor takes them
-    from its first mini-batch's update forward, ``actor.old_log_probs_from_first_update``): [B, Tr]
-    with NaN in rows 0..rows-1 and ``compute``'s on the rest (not called when there is none)."""
-
-    def skipped(batch: DataProto) -> torch.Tensor:
-        rest = batch.slice(rows, None) if rows < len(batch) else None
-        computed = compute(rest) if rest is not None else None
-        width = batch.batch["responses"].shape[1]
-        nan = torch.full((min(rows, len(batch)), width), float("nan"))
-        if computed is None:
-            return nan
-        return torch.cat([nan.to(computed.device, computed.dtype), computed])
-
-    return skipped
 
 
 def to_wire(batch: DataProto) -> DataProto:

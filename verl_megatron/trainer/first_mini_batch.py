@@ -1,9 +1,12 @@
 """``actor.old_log_probs_from_first_update`` on the trainer's side: how many first rows the actor's
-update forward gives the old log-probs of, and rollout correction (importance weights) of the other
-rows only; the actor computes the first rows' weights from its forward (``meta_info[IS_SETTINGS]``).
+update forward gives the old log-probs of, the old-log-prob pass that skips them, and rollout
+correction (importance weights) of the other rows only; the actor computes the first rows'
+weights from its forward (``meta_info[FIRST_UPDATE_IS]``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -12,7 +15,7 @@ from verl_megatron.trainer.config import PPOConfig
 from verl_megatron.trainer.ppo.rollout_correction import apply_rollout_correction
 from verl_megatron.workers.actor import FIRST_UPDATE_IS
 
-__all__ = ["first_update_rows", "rollout_correction"]
+__all__ = ["first_rows_skipped", "first_update_rows", "rollout_correction"]
 
 
 def first_update_rows(config: PPOConfig) -> int:
@@ -44,3 +47,22 @@ def rollout_correction(batch: DataProto, config: PPOConfig) -> dict[str, float]:
             "rollout_is_threshold": corr.rollout_is_threshold,
         }
     return metrics
+
+
+def first_rows_skipped(
+    rows: int, compute: Callable[[DataProto], torch.Tensor]
+) -> Callable[[DataProto], torch.Tensor]:
+    """``compute`` for a batch whose first ``rows`` rows need no old log-probs (the actor takes them
+    from its first mini-batch's update forward, ``actor.old_log_probs_from_first_update``): [B, Tr]
+    with NaN in rows 0..rows-1 and ``compute``'s on the rest (not called when there is none)."""
+
+    def skipped(batch: DataProto) -> torch.Tensor:
+        rest = batch.slice(rows, None) if rows < len(batch) else None
+        computed = compute(rest) if rest is not None else None
+        width = batch.batch["responses"].shape[1]
+        nan = torch.full((min(rows, len(batch)), width), float("nan"))
+        if computed is None:
+            return nan
+        return torch.cat([nan.to(computed.device, computed.dtype), computed])
+
+    return skipped

@@ -36,14 +36,13 @@ from verl_megatron.algos import core_algos
 from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.models.offload import Offloader
 from verl_megatron.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
-from verl_megatron.rollout.async_worker import first_rows_skipped
 from verl_megatron.rollout.layout import gather_replicas, shard_for
 from verl_megatron.trainer import metrics as M
 from verl_megatron.trainer.components import Components, RewardFn, total_training_steps
 from verl_megatron.trainer.config import PPOConfig, to_dict
 from verl_megatron.trainer.distill_stage import DistillTeacher, distill_advantages, teacher_log_probs
 from verl_megatron.trainer.final_export import export_final_model
-from verl_megatron.trainer.first_mini_batch import first_update_rows, rollout_correction
+from verl_megatron.trainer.first_mini_batch import first_rows_skipped, first_update_rows, rollout_correction
 from verl_megatron.trainer.guard import DivergenceGuard
 from verl_megatron.trainer.parity_probe import parity_probe
 from verl_megatron.trainer.rollout_phase import rollout_phase
