@@ -201,14 +201,16 @@ class RolloutConfig:
     shared expert (qwen2_moe).
     Off: the two differ by float rounding (~1e-6 in float32, ~1e-3 in bfloat16)."""
     keep_packed_weights: bool = True
-    """native engine on CPU (float32): keep the linears' oneDNN-packed weight copies from one
+    """native engine on CPU (float32): keep the linears' packed weight copies (16-column panels for
+    products of up to 64 rows, oneDNN's layout for larger ones: cpu/packed_linear.py) from one
     generate call to the next while the caller's weights version (the trainer's count of actor
     updates) stays the same, instead of re-packing them every call (about 0.5 s of CPU per call
     at 0.5B parameters); validation, calls of several samples, multi-turn and agent turns and
-    partial-rollout segments reuse them. Memory: the copies are a
-    second float32 copy of every linear weight (about as large as the model), held from a call
-    until the next call of another version, i.e. through the training update in between; false
-    frees them at the end of every call."""
+    partial-rollout segments reuse them, and a new version rewrites the panels in place. Memory:
+    each layout in use is another float32 copy of every linear weight (about as large as the
+    model; both layouts when a call's prefill has more than 64 rows and its decoding at most 64),
+    held from a call until the next call of another version, i.e. through the training update in
+    between; false frees them at the end of every call."""
     parity_probe_interval: int = 10
     """With algorithm.rollout_correction.bypass_mode (which trusts bitwise parity and so skips the
     log-prob diff): every this many steps the actor recomputes one micro-batch's log-probs and

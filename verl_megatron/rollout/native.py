@@ -100,7 +100,7 @@ class NativeRollout(RolloutEngine):
             else None
         )
         self._routes = route_recorder if route_recorder is not None else NO_RECORDER
-        # CPU: the linears' oneDNN-packed weights, kept between calls of one weights version
+        # CPU: the linears' packed weights (panels / oneDNN), kept between calls of one weights version
         # (``packed.packs`` counts the weights packed so far).
         self.packed = PackedWeights(keep=config.keep_packed_weights)
         # Of the last call: decode_steps (forward steps after the prefill), final_cache_rows (rows
