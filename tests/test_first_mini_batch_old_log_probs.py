@@ -48,12 +48,13 @@ def update_job(path: str) -> dict:
     from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
     from verl_megatron.protocol import DataProto
     from verl_megatron.workers.actor import FIRST_UPDATE_IS
+    from verl_megatron.workers.batching import LateRows
 
     runtime = init_runtime(ParallelLayout(), seed=5)
     out: dict = {}
-    for own in (False, True):
+    for own in (False, True, "late"):
         chunks, actor = build_actor(
-            runtime, path, kl_actor_config(old_log_probs_from_first_update=own, **SETTINGS)
+            runtime, path, kl_actor_config(old_log_probs_from_first_update=bool(own), **SETTINGS)
         )
         data = DataProto.from_dict(make_batch(), meta_info={"temperature": TEMPERATURE})
         old, _ = actor.compute_log_prob(data)
@@ -67,10 +68,18 @@ def update_job(path: str) -> dict:
             given[:FIRST] = weights[:FIRST] = float("nan")
             data.meta_info[FIRST_UPDATE_IS] = IS
         data.batch["old_log_probs"], data.batch["rollout_is_weights"] = given, weights
+        late, seen = None, []
+        if own == "late":  # rows 4..7 arrive once the first mini-batch has updated
+            arrived = {"old_log_probs": given[FIRST:].clone(), "rollout_is_weights": weights[FIRST:].clone()}
+            given[FIRST:] = weights[FIRST:] = float("nan")
+            snapshot = lambda: {n: t.clone() for n, t in full_weights(chunks, runtime).items()}  # noqa: E731
+            seen.append(snapshot())
+            late = LateRows(FIRST, lambda: seen.append(snapshot()) or arrived)
         out[own] = {
             "old": old,
-            "metrics": actor.update_policy(data),
+            "metrics": actor.update_policy(data, late),
             "weights": full_weights(chunks, runtime),
+            "seen": seen,
         }
     return out
 
@@ -117,6 +126,20 @@ def test_first_mini_batch_ratio_is_one_and_the_update_matches(updates, model_pat
     assert_adam_weights_close(
         own["weights"], plain["weights"], lr=LR, steps=2, what="weights after both steps"
     )
+
+
+def test_rows_that_arrive_during_the_update_train_bit_for_bit_the_same(updates):
+    # An async run's rollout rows: NaN when the update starts, fetched when mini-batch 2 is cut.
+    own, late = updates[True], updates["late"]
+    before, at_fetch = late["seen"]  # fetched once, after the first optimizer step and before the second
+    assert any(not torch.equal(before[n], at_fetch[n]) for n in before), "fetched before the first step"
+    assert any(not torch.equal(at_fetch[n], late["weights"][n]) for n in before), (
+        "fetched after the last step"
+    )
+    differ = {k: (v, late["metrics"][k]) for k, v in own["metrics"].items() if v != late["metrics"][k]}
+    assert not differ, f"metrics differ: {differ}"
+    bad = [n for n in own["weights"] if not torch.equal(own["weights"][n], late["weights"][n])]
+    assert not bad, f"weights differ in {bad[:4]}"
 
 
 def parity_job(out_dir: str, overrides: list[str]) -> dict:
@@ -223,3 +246,42 @@ def test_async_split_of_the_later_rows():
     assert calls == [4, 8] and torch.isnan(whole[:8]).all()
     assert torch.equal(whole[8:], batch.batch["responses"][8:].float())
     assert torch.equal(mine[8:], whole[8:12])
+
+
+def test_late_rows_get_the_stages_own_correction_and_metrics():
+    # An async run's rows that arrive during the update: once taken, the batch holds the same old
+    # log-probs, IS weights and metrics as the stage computes when every row is there at once.
+    from verl_megatron.protocol import DataProto
+    from verl_megatron.trainer.config import load_config
+    from verl_megatron.trainer.first_mini_batch import LateOldLogProbs, pass_diff_metrics, rollout_correction
+    from verl_megatron.trainer.rollout_source import ArrivingOldLogProbs
+
+    config = load_config(
+        QUICKSTART,
+        [*QUICKSTART_PARITY, OPTION, *(f"algorithm.rollout_correction.{k}={v}" for k, v in IS.items())],
+    )
+    g = torch.Generator().manual_seed(0)
+    rows, width, own, first = 16, 3, 8, 12  # the first mini-batch's own rows; the rollout's from row 12
+    old = torch.randn(rows, width, generator=g, dtype=torch.float64).float()
+    old[:own] = float("nan")
+    tensors = {
+        "old_log_probs": old,
+        "rollout_log_probs": old.nan_to_num() + 0.3 * torch.randn(rows, width, generator=g),
+        "response_mask": (torch.rand(rows, width, generator=g) > 0.2).float(),
+        "responses": torch.zeros(rows, width, dtype=torch.long),
+    }
+    whole = DataProto.from_dict({k: v.clone() for k, v in tensors.items()}, meta_info={})
+    expected = pass_diff_metrics(whole, own)
+    expected.update(rollout_correction(whole, config))
+    batch = DataProto.from_dict({k: v.clone() for k, v in tensors.items()}, meta_info={})
+    batch.batch["old_log_probs"][first:] = float("nan")  # the rollout's rows, on their way
+    timing: dict[str, float] = {}
+    late = LateOldLogProbs(batch, config, ArrivingOldLogProbs(first, lambda: old[first:].clone()), timing)
+    assert torch.isnan(batch.batch["rollout_is_weights"]).all()  # no weight before the rows are there
+    fetched = late.rows().fetch()
+    assert late.finish() == expected and "wait_old_log_probs" in timing
+    assert late.rows().first_row == own and sorted(fetched) == ["old_log_probs", "rollout_is_weights"]
+    for key in ("old_log_probs", "rollout_is_weights"):
+        assert torch.equal(fetched[key], whole.batch[key][own:]), key
+        assert torch.equal(batch.batch[key][own:], whole.batch[key][own:]), key
+    assert batch.meta_info == whole.meta_info  # the IS settings for the first rows' own weights

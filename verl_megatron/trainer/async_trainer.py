@@ -29,8 +29,9 @@ arrived, while this rank computes the other rows; messages that arrive before th
 wait in an inbox. With ``actor.old_log_probs_from_first_update`` the first mini-batch's rows need no
 pass (the update forward gives them) and the share applies to the other rows (by default one
 share per replica as without the option: with one rollout rank and dp=1, half of them here and half
-there, so with two mini-batches each pass is half as long as without it; share 1.0: the rollout
-takes them all and this rank computes none, but then waits for them as long).
+there; share 1.0: the rollout takes them all and this rank computes none). The rollout's rows are
+then not waited for before the update: the update takes them when it cuts its second mini-batch
+(``LateOldLogProbs``), so they are computed while the first one trains.
 
 Per-step metrics ``async/*``: staleness mean/max, fraction of samples that span several
 weight versions (partial rollout), the rollout's wait for weights and generation time, and the
@@ -65,7 +66,7 @@ from verl_megatron.trainer.components import (
 from verl_megatron.trainer.config import PPOConfig
 from verl_megatron.trainer.first_mini_batch import first_update_rows
 from verl_megatron.trainer.ppo_trainer import PPOTrainer
-from verl_megatron.trainer.rollout_source import LogProbFn, ScoreFn
+from verl_megatron.trainer.rollout_source import ArrivingOldLogProbs, LogProbFn, ScoreFn
 from verl_megatron.trainer.scoring import BatchScorer, store_scores
 from verl_megatron.trainer.stall import StageMarks, timed_stage
 from verl_megatron.trainer.trainer_checkpoint import RecentWeights, resumed_step_dir, save_due
@@ -173,11 +174,9 @@ class AsyncRolloutLink:
         self.samples_path = os.path.join(config.trainer.default_local_dir, SAMPLES_FILE)
         self.config = config
         rows = config.data.train_batch_size * config.rollout.n
+        self.own_rows = first_update_rows(config)  # the first mini-batch's (0 when off)
         self.log_prob_share = rollout_log_prob_share(
-            config.async_training,
-            runtime.layout.dp,
-            len(placement.rollout_ranks),
-            own=first_update_rows(config) / rows,  # the first mini-batch's fraction (0 when off)
+            config.async_training, runtime.layout.dp, len(placement.rollout_ranks), own=self.own_rows / rows
         )
         self._inbox: list[DataProto | dict[str, Any]] = []  # batches and old log-probs received ahead of use
         # Exact resume: the versions the rollout still generates with after a checkpoint.
@@ -288,23 +287,35 @@ class AsyncRolloutLink:
 
     # ------------------------------------------------------------------ old log-probs
 
-    def old_log_probs(self, step: int, batch: DataProto, compute: LogProbFn) -> torch.Tensor:
+    def old_log_probs(
+        self, step: int, batch: DataProto, compute: LogProbFn
+    ) -> tuple[torch.Tensor, ArrivingOldLogProbs | None]:
         """[B, Tr] old log-probs of step ``step``'s batch: ``compute``'s (the actor's pass) for the
-        first rows, the rollout ranks' for the last ``log_prob_share`` of them."""
+        first rows, the rollout ranks' for the last ``log_prob_share`` of them. When the actor's
+        update gives the first mini-batch's own (``own_rows``), the rollout's rows are NaN here and
+        come as ``ArrivingOldLogProbs``, taken during the update."""
         if self.log_prob_share == 0:
-            return compute(batch)
+            return compute(batch), None
         first = old_log_prob_split(len(batch), self.log_prob_share)
         parts = [compute(batch.slice(0, first))] if first > 0 else []
+        device = parts[0].device if parts else self.runtime.device
+        shape = (len(batch) - first, batch.batch["responses"].shape[1])
+        take = functools.partial(self._rollout_rows, step, first, shape)
+        if self.own_rows == 0:
+            return torch.cat([*parts, take().to(device)]), None
+        later = torch.full(shape, float("nan"), device=device)  # the update takes them when it needs them
+        return torch.cat([*parts, later]), ArrivingOldLogProbs(first, take)
+
+    def _rollout_rows(self, step: int, first: int, shape: tuple[int, int]) -> torch.Tensor:
+        """The rollout ranks' old log-probs of step ``step``'s rows ``first``.. ([B - first, Tr])."""
         message = self._receive("old_log_probs", step)
         theirs = message["log_probs"]
-        width = batch.batch["responses"].shape[1]
-        if message["first_row"] != first or tuple(theirs.shape) != (len(batch) - first, width):
+        if message["first_row"] != first or tuple(theirs.shape) != shape:
             raise RuntimeError(
                 f"async step {step}: the rollout sent old log-probs of shape {tuple(theirs.shape)} from row "
-                f"{message['first_row']}, expected {(len(batch) - first, width)} from row {first}"
+                f"{message['first_row']}, expected {shape} from row {first}"
             )
-        device = parts[0].device if parts else self.runtime.device
-        return torch.cat([*parts, theirs.to(device)])
+        return theirs
 
     def _staleness(self, batch: DataProto, step: int) -> dict[str, float]:
         """Per sample: step - 1 - oldest weight version among its tokens; the bound is enforced."""

@@ -1,7 +1,8 @@
 """``actor.old_log_probs_from_first_update`` on the trainer's side: how many first rows the actor's
 update forward gives the old log-probs of, the old-log-prob pass that skips them, and rollout
 correction (importance weights) of the other rows only; the actor computes the first rows'
-weights from its forward (``meta_info[FIRST_UPDATE_IS]``).
+weights from its forward (``meta_info[FIRST_UPDATE_IS]``). In an async run the rollout ranks'
+rows then arrive during the update (``LateOldLogProbs``): the first mini-batch needs none of them.
 """
 
 from __future__ import annotations
@@ -11,11 +12,20 @@ from collections.abc import Callable
 import torch
 
 from verl_megatron.protocol import DataProto
+from verl_megatron.trainer import metrics as M
 from verl_megatron.trainer.config import PPOConfig
 from verl_megatron.trainer.ppo.rollout_correction import apply_rollout_correction
+from verl_megatron.trainer.rollout_source import ArrivingOldLogProbs
 from verl_megatron.workers.actor import FIRST_UPDATE_IS
+from verl_megatron.workers.batching import LateRows
 
-__all__ = ["first_rows_skipped", "first_update_rows", "rollout_correction"]
+__all__ = [
+    "LateOldLogProbs",
+    "first_rows_skipped",
+    "first_update_rows",
+    "pass_diff_metrics",
+    "rollout_correction",
+]
 
 
 def first_update_rows(config: PPOConfig) -> int:
@@ -25,21 +35,23 @@ def first_update_rows(config: PPOConfig) -> int:
     return actor.ppo_mini_batch_size * config.rollout.n if actor.old_log_probs_from_first_update else 0
 
 
-def rollout_correction(batch: DataProto, config: PPOConfig) -> dict[str, float]:
+def rollout_correction(batch: DataProto, config: PPOConfig, later: bool = False) -> dict[str, float]:
     """``apply_rollout_correction``; with the option on, of the rows after the first mini-batch only
     (their ``rollout_corr/*`` metrics), NaN weights in the first rows and the IS settings in
     ``meta_info`` for the actor, which weighs those rows with its own forward's log-probs. Rejection
-    sampling and batch-normalised weights are refused at start-up (trainer/validate.py)."""
+    sampling and batch-normalised IS weights are refused at start-up (trainer/validate.py).
+    ``later``: the other rows' old log-probs are still to come; their weights are NaN too (and no
+    metrics) until a second call."""
     corr = config.algorithm.rollout_correction
     own = first_update_rows(config)
     if own == 0 or not corr.enabled or corr.bypass_mode:
         return apply_rollout_correction(batch, corr)
     tensors = batch.batch
     rest = batch.slice(own, None)
-    metrics = apply_rollout_correction(rest, corr) if len(rest) else {}
+    metrics = apply_rollout_correction(rest, corr) if len(rest) and not later else {}
     if corr.rollout_is is not None:
         weights = torch.full_like(tensors["old_log_probs"], float("nan"))
-        if len(rest):
+        if len(rest) and not later:
             weights[own:] = rest.batch["rollout_is_weights"]
         tensors["rollout_is_weights"] = weights
         batch.meta_info[FIRST_UPDATE_IS] = {
@@ -66,3 +78,56 @@ def first_rows_skipped(
         return torch.cat([nan.to(computed.device, computed.dtype), computed])
 
     return skipped
+
+
+def pass_diff_metrics(batch: DataProto, first: int) -> dict[str, float]:
+    """How far the rollout's log-probs are from the old-log-prob pass's, over rows ``first``.. (the
+    ones the pass computed); {} when the rollout gave none."""
+    tensors = batch.batch
+    if "rollout_log_probs" not in tensors.keys():  # noqa: SIM118
+        return {}
+    rows = slice(first, None)
+    return M.rollout_probs_diff_metrics(
+        tensors["rollout_log_probs"][rows], tensors["old_log_probs"][rows], tensors["response_mask"][rows]
+    )
+
+
+class LateOldLogProbs:
+    """Old log-probs that arrive during the actor's update (``arriving``: an async run's rollout
+    ranks compute them once the step's weights reached them), with the option on.
+
+    Until then their rows are NaN, and so are the IS weights of every row after the first
+    mini-batch. ``rows()`` is the actor's ``LateRows``: when the second mini-batch is cut it takes
+    them, then computes what the old-log-prob stage computes when nothing comes late (the pass's
+    log-prob diff and rollout correction of the rows after the first mini-batch: the same values),
+    the metrics kept for ``finish()``; its wait is ``timing["wait_old_log_probs"]``.
+    ``finish()`` after the update takes them if the update did not (no actor update this step).
+    """
+
+    def __init__(
+        self, batch: DataProto, config: PPOConfig, arriving: ArrivingOldLogProbs, timing: dict[str, float]
+    ) -> None:
+        self.batch, self.config, self.arriving, self.timing = batch, config, arriving, timing
+        self.own = first_update_rows(config)
+        self.metrics: dict[str, float] | None = None
+        rollout_correction(batch, config, later=True)
+
+    def rows(self) -> LateRows:
+        return LateRows(first_row=self.own, fetch=self._take)
+
+    def _take(self) -> dict[str, torch.Tensor]:
+        tensors = self.batch.batch
+        with M.timed("wait_old_log_probs", self.timing):
+            arrived = self.arriving.take()
+        old = tensors["old_log_probs"]
+        old[self.arriving.first_row :] = arrived.to(old.device, old.dtype)
+        self.metrics = pass_diff_metrics(self.batch, self.own)
+        self.metrics.update(rollout_correction(self.batch, self.config))
+        keys = [k for k in ("old_log_probs", "rollout_is_weights") if k in tensors.keys()]  # noqa: SIM118
+        return {k: tensors[k][self.own :] for k in keys}
+
+    def finish(self) -> dict[str, float]:
+        if self.metrics is None:
+            self._take()
+        assert self.metrics is not None
+        return self.metrics

@@ -42,11 +42,17 @@ from verl_megatron.trainer.components import Components, RewardFn, total_trainin
 from verl_megatron.trainer.config import PPOConfig, to_dict
 from verl_megatron.trainer.distill_stage import DistillTeacher, distill_advantages, teacher_log_probs
 from verl_megatron.trainer.final_export import export_final_model
-from verl_megatron.trainer.first_mini_batch import first_rows_skipped, first_update_rows, rollout_correction
+from verl_megatron.trainer.first_mini_batch import (
+    LateOldLogProbs,
+    first_rows_skipped,
+    first_update_rows,
+    pass_diff_metrics,
+    rollout_correction,
+)
 from verl_megatron.trainer.guard import DivergenceGuard
 from verl_megatron.trainer.parity_probe import parity_probe
 from verl_megatron.trainer.rollout_phase import rollout_phase
-from verl_megatron.trainer.rollout_source import LogProbFn, RolloutSource
+from verl_megatron.trainer.rollout_source import ArrivingOldLogProbs, LogProbFn, RolloutSource
 from verl_megatron.trainer.scoring import Reward, combined_reward, store_scores
 from verl_megatron.trainer.stall import StageMarks, timed_stage
 from verl_megatron.trainer.tracking import Tracking
@@ -76,8 +82,10 @@ class LocalRollout:
         assert trainer is not None, "the trainer of this rollout source is gone"
         return trainer._collect_batch(step, timing)
 
-    def old_log_probs(self, step: int, batch: DataProto, compute: LogProbFn) -> torch.Tensor:
-        return compute(batch)
+    def old_log_probs(
+        self, step: int, batch: DataProto, compute: LogProbFn
+    ) -> tuple[torch.Tensor, ArrivingOldLogProbs | None]:
+        return compute(batch), None
 
     def after_update(self, step: int, timing: dict[str, float]) -> None:
         pass
@@ -208,16 +216,19 @@ class PPOTrainer:
         with M.timed("step", timing):
             batch, gen_metrics = self.rollout_source.next_batch(step, timing)
             metrics.update(gen_metrics)
-            metrics.update(self._old_log_probs(batch, step, timing))
+            late = self._old_log_probs(batch, step, timing, metrics)
             if self.config.algorithm.rollout_correction.bypass_mode:  # bypass trusts parity: probe it
                 metrics.update(parity_probe(self.actor, batch, step, self.config.rollout, timing))
-            metrics.update(rollout_correction(batch, self.config))
+            if late is None:
+                metrics.update(rollout_correction(batch, self.config))
             self._reference_and_values(batch, timing)
             if self.teacher is not None:  # log p_teacher of the sampled tokens
                 metrics.update(teacher_log_probs(self.teacher, batch, timing, self.config.algorithm.distill))
             with self._stage("adv", timing):
                 metrics.update(self._compute_advantages(batch))
-            metrics.update(self._update(batch, step, timing))
+            metrics.update(self._update(batch, step, timing, late))
+            if late is not None:  # the pass's diff and rollout correction of the rows that came late
+                metrics.update(late.finish())
             self.rollout_source.after_update(step, timing)
             metrics.update(self._test_and_save(step, timing))
         metrics.update(self._batch_metrics(batch, timing))
@@ -227,9 +238,12 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ the step's stages
 
-    def _old_log_probs(self, batch: DataProto, step: int, timing: dict[str, float]) -> dict[str, float]:
+    def _old_log_probs(
+        self, batch: DataProto, step: int, timing: dict[str, float], metrics: dict[str, float]
+    ) -> LateOldLogProbs | None:
         """``old_log_probs``: the rollout's (bypass), recomputed by the actor, or (on-policy) none
-        here; with both, how far the rollout's log-probs are from the recomputed ones."""
+        here; with both, how far the rollout's log-probs are from the recomputed ones (into
+        ``metrics``). Rows the rollout source gives during the update: their ``LateOldLogProbs``."""
         bypass = self.config.algorithm.rollout_correction.bypass_mode
         recompute = self.config.actor.recompute_old_log_prob
         own = first_update_rows(self.config)
@@ -241,16 +255,14 @@ class PPOTrainer:
                 compute = lambda data: self.actor.compute_log_prob(data)[0]  # noqa: E731
                 if own:  # the first mini-batch's rows (NaN here) come from the actor's update forward
                     compute = first_rows_skipped(own, compute)
-                batch.batch["old_log_probs"] = self.rollout_source.old_log_probs(step, batch, compute)
+                old, arriving = self.rollout_source.old_log_probs(step, batch, compute)
+                batch.batch["old_log_probs"] = old
+            if arriving is not None:
+                return LateOldLogProbs(batch, self.config, arriving, timing)
         # else: an on-policy update takes its own log-probs as the old ones (checked at start-up).
-        if bypass or not recompute or "rollout_log_probs" not in batch.batch.keys():  # noqa: SIM118
-            return {}
-        rows = slice(own, None)  # the rows the pass computed
-        return M.rollout_probs_diff_metrics(
-            batch.batch["rollout_log_probs"][rows],
-            batch.batch["old_log_probs"][rows],
-            batch.batch["response_mask"][rows],
-        )
+        if recompute and not bypass:
+            metrics.update(pass_diff_metrics(batch, own))  # the rows the pass computed
+        return None
 
     def _reference_and_values(self, batch: DataProto, timing: dict[str, float]) -> None:
         if self.ref is not None:
@@ -260,15 +272,19 @@ class PPOTrainer:
             with self._stage("values", timing):
                 batch.batch["values"] = self.critic.compute_values(batch)
 
-    def _update(self, batch: DataProto, step: int, timing: dict[str, float]) -> dict[str, float]:
-        """The critic's update, then the actor's (after ``trainer.critic_warmup`` steps)."""
+    def _update(
+        self, batch: DataProto, step: int, timing: dict[str, float], late: LateOldLogProbs | None
+    ) -> dict[str, float]:
+        """The critic's update, then the actor's (after ``trainer.critic_warmup`` steps), which
+        takes ``late``'s rows when it needs them."""
         metrics: dict[str, float] = {}
         if self.critic is not None:
             with self._stage("update_critic", timing):
                 metrics.update(self._report_skips("critic", self.critic.update_critic(batch), step))
         if step > self.config.trainer.critic_warmup:
             with self._stage("update_actor", timing):
-                metrics.update(self._report_skips("actor", self.actor.update_policy(batch), step))
+                update = self.actor.update_policy(batch, late.rows() if late is not None else None)
+                metrics.update(self._report_skips("actor", update, step))
             self._weights_version += 1
         if self.routes is not None:
             metrics.update(self.routes.end_step())

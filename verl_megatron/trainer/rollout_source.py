@@ -1,8 +1,8 @@
 """Where the trainer's batches come from: the step calls its rollout source at two points.
 
     batch, metrics = source.next_batch(step, timing)   # the step's batch, scored
-    batch.batch["old_log_probs"] = source.old_log_probs(step, batch, compute)  # when recomputed
-    ...reference, values, advantages, critic and actor updates...
+    old, arriving = source.old_log_probs(step, batch, compute)  # when recomputed
+    ...reference, values, advantages, critic and actor updates (``arriving``'s rows taken in it)...
     source.after_update(step, timing)                  # the updated weights are out
 
 plus ``start(step)`` once the run has resumed (0: a fresh start) and ``finish()`` after the last
@@ -14,13 +14,14 @@ weights (``AsyncRolloutLink``, in ``async_trainer.py``).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from verl_megatron.protocol import DataProto
 
-__all__ = ["LogProbFn", "RolloutSource", "ScoreFn"]
+__all__ = ["ArrivingOldLogProbs", "LogProbFn", "RolloutSource", "ScoreFn"]
 
 ScoreFn = Callable[[DataProto], dict[str, float]]
 """Scores a training batch in place (``token_level_scores`` and the extra info); returns the
@@ -28,6 +29,15 @@ counts of contained scorer failures."""
 
 LogProbFn = Callable[[DataProto], torch.Tensor]
 """The actor's old-log-prob pass: [B, Tr] log-probs of a batch's response tokens."""
+
+
+@dataclass(frozen=True)
+class ArrivingOldLogProbs:
+    """Old log-probs of a batch's rows ``first_row``.. that another rank computes and the actor's
+    update takes when it needs them (``take`` waits for them: [B - first_row, Tr])."""
+
+    first_row: int
+    take: Callable[[], torch.Tensor]
 
 
 class RolloutSource(Protocol):
@@ -40,9 +50,12 @@ class RolloutSource(Protocol):
         """Step ``step``'s scored batch and its generation metrics; stage times go to ``timing``."""
         ...
 
-    def old_log_probs(self, step: int, batch: DataProto, compute: LogProbFn) -> torch.Tensor:
+    def old_log_probs(
+        self, step: int, batch: DataProto, compute: LogProbFn
+    ) -> tuple[torch.Tensor, ArrivingOldLogProbs | None]:
         """[B, Tr] old log-probs of step ``step``'s batch; ``compute`` is the actor's pass (a
-        colocated run calls it on the whole batch, an async one may have rows computed elsewhere)."""
+        colocated run calls it on the whole batch, an async one may have rows computed elsewhere).
+        With the second item, its rows are NaN here and arrive during the actor's update."""
         ...
 
     def after_update(self, step: int, timing: dict[str, float]) -> None:

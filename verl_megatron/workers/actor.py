@@ -36,7 +36,7 @@ from verl_megatron.models.megatron_model import attach_schedule_hooks
 from verl_megatron.models.routing import ROW_ID_KEY
 from verl_megatron.protocol import DataProto
 from verl_megatron.workers import moe, vl_inputs
-from verl_megatron.workers.batching import MicroBatch
+from verl_megatron.workers.batching import LateRows, MicroBatch
 from verl_megatron.workers.config import ActorConfig, PolicyLossSettings, RefConfig
 from verl_megatron.workers.model_runner import ModelRunner, StepResult, dp_share
 from verl_megatron.workers.output_rows import DeferredHead, head_log_probs
@@ -386,7 +386,7 @@ class MegatronActor(ActorLogProbs, PPOUpdates):
             keys += ("rollout_log_probs",)
         return keys + _row_keys(data)
 
-    def update_policy(self, data: DataProto) -> dict[str, float | list[float]]:
+    def update_policy(self, data: DataProto, late: LateRows | None = None) -> dict[str, float | list[float]]:
         """PPO epochs over mini-batches of ``data``; one optimizer step per mini-batch.
 
         Returns per-step lists for actor/pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower,
@@ -398,6 +398,10 @@ class MegatronActor(ActorLogProbs, PPOUpdates):
         ``meta_info["distill_jsd"]`` (``{"beta": b, "temperature": t}``) adds GKD's generalized JSD
         between the student and ``teacher_logits`` at every response token to the loss, aggregated
         like the policy loss (``actor/gkd_jsd``).
+
+        ``late``: rows whose old log-probs (and IS weights) arrive while the first mini-batches
+        update (an async run's rollout ranks compute them, ``trainer/async_trainer.py``); their
+        values in ``data`` are placeholders until the first mini-batch that holds one.
         """
         cfg = self.config
         temperature = temperature_of(data, "MegatronActor.update_policy")
@@ -424,6 +428,7 @@ class MegatronActor(ActorLogProbs, PPOUpdates):
                 own_is=data.meta_info.get(FIRST_UPDATE_IS),
             ),
             metric_names=_POLICY_METRICS + (("gkd_jsd",) if jsd is not None else ()),
+            late=late,
         )
         if not cfg.use_kl_loss:
             metrics.pop("actor/kl_loss")

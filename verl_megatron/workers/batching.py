@@ -37,7 +37,7 @@ the layout.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +48,7 @@ from verl_megatron.workers.model_inputs import PAD_ID, ModelInputs, response_col
 from verl_megatron.workers.vl_inputs import ROW_IMAGES, attach_images
 
 __all__ = [
+    "LateRows",
     "MicroBatch",
     "ModelInputs",
     "balanced_token_partition",
@@ -112,6 +113,33 @@ def mini_batch_rows(
         rows = order[start : start + mini_batch_size]
         out.append((rows, rows[dp_rank * share : (dp_rank + 1) * share]))
     return out
+
+
+@dataclass(frozen=True)
+class LateRows:
+    """Values of a batch's rows ``first_row``.. that arrive while its update runs (the old log-probs
+    a rollout rank computes during the first mini-batch, ``trainer/async_trainer.py``).
+
+    ``fetch()`` waits for them and returns, per tensor key, the [B - first_row, ...] values of
+    those rows; it is called once, on every rank alike, before the first mini-batch that holds
+    one of those rows is cut. The batch's values of those rows are placeholders until then.
+    """
+
+    first_row: int
+    fetch: Callable[[], dict[str, torch.Tensor]]
+
+    def due(self, all_rows: torch.Tensor) -> bool:
+        """Whether a mini-batch of these global rows needs the late values."""
+        return bool((all_rows >= self.first_row).any())
+
+    def fill(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``batch`` with the fetched rows in place of the placeholders (new tensors, ``batch``
+        itself unchanged)."""
+        filled = dict(batch)
+        for key, rows in self.fetch().items():
+            head = batch[key][: self.first_row]
+            filled[key] = torch.cat([head, rows.to(head.device, head.dtype)])
+        return filled
 
 
 def fixed_size_partition(num_rows: int, micro_batch_size: int) -> list[list[int]]:

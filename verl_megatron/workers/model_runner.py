@@ -45,6 +45,7 @@ from verl_megatron.models.rotary_positions import rotary_positions
 from verl_megatron.models.shared_prefix_attention import SharedPrefixParams
 from verl_megatron.workers import context_parallel, moe, shared_prefix, vl_inputs
 from verl_megatron.workers.batching import (
+    LateRows,
     MicroBatch,
     ModelInputs,
     balanced_token_partition,
@@ -274,13 +275,21 @@ class ModelRunner:
         return micro_batches
 
     def mini_batches(
-        self, batch: dict[str, torch.Tensor], *, mini_batch_size: int, epochs: int, shuffle: bool, seed: int
+        self,
+        batch: dict[str, torch.Tensor],
+        *,
+        mini_batch_size: int,
+        epochs: int,
+        shuffle: bool,
+        seed: int,
+        late: LateRows | None = None,
     ) -> Iterator[tuple[dict[str, torch.Tensor], dict[str, int]]]:
         """For each epoch and global mini-batch: (this dp rank's rows of ``batch``, global counts).
 
         The counts are agg_loss's global-count arguments for the whole mini-batch over
         all dp ranks: dp_size, batch_num_tokens (response_mask tokens) and
-        global_batch_size (sequences with at least one such token).
+        global_batch_size (sequences with at least one such token). ``late``'s rows are fetched
+        when the first mini-batch holding one is cut: the ones before it run while they arrive.
         """
         dp = self.runtime.layout.dp
         size = batch["response_mask"].shape[0]
@@ -295,6 +304,8 @@ class ModelRunner:
                 epoch=epoch,
             )
             for all_rows, local_rows in plan:
+                if late is not None and late.due(all_rows):
+                    batch, late = late.fill(batch), None
                 mask = batch["response_mask"][all_rows]
                 counts = {
                     "dp_size": dp,
@@ -499,6 +510,7 @@ class ModelRunner:
         loss_step: Callable[..., StepResult],
         metric_names: Sequence[str],
         prefix: str,
+        late: LateRows | None = None,
     ) -> tuple[dict[str, list[float]], int]:
         """PPO epochs over mini-batches, one optimizer step each: the loop the actor and critic share.
 
@@ -507,7 +519,7 @@ class ModelRunner:
         loss_scale_factor). ``loss_step(mb, output, counts=, num_micro=)`` returns a micro-batch's
         loss and metric partial sums. Returns ``{prefix}/<metric>`` and ``{prefix}/grad_norm``
         lists (one value per optimizer step) and the number of steps skipped for a non-finite
-        gradient norm.
+        gradient norm. ``late``: rows whose values arrive during the update (``mini_batches``).
         """
         history: dict[str, list[float]] = {f"{prefix}/{n}": [] for n in (*metric_names, "grad_norm")}
         skipped = 0
@@ -517,6 +529,7 @@ class ModelRunner:
             epochs=cfg.ppo_epochs,
             shuffle=cfg.shuffle,
             seed=seed,
+            late=late,
         )
         for local, counts in mini_batches:
             counts["loss_scale_factor"] = cfg.loss_scale_factor

@@ -29,7 +29,7 @@ class PPOUpdates:
     def _ppo_update(
         self, batch: dict[str, torch.Tensor], *, prefix: str, **epochs
     ) -> dict[str, float | list[float]]:
-        """:meth:`ModelRunner.ppo_epochs` (``epochs``: its tensor_keys, loss_step, metric_names)
+        """:meth:`ModelRunner.ppo_epochs` (``epochs``: its tensor_keys, loss_step, metric_names, late)
         with ``{prefix}/lr`` (the rate these steps used) and ``{prefix}/skipped_steps`` (steps
         dropped for a non-finite gradient norm) added."""
         cfg = self.config
