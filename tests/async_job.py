@@ -8,7 +8,7 @@ Three quickstart runs in the same processes (imports paid once), with rollout.pl
 2. the same directory (``resumed``) resumed to the end;
 3. ``straight``: the same run uninterrupted.
 All three with ``async_training.old_log_probs_on_rollout`` and ``actor.old_log_probs_from_first_update``
-(the rollout rank computes the old log-probs of the last quarter of each batch's rows between weight
+(the rollout rank computes the old log-probs of the rows after the first mini-batch between weight
 versions; the trainer's update takes them when it reaches them).
 """
 
@@ -40,8 +40,8 @@ def common(out: str, name: str) -> list[str]:
 OFF_POLICY = [
     "trainer.total_training_steps=4", "trainer.save_freq=2", "async_training.max_staleness=1",
     "async_training.partial_rollout=true", "async_training.partial_rollout_segment=2",
-    "async_training.old_log_probs_on_rollout=true",  # the rollout rank computes half of them
-    # of the rows after the first mini-batch (its update forward gives its own), which the update
+    "async_training.old_log_probs_on_rollout=true",  # the rollout rank computes the old log-probs
+    # of every row after the first mini-batch (its update forward gives its own), which the update
     # takes when it cuts its second mini-batch
     "actor.old_log_probs_from_first_update=true",
 ]  # fmt: skip

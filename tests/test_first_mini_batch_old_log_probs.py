@@ -18,6 +18,7 @@ while the pass sees half the rows. Refusals are named at start-up.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -42,13 +43,28 @@ OPTION = "actor.old_log_probs_from_first_update=true"
 IS = {"rollout_is": "token", "rollout_is_threshold": 2.0}  # truncated importance weights (TIS)
 
 
+def arriving_rows(chunks, runtime, arrived: dict, seen: list):
+    """``LateRows`` of rows FIRST.. giving ``arrived``; the weights when it is made and when it is
+    fetched go to ``seen``."""
+    from verl_megatron.workers.batching import LateRows
+
+    def snapshot() -> dict[str, torch.Tensor]:
+        return {name: t.clone() for name, t in full_weights(chunks, runtime).items()}
+
+    def fetch() -> dict:
+        seen.append(snapshot())
+        return arrived
+
+    seen.append(snapshot())
+    return LateRows(FIRST, fetch)
+
+
 def update_job(path: str) -> dict:
     from tests.test_actor_update import kl_actor_config
     from verl_megatron.algos.rollout_corr_helper import compute_rollout_correction_weights
     from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
     from verl_megatron.protocol import DataProto
     from verl_megatron.workers.actor import FIRST_UPDATE_IS
-    from verl_megatron.workers.batching import LateRows
 
     runtime = init_runtime(ParallelLayout(), seed=5)
     out: dict = {}
@@ -72,9 +88,7 @@ def update_job(path: str) -> dict:
         if own == "late":  # rows 4..7 arrive once the first mini-batch has updated
             arrived = {"old_log_probs": given[FIRST:].clone(), "rollout_is_weights": weights[FIRST:].clone()}
             given[FIRST:] = weights[FIRST:] = float("nan")
-            snapshot = lambda: {n: t.clone() for n, t in full_weights(chunks, runtime).items()}  # noqa: E731
-            seen.append(snapshot())
-            late = LateRows(FIRST, lambda: seen.append(snapshot()) or arrived)
+            late = arriving_rows(chunks, runtime, arrived, seen)
         out[own] = {
             "old": old,
             "metrics": actor.update_policy(data, late),
@@ -224,12 +238,16 @@ def test_async_split_of_the_later_rows():
 
     on = AsyncTrainingConfig(old_log_probs_on_rollout=True)
     all_later = AsyncTrainingConfig(old_log_probs_on_rollout=True, old_log_probs_rollout_share=1.0)
-    # (rows, first mini-batch, the rollout's first row: by default half of the later rows at dp=1)
+    half = dataclasses.replace(on, old_log_probs_rollout_share=0.5)
+    # (rows, first mini-batch, the rollout's first row with half of the later rows)
     for rows, own, split in ((16, 8, 12), (16, 4, 10), (12, 4, 8), (512, 256, 384)):
-        share = rollout_log_prob_share(on, 1, 1, own=own / rows)
+        share = rollout_log_prob_share(half, 1, 1, own=own / rows)
         assert old_log_prob_split(rows, share) == split, (rows, own, share)
-        share = rollout_log_prob_share(all_later, 1, 1, own=own / rows)  # every later row on the rollout
-        assert old_log_prob_split(rows, share) == own, (rows, own, share)
+        for chosen in (on, all_later):  # by default, or chosen: every later row on the rollout
+            for dp, ranks in ((1, 1), (2, 1), (1, 3)):
+                share = rollout_log_prob_share(chosen, dp, ranks, own=own / rows)
+                assert old_log_prob_split(rows, share) == own, (rows, own, dp, ranks, share)
+    assert rollout_log_prob_share(on, 1, 1) == 0.5  # without the option: one share per replica
     assert rollout_log_prob_share(AsyncTrainingConfig(), 1, 1, own=0.5) == 0.0  # off: the trainer's pass
     batch = DataProto.from_dict({"responses": torch.arange(48).reshape(16, 3)}, meta_info={})
     calls: list[int] = []

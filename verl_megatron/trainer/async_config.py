@@ -42,7 +42,9 @@ class AsyncTrainingConfig:
     """With ``old_log_probs_on_rollout``: the fraction of each batch's rows (its last ones; with
     ``actor.old_log_probs_from_first_update``, of the rows after the first mini-batch) whose old
     log-probs the rollout ranks compute, in (0, 1]; None: rollout.world_size / (trainer dp +
-    rollout.world_size), each rollout rank counted as one more replica of the pass. A fixed
+    rollout.world_size), each rollout rank counted as one more replica of the pass, or with
+    ``actor.old_log_probs_from_first_update`` 1.0 (the trainer's update takes the rollout's rows
+    when it reaches its second mini-batch, so they are off its critical path). A fixed
     number, not one measured from the roles' idle times, so the rows each side computes (and a
     row's float rounding) do not depend on timing; choose it from the run's ``async/*`` times
     (``benchmarks/bench_async.py`` prints the roles' busy times)."""

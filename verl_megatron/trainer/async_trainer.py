@@ -27,11 +27,10 @@ With ``async_training.old_log_probs_on_rollout`` the old log-probs of a batch's 
 the rollout ranks (``old_log_probs``): they compute them once the weights of the step have
 arrived, while this rank computes the other rows; messages that arrive before they are asked for
 wait in an inbox. With ``actor.old_log_probs_from_first_update`` the first mini-batch's rows need no
-pass (the update forward gives them) and the share applies to the other rows (by default one
-share per replica as without the option: with one rollout rank and dp=1, half of them here and half
-there; share 1.0: the rollout takes them all and this rank computes none). The rollout's rows are
-then not waited for before the update: the update takes them when it cuts its second mini-batch
-(``LateOldLogProbs``), so they are computed while the first one trains.
+pass (the update forward gives them) and the share applies to the other rows, by default all of
+them (this rank computes none). The rollout's rows are then not waited for before the update: the
+update takes them when it cuts its second mini-batch (``LateOldLogProbs``), so they are computed
+while the first one trains.
 
 Per-step metrics ``async/*``: staleness mean/max, fraction of samples that span several
 weight versions (partial rollout), the rollout's wait for weights and generation time, and the
@@ -123,12 +122,16 @@ def rollout_log_prob_share(asyn: AsyncTrainingConfig, dp: int, rollout_ranks: in
     one share per replica of the pass (each rollout rank counted as one more, next to dp).
     ``own``: the fraction (the first rows) whose old log-probs the actor's update gives itself
     (``actor.old_log_probs_from_first_update``): that share is then one of the other rows (1.0: all
-    of them, the trainer computing none)."""
+    of them, the trainer computing none), by default all of them: the update takes them when it
+    cuts its second mini-batch, so they cost the trainer nothing if they come by then, while any
+    row it computed itself would delay its update."""
     if not asyn.old_log_probs_on_rollout:
         return 0.0
     if asyn.old_log_probs_rollout_share is not None:
         return float(asyn.old_log_probs_rollout_share) * (1.0 - own)
-    return rollout_ranks / (dp + rollout_ranks) * (1.0 - own)
+    if own > 0:
+        return 1.0 - own
+    return rollout_ranks / (dp + rollout_ranks)
 
 
 def stored_rollout_scores(batch: DataProto) -> dict[str, float]:
