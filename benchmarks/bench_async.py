@@ -43,9 +43,30 @@ Two parts:
    its median per mode (one seed's curve moves the first crossing by tens of steps).
    Minutes on 2 CPU cores; ``--quick`` and ``benchmarks/run.py --quick`` skip it.
 
+   What one step of staleness costs here (``--learning-only --seeds 1,...,12``, loaded 2-core
+   machine, 22-35 s a run): steps to 0.8 on seeds 1..12, sync 80 90 90 95 100 85 95 80 90 90 85 95
+   (median 90), async 100 130 100 105 120 85 95 115 100 85 95 110 (median 100): ratio 1.11; per
+   seed async - sync +20 +40 +10 +10 +20 0 0 +35 +10 -5 +10 +15 (median +10, mean +14, sd 14).
+   The correction is not what is lost: the IS weights (old / behaviour log-probs, token TIS at 2)
+   average 0.99 over the async steps of the 12 runs, with an effective sample size of 0.97 of the
+   batch in the median step and 0.92 at the 5th percentile, and the old log-probs computed on the
+   rollout rank or on the trainer give the same run (seed 2: step 130 and the same last reward).
+   What costs is the lag itself, which grows as the policy sharpens (``rollout_corr/kl`` 0.007 over
+   steps 1-30, 0.04-0.08 over steps 61-150), and the seed noise is as large: the same separate
+   placement at ``max_staleness=0`` (on-policy, the async run's sampling streams) gives 80 145 90
+   90 120 80 on seeds 1-6. No other correction did better on seeds 1-6 (None: 0.8 not reached in
+   150 steps): sequence IS 90 115 110 None 135 85, token TIS at 5 100 110 100 None 115 None,
+   IcePop [0.5, 5] 105 None 90 None 140 90, token TIS at 1.5 130 None 125 None 125 80; so the
+   async mode keeps token TIS at 2 (verl's ``decoupled_token_is``). ``seeds`` is 3: 2 runs (about
+   50 s on a quiet machine) more than the 2 seeds before, and an odd count makes the median one
+   run's number; but a 3-seed ratio of medians resampled from these 12 seeds spans 1.00-1.33
+   (5-95%), so the section's ratio cannot tell 1.1 from 1.2: the 12 seeds above are the measure.
+
     python benchmarks/bench_async.py                  # both parts
     python benchmarks/bench_async.py --quick          # throughput only, 4 steps (smoke)
     python benchmarks/bench_async.py --no-learning    # throughput only
+    python benchmarks/bench_async.py --learning-only --seeds 1,2,3,4,5,6
+                                                      # learning only, these seeds
     python benchmarks/bench_async.py --out FILE.json  # default benchmarks/results/async.json
     python benchmarks/bench_async.py --no-learning --workloads long-tail --options ""
                                                       # one workload, product defaults (before)
@@ -61,6 +82,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -114,8 +136,9 @@ class AsyncBenchConfig:
     learning: bool = True
     learning_steps: int = 150
     test_freq: int = 5
-    seeds: tuple[int, ...] = (1, 2)
-    """``trainer.seed`` of the learning runs (1: the quickstart's own), the same in both modes."""
+    seeds: tuple[int, ...] = (1, 2, 3)
+    """``trainer.seed`` of the learning runs (1: the quickstart's own), the same in both modes
+    (why 3: the module docstring)."""
     target: float = 0.8
     timeout_s: int = 3600
     workloads: tuple[str, ...] = tuple(WORKLOADS)
@@ -239,10 +262,17 @@ def _learning(config: AsyncBenchConfig, tmp: Path, section: Section) -> None:
         runs = {}
         for seed in config.seeds:
             out = tmp / f"learn_{mode}_{seed}"
+            start = time.perf_counter()
             rows = train(mode, [*learn, f"trainer.seed={seed}"], out, config.timeout_s, config.options)
+            wall_s = round(time.perf_counter() - start, 1)
             reached, last = steps_to_target(rows, config.target)
             curve = [(r["step"], round(r[VAL_KEY], 4)) for r in rows if VAL_KEY in r]
-            runs[seed] = {"steps_to_target": reached, "last_val_reward": last, "val_curve": curve}
+            runs[seed] = {
+                "steps_to_target": reached,
+                "last_val_reward": last,
+                "val_curve": curve,
+                "wall_s": wall_s,
+            }
         median[mode] = median_steps([r["steps_to_target"] for r in runs.values()])
         section.extra[f"learning_{mode}"] = {"median_steps_to_target": median[mode], "seeds": runs}
         per_seed = ", ".join(
@@ -312,10 +342,35 @@ def run_section(quick: bool, workdir: Path) -> Section:
     return run(FULL, workdir)
 
 
-def main(argv: list[str] | None = None) -> int:
+def config_from_args(args: argparse.Namespace) -> AsyncBenchConfig:
+    """The run's sizes from the command line (``--learning-only``: no throughput workload)."""
+    config = QUICK if args.quick else FULL
+    if args.no_learning:
+        config = dataclasses.replace(config, learning=False)
+    if args.seeds is not None:
+        config = dataclasses.replace(config, seeds=tuple(int(s) for s in args.seeds.split(",") if s))
+    workloads = () if args.learning_only else tuple(w for w in args.workloads.split(",") if w)
+    unknown = sorted(set(workloads) - set(WORKLOADS))
+    if unknown:
+        raise ValueError(f"unknown workloads {unknown}; choose from {sorted(WORKLOADS)}")
+    config = dataclasses.replace(config, workloads=workloads, learning=config.learning or args.learning_only)
+    if args.options is not None:
+        config = dataclasses.replace(config, options=tuple(args.options.split()))
+    return config
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line (``config_from_args`` reads what it parses)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="throughput only, a few steps")
-    parser.add_argument("--no-learning", action="store_true", help="throughput part only")
+    parts = parser.add_mutually_exclusive_group()
+    parts.add_argument("--no-learning", action="store_true", help="throughput part only")
+    parts.add_argument("--learning-only", action="store_true", help="learning part only (no throughput)")
+    parser.add_argument(
+        "--seeds",
+        default=None,
+        help=f"comma-separated trainer.seed values of the learning runs (default: {FULL.seeds})",
+    )
     parser.add_argument(
         "--workloads", default=",".join(WORKLOADS), help="comma-separated subset of the workloads"
     )
@@ -325,17 +380,16 @@ def main(argv: list[str] | None = None) -> int:
         help=f"product options of both modes, space-separated (default: {' '.join(SHARED)})",
     )
     parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "async.json"))
-    args = parser.parse_args(argv)
-    config = QUICK if args.quick else FULL
-    if args.no_learning:
-        config = dataclasses.replace(config, learning=False)
-    workloads = tuple(w for w in args.workloads.split(",") if w)
-    unknown = sorted(set(workloads) - set(WORKLOADS))
-    if unknown:
-        parser.error(f"unknown workloads {unknown}; choose from {sorted(WORKLOADS)}")
-    config = dataclasses.replace(config, workloads=workloads)
-    if args.options is not None:
-        config = dataclasses.replace(config, options=tuple(args.options.split()))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    cli = parser()
+    args = cli.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as e:
+        cli.error(str(e))
     section = run(config, Path(args.out).parent / "async_work")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
