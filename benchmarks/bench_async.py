@@ -11,7 +11,9 @@ under ``torchrun --nproc_per_node=2``, one after the other in the same run:
   last rows of each batch when that step's weights arrive (where it would wait for them idle)
   while rank 0 computes the rows before: the same numbers up to float rounding. With
   ``actor.old_log_probs_from_first_update`` (in ``SHARED``, both modes) the first mini-batch's rows
-  need no pass (their update forward gives them), so each side computes a quarter of the batch.
+  need no pass (their update forward gives them); rank 1 then computes every later row by default,
+  and rank 0 does not wait for them before its update: it takes them when it cuts its second
+  mini-batch (``timing_s/wait_old_log_probs``: how long it waited there).
 
 Same cores in both modes: the machine's thread budget (``--threads``, 2 in a full run) is split
 over the 2 processes, so every process runs ``budget // 2`` torch threads (1 on 2 cores) in both
@@ -117,8 +119,8 @@ PROCESSES = 2
 # one or two micro-batches, as before). The first of the two mini-batches takes its old log-probs
 # from its own update forward (actor.old_log_probs_from_first_update), so the old-log-prob pass
 # covers half the rows in both modes: sync's ranks compute 128 rows each instead of 256; async's
-# trainer and rollout rank 128 each instead of 256 (its old-log-prob stage, loaded, interleaved, 16
-# steps: per-step median 0.047-0.053 -> 0.029-0.035 s on the long tail).
+# rollout rank all 256, while the trainer's first mini-batch trains (before: 128 rows on each side,
+# the trainer waiting for the rollout's before its update).
 SHARED = [
     "actor.use_dynamic_bsz=true",
     "actor.group_by_length=true",
@@ -203,6 +205,7 @@ def throughput_row(workload: str, mode: str, rows: list[dict[str, Any]]) -> dict
         "trainer: gen_s": _mean(steps, "timing_s/gen"),
         "trainer: old_log_prob_s": _mean(steps, "timing_s/old_log_prob"),
         "trainer: update_actor_s": _mean(steps, "timing_s/update_actor"),
+        "trainer: waits in it for old log-probs_s": _mean(steps, "timing_s/wait_old_log_probs"),
         "trainer: waits for batch_s": _mean(steps, "timing_s/wait_rollout") if mode == "async" else 0.0,
         "rollout rank: gen_s": _mean(steps, "async/rollout_gen_s"),
         "rollout rank: waits for weights_s": _mean(steps, "async/rollout_wait_weights_s"),
@@ -225,13 +228,15 @@ def _ceiling_note(workload: str, by_mode: dict[str, dict[str, Any]]) -> str:
     sync, asyn = by_mode["sync"], by_mode["async"]
     if sync["step_s"] is None or asyn["step_s"] is None:
         return f"{workload}: no step times"
-    busy = asyn["step_s"] - (asyn["trainer: waits for batch_s"] or 0.0)
+    waits = (asyn[f"trainer: {k}_s"] or 0.0 for k in ("waits for batch", "waits in it for old log-probs"))
+    busy = asyn["step_s"] - sum(waits)
     rollout_busy = sum(asyn[f"rollout rank: {k}_s"] or 0.0 for k in ("gen", "old_log_prob", "reward"))
     bound, balanced = max(busy, rollout_busy), (busy + rollout_busy) / 2
     return (
-        f"{workload}: the async trainer is busy {busy:.3f} s a step (old log-probs "
-        f"{asyn['trainer: old_log_prob_s'] or 0.0:.3f} s, its rows and the wait for the rollout's, + update "
-        f"{asyn['trainer: update_actor_s'] or 0.0:.3f} s of the whole batch on one process), its rollout rank "
+        f"{workload}: the async trainer is busy {busy:.3f} s a step (old-log-prob stage "
+        f"{asyn['trainer: old_log_prob_s'] or 0.0:.3f} s, + update "
+        f"{asyn['trainer: update_actor_s'] or 0.0:.3f} s of the whole batch on one process, of which "
+        f"{asyn['trainer: waits in it for old log-probs_s'] or 0.0:.3f} s waiting for the rollout's), its rollout rank "
         f"generates for {asyn['rollout rank: gen_s'] or 0.0:.3f} s, computes old log-probs for "
         f"{asyn['rollout rank: old_log_prob_s'] or 0.0:.3f} s, scores rewards for "
         f"{asyn['rollout rank: reward_s'] or 0.0:.3f} s and waits {asyn['rollout rank: waits for weights_s'] or 0.0:.3f} s for weights; sync's step is "
@@ -320,9 +325,9 @@ def run(config: AsyncBenchConfig, workdir: Path) -> Section:
             )
     section.notes.append(
         "sync: both ranks generate then both train (dp=2), nobody waits for another role; async: rank 0 "
-        "trains (dp=1) while rank 1 generates the next batch and computes half of the old log-probs of "
-        "the batch rank 0 trains (of the rows after the first mini-batch, whose update forward gives its "
-        "own, in both modes); every process runs "
+        "trains (dp=1) while rank 1 generates the next batch and computes the old log-probs of the rows "
+        "after the first mini-batch of the batch rank 0 trains (the first one's update forward gives its "
+        "own, in both modes), which rank 0's update takes when it reaches them; every process runs "
         f"{threads_per_process(torch.get_num_threads())} torch thread(s) in both modes"
     )
     return section
