@@ -94,6 +94,9 @@ VARIANTS = {
     "dynamic": {"use_remove_padding": True, "use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 16},
     "seqmean": {"loss_agg_mode": "seq-mean-token-mean", "shuffle": True, "ppo_epochs": 2},
     "nan": {},
+    # The first mini-batch's old log-probs from its update forward; the others arrive only when the
+    # update cuts its second mini-batch (an async run's rollout rows, workers/batching.LateRows).
+    "late": {"use_remove_padding": True, "old_log_probs_from_first_update": True},
 }
 
 
@@ -137,6 +140,7 @@ def kl_update(actor, spoil: Callable | None = None) -> tuple[torch.Tensor, torch
     """make_batch()'s log-probs and entropies [B, Tr] at TEMPERATURE, then update_policy with the
     reference log-probs KL_SHIFT below them (``spoil(data)`` first, where given): metrics."""
     from verl_megatron.protocol import DataProto
+    from verl_megatron.workers.batching import LateRows
 
     data = DataProto.from_dict(make_batch(), meta_info={"temperature": TEMPERATURE})
     old_log_probs, entropy = actor.compute_log_prob(data, calculate_entropy=True)
@@ -144,7 +148,12 @@ def kl_update(actor, spoil: Callable | None = None) -> tuple[torch.Tensor, torch
     data.batch["ref_log_prob"] = old_log_probs - KL_SHIFT * data.batch["response_mask"]
     if spoil is not None:
         spoil(data)
-    return old_log_probs, entropy, actor.update_policy(data)
+    late = None
+    if actor.config.old_log_probs_from_first_update:  # none given: rows 0..3 its own, 4.. arrive late
+        first = actor.config.ppo_mini_batch_size
+        data.batch["old_log_probs"] = torch.full_like(old_log_probs, float("nan"))
+        late = LateRows(first, lambda: {"old_log_probs": old_log_probs[first:]})
+    return old_log_probs, entropy, actor.update_policy(data, late)
 
 
 def kl_update_record(runtime, chunks, actor, spoil: Callable | None = None) -> dict:
@@ -313,11 +322,12 @@ def test_variants_match_padded_reference(reference):
     assert start.abs().max() > 0
     _assert_same_update(reference["packed"], reference["padded"])
     _assert_same_update(reference["dynamic"], reference["padded"])
+    _assert_same_update(reference["late"], reference["packed"])  # late rows: the same update
 
 
 @pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (1, 2)], ids=["dp2", "tp2", "pp2"])
 def test_layouts_match_single_process(pool2, reference, model_path, tp, pp):
-    variants = ["padded", "packed", "dynamic", "seqmean"]
+    variants = ["padded", "packed", "dynamic", "seqmean", "late"]
     run = merge(pool2.run(f"{__name__}:actor_job", path=model_path, tp=tp, pp=pp, variants=variants))
     for variant in variants:
         _assert_same_update(run[variant], reference[variant])
