@@ -203,9 +203,7 @@ class ChunkDecoder:
             and self.sinks is None
             else None
         )
-        self.caches: list[list[tuple[torch.Tensor, torch.Tensor]]] = [
-            [self._empty_cache(layer, batch_size) for layer in chunk.decoder.layers] for chunk in chunks
-        ]
+        self.caches, self.column_axes = self._empty_caches(chunks, batch_size)
         # Dense layers on CPU step through plain tensor ops (lean_layer.py); the reason each
         # other layer keeps its modules is in ``lean_skipped``.
         self.lean: list[list[LeanLayer | None]] = [[None] * len(c.decoder.layers) for c in chunks]
@@ -219,6 +217,14 @@ class ChunkDecoder:
                     if reason is not None:
                         self.lean_skipped.append(reason)
 
+    def _empty_caches(self, chunks: list[torch.nn.Module], batch: int) -> tuple[list, list]:
+        """Every layer's zero cache, and its column (token) axis: [B, groups, L, D] 2, MLA's
+        [B, L, C] 1; DeltaNet's states have none."""
+        layers = [chunk.decoder.layers for chunk in chunks]
+        caches = [[self._empty_cache(layer, batch) for layer in chunk] for chunk in layers]
+        axis = 1 if self.mla is not None else 2
+        return caches, [[None if is_gdn_layer(layer) else axis for layer in chunk] for chunk in layers]
+
     def _empty_cache(self, layer: torch.nn.Module, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         if is_gdn_layer(layer):  # Qwen3-Next's DeltaNet: conv and recurrent states (qwen3_next_decode.py)
             return gdn_empty_states(layer, batch, self.dtype)
@@ -229,11 +235,21 @@ class ChunkDecoder:
             shapes = mla_cache_shapes(attn, batch, self.max_len)
         return tuple(torch.zeros(shape, dtype=self.dtype, device=self.device) for shape in shapes)
 
-    def reorder(self, rows: torch.Tensor) -> None:
-        """Keep / repeat cache rows: row i of the new cache is old row ``rows[i]`` (e.g. n samples)."""
+    def reorder(self, rows: torch.Tensor, filled: int | None = None) -> None:
+        """Keep / repeat cache rows: row i of the new cache is old row ``rows[i]`` (e.g. n samples).
+
+        ``filled``: only cache columns 0..filled-1 hold tokens so far. Then only those are copied
+        while they are at most half the cache (a prefill's repeat for n samples: 8 of 136
+        columns, 0.17 instead of 2.6 ms a tensor); the others are left unset, since every layout
+        writes a column before it reads it (attention reads columns < start + s after writing
+        start..start+s-1), except bitwise parity's canonical slots, which attend over the whole
+        cache: that copy stays whole. States without a column axis (DeltaNet) are copied whole.
+        """
+        if self.parity_length is not None:
+            filled = None
         self.caches = [
-            [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in chunk_cache]
-            for chunk_cache in self.caches
+            [tuple(_rows(t, rows, filled, axis) for t in cache) for cache, axis in zip(chunk_cache, axes)]
+            for chunk_cache, axes in zip(self.caches, self.column_axes)
         ]
 
     def step(
@@ -474,3 +490,13 @@ class ChunkDecoder:
         hidden = torch.empty(s, batch, self.hidden_size, dtype=self.dtype, device=self.device)
         dist.recv(hidden, self.runtime.pp_peer_rank("prev"), group=self.runtime.pp_group())
         return hidden
+
+
+def _rows(cache: torch.Tensor, rows: torch.Tensor, filled: int | None, axis: int | None) -> torch.Tensor:
+    """``cache``'s rows ``rows``; where ``axis`` is its column axis and ``filled`` at most half of
+    it, only columns 0..filled-1 are copied and the others left unset."""
+    if filled is None or axis is None or 2 * filled > cache.shape[axis]:
+        return cache.index_select(0, rows)
+    out = cache.new_empty((rows.numel(), *cache.shape[1:]))
+    out.narrow(axis, 0, filled).copy_(cache.narrow(axis, 0, filled).index_select(0, rows))
+    return out

@@ -194,7 +194,7 @@ class NativeRollout(RolloutEngine):
         self._routes.begin(torch.arange(rows), 0, expand=n)
         logits = decoder.step(input_ids, positions, key_valid, start=0, images=images)
         if n > 1:
-            decoder.reorder(torch.arange(batch, device=device).repeat_interleave(n))
+            decoder.reorder(torch.arange(batch, device=device).repeat_interleave(n), filled=prompt_len)
             key_valid = key_valid.repeat_interleave(n, dim=0)
             logits = None if logits is None else logits.repeat_interleave(n, dim=0)
 
@@ -228,7 +228,7 @@ class NativeRollout(RolloutEngine):
                     # Done, but an expert-group peer is not: one row (its outputs are already
                     # masked, as a finished row's are) keeps this rank in the peers' all-to-alls.
                     kept = kept.new_zeros(1)
-                decoder.reorder(kept)
+                decoder.reorder(kept, filled=prompt_len + t)
                 key_valid, active = key_valid[kept], active[kept]
             # A replica already done only steps for its expert-group peers: record nothing.
             self._routes.begin(active if bool(keep.any()) else active[:0], prompt_len + t)
