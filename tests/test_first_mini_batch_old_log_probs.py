@@ -294,9 +294,17 @@ def test_late_rows_get_the_stages_own_correction_and_metrics():
     batch = DataProto.from_dict({k: v.clone() for k, v in tensors.items()}, meta_info={})
     batch.batch["old_log_probs"][first:] = float("nan")  # the rollout's rows, on their way
     timing: dict[str, float] = {}
-    late = LateOldLogProbs(batch, config, ArrivingOldLogProbs(first, lambda: old[first:].clone()), timing)
+    marks: list[tuple[str, int | None]] = []
+
+    class Stages:  # the stall watchdog's marks
+        def mark(self, stage: str, step: int | None = None) -> None:
+            marks.append((stage, step))
+
+    arriving = ArrivingOldLogProbs(first, lambda: old[first:].clone())
+    late = LateOldLogProbs(batch, config, arriving, timing, Stages(), step=7)
     assert torch.isnan(batch.batch["rollout_is_weights"]).all()  # no weight before the rows are there
     fetched = late.rows().fetch()
+    assert marks == [("wait_old_log_probs", 7), ("update_actor", 7)]  # a stalled rollout is named
     assert late.finish() == expected and "wait_old_log_probs" in timing
     assert late.rows().first_row == own and sorted(fetched) == ["old_log_probs", "rollout_is_weights"]
     for key in ("old_log_probs", "rollout_is_weights"):

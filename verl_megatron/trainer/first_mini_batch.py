@@ -16,6 +16,7 @@ from verl_megatron.trainer import metrics as M
 from verl_megatron.trainer.config import PPOConfig
 from verl_megatron.trainer.ppo.rollout_correction import apply_rollout_correction
 from verl_megatron.trainer.rollout_source import ArrivingOldLogProbs
+from verl_megatron.trainer.stall import StageMarks, timed_stage
 from verl_megatron.workers.actor import FIRST_UPDATE_IS
 from verl_megatron.workers.batching import LateRows
 
@@ -100,24 +101,38 @@ class LateOldLogProbs:
     mini-batch. ``rows()`` is the actor's ``LateRows``: when the second mini-batch is cut it takes
     them, then computes what the old-log-prob stage computes when nothing comes late (the pass's
     log-prob diff and rollout correction of the rows after the first mini-batch: the same values),
-    the metrics kept for ``finish()``; its wait is ``timing["wait_old_log_probs"]``.
-    ``finish()`` after the update takes them if the update did not (no actor update this step).
+    the metrics kept for ``finish()``; its wait is stage ``wait_old_log_probs`` of step ``step``
+    (``timing`` and ``stages``, the stall watchdog's marks: a stalled rollout is named as such, not as
+    the update). ``finish()`` after the update takes them if the update did not (no actor update).
     """
 
     def __init__(
-        self, batch: DataProto, config: PPOConfig, arriving: ArrivingOldLogProbs, timing: dict[str, float]
+        self,
+        batch: DataProto,
+        config: PPOConfig,
+        arriving: ArrivingOldLogProbs,
+        timing: dict[str, float],
+        stages: StageMarks | None = None,
+        step: int = 0,
     ) -> None:
-        self.batch, self.config, self.arriving, self.timing = batch, config, arriving, timing
+        self.batch, self.config, self.arriving = batch, config, arriving
+        self.timing, self.stages, self.step = timing, stages, step
         self.own = first_update_rows(config)
         self.metrics: dict[str, float] | None = None
         rollout_correction(batch, config, later=True)
 
     def rows(self) -> LateRows:
-        return LateRows(first_row=self.own, fetch=self._take)
+        return LateRows(first_row=self.own, fetch=self._take_in_update)
+
+    def _take_in_update(self) -> dict[str, torch.Tensor]:
+        rows = self._take()
+        if self.stages is not None:
+            self.stages.mark("update_actor", self.step)  # back in the update that asked for them
+        return rows
 
     def _take(self) -> dict[str, torch.Tensor]:
         tensors = self.batch.batch
-        with M.timed("wait_old_log_probs", self.timing):
+        with timed_stage(self.stages, "wait_old_log_probs", self.step, self.timing):
             arrived = self.arriving.take()
         old = tensors["old_log_probs"]
         old[self.arriving.first_row :] = arrived.to(old.device, old.dtype)

@@ -258,7 +258,7 @@ class PPOTrainer:
                 old, arriving = self.rollout_source.old_log_probs(step, batch, compute)
                 batch.batch["old_log_probs"] = old
             if arriving is not None:
-                return LateOldLogProbs(batch, self.config, arriving, timing)
+                return LateOldLogProbs(batch, self.config, arriving, timing, self.stages, step)
         # else: an on-policy update takes its own log-probs as the old ones (checked at start-up).
         if recompute and not bypass:
             metrics.update(pass_diff_metrics(batch, own))  # the rows the pass computed
