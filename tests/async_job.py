@@ -7,9 +7,10 @@ Three quickstart runs in the same processes (imports paid once), with rollout.pl
    at the start of step 3, while the rollout has already generated ahead;
 2. the same directory (``resumed``) resumed to the end;
 3. ``straight``: the same run uninterrupted.
-All three with ``async_training.old_log_probs_on_rollout`` and ``actor.old_log_probs_from_first_update``
-(the rollout rank computes the old log-probs of the rows after the first mini-batch between weight
-versions; the trainer's update takes them when it reaches them).
+All three with ``async_training.old_log_probs_on_rollout`` (the rollout rank computes old log-probs
+between weight versions). ``resumed`` adds ``actor.old_log_probs_from_first_update``: the rollout
+computes every row after the first mini-batch and the trainer's update takes them when it reaches
+them; ``straight`` waits for its share before the update.
 """
 
 from __future__ import annotations
@@ -40,11 +41,11 @@ def common(out: str, name: str) -> list[str]:
 OFF_POLICY = [
     "trainer.total_training_steps=4", "trainer.save_freq=2", "async_training.max_staleness=1",
     "async_training.partial_rollout=true", "async_training.partial_rollout_segment=2",
-    "async_training.old_log_probs_on_rollout=true",  # the rollout rank computes the old log-probs
-    # of every row after the first mini-batch (its update forward gives its own), which the update
-    # takes when it cuts its second mini-batch
-    "actor.old_log_probs_from_first_update=true",
+    "async_training.old_log_probs_on_rollout=true",  # the rollout rank computes half of them
 ]  # fmt: skip
+# The first mini-batch's from its update forward; every later row's from the rollout rank, which the
+# update takes when it cuts its second mini-batch.
+LATE = ["actor.old_log_probs_from_first_update=true"]
 
 
 def main(out: str) -> None:
@@ -60,7 +61,7 @@ def main(out: str) -> None:
 
     PPOTrainer.train_step = dies_at_step_3
     try:
-        run(QUICKSTART, [*common(out, "resumed"), *OFF_POLICY])
+        run(QUICKSTART, [*common(out, "resumed"), *OFF_POLICY, *LATE])
         raise AssertionError("the interrupted run finished")
     except Interrupted:
         pass  # the trainer rank
@@ -68,7 +69,7 @@ def main(out: str) -> None:
         if "Connection closed by peer" not in str(err) and "Connection reset" not in str(err):
             raise
     PPOTrainer.train_step = train_step
-    run(QUICKSTART, [*common(out, "resumed"), *OFF_POLICY])
+    run(QUICKSTART, [*common(out, "resumed"), *OFF_POLICY, *LATE])
     run(QUICKSTART, [*common(out, "straight"), *OFF_POLICY])
 
 

@@ -289,6 +289,44 @@ def test_eos_ends_the_response_hand_checked(eos_single):
     assert eos_single["stats"]["final_cache_rows"] < len(PROMPT_LENGTHS)
 
 
+def unset_columns_job(model_dir: str) -> dict:
+    """EOS-stopped greedy decoding of 2 samples a prompt (the prefill's repeat, then compactions of
+    finished rows), with the cache columns a reorder leaves unset as they come and filled with NaN."""
+    from verl_megatron.rollout import decode
+
+    runtime, chunks, hf_config = _setup(model_dir)
+    whole = decode._rows
+
+    def nan_rows(cache, rows, filled, axis):
+        out = whole(cache, rows, filled, axis)
+        if filled is not None and axis is not None and 2 * filled <= cache.shape[axis]:
+            out.narrow(axis, filled, cache.shape[axis] - filled).fill_(float("nan"))
+        return out
+
+    meta = {"do_sample": False}
+    eos = sorted({int(t) for t in _result(_engine(runtime, chunks, hf_config, ignore_eos=True).generate_sequences(
+        prompt_batch(meta=meta)))["responses"][:2, 1:3].flatten()})  # fmt: skip
+    runs = {}
+    for name in ("as they come", "NaN"):
+        decode._rows = nan_rows if name == "NaN" else whole
+        engine = _engine(runtime, chunks, hf_config, n=2)
+        try:
+            runs[name] = _result(engine.generate_sequences(prompt_batch(meta={**meta, "eos_token_id": eos})))
+        finally:
+            decode._rows = whole
+        runs[name]["stats"] = dict(engine.stats)
+    return runs
+
+
+def test_cache_columns_a_reorder_leaves_unset_are_never_read(pool1, model_dir):
+    runs = pool1.run(f"{__name__}:unset_columns_job", model_dir=model_dir)[0]
+    plain, nan = runs["as they come"], runs["NaN"]
+    assert plain["stats"]["final_cache_rows"] < 2 * len(PROMPT_LENGTHS)  # rows were dropped on the way
+    for key in ("responses", "response_mask", "rollout_log_probs"):
+        diff = (nan[key].double() - plain[key].double()).abs()
+        assert torch.equal(nan[key], plain[key]), f"{key}: max diff {float(diff.nan_to_num(1e30).max()):.3g}"
+
+
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
 def test_eos_and_dropped_rows_match_across_layouts(pool2, eos_single, model_dir, tp, pp):
     for run in pool2.run(f"{__name__}:eos_job", model_dir=model_dir, tp=tp, pp=pp):

@@ -31,11 +31,12 @@ class AsyncTrainingConfig:
     old_log_probs_on_rollout: bool = False
     """The rollout ranks compute the old log-probs of the last rows of each batch (a share of
     ``old_log_probs_rollout_share``, by default rollout.world_size / (trainer dp +
-    rollout.world_size): half with one rollout rank and one trainer replica) while the trainer
-    computes the others. They do it on their copy of the
-    weights the trainer holds at that step, at the point where they would otherwise wait idle for
-    those weights, with the actor's own log-prob code and micro-batching rules; the trainer's
-    critical path loses that share of the pass. A row's value can differ from a one-rank pass only
+    rollout.world_size): half with one rollout rank and one trainer replica; with
+    ``actor.old_log_probs_from_first_update`` every row after the first mini-batch, which the
+    trainer's update takes when it reaches them) while the trainer computes the others. They do
+    it on their copy of the weights the trainer holds at that step, at the point where they would
+    otherwise wait idle for those weights, with the actor's own log-prob code and micro-batching
+    rules; the trainer's critical path loses that share of the pass. A row's value can differ from a one-rank pass only
     in float rounding (its micro-batch neighbours differ). Not with MoE routing replay, LoRA or
     rollout.bitwise_parity."""
     old_log_probs_rollout_share: float | None = None

@@ -118,13 +118,13 @@ def rollout_scores(config: PPOConfig) -> bool:
 
 def rollout_log_prob_share(asyn: AsyncTrainingConfig, dp: int, rollout_ranks: int, own: float = 0.0) -> float:
     """The fraction of each batch's rows whose old log-probs the rollout ranks compute: 0 without
-    ``async_training.old_log_probs_on_rollout``, else ``old_log_probs_rollout_share``, by default
-    one share per replica of the pass (each rollout rank counted as one more, next to dp).
+    ``async_training.old_log_probs_on_rollout``, else ``old_log_probs_rollout_share``.
     ``own``: the fraction (the first rows) whose old log-probs the actor's update gives itself
-    (``actor.old_log_probs_from_first_update``): that share is then one of the other rows (1.0: all
-    of them, the trainer computing none), by default all of them: the update takes them when it
-    cuts its second mini-batch, so they cost the trainer nothing if they come by then, while any
-    row it computed itself would delay its update."""
+    (``actor.old_log_probs_from_first_update``); the share is then one of the other rows, by
+    default all of them (the trainer computing none): the update takes them when it cuts its
+    second mini-batch, so they cost the trainer nothing if they come by then, while any row it
+    computed itself would delay its update. Without it, by default one share per replica of the
+    pass (each rollout rank counted as one more, next to dp)."""
     if not asyn.old_log_probs_on_rollout:
         return 0.0
     if asyn.old_log_probs_rollout_share is not None:
@@ -301,12 +301,13 @@ class AsyncRolloutLink:
             return compute(batch), None
         first = old_log_prob_split(len(batch), self.log_prob_share)
         parts = [compute(batch.slice(0, first))] if first > 0 else []
-        device = parts[0].device if parts else self.runtime.device
         shape = (len(batch) - first, batch.batch["responses"].shape[1])
         take = functools.partial(self._rollout_rows, step, first, shape)
         if self.own_rows == 0:
+            device = parts[0].device if parts else self.runtime.device
             return torch.cat([*parts, take().to(device)]), None
-        later = torch.full(shape, float("nan"), device=device)  # the update takes them when it needs them
+        # parts holds at least the first mini-batch's (NaN) rows; the update takes the others later
+        later = torch.full(shape, float("nan"), device=parts[0].device, dtype=parts[0].dtype)
         return torch.cat([*parts, later]), ArrivingOldLogProbs(first, take)
 
     def _rollout_rows(self, step: int, first: int, shape: tuple[int, int]) -> torch.Tensor:

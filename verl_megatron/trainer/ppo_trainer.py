@@ -313,12 +313,10 @@ class PPOTrainer:
         metrics = M.compute_data_metrics(batch, self.critic is not None, self.config.data.max_response_length)
         metrics.update(M.compute_timing_metrics(batch, timing))
         metrics.update(M.compute_throughput_metrics(batch, timing["step"], self.runtime.world_size))
-        if "update_actor" in timing:
-            actor = self.config.actor
-            seconds, devices = timing["update_actor"], self.runtime.world_size
-            metrics.update(
-                M.actor_mfu(batch, self.hf_config, actor.ppo_epochs, seconds, devices, self.peak_flops)
-            )
+        if "update_actor" in timing:  # less its wait for an async rollout's old log-probs
+            seconds = timing["update_actor"] - timing.get("wait_old_log_probs", 0.0)
+            epochs, devices = self.config.actor.ppo_epochs, self.runtime.world_size
+            metrics.update(M.actor_mfu(batch, self.hf_config, epochs, seconds, devices, self.peak_flops))
         return metrics
 
     # ------------------------------------------------------------------ rollout and reward
