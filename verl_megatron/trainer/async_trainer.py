@@ -127,11 +127,10 @@ def rollout_log_prob_share(asyn: AsyncTrainingConfig, dp: int, rollout_ranks: in
     pass (each rollout rank counted as one more, next to dp)."""
     if not asyn.old_log_probs_on_rollout:
         return 0.0
-    if asyn.old_log_probs_rollout_share is not None:
-        return float(asyn.old_log_probs_rollout_share) * (1.0 - own)
-    if own > 0:
-        return 1.0 - own
-    return rollout_ranks / (dp + rollout_ranks)
+    share = asyn.old_log_probs_rollout_share
+    if share is None and own == 0:
+        return rollout_ranks / (dp + rollout_ranks)
+    return float(1.0 if share is None else share) * (1.0 - own)
 
 
 def stored_rollout_scores(batch: DataProto) -> dict[str, float]:

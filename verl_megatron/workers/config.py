@@ -345,7 +345,8 @@ class ActorConfig(PPOWorkerConfig):
     """The first mini-batch's old log-probs (rows 0..ppo_mini_batch_size * rollout_n - 1, before
     any optimizer step of the call) are its own update forward's, detached (ratio exactly 1): the
     old-log-prob pass computes only the later mini-batches' rows (in async mode with
-    old_log_probs_on_rollout the rollout share is one of those rows). The values given
+    old_log_probs_on_rollout the rollout ranks compute them by default, and ``update_policy``'s
+    ``late`` rows arrive when it cuts its second mini-batch). The values given
     for the first rows are ignored (the trainer leaves them NaN). Needs recompute_old_log_prob,
     ppo_epochs=1 and shuffle=false (checked here); readers of old log-probs before the update are
     refused at start-up (trainer/validate.py)."""
