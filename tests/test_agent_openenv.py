@@ -76,7 +76,10 @@ def test_named_errors_for_bad_environments(tmp_path):
             r"make_fails\(\) raised RuntimeError: no license server$",
         ),
         # A TypeError of the factory's own body is its error, not one of env_kwargs (it has none).
-        ({"env": "tests.openenv_echo_env:make_type_error"}, r"make_type_error\(\) raised TypeError: .*positional"),
+        (
+            {"env": "tests.openenv_echo_env:make_type_error"},
+            r"make_type_error\(\) raised TypeError: .*positional",
+        ),
         (
             {"env": "tests.openenv_echo_env:make_type_error", "isolation": "none"},
             r"make_type_error\(\) raised TypeError: .*positional",

@@ -11,7 +11,6 @@ import threading
 from types import SimpleNamespace
 
 import pytest
-
 import torch
 
 from verl_megatron.workers import model_runner as engine

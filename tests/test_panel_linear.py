@@ -114,7 +114,9 @@ def test_streaming_tile_is_the_avx512_build_and_bad_input_is_refused(kernels):
     with pytest.raises(RuntimeError, match="float32"):
         kernels.panel_linear(x.double(), panels, 5, None, 0, None)
     with pytest.raises(RuntimeError, match="K must be at least 1"):  # no k step: sums never written
-        kernels.panel_linear(torch.ones(2, 0), packed_linear.pack_panels(torch.ones(5, 0)), 5, torch.ones(5), 0, None)
+        kernels.panel_linear(
+            torch.ones(2, 0), packed_linear.pack_panels(torch.ones(5, 0)), 5, torch.ones(5), 0, None
+        )
 
 
 def test_the_store_multiplies_few_rows_in_panels_and_many_with_onednn():
@@ -158,7 +160,9 @@ def test_row_slices_with_a_step_are_kept_apart():
             out = store.linear(x, w, None, rows)
             assert out.shape == exact.shape, f"{rows}: shape {tuple(out.shape)}"
             ratio = (out.double() - exact).abs() / bound
-            assert float(ratio.max()) <= 1.0, f"{rows}: error / bound {float(ratio.max()):.3f}; {_where(ratio)}"
+            assert float(ratio.max()) <= 1.0, (
+                f"{rows}: error / bound {float(ratio.max()):.3f}; {_where(ratio)}"
+            )
         assert store.packs == 2  # the plain slice once, the stepped one once
 
 

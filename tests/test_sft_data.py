@@ -126,5 +126,5 @@ def test_sft_command_names_a_bad_row_before_any_model(tmp_path, no_runtime, caps
     assert run_mode(None, ["trainer.mode=sft"]) == "sft" and run_mode(None, []) == "rl"
     from verl_megatron.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="trainer.mode='dpo'"):
+    with pytest.raises(ConfigError, match=r"trainer\.mode='dpo'"):
         run_mode(None, ["trainer.mode=dpo"])

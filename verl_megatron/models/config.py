@@ -28,18 +28,18 @@ from verl_megatron.models.families.deepseek import (
     mla_transformer_config,
     read_mla_architecture,
 )
-from verl_megatron.models.families.qwen2_vl import (
-    VLArchitecture,
-    check_vl_settings,
-    read_vl_architecture,
-    vl_transformer_config,
-)
 from verl_megatron.models.families.gpt_oss import (
     GPT_OSS_MODEL_TYPES,
     GptOssArchitecture,
     gpt_oss_transformer_config,
     read_gpt_oss_architecture,
     read_gpt_oss_moe,
+)
+from verl_megatron.models.families.qwen2_vl import (
+    VLArchitecture,
+    check_vl_settings,
+    read_vl_architecture,
+    vl_transformer_config,
 )
 from verl_megatron.models.families.qwen3_next import (
     LinearAttentionArchitecture,
