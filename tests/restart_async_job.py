@@ -3,10 +3,12 @@
     torchrun --nproc_per_node=2 tests/restart_async_job.py OUT_DIR
 
 One-step off-policy (max_staleness=1, whole responses: the weight version of every batch is fixed
-by the step), 4 steps, a checkpoint every 2. Three runs in the same processes:
+by the step), 4 steps, a checkpoint every 2. Runs in the same processes:
 1. ``resumed``: the trainer fails at the start of step 3, after the rollout generated ahead;
 2. ``resumed`` again, from its checkpoint of step 2, to the end;
-3. ``straight``: the same run uninterrupted.
+3. ``extended``: a run of 2 steps (its checkpoint of step 2 is its last step's), then the same
+   directory continued to 4 steps;
+4. ``straight``: the same run uninterrupted.
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ def main(out: str) -> None:
     faulthandler.dump_traceback_later(540, exit=True)  # a hang shows its stacks, then the test fails
 
     run_interrupted(out, 3)
-    for name in ("resumed", "straight"):
+    run(QUICKSTART, [*common(out, "extended"), *ONE_STEP_OFF, "trainer.total_training_steps=2"])
+    for name in ("resumed", "extended", "straight"):
         run(QUICKSTART, [*common(out, name), *ONE_STEP_OFF])
 
 

@@ -23,6 +23,9 @@ from verl_megatron.trainer.config import load_config, validate_config
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(ROOT, "configs", "quickstart.yaml")
 SEPARATE = ["rollout.placement=separate", "rollout.world_size=1"]
+PARTIAL = [
+    "async_training.max_staleness=1", "algorithm.rollout_correction.rollout_is=token", "async_training.partial_rollout=true",
+]  # fmt: skip
 
 
 # ------------------------------------------------------------------ start-up errors
@@ -60,6 +63,21 @@ SEPARATE = ["rollout.placement=separate", "rollout.world_size=1"]
             "old_log_probs_on_rollout with actor.recompute_old_log_prob=false (none to compute)",
         ),
         (
+            [*SEPARATE, "async_training.partial_rollout=true"],
+            2,
+            "partial_rollout needs async_training.max_staleness >= 1",
+        ),
+        (
+            [
+                *SEPARATE,
+                *PARTIAL,
+                "async_training.partial_rollout_segment=1",
+                "data.max_response_length=1025",
+            ],
+            2,
+            "cuts responses of 1025 tokens into 1025 segments, more than the 1024 sampling calls",
+        ),
+        (
             [*SEPARATE, "async_training.old_log_probs_rollout_share=0.6"],
             2,
             "old_log_probs_rollout_share is set but async_training.old_log_probs_on_rollout is false",
@@ -86,6 +104,63 @@ def test_bad_async_settings_are_named_at_start_up(overrides, world_size, message
         validate_config(load_config(QUICKSTART, overrides), world_size)
     text = str(err.value)
     assert message in text and "\n" not in text, text
+
+
+def test_old_log_probs_all_from_the_rollout_stay_on_the_batchs_device() -> None:
+    """share 1.0 without the first mini-batch's own rows: no row is the actor's, and the rollout's
+    rows join the batch on its device (a GPU runtime's device is not the CPU batch's; "meta" stands in)."""
+    from types import SimpleNamespace
+
+    from verl_megatron.trainer.async_trainer import AsyncRolloutLink
+
+    link = object.__new__(AsyncRolloutLink)
+    link.log_prob_share, link.own_rows = 1.0, 0
+    link.runtime = SimpleNamespace(device=torch.device("meta"))
+    theirs = torch.arange(8.0).reshape(2, 4)
+    link._rollout_rows = lambda step, first, shape: theirs if (first, shape) == (0, (2, 4)) else None
+    batch = DataProto.from_dict({"responses": torch.zeros(2, 4, dtype=torch.long)})
+    old, arriving = link.old_log_probs(3, batch, compute=lambda data: pytest.fail("the actor computed rows"))
+    assert arriving is None and old.device == torch.device("cpu")
+    assert torch.equal(old, theirs)
+
+
+def test_an_error_before_async_training_closes_the_placement(monkeypatch, tmp_path) -> None:
+    """The trainer rank fails after the placement's groups exist but before train_async (here in
+    init_runtime): run() still closes them, so the rollout ranks are not left waiting on them."""
+    from types import SimpleNamespace
+
+    from verl_megatron import train
+    from verl_megatron.distributed import parallel
+    from verl_megatron.rollout import placement
+
+    closed = []
+    fake = SimpleNamespace(is_trainer=True, close=lambda: closed.append(True))
+    monkeypatch.setattr(placement, "init_placement", lambda rollout, minutes: fake)
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("init_runtime failed")
+
+    monkeypatch.setattr(parallel, "init_runtime", fails)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    overrides = [
+        *SEPARATE, f"trainer.default_local_dir={tmp_path}/run", f"quickstart.assets_dir={tmp_path}/assets",
+    ]  # fmt: skip
+    with pytest.raises(RuntimeError, match="init_runtime failed"):
+        train.run(str(QUICKSTART), overrides)
+    assert closed == [True]
+
+
+def test_partial_rollout_over_an_nccl_broadcast_to_several_ranks_is_refused(monkeypatch) -> None:
+    """On GPUs the weights reach 2+ rollout ranks by a broadcast every rank joins at a step's start:
+    a segment could never take newer ones (on CPU each rank receives its own copy, between segments)."""
+    from verl_megatron.errors import PlacementError
+    from verl_megatron.trainer.placement_check import check_placement
+
+    config = load_config(QUICKSTART, ["rollout.placement=separate", "rollout.world_size=2", *PARTIAL])
+    assert check_placement(config, 3) == 1  # CPU: gloo sends to each rank
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(PlacementError, match=r"partial_rollout with rollout\.world_size=2 on GPUs"):
+        check_placement(config, 3)
 
 
 def test_separate_placement_resolves_the_layout_on_the_trainer_ranks() -> None:

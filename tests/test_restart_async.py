@@ -3,7 +3,8 @@
 The batch of the first step after a resume from step c was regenerated with the checkpoint's
 weights (staleness 0) where the uninterrupted run had used the version before (staleness 1), and
 from there on the runs departed. The checkpoint now keeps the versions c-k..c-1 the rollout still
-generates with; resumed and uninterrupted runs log the same metrics, timings aside.
+generates with; resumed and uninterrupted runs log the same metrics, timings aside. So does a run
+continued with more steps from the checkpoint of its last step (which kept none before).
 """
 
 from __future__ import annotations
@@ -37,10 +38,13 @@ def test_async_resume_regenerates_with_the_uninterrupted_runs_weights(tmp_path) 
         found = read_jsonl_metrics(tmp_path / name / "metrics.jsonl")
         return [{k: v for k, v in r.items() if k not in TIMES} for r in found]
 
-    resumed, straight = rows("resumed"), rows("straight")
-    # Every batch after step 1 was generated one version behind, the resumed step 3 too.
+    resumed, extended, straight = rows("resumed"), rows("extended"), rows("straight")
+    # Every batch after step 1 was generated one version behind, the resumed step 3 too, and the
+    # step 3 of a run continued from its last step's checkpoint (which keeps version 1 for it).
     assert [r["async/staleness_max"] for r in resumed] == [0.0, 1.0, 1.0, 1.0]
+    assert [r["async/staleness_max"] for r in extended] == [0.0, 1.0, 1.0, 1.0]
     job.assert_same_metrics(resumed, straight)
+    job.assert_same_metrics(extended, straight)
     print(
         "grad_norm resumed",
         [r["actor/grad_norm"] for r in resumed],

@@ -150,9 +150,10 @@ def run(config_path: str | None, overrides: Sequence[str]) -> dict[str, float]:
     if placement is not None and not placement.is_trainer:
         with watched(config, placement.transfer):
             return run_rollout_ranks(config, placement)
-    runtime = init_runtime(config.parallel, seed=config.trainer.seed, timeout_minutes=minutes)
-    group = None if placement is None else placement.transfer  # the watchdog's ranks: all of them
+    runtime = None
     try:
+        runtime = init_runtime(config.parallel, seed=config.trainer.seed, timeout_minutes=minutes)
+        group = None if placement is None else placement.transfer  # the watchdog's ranks: all of them
         # Held until the run ends: one run per output dir, and no silent overwrite of an earlier one.
         # The watchdog ends every rank when one dies or all stop progressing (trainer/stall.py).
         with claim_output_dir(config, runtime.rank), watched(config, group) as watchdog:
@@ -166,8 +167,12 @@ def run(config_path: str | None, overrides: Sequence[str]) -> dict[str, float]:
             teacher = build_teacher(config, runtime)  # algorithm.distill's teacher, or None
             return PPOTrainer(config, runtime, components, stages=watchdog, teacher=teacher).fit()
     finally:
+        # An error before train_async (which closes it) leaves the rollout ranks waiting on the
+        # transfer group until it is destroyed; closing twice is harmless.
+        if placement is not None:
+            placement.close()
         # A caller that started torch.distributed itself (a test's worker pool) keeps it.
-        if runtime._owns_process_group:
+        if runtime is not None and runtime._owns_process_group:
             shutdown(runtime)
 
 

@@ -221,8 +221,9 @@ class AsyncRolloutLink:
         if step < self.total_steps:
             with timed_stage(self.stages, "send_weights", step, timing):
                 self._send_weights(step)
-            if self.runtime.is_main and save_due(self.config, step, self.total_steps):
-                self.recent.save(self.config.trainer.default_local_dir, step)  # published with the step
+        # The last step's checkpoint too: a run continued from it with more steps needs them.
+        if self.runtime.is_main and save_due(self.config, step, self.total_steps):
+            self.recent.save(self.config.trainer.default_local_dir, step)  # published with the step
 
     def finish(self) -> None:
         self.sender.wait()  # on an error the transfer group is shut down instead (train_async)
@@ -302,9 +303,8 @@ class AsyncRolloutLink:
         parts = [compute(batch.slice(0, first))] if first > 0 else []
         shape = (len(batch) - first, batch.batch["responses"].shape[1])
         take = functools.partial(self._rollout_rows, step, first, shape)
-        if self.own_rows == 0:
-            device = parts[0].device if parts else self.runtime.device
-            return torch.cat([*parts, take().to(device)]), None
+        if self.own_rows == 0:  # on the batch's device, as the actor's pass returns them
+            return torch.cat([*parts, take().to(batch.batch["responses"].device)]), None
         # parts holds at least the first mini-batch's (NaN) rows; the update takes the others later
         later = torch.full(shape, float("nan"), device=parts[0].device, dtype=parts[0].dtype)
         return torch.cat([*parts, later]), ArrivingOldLogProbs(first, take)

@@ -48,6 +48,8 @@ def check_placement(config: PPOConfig, world_size: int) -> int:
             f"async_training.max_staleness={asyn.max_staleness} trains on stale samples: set "
             "algorithm.rollout_correction.rollout_is (e.g. token) or rollout_rs to correct them"
         )
+    if asyn.partial_rollout:
+        _check_partial_rollout(config)
     unsupported = {
         "algorithm.filter_groups.enable=true": algo.filter_groups.enable,
         "algorithm.adv_estimator=remax": algo.adv_estimator == "remax",
@@ -68,3 +70,31 @@ def check_placement(config: PPOConfig, world_size: int) -> int:
         if on:
             raise PlacementError(f"rollout.placement=separate does not support {key} yet")
     return world_size - rollout.world_size
+
+
+def _check_partial_rollout(config: PPOConfig) -> None:
+    """``async_training.partial_rollout`` only where newer weights can reach a batch in generation,
+    and with its segments inside one step's budget of sampling calls (their seeds)."""
+    import torch
+
+    from verl_megatron.rollout.async_worker import CALLS_PER_STEP
+
+    rollout, asyn = config.rollout, config.async_training
+    if asyn.max_staleness == 0:
+        raise PlacementError(
+            "async_training.partial_rollout needs async_training.max_staleness >= 1: at 0 the weights of "
+            "step s arrive only after batch s+1 is generated, so no segment could take newer ones"
+        )
+    if rollout.world_size > 1 and torch.cuda.is_available():
+        raise PlacementError(
+            f"async_training.partial_rollout with rollout.world_size={rollout.world_size} on GPUs: the weights "
+            "reach several rollout ranks by one NCCL broadcast that every rank joins at a step's start, never "
+            "between segments; use rollout.world_size=1 or turn partial_rollout off"
+        )
+    segments = -(-rollout.response_length // asyn.partial_rollout_segment)
+    if segments > CALLS_PER_STEP:
+        raise PlacementError(
+            f"async_training.partial_rollout_segment={asyn.partial_rollout_segment} cuts responses of "
+            f"{rollout.response_length} tokens into {segments} segments, more than the {CALLS_PER_STEP} sampling "
+            "calls a step has (their seeds would repeat the next step's): raise the segment"
+        )
