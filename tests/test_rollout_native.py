@@ -387,6 +387,45 @@ def test_dp2_sampling_matches_one_process(pool1, pool2, model_dir):
         )
 
 
+def segmented_shares_job(model_dir: str, ignore_eos: bool) -> dict:
+    """Partial rollout's segmented generation (3 tokens a segment) of a 4-prompt batch, whole and as
+    two rollout ranks' shares (fresh engines at the same call number, as the async worker's)."""
+    from verl_megatron.rollout.partial import generate_with_versions
+
+    runtime, chunks, hf_config = _setup(model_dir)
+    config = {**SAMPLING, "ignore_eos": ignore_eos}
+    prompts = prompt_batch(PROMPT_LENGTHS[:4])
+
+    def segmented(batch) -> dict:
+        out = generate_with_versions(
+            _engine(runtime, chunks, hf_config, **config), batch, response_length=RESPONSE_LENGTH, segment=3,
+            stops=[EOS], pad=PAD, version=lambda: 0, refresh=lambda: None,
+        )  # fmt: skip
+        return {k: out.batch[k] for k in ("responses", "rollout_log_probs")}
+
+    shares = []
+    for rank, share in enumerate(prompts.chunk(2)):
+        share.meta_info = {"prompt_offset": rank * len(share)}  # its own dict, not the batch's
+        shares.append(segmented(share))
+    return {"whole": segmented(prompts), "shares": {k: torch.cat([s[k] for s in shares]) for k in shares[0]}}
+
+
+@pytest.mark.parametrize("ignore_eos", [True, False], ids=["full-length", "eos"])
+def test_segmented_generation_samples_alike_however_prompts_are_split(pool1, model_dir, ignore_eos):
+    """Rows continued in a later segment seed from their row in the global batch: two ranks' shares
+    draw what one rank drawing the whole batch does (they drew the same numbers for their local
+    rows 0, 1, ... before)."""
+    out = pool1.run(f"{__name__}:segmented_shares_job", model_dir=model_dir, ignore_eos=ignore_eos)[0]
+    whole, shares = out["whole"], out["shares"]
+    differ = (shares["responses"] != whole["responses"]).nonzero().tolist()
+    assert not differ, f"two shares sampled other tokens than the whole batch at (row, t) {differ[:5]}"
+    assert_close_report(
+        shares["rollout_log_probs"], whole["rollout_log_probs"], rtol=0, atol=1e-5, what="log-probs"
+    )
+    # the first segment alone never differed: the test sees the continuation's draws
+    assert (whole["responses"][:, 3:] != PAD).any()
+
+
 def packing_job(model_dir: str) -> dict:
     """Prefill logits with packed linears, without them, and by a cache-free full forward;
     which layers the packing switched, inside and after the context, and with parity kernels."""

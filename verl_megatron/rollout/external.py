@@ -50,7 +50,13 @@ from verl_megatron.rollout.base import (
     stop_token_ids,
 )
 from verl_megatron.rollout.config import RolloutConfig, RolloutConfigError
-from verl_megatron.rollout.sampling import SamplingParams, call_seed, prompt_seed, resolve_sampling
+from verl_megatron.rollout.sampling import (
+    SamplingParams,
+    call_seed,
+    prompt_indices,
+    prompt_seed,
+    resolve_sampling,
+)
 from verl_megatron.rollout.weight_sync import NamedTensor, SyncStats, stream_weights
 
 __all__ = [
@@ -270,8 +276,7 @@ class ExternalRollout(RolloutEngine):
             logprobs=self.config.calculate_log_probs,
             # The trainer passes where this share starts in the global batch (rollout/layout.py).
             prompt_seeds=tuple(
-                prompt_seed(self.seed, self._calls, int(meta.get("prompt_offset", 0)) + i)
-                for i in range(input_ids.shape[0])
+                prompt_seed(self.seed, self._calls, i) for i in prompt_indices(meta, input_ids.shape[0])
             ),
         )
         self._calls += 1

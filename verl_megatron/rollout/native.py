@@ -19,8 +19,9 @@ The log-prob of each sampled token is computed by the trainer's own function
 actor's ``old_log_probs`` bit for bit.
 
 Each prompt samples from its own seed (``sampling.prompt_seed``: seed, call number, and the
-prompt's row in the global batch, ``meta_info['prompt_offset']`` + its local row): the same seed
-and the same sequence of calls give the same tokens whatever the tp/pp/dp layout.
+prompt's row in the global batch, ``meta_info['prompt_offset']`` + its local row, or
+``meta_info['prompt_indices']``, see ``sampling.prompt_indices``): the same seed and the same
+sequence of calls give the same tokens whatever the tp/pp/dp layout.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from verl_megatron.rollout.cpu.packed_linear import PackedWeights
 from verl_megatron.rollout.decode import ChunkDecoder, inference_mode_for
 from verl_megatron.rollout.sampling import (
     SamplingParams,
+    prompt_indices,
     prompt_seed,
     prompt_uniforms,
     resolve_sampling,
@@ -125,9 +127,7 @@ class NativeRollout(RolloutEngine):
         stops = stop_token_ids(self.config, meta, self.tokenizer, self.hf_config)
         pad = pad_token_id(meta, self.tokenizer)
         device = self.runtime.device
-        uniforms = self._uniforms(
-            input_ids.shape[0], int(meta.get("prompt_offset", 0)), params, response_length
-        )
+        uniforms = self._uniforms(prompt_indices(meta, input_ids.shape[0]), params, response_length)
         start = time.perf_counter()
         rows, width = input_ids.shape[0] * params.n, input_ids.shape[1] + response_length
         with (
@@ -153,13 +153,14 @@ class NativeRollout(RolloutEngine):
         return self._routes.attach(assemble_output(prompts, responses, response_mask, log_probs, params.n))
 
     def _uniforms(
-        self, prompts: int, offset: int, params: SamplingParams, response_length: int
+        self, indices: list[int], params: SamplingParams, response_length: int
     ) -> torch.Tensor | None:
-        """[prompts * n, response_length] uniforms of this call's rows (None when greedy)."""
+        """[prompts * n, response_length] uniforms of this call's rows, its prompts being rows
+        ``indices`` of the global batch (None when greedy)."""
         call, self._calls = self._calls, self._calls + 1
         if params.greedy:
             return None
-        seeds = [prompt_seed(self.seed, call, offset + i) for i in range(prompts)]
+        seeds = [prompt_seed(self.seed, call, i) for i in indices]
         return prompt_uniforms(seeds, params.n, response_length, self.runtime.device)
 
     def _decode(

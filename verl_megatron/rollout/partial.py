@@ -57,6 +57,7 @@ def generate_with_versions(
     versions = torch.full((rows, response_length), -1, dtype=torch.long)
     stop_ids = torch.tensor(stops, dtype=torch.long)
     live = torch.arange(rows)
+    first_row = int(prompts.meta_info.get("prompt_offset", 0)) * n
     start_version = version()
     position = 0
     while position < response_length and live.numel() > 0:
@@ -67,7 +68,9 @@ def generate_with_versions(
             batch = DataProto.from_dict(dict(prompts.batch.items()), meta_info=dict(prompts.meta_info))
         else:
             batch = _continuation(row_ids, row_mask, responses[:, :position], live, pad)
-            batch.meta_info = {**prompts.meta_info, "n": 1, "prompt_offset": 0}
+            # Each row seeds from its own row in the global batch (this share's rows start at
+            # first_row), as the first segment's prompts do: ranks and splits draw alike.
+            batch.meta_info = {**prompts.meta_info, "n": 1, "prompt_indices": (first_row + live).tolist()}
         # Read after refresh(): the engine reuses packed weights only within one version.
         batch.meta_info.update(response_length=width, weights_version=version())
         out = engine.generate_sequences(batch).to("cpu")

@@ -22,7 +22,15 @@ import torch
 from verl_megatron.rollout.config import RolloutConfig, RolloutConfigError
 from verl_megatron.rollout.cpu.kernels import decode_kernels
 
-__all__ = ["SamplingParams", "call_seed", "prompt_seed", "prompt_uniforms", "resolve_sampling", "sample_next"]
+__all__ = [
+    "SamplingParams",
+    "call_seed",
+    "prompt_indices",
+    "prompt_seed",
+    "prompt_uniforms",
+    "resolve_sampling",
+    "sample_next",
+]
 
 # Candidates examined before falling back to a full sort for top-p: if the K most likely tokens
 # already hold top_p of the probability, the nucleus lies within them (exact, not a heuristic).
@@ -96,6 +104,19 @@ def prompt_seed(seed: int, call: int, prompt_index: int) -> int:
     for that prompt) does not depend on how prompts are split over replicas.
     """
     return ((seed * 1_000_003 + call) * 1_000_033 + prompt_index) % (2**63)
+
+
+def prompt_indices(meta: dict, prompts: int) -> list[int]:
+    """The rows of a call's ``prompts`` prompts in the global batch, which their seeds come from:
+    ``meta["prompt_indices"]`` when the caller names each (rows continued from an earlier call, see
+    ``rollout/partial.py``), else ``meta["prompt_offset"]`` (where this share starts) + the local row."""
+    given = meta.get("prompt_indices")
+    if given is None:
+        offset = int(meta.get("prompt_offset", 0))
+        return list(range(offset, offset + prompts))
+    if len(given) != prompts:
+        raise ValueError(f"meta_info['prompt_indices'] names {len(given)} rows for {prompts} prompts")
+    return [int(i) for i in given]
 
 
 def prompt_uniforms(seeds: list[int], n: int, steps: int, device: torch.device | str = "cpu") -> torch.Tensor:
