@@ -95,6 +95,21 @@ def test_stop_ids_join_tokenizer_config_and_generation_config(tmp_path):
     assert stop_token_ids(RolloutConfig(), {}, SimpleNamespace(eos_token_id=128009), bare) == [128001, 128009]
 
 
+def test_the_trainers_generate_meta_keeps_the_generation_config_eos_list(tmp_path):
+    """The meta the trainer, the async rollout ranks and the judge pass (``generation_meta``) names
+    no eos, so the model's whole list stops generation (they passed the tokenizer's one eos, which
+    overrode it: Llama-3.1-Instruct ran on past 128001 and 128008)."""
+    from verl_megatron.rollout import RolloutConfig
+    from verl_megatron.rollout.base import generation_meta, stop_token_ids
+
+    _write_generation_config(tmp_path, [128001, 128008, 128009])
+    hf_config = SimpleNamespace(_name_or_path=str(tmp_path), eos_token_id=128001)
+    tokenizer = SimpleNamespace(eos_token_id=128009, pad_token_id=128004)
+    meta = generation_meta(tokenizer)
+    assert meta == {"pad_token_id": 128004}
+    assert stop_token_ids(RolloutConfig(), meta, tokenizer, hf_config) == [128001, 128008, 128009]
+
+
 def test_unreadable_generation_config_is_named(tmp_path):
     from verl_megatron.rollout.base import generation_eos_ids
 

@@ -34,6 +34,7 @@ def build_judge_model(config: Any, runtime: Runtime) -> tuple[Callable[[DataProt
     from verl_megatron.models.builder import build_gpt_chunks
     from verl_megatron.models.config import load_hf_config
     from verl_megatron.models.convert import load_hf_weights
+    from verl_megatron.rollout.base import generation_meta
     from verl_megatron.rollout.layout import gather_replicas, shard_for
     from verl_megatron.rollout.native import NativeRollout
     from verl_megatron.utils.tokenizer import hf_tokenizer
@@ -49,9 +50,7 @@ def build_judge_model(config: Any, runtime: Runtime) -> tuple[Callable[[DataProt
     engine = NativeRollout(config.rollout, runtime, chunks, tokenizer, hf_config)
 
     def generate(prompts: DataProto) -> DataProto:
-        prompts.meta_info.update(
-            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, validate=True
-        )
+        prompts.meta_info.update(generation_meta(tokenizer), validate=True)
         shard = shard_for("native", 1, runtime)
         padded, pad = pad_dataproto_to_divisor(prompts, shard.replicas)
         local = padded.chunk(shard.replicas)[shard.replica]

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from verl_megatron.data import PromptLoader
 from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
+from verl_megatron.rollout.base import generation_meta
 from verl_megatron.rollout.config import RolloutConfig
 from verl_megatron.rollout.placement import Placement
 from verl_megatron.rollout.weight_sync import Message, isend_object, receive_weights, recv_object
@@ -215,8 +216,9 @@ class RolloutWorker:
             chunk.requires_grad_(False)
         self.weights = ChunkWeights(model.chunks)
         self.engine = NativeRollout(settings.rollout, runtime, model.chunks, self.tokenizer, model.hf_config)
-        meta = {"eos_token_id": self.tokenizer.eos_token_id, "pad_token_id": self.tokenizer.pad_token_id}
-        self.stops = stop_token_ids(settings.rollout, meta, self.tokenizer, model.hf_config)
+        self.stops = stop_token_ids(
+            settings.rollout, generation_meta(self.tokenizer), self.tokenizer, model.hf_config
+        )
         self.version = -1
         self.wait_s = 0.0  # blocked waiting for weights
         self.agent = self._agent(model.harness) if model.harness is not None else None
@@ -264,8 +266,7 @@ class RolloutWorker:
         padded, pad = pad_dataproto_to_divisor(prompts, ranks)
         local = padded.chunk(ranks)[rank]
         local.meta_info.update(
-            eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
-            validate=False, prompt_offset=rank * len(local),
+            **generation_meta(self.tokenizer), validate=False, prompt_offset=rank * len(local),
         )  # fmt: skip
         self.engine.load_state_dict({"calls": step * CALLS_PER_STEP})
         if self.agent is not None:

@@ -217,6 +217,14 @@ def _model_dir(hf_config: Any) -> str | None:
     return getattr(hf_config, "_name_or_path", None) or None
 
 
+def generation_meta(tokenizer: Any) -> dict[str, Any]:
+    """What a trainer's generate call puts in ``meta_info`` for its tokenizer: the pad id, not the
+    eos. A batch's ``eos_token_id`` replaces every other eos (``stop_token_ids``), and without it
+    the engine stops on the tokenizer's, the model config's and ``generation_config.json``'s alike
+    (chat models end a turn on any of several)."""
+    return {"pad_token_id": tokenizer.pad_token_id}
+
+
 def stop_token_ids(
     config: RolloutConfig, meta_info: dict[str, Any], tokenizer: Any, hf_config: Any
 ) -> list[int]:

@@ -36,6 +36,7 @@ from verl_megatron.algos import core_algos
 from verl_megatron.distributed.parallel import Runtime
 from verl_megatron.models.offload import Offloader
 from verl_megatron.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
+from verl_megatron.rollout.base import generation_meta
 from verl_megatron.rollout.layout import gather_replicas, shard_for
 from verl_megatron.trainer import metrics as M
 from verl_megatron.trainer.components import Components, RewardFn, total_training_steps
@@ -375,10 +376,7 @@ class PPOTrainer:
         rollout_cfg = self.config.rollout
         # weights_version: the native engine keeps its packed weights while it stays the same.
         prompts.meta_info.update(
-            eos_token_id=self.tokenizer.eos_token_id,
-            pad_token_id=self.tokenizer.pad_token_id,
-            validate=validate,
-            weights_version=self._weights_version,
+            generation_meta(self.tokenizer), validate=validate, weights_version=self._weights_version
         )
         if greedy:
             prompts.meta_info["do_sample"] = False
