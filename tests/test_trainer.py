@@ -199,6 +199,8 @@ def test_remax_uses_greedy_baseline_from_the_rollout(dataset):
     )
     batch, _ = trainer._collect_batch(step=1, timing={})
     assert trainer.rollout.calls[1]["do_sample"] is False
+    # one wake of the engine for both calls (it was woken and put to sleep for each)
+    assert trainer.rollout.events == ["wake_weights", "sync", "wake", "gen", "gen", "sleep"]
     assert batch.batch["reward_baselines"].tolist() == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0]
     trainer._compute_advantages(batch)
     # advantage = score - baseline on every response token

@@ -144,6 +144,7 @@ class PPOTrainer:
         # count actor updates so a copy is refreshed once per update, not once per call.
         self._weights_version, self._synced_version = 0, -1
         self.offloader = Offloader()  # what the rollout phase parks, for the whole run
+        self._in_rollout_phase = False
         self._staged_checkpoint: int | None = None  # step saved but not yet published
         self.guard = DivergenceGuard(config.trainer.divergence_guard, config.actor.optim.lr)
         self.routes = components.routes  # MoE routing replay (workers/routes.py), or None
@@ -337,7 +338,8 @@ class PPOTrainer:
             prompts.non_tensor_batch["uid"] = np.array(
                 [f"{step}-{rounds}-{i}" for i in range(len(prompts))], dtype=object
             )
-            with self._stage("gen", timing):
+            # ReMax's greedy baseline in the same wake of the engine as the samples.
+            with self._stage("gen", timing), self._rollout_phase():
                 batch = self._generate(prompts, validate=False)
                 if algo.adv_estimator == "remax":
                     baseline = self._generate(prompts, validate=False, greedy=True)
@@ -402,17 +404,25 @@ class PPOTrainer:
 
     @contextlib.contextmanager
     def _rollout_phase(self) -> Iterator[None]:
-        """The engine awake, the training state parked (``trainer/rollout_phase.py``)."""
-        with rollout_phase(
-            self.config,
-            self.rollout,
-            self.actor,
-            self.ref,
-            self.critic,
-            self._sync_rollout_weights,
-            self.offloader,
-        ):
+        """The engine awake, the training state parked (``trainer/rollout_phase.py``); inside an
+        open phase, nothing more (several generate calls share one wake of the engine)."""
+        if self._in_rollout_phase:
             yield
+            return
+        self._in_rollout_phase = True
+        try:
+            with rollout_phase(
+                self.config,
+                self.rollout,
+                self.actor,
+                self.ref,
+                self.critic,
+                self._sync_rollout_weights,
+                self.offloader,
+            ):
+                yield
+        finally:
+            self._in_rollout_phase = False
 
     def _sync_rollout_weights(self) -> None:
         """Load the actor's weights into the engine if they changed since it last took them."""
