@@ -56,7 +56,8 @@ def load_newest_intact(
     if damaged:
         raise CheckpointNotFoundError(
             f"no intact checkpoint under {root}: {'; '.join(damaged)}. Resume from a copy you trust with "
-            "trainer.resume_mode=resume_path trainer.resume_from_path=<its global_step_N directory>, "
-            "or start over in another trainer.default_local_dir"
+            "trainer.resume_mode=resume_path trainer.resume_from_path=<its global_step_N directory> "
+            "once the damaged steps are moved out of this directory (or into another "
+            "trainer.default_local_dir), or start over in another trainer.default_local_dir"
         )
     return None

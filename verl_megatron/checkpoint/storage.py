@@ -232,6 +232,15 @@ def complete_steps(root: str | os.PathLike) -> dict[int, Path]:
     return found
 
 
+def step_of(directory: Path) -> int | None:
+    """The step a complete step directory holds: its step marker's, else the ``global_step_N`` name."""
+    try:
+        return int(_read_json(directory / STEP_MARKER, "step marker")["step"])
+    except (OSError, KeyError, TypeError, ValueError, CheckpointCorruptError):
+        match = _STEP_RE.match(directory.name)
+        return int(match.group(1)) if match else None
+
+
 def damaged_steps(root: str | os.PathLike) -> dict[int, str]:
     """Step -> what is wrong, of every committed step (its step marker written) that is not complete:
     an unreadable step marker, or a part it lists without its part marker. Interrupted saves (no

@@ -8,6 +8,8 @@
 - a directory holding an earlier run's results is either resumed or refused:
   ``resume_mode=auto`` resumes its newest complete checkpoint; ``disable`` (or ``auto``
   with no checkpoint but logged steps) would overwrite them and is refused.
+- ``resume_mode=resume_path`` at step N is refused when the directory holds complete steps
+  after N (a rewind): the newest checkpoint there would stay the abandoned run's.
 - resuming compares the config with the one saved in the checkpoint. Keys that decide
   which data a step sees or what the model is (``REFUSED_ON_RESUME``) may not change
   unless ``trainer.resume_allow_changes=true``; every other changed key is applied and
@@ -170,6 +172,30 @@ def _resume_notes(config: PPOConfig, step_dir: Path) -> list[str]:
     ]
 
 
+def _refuse_newer_steps(directory: Path, resumed: Path) -> None:
+    """Refuse a resume from ``resumed`` into a directory holding complete steps after it.
+
+    The resumed run would save its steps among them, and the newest (``resume_mode=auto``, a
+    torchrun restart) would then be the abandoned run's. Nothing is moved or deleted here.
+    """
+    from verl_megatron.checkpoint.storage import complete_steps, step_of
+
+    step = step_of(resumed)
+    newer = sorted(s for s in complete_steps(directory) if step is not None and s > step)
+    if not newer:
+        return
+    names = ", ".join(f"global_step_{s}" for s in newer[:3])
+    if len(newer) > 3:
+        names += f", ... global_step_{newer[-1]} ({len(newer)} steps)"
+    raise OutputDirError(
+        f"trainer.resume_from_path={resumed} resumes step {step}, but trainer.default_local_dir="
+        f"{directory} holds later complete checkpoints {names}: this run would save among them and "
+        "a later trainer.resume_mode=auto (or a torchrun restart) would continue the newest of those, "
+        "not this run. Choose another trainer.default_local_dir, or move those steps out of "
+        f"{directory}; to continue the run that saved them, use trainer.resume_mode=auto"
+    )
+
+
 def inspect_output_dir(config: PPOConfig) -> list[str]:
     """What starting this run in ``trainer.default_local_dir`` means: the lines to print.
 
@@ -186,6 +212,7 @@ def inspect_output_dir(config: PPOConfig) -> list[str]:
             step = resolve_part(trainer.resume_from_path, "actor").parent
         except (OSError, ValueError):
             return []  # the trainer's load names the problem
+        _refuse_newer_steps(directory, step)
         return _resume_notes(config, step)
     if trainer.resume_mode == "auto" and newest is not None:
         return _resume_notes(config, newest)
