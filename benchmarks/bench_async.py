@@ -65,13 +65,15 @@ Two parts:
    (5-95%), so the section's ratio cannot tell 1.1 from 1.2: the 12 seeds above are the measure.
 
    Would less lag do? A temporary patch (not kept) made sync's ranks generate each batch with the
-   weights of L optimizer steps before the ones that train it (token TIS at 2, as async; seeds
-   1-6): L=0 75 95 85 95 105 85 (median 90), L=1 85 100 100 100 125 105 (median 100), L=2 95 100
-   100 110 120 115 (median 105). L=2 is the async mode's lag (its first mini-batch trains on
-   weights two optimizer steps newer than the batch was sampled with; its own seeds 1-6: 102.5).
-   One step of lag costs about what two do, although ``rollout_corr/kl`` falls 4x (0.009 vs
-   0.038 nats a token, run means): so weights sent after the first mini-batch (lag 1) would not
-   close the gap, and a generation that overlaps training lags at least one optimizer step.
+   weights of L optimizer steps before the ones that train it (token TIS at 2, as async). Seeds
+   1-12: L=0 75 95 85 95 105 85 95 85 85 85 80 95 (median 90, mean 88.8), L=1 85 100 100 100 125
+   105 90 120 100 100 90 100 (median 100, mean 101.3); seeds 1-6: L=2 95 100 100 110 120 115
+   (median 105), L=1 without a correction 85 90 105 125 125 100 (median 102.5). L=2 is the async
+   mode's lag (its first mini-batch trains on weights two optimizer steps newer than the batch was
+   sampled with). One step of lag costs about what two do, with or without the correction,
+   although ``rollout_corr/kl`` falls 4x (0.009 vs 0.038 nats a token, run means): so weights sent
+   after the first mini-batch (lag 1) would not close the gap, and a generation that overlaps
+   training lags at least one optimizer step.
 
     python benchmarks/bench_async.py                  # both parts
     python benchmarks/bench_async.py --quick          # throughput only, 4 steps (smoke)
