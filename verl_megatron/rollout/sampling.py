@@ -169,42 +169,57 @@ def _inverse_cdf_blocked(
         sums = torch.cat([sums, weights[:, full:].sum(dim=-1, keepdim=True)], dim=-1)
     cdf = sums.cumsum(dim=-1)
     u = _uniform(batch, cdf, generator, uniform) * cdf[:, -1:]
-    block = torch.searchsorted(cdf, u, right=True).clamp_(max=sums.shape[-1] - 1)
+    block = torch.minimum(torch.searchsorted(cdf, u, right=True), _last_positive(sums))
     # The uniform's offset into its block, and that block's entries (past-the-end columns weigh 0).
     offset = u - (cdf.gather(-1, block) - sums.gather(-1, block))
     columns = block * _BLOCK + torch.arange(_BLOCK, device=weights.device)
-    inside = columns < vocab
-    in_block = weights.gather(-1, columns.clamp(max=vocab - 1)) * inside
-    index = torch.searchsorted(in_block.cumsum(dim=-1), offset, right=True)
-    # Rounding can put the offset a hair past the block's own running sum: take its last entry.
-    index = torch.minimum(index, inside.sum(dim=-1, keepdim=True) - 1)
+    in_block = weights.gather(-1, columns.clamp(max=vocab - 1)) * (columns < vocab)
+    running = in_block.cumsum(dim=-1)
+    # The block sums and the running sum add in different orders: an offset a few ulps below the
+    # block's sum can lie past its running sum. Then take its last entry of positive weight (the
+    # entries after it weigh 0 and must never be drawn).
+    index = torch.minimum(torch.searchsorted(running, offset, right=True), _last_positive(in_block))
     return (block * _BLOCK + index).squeeze(-1)
 
 
-def _nucleus(sorted_scaled: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Probabilities [B, K] over candidates sorted by decreasing logit, zero outside the top-p set."""
-    probs = torch.softmax(sorted_scaled, dim=-1)
+def _last_positive(weights: torch.Tensor) -> torch.Tensor:
+    """[B, 1]: the index of each row's last entry of positive weight in ``weights`` [B, K] (0 if none)."""
+    columns = torch.arange(weights.shape[-1], device=weights.device)
+    return torch.where(weights > 0, columns, 0).amax(dim=-1, keepdim=True)
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The draw weights [B, K] of candidates sorted by decreasing probability ``probs`` [B, K] (of
+    the distribution top-p applies to), zero outside the top-p set."""
     if top_p < 1.0:
-        # Keep a token while the mass of the tokens before it is below top_p (the first always stays).
-        before = probs.cumsum(dim=-1) - probs
+        # Keep a token while the mass of the tokens before it is below top_p (the first always
+        # stays); summed in float64 so that the set is the exact one but for float32 probabilities.
+        wide = probs.double()
+        before = wide.cumsum(dim=-1) - wide
         probs = probs.masked_fill(before >= top_p, 0.0)
     return probs
 
 
-def _candidates(
+def _top_p_weights(
     scaled: torch.Tensor, probs: torch.Tensor, params: SamplingParams
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sorted scaled logits [B, K], their token ids [B, K]) holding every token top-k / top-p may keep."""
+    """(draw weights [B, K], their token ids [B, K]) of the tokens top-k / top-p keep.
+
+    With top-k, top-p applies to the top k renormalised (as HF and vLLM do); without, to the whole
+    vocabulary's ``probs``, whose K most likely tokens are examined first.
+    """
     vocab = scaled.shape[-1]
     if 0 < params.top_k < vocab:
-        return torch.topk(scaled, params.top_k, dim=-1)
+        values, index = torch.topk(scaled, params.top_k, dim=-1)
+        return _nucleus(torch.softmax(values, dim=-1), params.top_p), index
     k = min(_TOP_P_CANDIDATES, vocab)
     values, index = torch.topk(scaled, k, dim=-1)
     if k < vocab:
-        mass = probs.gather(-1, index).sum(dim=-1)
-        if not bool((mass >= params.top_p).all()):
-            return torch.sort(scaled, dim=-1, descending=True)
-    return values, index
+        kept = probs.gather(-1, index)
+        if bool((kept.double().sum(dim=-1) >= params.top_p).all()):
+            return _nucleus(kept, params.top_p), index
+        values, index = torch.sort(scaled, dim=-1, descending=True)
+    return _nucleus(torch.softmax(values, dim=-1), params.top_p), index
 
 
 def sample_next(
@@ -244,8 +259,7 @@ def sample_next(
         draw = _inverse_cdf_blocked if probs.shape[-1] > 4 * _BLOCK else _inverse_cdf
         tokens = draw(probs, generator, uniform)
     else:
-        values, index = _candidates(scaled, probs, params)
-        nucleus = _nucleus(values, params.top_p)
+        nucleus, index = _top_p_weights(scaled, probs, params)
         tokens = index.gather(-1, _inverse_cdf(nucleus, generator, uniform).unsqueeze(-1)).squeeze(-1)
     # A drawn token has a positive probability (the inverse CDF never picks a zero weight, and
     # the argmax holds at least 1/V), so its log is finite.

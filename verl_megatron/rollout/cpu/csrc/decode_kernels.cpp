@@ -231,27 +231,41 @@ std::tuple<torch::Tensor, torch::Tensor> sample_softmax(torch::Tensor logits, to
       float total = 0.f;
       for (int64_t k = 0; k < blocks; ++k) total += sums[k];
       const float target = up[b] * total;
-      // The first block whose running sum exceeds the target (the last if rounding runs past).
-      int64_t chosen = blocks - 1;
-      float before = 0.f;
+      // The first block whose running sum exceeds the target; if rounding runs past them all,
+      // the last block of positive sum (and ``before`` the sum of those ahead of it).
+      int64_t chosen = -1, last = 0;
+      float before = 0.f, before_last = 0.f;
       for (int64_t k = 0; k < blocks; ++k) {
         if (before + sums[k] > target) {
           chosen = k;
           break;
         }
-        if (k < blocks - 1) before += sums[k];
+        if (sums[k] > 0.f) {
+          last = k;
+          before_last = before;
+        }
+        before += sums[k];
+      }
+      if (chosen < 0) {
+        chosen = last;
+        before = before_last;
       }
       const float offset = target - before;
       const int64_t lo = chosen * block, hi = std::min(V, lo + block);
-      int64_t token = hi - 1;
+      // The block's sum and this running sum add in different orders: an offset a few ulps below
+      // the sum can lie past the running sum. Then take the block's last entry of positive weight
+      // (those after it weigh 0 and must never be drawn).
+      int64_t token = -1, positive = lo;
       float running = 0.f;
       for (int64_t j = lo; j < hi; ++j) {
         running += e[j];
+        if (e[j] > 0.f) positive = j;
         if (running > offset) {
           token = j;
           break;
         }
       }
+      if (token < 0) token = positive;
       tp[b] = token;
       lp[b] = std::log(e[token] / total);
     }
