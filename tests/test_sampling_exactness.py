@@ -117,3 +117,17 @@ def test_a_draw_past_every_block_takes_the_last_one_of_positive_weight():
     weights[:, 900] = 0.5
     tokens = sampling._inverse_cdf_blocked(weights, None, torch.tensor([0.5, 1.0]))
     assert tokens.tolist() == [7, 900]
+
+
+def test_meta_overrides_take_each_fields_declared_type_not_the_config_values():
+    """A config written with an int temperature (1) must not truncate a meta temperature 0.7 to 0,
+    which would silently mean greedy decoding; nor an int top_p 1 a meta top_p 0.9."""
+    from verl_megatron.rollout import RolloutConfig
+    from verl_megatron.rollout.sampling import resolve_sampling
+
+    config = RolloutConfig(temperature=1, top_p=1, n=2)
+    assert resolve_sampling(config, {"temperature": 0.7}) == SamplingParams(temperature=0.7, n=2)
+    params = resolve_sampling(config, {"temperature": 0.7, "top_p": 0.9, "n": 3.0, "top_k": 5.0})
+    assert params == SamplingParams(temperature=0.7, top_p=0.9, n=3, top_k=5, greedy=False)
+    assert type(params.temperature) is float and type(params.n) is int and type(params.top_k) is int
+    assert type(resolve_sampling(config, {}).temperature) is float

@@ -62,6 +62,9 @@ class SamplingParams:
         return 1.0 if self.greedy else self.temperature
 
 
+_FIELD_TYPES = {"temperature": float, "top_k": int, "top_p": float, "n": int}
+
+
 def resolve_sampling(config: RolloutConfig, meta_info: dict[str, Any]) -> SamplingParams:
     """The settings for a batch: ``val_kwargs`` when ``meta_info['validate']``, else the training ones.
 
@@ -75,9 +78,9 @@ def resolve_sampling(config: RolloutConfig, meta_info: dict[str, Any]) -> Sampli
     else:
         fields = dict(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, n=config.n)
         do_sample = config.do_sample
-    for key in fields:
-        if key in meta_info:
-            fields[key] = type(fields[key])(meta_info[key])
+    # Each field's declared type, not its config value's: an int temperature 1 must not make a
+    # meta temperature 0.7 an int 0 (greedy).
+    fields = {key: _FIELD_TYPES[key](meta_info.get(key, value)) for key, value in fields.items()}
     do_sample = bool(meta_info.get("do_sample", do_sample))
     if fields["temperature"] < 0 or not 0 < fields["top_p"] <= 1 or fields["n"] < 1:
         raise RolloutConfigError(f"invalid sampling settings for this batch: {fields}")
