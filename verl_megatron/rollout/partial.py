@@ -16,6 +16,8 @@ import torch
 
 from verl_megatron.protocol import DataProto
 from verl_megatron.rollout.base import RolloutEngine, assemble_output, prompt_tensors
+from verl_megatron.rollout.config import RolloutConfig
+from verl_megatron.rollout.sampling import resolve_sampling
 
 __all__ = ["generate_with_versions"]
 
@@ -47,7 +49,11 @@ def generate_with_versions(
     """``engine.generate_sequences(prompts)`` decoded ``segment`` tokens at a time (see the module
     docstring); ``version()`` is the weight version loaded now, ``refresh()`` loads newer weights
     when there are any. The output carries ``rollout_versions`` and ``weight_version``."""
-    n = int(prompts.meta_info.get("n", getattr(getattr(engine, "config", None), "n", 1)))
+    config = getattr(engine, "config", None)
+    if isinstance(config, RolloutConfig):  # the engine's own rule: greedy returns one row a prompt
+        n = resolve_sampling(config, prompts.meta_info).n
+    else:
+        n = int(prompts.meta_info.get("n", 1))
     input_ids, mask, _ = prompt_tensors(prompts)
     rows = input_ids.shape[0] * n
     row_ids, row_mask = input_ids.repeat_interleave(n, 0).cpu(), mask.repeat_interleave(n, 0).cpu()
