@@ -176,16 +176,16 @@ def test_dynamic_sampling_on_acc_uses_a_float_scorers_score():
     import torch
 
     from verl_megatron.protocol import DataProto
-    from verl_megatron.trainer.ppo_trainer import PPOTrainer
+    from verl_megatron.trainer.dynamic_sampling import keep_varied_groups
 
     scores = torch.tensor([[0.0, 1.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]])
     uids = np.array(["a", "a", "b", "b"], dtype=object)
     batch = DataProto.from_dict(tensors={"token_level_scores": scores}, non_tensors={"uid": uids})
-    kept, groups = PPOTrainer._keep_varied_groups(None, batch, "acc")
+    kept, groups = keep_varied_groups(batch, "acc")
     assert groups == 1 and list(kept.non_tensor_batch["uid"]) == ["a", "a"]
     # A reward that reports its own 'acc' is filtered on it, not on the score.
     batch.non_tensor_batch["acc"] = np.array([1.0, 1.0, 0.0, 1.0], dtype=object)
-    kept, groups = PPOTrainer._keep_varied_groups(None, batch, "acc")
+    kept, groups = keep_varied_groups(batch, "acc")
     assert groups == 1 and list(kept.non_tensor_batch["uid"]) == ["b", "b"]
 
 

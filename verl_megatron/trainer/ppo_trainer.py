@@ -42,6 +42,7 @@ from verl_megatron.trainer import metrics as M
 from verl_megatron.trainer.components import Components, RewardFn, total_training_steps
 from verl_megatron.trainer.config import PPOConfig, to_dict
 from verl_megatron.trainer.distill_stage import DistillTeacher, distill_advantages, teacher_log_probs
+from verl_megatron.trainer.dynamic_sampling import keep_varied_groups
 from verl_megatron.trainer.final_export import export_final_model
 from verl_megatron.trainer.first_mini_batch import (
     LateOldLogProbs,
@@ -60,10 +61,6 @@ from verl_megatron.trainer.tracking import Tracking
 from verl_megatron.trainer.trainer_checkpoint import load_resume_state, publish_step, save_step
 
 __all__ = ["LocalRollout", "PPOTrainer"]
-
-# Values of algorithm.filter_groups.metric computed from the reward tensor rather than read
-# from the reward manager's extra info.
-_SEQUENCE_SCORE_METRICS = ("score", "seq_reward", "seq_final_reward")
 
 
 class LocalRollout:
@@ -146,6 +143,7 @@ class PPOTrainer:
         self.offloader = Offloader()  # what the rollout phase parks, for the whole run
         self._in_rollout_phase = False
         self._staged_checkpoint: int | None = None  # step saved but not yet published
+        self._validation_error: Exception | None = None  # raised once its step's checkpoint is out
         self.guard = DivergenceGuard(config.trainer.divergence_guard, config.actor.optim.lr)
         self.routes = components.routes  # MoE routing replay (workers/routes.py), or None
         self.rollout_source: RolloutSource = LocalRollout(self) if rollout_source is None else rollout_source
@@ -193,6 +191,8 @@ class PPOTrainer:
             if self._staged_checkpoint is not None:
                 publish_step(self.config, self._staged_checkpoint)
                 self._staged_checkpoint = None
+            if self._validation_error is not None:
+                raise self._validation_error
         return self._finish()
 
     def _start_tracking(self, start: int) -> Tracking:
@@ -297,10 +297,18 @@ class PPOTrainer:
         trainer = self.config.trainer
         last = step == self.total_steps
         metrics: dict[str, float] = {}
+        save = trainer.save_freq > 0 and (step % trainer.save_freq == 0 or last)
         if self.val_loader is not None and trainer.test_freq > 0 and (step % trainer.test_freq == 0 or last):
             with self._stage("testing", timing):
-                metrics.update(self._validate(step))
-        if trainer.save_freq > 0 and (step % trainer.save_freq == 0 or last):
+                try:
+                    metrics.update(self._validate(step))
+                except Exception as err:
+                    if not save:
+                        raise
+                    # What the step trained is kept: its checkpoint is written and published with
+                    # its training metrics logged (_fit), then the error is raised.
+                    self._validation_error = err
+        if save:
             with self._stage("save_checkpoint", timing):
                 save_step(self.config, step, self._trainer_state(step), self.runtime, self.actor, self.critic)
                 self._staged_checkpoint = step
@@ -351,7 +359,7 @@ class PPOTrainer:
                     batch.batch["reward_baselines"] = scores.sum(-1).repeat_interleave(n)
             if not groups_cfg.enable:
                 return batch, reward_counts
-            batch, num_groups = self._keep_varied_groups(batch, groups_cfg.metric)
+            batch, num_groups = keep_varied_groups(batch, groups_cfg.metric)
             if num_groups:
                 kept.append(batch)
                 kept_groups += num_groups
@@ -437,26 +445,6 @@ class PPOTrainer:
     def _score(self, batch: DataProto, reward_fn: RewardFn) -> dict[str, float]:
         """Score the batch in place (``token_level_scores``, extra info); the scorer-failure counts."""
         return store_scores(batch, *self._reward(batch, reward_fn))
-
-    def _keep_varied_groups(self, batch: DataProto, metric: str) -> tuple[DataProto, int]:
-        """Rows of the groups (same ``uid``) whose ``metric`` differs between samples; and their count."""
-        # A float scorer's score is its accuracy ('acc' in verl's DAPO manager): a reward that
-        # reports no 'acc' of its own is filtered on its sequence score.
-        if metric in _SEQUENCE_SCORE_METRICS or (metric == "acc" and "acc" not in batch.non_tensor_batch):
-            values = batch.batch["token_level_scores"].sum(-1).numpy()
-        elif metric in batch.non_tensor_batch:
-            values = np.asarray(batch.non_tensor_batch[metric], dtype=np.float64)
-        else:
-            known = [*_SEQUENCE_SCORE_METRICS, *sorted(k for k in batch.non_tensor_batch if k != "uid")]
-            raise KeyError(
-                f"algorithm.filter_groups.metric={metric!r} is not produced by the reward; known: {known}"
-            )
-        by_group: dict[str, list[float]] = {}
-        for uid, value in zip(batch.non_tensor_batch["uid"], values):
-            by_group.setdefault(uid, []).append(float(value))
-        keep = {uid for uid, vals in by_group.items() if len(vals) == 1 or np.std(vals) > 0}
-        rows = [i for i, uid in enumerate(batch.non_tensor_batch["uid"]) if uid in keep]
-        return batch.select_idxs(rows), len(keep)
 
     # ------------------------------------------------------------------ advantages
 
