@@ -79,6 +79,33 @@ def test_startup_line_comes_before_the_runtime(monkeypatch, capsys, tmp_path):
     )
 
 
+def test_a_run_that_keeps_no_weights_says_so_at_start_up(monkeypatch, capsys, tmp_path):
+    import verl_megatron.distributed.parallel as parallel
+
+    class Stop(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Stop
+
+    monkeypatch.setattr(parallel, "init_runtime", stop)
+    for key in ("WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(key, raising=False)
+    for export, noted in (("false", True), ("true", False)):
+        with pytest.raises(Stop):
+            cli.main(["train", f"trainer.default_local_dir={tmp_path}", f"trainer.export_hf={export}"])
+        lines = capsys.readouterr().out.splitlines()
+        note = [line for line in lines if "keeps no weights" in line]
+        assert note == (
+            [
+                "verl-megatron train: note: trainer.save_freq=-1 and trainer.export_hf=false, so this run keeps "
+                "no weights; set trainer.save_freq=N (checkpoints) or trainer.export_hf=true (the final model)"
+            ]
+            if noted
+            else []
+        ), lines
+
+
 def test_startup_line_with_data_counts_epochs():
     from verl_megatron.distributed.parallel import ParallelLayout
     from verl_megatron.trainer.config import load_config

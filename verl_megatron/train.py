@@ -103,7 +103,7 @@ def run(config_path: str | None, overrides: Sequence[str]) -> dict[str, float]:
     from verl_megatron.reward.loading import check_reward_config
     from verl_megatron.trainer.distill_stage import check_distill
     from verl_megatron.trainer.preflight import prepare_run
-    from verl_megatron.trainer.progress import startup_line
+    from verl_megatron.trainer.progress import kept_weights_note, startup_line
 
     if run_mode(config_path, overrides) == "sft":  # supervised fine-tuning: trainer/sft_run.py
         from verl_megatron.trainer.sft_run import run_sft
@@ -119,6 +119,9 @@ def run(config_path: str | None, overrides: Sequence[str]) -> dict[str, float]:
             + _derived_note(config_path, overrides, layout.dp),
             flush=True,
         )
+        note = kept_weights_note(config)
+        if note:
+            print(note, flush=True)
     from verl_megatron.planner.memory_check import check_memory, device_memory_bytes
 
     # Before any weights; over the ranks that train (rollout.placement=separate keeps some apart).

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DataSizes", "StepClock", "format_duration", "startup_line"]
+__all__ = ["DataSizes", "StepClock", "format_duration", "kept_weights_note", "startup_line"]
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,18 @@ def startup_line(config: Any, layout: Any, world_size: int, data: DataSizes | No
     return (
         f"verl-megatron train: model {model} | {config.model.dtype} | {_layout(layout, world_size)} | "
         f"{rows}, {batch} | {_steps(config, data)} | output {config.trainer.default_local_dir}"
+    )
+
+
+def kept_weights_note(config: Any) -> str | None:
+    """A start-up line when the run will keep no weights (no checkpoints, no final export): verl's
+    defaults, easy to inherit into a long run; None otherwise."""
+    trainer = config.trainer
+    if trainer.save_freq > 0 or trainer.export_hf:
+        return None
+    return (
+        f"verl-megatron train: note: trainer.save_freq={trainer.save_freq} and trainer.export_hf=false, so this "
+        "run keeps no weights; set trainer.save_freq=N (checkpoints) or trainer.export_hf=true (the final model)"
     )
 
 
