@@ -39,7 +39,7 @@ from verl_megatron.rollout.base import (
     responses_from_lists,
 )
 from verl_megatron.rollout.config import RolloutConfig
-from verl_megatron.rollout.sampling import resolve_sampling
+from verl_megatron.rollout.sampling import prompt_indices, resolve_sampling
 from verl_megatron.rollout.wrapped import WrappedRollout
 
 __all__ = [
@@ -153,8 +153,12 @@ class MultiTurnRollout(WrappedRollout):
         pad = pad_token_id(prompts.meta_info, self.tokenizer)
         rows = [row[keep].tolist() for row, keep in zip(input_ids.cpu(), mask.cpu().bool())]
         conversations = [Conversation(i, rows[i // n]) for i in range(len(rows) * n)]
+        # Each conversation's row in the global batch (sample j of prompt p: p * n + j), which its
+        # turns seed from, however prompts are split over replicas and whichever rows are still live.
+        starts = prompt_indices(prompts.meta_info, len(rows))
+        global_rows = [starts[i // n] * n + i % n for i in range(len(conversations))]
         while live := [c for c in conversations if not c.done]:
-            self._policy_turn(live, prompts.meta_info, budget, pad)
+            self._policy_turn(live, prompts.meta_info, budget, pad, [global_rows[c.index] for c in live])
             for conversation in live:
                 self._environment_turn(conversation, budget)
         out = conversation_output(prompts, conversations, budget, pad, n)
@@ -168,8 +172,11 @@ class MultiTurnRollout(WrappedRollout):
             out.non_tensor_batch[key] = np.array(values, dtype=object)
         return out
 
-    def _policy_turn(self, live: list[Conversation], meta: dict[str, Any], budget: int, pad: int) -> None:
-        """One engine call on every live conversation (left-padded to a common width); appends its turn."""
+    def _policy_turn(
+        self, live: list[Conversation], meta: dict[str, Any], budget: int, pad: int, rows: list[int]
+    ) -> None:
+        """One engine call on every live conversation (left-padded to a common width, seeded from
+        its row ``rows[i]`` in the global batch); appends its turn."""
         contexts = [c.context for c in live]
         width = max(len(t) for t in contexts)
         ids = torch.full((len(live), width), pad, dtype=torch.long)
@@ -179,7 +186,7 @@ class MultiTurnRollout(WrappedRollout):
             attention[i, width - len(tokens) :] = 1
         remaining = max(budget - len(c.response_ids) for c in live)
         # One sample per conversation: the n samples of a prompt are already separate conversations.
-        turn_meta = {**meta, "n": 1, "response_length": remaining}
+        turn_meta = {**meta, "n": 1, "response_length": remaining, "prompt_indices": rows}
         out = self.engine.generate_sequences(
             DataProto.from_dict({"input_ids": ids, "attention_mask": attention}, meta_info=turn_meta)
         )
