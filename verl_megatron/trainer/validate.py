@@ -459,6 +459,46 @@ def _check_workers(config: PPOConfig, dp: int) -> None:
         )
 
 
+def _token_budgets(config: PPOConfig, cp: int) -> list[tuple[str, int, int]]:
+    """(key, budget, cp it is multiplied by) of every token budget a role of this run reads."""
+    budgets = []
+    for section, worker in _trained_roles(config):
+        if worker.use_dynamic_bsz:
+            for key in ("ppo_max_token_len_per_gpu", "ppo_infer_max_token_len_per_gpu"):
+                budgets.append((f"{section}.{key}", getattr(worker, key), cp))
+    actor, ref, teacher = config.actor, config.ref, config.algorithm.distill.teacher
+    # An async run's rollout ranks (a one-rank layout) may compute the actor's old log-probs.
+    rollout_side = config.rollout.placement == "separate" and config.async_training.old_log_probs_on_rollout
+    if actor.use_dynamic_bsz and rollout_side:
+        budgets.append(("actor.ppo_infer_max_token_len_per_gpu", actor.ppo_infer_max_token_len_per_gpu, 1))
+    if use_reference(config) and ref.log_prob_use_dynamic_bsz:
+        budgets.append(("ref.log_prob_max_token_len_per_gpu", ref.log_prob_max_token_len_per_gpu, cp))
+    if config.algorithm.distill.enable and teacher.use_dynamic_bsz:
+        key = "algorithm.distill.teacher.max_token_len_per_gpu"
+        budgets.append((key, teacher.max_token_len_per_gpu, teacher.parallel.cp))
+    return budgets
+
+
+def _check_token_budgets(config: PPOConfig, cp: int) -> None:
+    """A token budget (``use_dynamic_bsz``) holds whole sequences: budget x cp (a cp rank holds
+    1/cp of a micro-batch, ``ModelRunner.split``) must fit the longest row the run can make, as
+    ``workers/batching.py`` requires of every row's ``attention_mask`` tokens at run time."""
+    data = config.data
+    if config.trainer.mode == "sft":
+        longest, why = config.sft.max_length, f"sft.max_length={config.sft.max_length}"
+    else:
+        longest = data.max_prompt_length + data.max_response_length
+        why = f"data.max_prompt_length + data.max_response_length = {data.max_prompt_length} + {data.max_response_length}"
+    for key, budget, times in _token_budgets(config, cp):
+        if budget * times < longest:
+            need = -(-longest // times)
+            under = f" (x cp={times}: {budget * times} tokens)" if times > 1 else ""
+            raise ConfigError(
+                f"{key}={budget}{under} is less than the longest row this run can make, {longest} tokens "
+                f"({why}): a micro-batch holds whole rows; set {key} >= {need}"
+            )
+
+
 def _check_inputs_named(config: PPOConfig) -> None:
     """A model and training data are named, unless the quickstart builds them."""
     if not config.model.path and not config.quickstart.enable:
@@ -484,6 +524,7 @@ def validate_config(config: PPOConfig, world_size: int) -> ParallelLayout:
     _check_algorithm(config)
     _check_reward(config)
     _check_workers(config, layout.dp)
+    _check_token_budgets(config, layout.cp)
     _check_inputs_named(config)
     if config.model.path:
         check_model_fits(layout, config.model.path, config.model.sequence_parallel)
