@@ -41,7 +41,9 @@ def test_top_p_without_top_k_draws_exactly_the_full_vocabulary_nucleus():
     )
     expected = [*range(size), 0, size - 1]
     wrong = [(i, t, e) for i, (t, e) in enumerate(zip(tokens.tolist(), expected, strict=True)) if t != e]
-    assert not wrong, f"exact nucleus of {size} tokens; (uniform #, drawn, expected): {wrong[:5]} ({len(wrong)} wrong)"
+    assert not wrong, (
+        f"exact nucleus of {size} tokens; (uniform #, drawn, expected): {wrong[:5]} ({len(wrong)} wrong)"
+    )
     torch.testing.assert_close(log_probs, exact.log().float()[tokens])
 
 
@@ -49,7 +51,9 @@ def test_top_k_with_top_p_renormalises_within_the_top_k():
     """HF / vLLM order: top-k first, then top-p over the top k renormalised."""
     logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
     # Within the top 2 (0.625, 0.375), top_p=0.6 keeps only the first; over all four it would keep two.
-    tokens, _ = sample_next(logits.expand(200, 4).contiguous(), SamplingParams(top_k=2, top_p=0.6), uniform=torch.rand(200))
+    tokens, _ = sample_next(
+        logits.expand(200, 4).contiguous(), SamplingParams(top_k=2, top_p=0.6), uniform=torch.rand(200)
+    )
     assert set(tokens.tolist()) == {0}
 
 
@@ -89,7 +93,8 @@ def _exp_block_sums(logits):
 
 def test_the_python_two_level_draw_never_returns_a_zero_probability_token():
     hits, tried = _count_zero_probability_draws(
-        lambda logits, u: sampling._inverse_cdf_blocked(torch.softmax(logits, dim=-1), None, u), _softmax_block_sums
+        lambda logits, u: sampling._inverse_cdf_blocked(torch.softmax(logits, dim=-1), None, u),
+        _softmax_block_sums,
     )
     assert hits == 0, f"{hits} of {tried} uniforms next to a block boundary drew a zero-probability token"
 
@@ -106,7 +111,9 @@ def test_the_compiled_draw_never_returns_a_zero_probability_token(arch):
         return tokens
 
     hits, tried = _count_zero_probability_draws(draw, _exp_block_sums)
-    assert hits == 0, f"{arch}: {hits} of {tried} uniforms next to a block boundary drew a zero-probability token"
+    assert hits == 0, (
+        f"{arch}: {hits} of {tried} uniforms next to a block boundary drew a zero-probability token"
+    )
 
 
 def test_a_draw_past_every_block_takes_the_last_one_of_positive_weight():

@@ -39,7 +39,9 @@ class SeededEngine(RolloutEngine):
 
 
 def _environment(conversation, text: str) -> EnvironmentReply:
-    return EnvironmentReply(done=True) if conversation.policy_turns >= 3 else EnvironmentReply(token_ids=[REPLY])
+    return (
+        EnvironmentReply(done=True) if conversation.policy_turns >= 3 else EnvironmentReply(token_ids=[REPLY])
+    )
 
 
 def _rollout(prompt_ids: list[list[int]], offset: int) -> dict:
@@ -61,7 +63,9 @@ def test_multi_turn_shares_draw_as_the_whole_batch():
     prompts = [[3, 4], [3, 5], [3, 6], [3, 7]]
     whole = _rollout(prompts, 0)
     parts = [_rollout(prompts[:2], 0), _rollout(prompts[2:], 2)]
-    shares = {k: torch.cat([p[k] for p in parts]) for k in ("responses", "response_mask", "rollout_log_probs")}
+    shares = {
+        k: torch.cat([p[k] for p in parts]) for k in ("responses", "response_mask", "rollout_log_probs")
+    }
     # conversations end at different turns, so the live rows change between turns
     assert len(set(whole["turns"])) > 1 and max(whole["turns"]) > 1, whole["turns"]
     differ = (shares["responses"] != whole["responses"]).nonzero().tolist()

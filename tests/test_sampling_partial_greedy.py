@@ -48,7 +48,14 @@ def test_partial_rollout_rows_follow_the_engines_sampling_rule(settings, meta, r
         meta_info=meta,
     )
     out = generate_with_versions(
-        engine, prompts, response_length=4, segment=2, stops=[EOS], pad=PAD, version=lambda: 7, refresh=lambda: None
+        engine,
+        prompts,
+        response_length=4,
+        segment=2,
+        stops=[EOS],
+        pad=PAD,
+        version=lambda: 7,
+        refresh=lambda: None,
     )
     per_prompt = rows // 2
     assert out.batch["responses"].shape == (rows, 4)

@@ -26,7 +26,7 @@ ninja, about 25 s; cached under ``TORCH_EXTENSIONS_DIR``, by default
 (``-march=x86-64-v2`` on x86, SSE4.2 and no wider: runs on any x86 server of the last decade;
 elsewhere no ``-march`` at all). The build's name is a hash of everything that changes the binary
 (the target; for ``native`` the CPU's model and flags; the compiler's path and version; the
-source; the flags; torch's version), so a cache shared by different machines, or a machine moved
+source; the flags; torch's version; the Python ABI), so a cache shared by different machines, or a machine moved
 to another CPU, never loads a build made for another CPU. Where they cannot be built, or with
 ``VERL_MEGATRON_CPU_KERNELS=0``, decoding keeps the torch ops, with one warning saying why. The
 two agree to float32 rounding for either target (tests/test_cpu_kernels.py; the panel product:
@@ -43,6 +43,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sysconfig
 import threading
 import warnings
 from pathlib import Path
@@ -122,9 +123,16 @@ def _source_hash() -> str:
     return digest.hexdigest()
 
 
+def _python_abi() -> str:
+    """The interpreter's extension-module suffix (e.g. ``.cpython-311-x86_64-linux-gnu.so``):
+    its version, ABI flags and platform, which the built module is linked for."""
+    return sysconfig.get_config_var("EXT_SUFFIX") or ""
+
+
 def build_name(arch: str | None = None) -> str:
     """The extension's name, which is its cache key: the target, a hash over the machine kind,
-    the CPU (native builds only), the compiler, the source, the flags and torch's version."""
+    the CPU (native builds only), the compiler, the source, the flags, torch's version and the
+    Python ABI (two venvs of other Pythons sharing ``TORCH_EXTENSIONS_DIR`` keep apart)."""
     arch = _arch(arch)
     inputs = {
         "arch": arch,
@@ -134,6 +142,7 @@ def build_name(arch: str | None = None) -> str:
         "source": _source_hash(),
         "flags": _flags(arch),
         "torch": torch.__version__,
+        "python": _python_abi(),
     }
     digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
     return f"verl_megatron_decode_kernels_{arch}_{digest}"
