@@ -47,24 +47,58 @@ class TrainingDivergedError(RuntimeError):
     """The divergence guard stopped the run."""
 
 
+def _sum_of_squares(params: list[torch.Tensor], device: torch.device, exact: bool) -> torch.Tensor:
+    """Sum of the squared entries of ``params``: a float64 scalar on ``device``, no host sync.
+
+    One norm per tensor (``torch._foreach_norm``, float32 for 16/32-bit weights: no float64 copy
+    of any weight), squared and summed in float64. A float32 norm overflows past ~1.8e19;
+    ``exact`` computes every norm in float64 instead (slow, for weights that already overflowed).
+    """
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for param in params:
+        groups.setdefault((param.device, param.dtype), []).append(param)
+    for (_, dtype), group in groups.items():
+        wide = exact or dtype == torch.float64
+        norms = (
+            [torch.linalg.vector_norm(p, dtype=torch.float64) for p in group]
+            if wide and dtype != torch.float64
+            else torch._foreach_norm(group, 2, dtype=None if wide else torch.float32)
+        )
+        total += torch.stack(norms).double().square().sum().to(device)
+    return total
+
+
 def global_weight_norm(chunks: list[torch.nn.Module]) -> float:
     """L2 norm over every parameter of the model (collective over all ranks when distributed).
 
     Parameters replicated across ranks (data-parallel copies, norms under tensor parallelism)
     are counted once per copy: the value is a fixed multiple of the true norm for a given
-    layout, which is all a growth ratio needs.
+    layout, which is all a growth ratio needs. The distributed optimizer's pending parameter
+    all-gather (``overlap_param_gather``) is completed first, so every rank reads this update's
+    weights. One host sync per call.
     """
     import torch.distributed as dist
 
-    total = torch.zeros((), dtype=torch.float64)
-    for chunk in chunks:
-        for param in chunk.parameters():
-            total += param.detach().double().pow(2).sum().cpu()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        if dist.get_backend() == "nccl":
-            total = total.cuda()
-        dist.all_reduce(total)
-    return math.sqrt(float(total))
+    from verl_megatron.models.megatron_model import gather_updated_params
+
+    gather_updated_params(chunks)
+    params = [param.detach() for chunk in chunks for param in chunk.parameters()]
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    if distributed:  # the all-reduce's device: NCCL moves GPU tensors, gloo CPU ones
+        nccl = dist.get_backend() == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    else:
+        device = params[0].device if params else torch.device("cpu")
+    for exact in (False, True):
+        total = _sum_of_squares(params, device, exact)
+        if distributed:
+            dist.all_reduce(total)
+        norm = math.sqrt(float(total))
+        # Every rank holds the same total: all of them recompute together, or none.
+        if math.isfinite(norm):
+            break
+    return norm
 
 
 class DivergenceGuard:
