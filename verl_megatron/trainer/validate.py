@@ -21,7 +21,7 @@ import torch
 from verl_megatron.algos import core_algos
 from verl_megatron.data.config import TRUNCATION_MODES
 from verl_megatron.distributed.parallel import ParallelLayout
-from verl_megatron.errors import ConfigError, ModelConfigError, ParallelConfigError
+from verl_megatron.errors import ConfigError, ModelConfigError, ParallelConfigError, RolloutConfigError
 from verl_megatron.models import routing_replay
 from verl_megatron.models.checkpoint_check import check_hf_weights
 from verl_megatron.models.config import check_layout, load_hf_config, read_hf_architecture
@@ -439,6 +439,29 @@ def _check_model_and_rollout(config: PPOConfig, layout: ParallelLayout) -> None:
     check_engine_installed(config.rollout.name)
     check_rollout_lora(config.rollout, config.model)
     old_log_prob_micro_batch_size(config.rollout, config.actor)
+    _check_expert_rollout(config, layout)
+
+
+def _check_expert_rollout(config: PPOConfig, layout: ParallelLayout) -> None:
+    """Replicas that meet in the MoE layers' collectives (ep > 1, or an expert tp group wider than
+    tp) must make the same native generate calls with the same response length: a replica that is
+    done keeps stepping for its peers within one call (``NativeRollout._all_done``), not across
+    calls. Multi-turn and agent rollouts let every replica choose its own turns and lengths."""
+    rollout = config.rollout
+    shared = layout.ep > 1 or layout.expert_tp > layout.tp
+    if not shared or rollout.name != "native" or rollout.placement != "colocated":
+        return
+    for key, on in (
+        ("rollout.multi_turn.enable", rollout.multi_turn.enable),
+        ("rollout.agent.enable", rollout.agent.enable),
+    ):
+        if on:
+            raise RolloutConfigError(
+                f"{key}=true with parallel.ep={layout.ep}, expert tp {layout.expert_tp}, tp {layout.tp}: the "
+                "native rollout's replicas meet in the MoE layers, and each would choose its own turns and "
+                "response lengths, so they would wait on each other for ever; use parallel.ep=1 with "
+                "parallel.etp <= parallel.tp, or rollout.name=vllm/sglang"
+            )
 
 
 def _check_workers(config: PPOConfig, dp: int) -> None:
