@@ -48,11 +48,14 @@ def test_help_imports_no_heavy_library(argv):
         assert "--config" in result.stdout and "overrides" in result.stdout
 
 
-def test_startup_line_comes_before_the_runtime(monkeypatch, capsys, tmp_path):
-    import verl_megatron.distributed.parallel as parallel
+class Stop(Exception):
+    """Raised where the run would start its runtime: what came before is the start-up output."""
 
-    class Stop(Exception):
-        pass
+
+@pytest.fixture
+def stop_at_runtime(monkeypatch):
+    """``verl-megatron train`` in this process up to its runtime (one process, no torchrun)."""
+    import verl_megatron.distributed.parallel as parallel
 
     def stop(*args, **kwargs):
         raise Stop
@@ -60,6 +63,9 @@ def test_startup_line_comes_before_the_runtime(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(parallel, "init_runtime", stop)
     for key in ("WORLD_SIZE", "RANK"):
         monkeypatch.delenv(key, raising=False)
+
+
+def test_startup_line_comes_before_the_runtime(stop_at_runtime, capsys, tmp_path):
     with pytest.raises(Stop):
         cli.main(
             [
@@ -79,18 +85,7 @@ def test_startup_line_comes_before_the_runtime(monkeypatch, capsys, tmp_path):
     )
 
 
-def test_a_run_that_keeps_no_weights_says_so_at_start_up(monkeypatch, capsys, tmp_path):
-    import verl_megatron.distributed.parallel as parallel
-
-    class Stop(Exception):
-        pass
-
-    def stop(*args, **kwargs):
-        raise Stop
-
-    monkeypatch.setattr(parallel, "init_runtime", stop)
-    for key in ("WORLD_SIZE", "RANK"):
-        monkeypatch.delenv(key, raising=False)
+def test_a_run_that_keeps_no_weights_says_so_at_start_up(stop_at_runtime, capsys, tmp_path):
     for export, noted in (("false", True), ("true", False)):
         with pytest.raises(Stop):
             cli.main(["train", f"trainer.default_local_dir={tmp_path}", f"trainer.export_hf={export}"])
