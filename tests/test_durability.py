@@ -412,3 +412,23 @@ def test_the_guard_stops_on_growth_nan_weights_and_repeated_skips_only():
     with pytest.raises(TrainingDivergedError, match=r"step 5: the actor's weights hold NaN/inf"):
         guard.check(5, {}, [layer])
     DivergenceGuard(DivergenceGuardConfig(enable=False), lr=1.0).check(6, skipped, [layer])  # off: no check
+
+
+def test_the_guard_leaves_the_step_and_message_of_a_divergence(tmp_path):
+    import json
+
+    import torch
+
+    from verl_megatron.trainer.guard import DivergenceGuard, DivergenceGuardConfig, TrainingDivergedError
+
+    layer = torch.nn.Linear(4, 4, bias=False)
+    marker = tmp_path / "diverged.json"
+    guard = DivergenceGuard(DivergenceGuardConfig(), lr=1e-3, marker=marker)
+    guard.start([layer])
+    guard.check(1, {}, [layer])
+    assert not marker.exists()  # a good step leaves none
+    with torch.no_grad():
+        layer.weight[0, 0] = float("inf")
+    with pytest.raises(TrainingDivergedError) as err:
+        guard.check(2, {}, [layer])
+    assert json.loads(marker.read_text()) == {"step": 2, "error": str(err.value)}

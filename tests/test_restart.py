@@ -16,6 +16,8 @@ import signal
 import subprocess
 import time
 
+import pytest
+
 from tests import restart_job as job
 
 
@@ -56,6 +58,32 @@ def test_torchrun_restarts_a_killed_rank_and_the_run_resumes_exactly(tmp_path):
     assert "resumed from step 2" in output, output[-4000:]
     job.assert_same_metrics(read_jsonl_metrics(out / "metrics.jsonl"), reference)
     print(f"rank 1 killed -> restarted run finished after {took:.1f} s")
+
+
+def test_a_restart_after_the_guard_stopped_the_run_stops_too(tmp_path, monkeypatch):
+    """The resume is exact: an attempt after a divergence would diverge again at the same step
+    (each restart replayed the steps since the checkpoint). It raises the guard's error instead,
+    unless the marker predates this job's launcher (a run the user started again)."""
+    import json
+
+    from verl_megatron.trainer.config import default_config_path, load_config
+    from verl_megatron.trainer.guard import TrainingDivergedError
+    from verl_megatron.trainer.trainer_checkpoint import restarted
+
+    config = load_config(default_config_path(), [f"trainer.default_local_dir={tmp_path}"])
+    marker = tmp_path / "diverged.json"
+    marker.write_text(json.dumps({"step": 7, "error": "training diverged at step 7: NaN"}))
+    assert restarted(config, rank=0) == (config, None)  # a first attempt starts whatever is there
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    with pytest.raises(TrainingDivergedError) as err:
+        restarted(config, rank=1)
+    assert str(err.value) == (
+        "training diverged at step 7: NaN; torchrun restart 2 of 3 does not resume: it would diverge "
+        "again at step 7"
+    )
+    os.utime(marker, (1e9, 1e9))  # left by an earlier launch: this job starts over
+    assert restarted(config, rank=0)[1] == "torchrun restart 2 of 3: no checkpoint yet, starting over"
 
 
 def test_a_restart_before_the_first_checkpoint_starts_over(tmp_path, monkeypatch):

@@ -12,17 +12,27 @@ After each step the trainer asks ``DivergenceGuard.check``; it raises ``Training
   loss or gradient norm (a rare one is skipped and the run goes on).
 
 The step's checkpoint is staged but not yet published when the guard runs, so it is never
-published: the earlier checkpoints stay the newest.
+published: the earlier checkpoints stay the newest. The guard leaves ``diverged.json`` (step and
+message) in the output dir: a torchrun restart would resume exactly and diverge again at the same
+step, so it stops instead (``trainer_checkpoint.restarted``).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-__all__ = ["DivergenceGuard", "DivergenceGuardConfig", "TrainingDivergedError", "global_weight_norm"]
+__all__ = [
+    "DivergenceGuard",
+    "DivergenceGuardConfig",
+    "TrainingDivergedError",
+    "divergence_marker",
+    "global_weight_norm",
+]
 
 
 @dataclass
@@ -45,6 +55,11 @@ class DivergenceGuardConfig:
 
 class TrainingDivergedError(RuntimeError):
     """The divergence guard stopped the run."""
+
+
+def divergence_marker(output_dir: str | Path) -> Path:
+    """The file the guard leaves in a run's output dir when it stops the run."""
+    return Path(output_dir) / "diverged.json"
 
 
 def _sum_of_squares(params: list[torch.Tensor], device: torch.device, exact: bool) -> torch.Tensor:
@@ -104,9 +119,11 @@ def global_weight_norm(chunks: list[torch.nn.Module]) -> float:
 class DivergenceGuard:
     """Tracks the actor's weight norm and skipped steps across training steps."""
 
-    def __init__(self, config: DivergenceGuardConfig, lr: float) -> None:
+    def __init__(self, config: DivergenceGuardConfig, lr: float, marker: Path | None = None) -> None:
+        """``marker``: where to leave the step and message of a divergence (one rank's), or None."""
         self.config = config
         self.lr = lr
+        self.marker = marker
         self._norm: float | None = None
         self._nonfinite_run = 0
 
@@ -126,21 +143,29 @@ class DivergenceGuard:
             "Lower the learning rate, or tune trainer.divergence_guard"
         )
         if not math.isfinite(norm):
-            raise TrainingDivergedError(
-                f"training diverged at step {step}: the actor's weights hold NaN/inf ({hint})"
+            raise self._stop(
+                step, f"training diverged at step {step}: the actor's weights hold NaN/inf ({hint})"
             )
         previous, self._norm = self._norm, norm
         if cfg.max_weight_growth > 0 and previous and norm > cfg.max_weight_growth * previous:
-            raise TrainingDivergedError(
+            raise self._stop(
+                step,
                 f"training diverged at step {step}: the actor's weight norm grew {norm / previous:.3g}x "
                 f"in one step ({previous:.4g} -> {norm:.4g}; trainer.divergence_guard.max_weight_growth="
-                f"{cfg.max_weight_growth:g}) ({hint})"
+                f"{cfg.max_weight_growth:g}) ({hint})",
             )
         skipped = metrics.get("actor/skipped_steps", 0.0) > 0
         self._nonfinite_run = self._nonfinite_run + 1 if skipped else 0
         if 0 < cfg.max_nonfinite_steps <= self._nonfinite_run:
-            raise TrainingDivergedError(
+            raise self._stop(
+                step,
                 f"training diverged at step {step}: {self._nonfinite_run} steps in a row had a non-finite "
                 f"loss or gradient norm (trainer.divergence_guard.max_nonfinite_steps="
-                f"{cfg.max_nonfinite_steps}) ({hint})"
+                f"{cfg.max_nonfinite_steps}) ({hint})",
             )
+
+    def _stop(self, step: int, message: str) -> TrainingDivergedError:
+        """The error to raise, once ``marker`` records it."""
+        if self.marker is not None:
+            self.marker.write_text(json.dumps({"step": step, "error": message}))
+        return TrainingDivergedError(message)

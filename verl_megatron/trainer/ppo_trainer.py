@@ -51,7 +51,7 @@ from verl_megatron.trainer.first_mini_batch import (
     pass_diff_metrics,
     rollout_correction,
 )
-from verl_megatron.trainer.guard import DivergenceGuard
+from verl_megatron.trainer.guard import DivergenceGuard, divergence_marker
 from verl_megatron.trainer.parity_probe import parity_probe
 from verl_megatron.trainer.rollout_phase import rollout_phase
 from verl_megatron.trainer.rollout_source import ArrivingOldLogProbs, LogProbFn, RolloutSource
@@ -144,7 +144,8 @@ class PPOTrainer:
         self._in_rollout_phase = False
         self._staged_checkpoint: int | None = None  # step saved but not yet published
         self._validation_error: Exception | None = None  # raised once its step's checkpoint is out
-        self.guard = DivergenceGuard(config.trainer.divergence_guard, config.actor.optim.lr)
+        marker = divergence_marker(config.trainer.default_local_dir) if runtime.is_main else None
+        self.guard = DivergenceGuard(config.trainer.divergence_guard, config.actor.optim.lr, marker)
         self.routes = components.routes  # MoE routing replay (workers/routes.py), or None
         self.rollout_source: RolloutSource = LocalRollout(self) if rollout_source is None else rollout_source
         self.teacher = teacher

@@ -115,7 +115,8 @@ def restarted(config: PPOConfig, rank: int) -> tuple[PPOConfig, str | None]:
     After a failure ``torchrun --max-restarts=N`` starts the job again with no user action; the
     new attempt continues this run from its newest intact checkpoint (``resume_mode=auto``) once
     the run has one, whatever ``resume_mode`` the first attempt started with (``disable`` would
-    refuse to overwrite it, ``resume_path`` would go back to an older one). Before the first
+    refuse to overwrite it, ``resume_path`` would go back to an older one); after the divergence
+    guard stopped an attempt it raises the guard's error instead. Before the first
     checkpoint it starts over: rank 0 drops the ``metrics.jsonl`` this job wrote (one written
     before its launcher started is another run's, and the output dir check refuses it as ever).
     """
@@ -129,6 +130,7 @@ def restarted(config: PPOConfig, rank: int) -> tuple[PPOConfig, str | None]:
         return config, None
     trainer = config.trainer
     restart = f"torchrun restart {count} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}"
+    _refuse_after_divergence(trainer.default_local_dir, restart)
     if find_latest_checkpoint(trainer.default_local_dir) is not None:
         if trainer.resume_mode != "auto":
             config = dataclasses.replace(config, trainer=dataclasses.replace(trainer, resume_mode="auto"))
@@ -138,6 +140,23 @@ def restarted(config: PPOConfig, rank: int) -> tuple[PPOConfig, str | None]:
     if rank == 0 and launched is not None and metrics.is_file() and metrics.stat().st_mtime >= launched:
         metrics.unlink()
     return config, f"{restart}: no checkpoint yet, starting over"
+
+
+def _refuse_after_divergence(output_dir: str, restart: str) -> None:
+    """Raise the guard's error again when this job's earlier attempt diverged (its marker is newer
+    than the launcher): the resume is exact, so the attempt would diverge at the same step."""
+    import json
+
+    from verl_megatron.trainer.guard import TrainingDivergedError, divergence_marker
+
+    marker = divergence_marker(output_dir)
+    launched = _launcher_started()
+    if launched is None or not marker.is_file() or marker.stat().st_mtime < launched:
+        return
+    record = json.loads(marker.read_text())
+    raise TrainingDivergedError(
+        f"{record['error']}; {restart} does not resume: it would diverge again at step {record['step']}"
+    )
 
 
 def _launcher_started() -> float | None:
