@@ -190,3 +190,21 @@ def test_only_the_roles_a_run_uses_must_be_complete():
     kl = load_config(QUICKSTART, ["ref.log_prob_micro_batch_size_per_gpu=null", "actor.use_kl_loss=true"])
     with pytest.raises(ConfigError, match=r"ref\.log_prob_micro_batch_size_per_gpu must be set"):
         validate_config(kl, 1)
+
+
+def test_greedy_training_rollouts_with_several_samples_a_prompt_are_refused():
+    """Greedy decoding gives one response a prompt whatever rollout.n says: the trainer (and partial
+    rollout, the async link) expected n rows a prompt and failed later with a shape error."""
+    for greedy in ("rollout.do_sample=false", "rollout.temperature=0"):
+        message = _error([greedy])
+        assert message.startswith("rollout.n=8 with greedy training rollouts (rollout.do_sample="), message
+        assert message.endswith(
+            "gives one response a prompt, not 8: set rollout.n=1, or sample (do_sample=true and a temperature > 0)"
+        )
+    validate_config(
+        load_config(
+            QUICKSTART,
+            ["rollout.do_sample=false", "rollout.n=1", "algorithm.adv_estimator=reinforce_plus_plus"],
+        ),
+        1,
+    )

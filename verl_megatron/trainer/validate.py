@@ -337,6 +337,12 @@ def _check_lengths(config: PPOConfig) -> None:
         )
     if rollout.n < 1:
         raise ConfigError(f"rollout.n must be >= 1, got {rollout.n}")
+    if rollout.n > 1 and (not rollout.do_sample or rollout.temperature == 0):
+        raise ConfigError(
+            f"rollout.n={rollout.n} with greedy training rollouts (rollout.do_sample={rollout.do_sample}, "
+            f"rollout.temperature={rollout.temperature:g}) gives one response a prompt, not {rollout.n}: "
+            "set rollout.n=1, or sample (do_sample=true and a temperature > 0)"
+        )
 
 
 def _check_reward(config: PPOConfig) -> None:
