@@ -49,6 +49,15 @@ def test_place_at_last_token():
     assert out.tolist() == [[0.0, 2.0, 0.0], [0.0, 0.0, -1.0], [5.0, 0.0, 0.0]]
 
 
+def test_place_at_last_token_skips_masked_environment_tokens():
+    # A multi-turn row: environment tokens (mask 0) inside the response; the reward goes on
+    # the last token the policy wrote (column 5), not at mask.sum() - 1 = 3 (a masked token).
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0, 0], [0, 1, 0, 0, 0, 0, 0, 1]])
+    out = place_at_last_token(torch.tensor([3.0, 4.0]), mask)
+    assert out.nonzero().tolist() == [[0, 5], [1, 7]]
+    assert out[0, 5].item() == 3.0 and out[1, 7].item() == 4.0
+
+
 # ------------------------------------------------------------------ start-up errors
 
 

@@ -129,10 +129,12 @@ def default_formula(rm_enabled: bool, judge_enabled: bool) -> str:
 def place_at_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """[B, Tr] float32 zeros with ``scores`` [B] at each row's last valid response token.
 
-    A row without response tokens gets its score at column 0 (verl's index ``length - 1``
-    would wrap to the last column)."""
-    lengths = response_mask.long().sum(-1)
-    last = (lengths - 1).clamp(min=0)
+    The last valid token is the last column whose mask is 1: a multi-turn or agent row has
+    masked environment tokens inside its response, so ``mask.sum() - 1`` could name a masked
+    column. A row without response tokens gets its score at column 0 (verl's index
+    ``length - 1`` would wrap to the last column)."""
+    columns = torch.arange(response_mask.shape[-1], device=response_mask.device)
+    last = torch.where(response_mask.bool(), columns, 0).amax(-1).cpu()
     out = torch.zeros(response_mask.shape, dtype=torch.float32)
     out[torch.arange(out.shape[0]), last] = scores.to(torch.float32)
     return out
