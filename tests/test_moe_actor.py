@@ -47,7 +47,7 @@ def build_moe_model(path: str) -> None:
     )  # fmt: skip
 
 
-def moe_actor_job(path: str, layout: dict) -> dict:
+def moe_actor_job(path: str, layout: dict, foreign_losses: bool = False) -> dict:
     from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
     from verl_megatron.protocol import DataProto
 
@@ -60,6 +60,11 @@ def moe_actor_job(path: str, layout: dict) -> dict:
     old_log_probs, _ = actor.compute_log_prob(data)
     data.batch["old_log_probs"] = old_log_probs
     data.batch["ref_log_prob"] = old_log_probs - 0.3 * data.batch["response_mask"]
+    if foreign_losses:  # another MoE model (a critic) trained in this process since the last collect
+        from megatron.core.transformer.moe.moe_utils import save_to_aux_losses_tracker
+
+        for layer in range(1, LAYERS + 1):
+            save_to_aux_losses_tracker("load_balancing_loss", torch.tensor(100.0), layer, LAYERS)
     metrics = actor.update_policy(data)
     return {
         "moe": {"old_log_probs": old_log_probs, "metrics": metrics, "weights": full_weights(chunks, runtime)}
@@ -89,6 +94,15 @@ def test_moe_metrics_are_logged(moe_reference):
     assert metrics["actor/moe/load_imbalance"] >= 1.0
     expected = AUX_COEF * sum(metrics[f"actor/moe/load_balancing_loss/layer_{i}"] for i in range(LAYERS))
     assert metrics["actor/moe/aux_loss"] == pytest.approx(expected, rel=1e-12)
+
+
+def test_another_models_aux_losses_stay_out_of_the_actors_metrics(pool1, moe_reference, moe_path):
+    """megatron's aux-loss tracker is process-wide: an MoE critic's update (between two actor
+    updates) added its router losses to the actor's (load_balancing_loss 1.118 -> 2.219)."""
+    run = pool1.run(f"{__name__}:moe_actor_job", path=moe_path, layout={}, foreign_losses=True)[0]["moe"]
+    for key, value in moe_reference["metrics"].items():
+        if "/moe/" in key:
+            assert run["metrics"][key] == value, (key, run["metrics"][key], value)
 
 
 @pytest.mark.parametrize("layout", [dict(ep=2), dict(pp=2)], ids=["ep2-dp2", "pp2"])

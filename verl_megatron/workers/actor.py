@@ -413,6 +413,8 @@ class MegatronActor(ActorLogProbs, PPOUpdates):
                 f"MegatronActor.update_policy: teacher_logits cover {batch['teacher_logits'].shape[-1]} "
                 f"tokens, the student's vocabulary {self.runner.vocab_size}"
             )
+        if self.moe_stats is not None:
+            self.moe_stats.begin()
         if cfg.old_log_probs_from_first_update:  # rows 0..M-1: the first mini-batch (no shuffle, 1 epoch)
             size = batch["responses"].shape[0]
             batch[_OWN_OLD_KEY] = torch.arange(size) < cfg.ppo_mini_batch_size * cfg.rollout_n

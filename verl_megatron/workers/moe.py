@@ -109,6 +109,11 @@ class MoEStats:
     def _clear_tracker() -> None:
         reset_aux_loss_tracker()
 
+    def begin(self) -> None:
+        """Start an update: drop what other models logged into megatron's process-wide aux-loss
+        tracker since the last collect (an MoE critic's update runs between two actor updates)."""
+        self._clear_tracker()
+
     def _aux_losses(self) -> torch.Tensor:
         """[num_layers] sum over micro-batches of each layer's raw load-balancing loss (no coefficient)."""
         from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
