@@ -92,6 +92,33 @@ def test_a_teacher_with_another_vocabulary_stops_at_start_up(tmp_path, no_runtim
         )
 
 
+def test_gkd_jsd_with_a_teacher_of_another_logit_width_stops_at_start_up(tmp_path, no_runtime):
+    """One tokenizer, two padded vocabularies (Qwen2.5-7B 152064, 0.5B 151936): gkd_jsd compares
+    logits column for column and failed at the first update; reverse_kl needs only log-probs."""
+    from verl_megatron.train import run
+    from verl_megatron.utils.local_assets import build_char_tokenizer, build_tiny_hf_model
+    from verl_megatron.workers.teacher_config import TeacherConfigError
+
+    small = {"hidden_size": 32, "num_layers": 1, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 64}
+    student, teacher = tmp_path / "student", tmp_path / "teacher"
+    tokenizer = build_char_tokenizer(student, alphabet="0123456789")
+    build_tiny_hf_model(student, "llama", tokenizer=tokenizer, **small)
+    build_tiny_hf_model(
+        teacher, "llama", tokenizer=build_char_tokenizer(teacher, alphabet="0123456789"),
+        vocab_size=len(tokenizer) + 8, **small,
+    )  # fmt: skip
+    overrides = [f"model.path={student}", f"algorithm.distill.teacher.model.path={teacher}",
+                 f"trainer.default_local_dir={tmp_path / 'out'}"]  # fmt: skip
+    recipe = os.path.join(ROOT, "configs", "distill_quickstart.yaml")
+    with pytest.raises(TeacherConfigError) as err:
+        run(recipe, [*overrides, "algorithm.distill.loss=gkd_jsd"])
+    assert f"has vocab_size {len(tokenizer) + 8} and the student ({student}) {len(tokenizer)}" in str(
+        err.value
+    )
+    with pytest.raises(AssertionError, match="init_runtime reached"):  # every start-up check passed
+        run(recipe, [*overrides, "algorithm.distill.loss=reverse_kl"])
+
+
 @pytest.mark.parametrize("loss", ["reverse_kl", "gkd_jsd"])
 def test_distill_recipe_runs_a_step(pool1, tmp_path, loss):
     """The recipe with a small teacher that shares the quickstart's tokenizer. reverse_kl: on the

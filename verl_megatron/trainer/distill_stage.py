@@ -53,9 +53,17 @@ def check_distill(config: Any) -> None:
             "algorithm.distill.enable=true runs with rollout.placement=colocated only (for now)"
         )
     if config.model.path:  # else the quickstart builds the student: checked once it exists (build_teacher)
-        from verl_megatron.workers.teacher import check_teacher
+        _check_teacher(config)
 
-        check_teacher(config.algorithm.distill.teacher, config.model.tokenizer_path or config.model.path)
+
+def _check_teacher(config: Any) -> None:
+    """The teacher can teach this student: one vocabulary (and, for gkd_jsd, one logit width)."""
+    from verl_megatron.workers.teacher import check_teacher, check_teacher_logits
+
+    distill = config.algorithm.distill
+    check_teacher(distill.teacher, config.model.tokenizer_path or config.model.path)
+    if distill.loss == "gkd_jsd":
+        check_teacher_logits(distill.teacher, config.model.path)
 
 
 def build_teacher(config: Any, runtime: Any) -> DistillTeacher | None:
@@ -64,9 +72,9 @@ def build_teacher(config: Any, runtime: Any) -> DistillTeacher | None:
     distill = config.algorithm.distill
     if not distill.enable:
         return None
-    from verl_megatron.workers.teacher import MegatronTeacher, check_teacher
+    from verl_megatron.workers.teacher import MegatronTeacher
 
-    check_teacher(distill.teacher, config.model.tokenizer_path or config.model.path)
+    _check_teacher(config)
     return MegatronTeacher(runtime, distill.teacher)
 
 

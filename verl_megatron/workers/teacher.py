@@ -26,7 +26,7 @@ from verl_megatron.workers.actor import MegatronRef
 from verl_megatron.workers.config import RefConfig
 from verl_megatron.workers.teacher_config import TeacherConfig, TeacherConfigError
 
-__all__ = ["MegatronTeacher", "check_teacher"]
+__all__ = ["MegatronTeacher", "check_teacher", "check_teacher_logits"]
 
 
 def check_teacher(config: TeacherConfig, student_tokenizer_path: str) -> None:
@@ -49,6 +49,22 @@ def check_teacher(config: TeacherConfig, student_tokenizer_path: str) -> None:
             f"{key}='{path}': the teacher's tokenizer ({len(teacher)} tokens) differs from the student's "
             f"({len(student)} tokens), e.g. {differ}; on-policy distillation needs one vocabulary "
             "(cross-tokenizer distillation is not supported yet)"
+        )
+
+
+def check_teacher_logits(config: TeacherConfig, student_path: str) -> None:
+    """``loss: gkd_jsd`` compares the two models' logits column for column: TeacherConfigError
+    unless their config.json vocab sizes agree (a shared tokenizer does not make them: Qwen2.5-7B
+    pads its vocabulary to 152064, Qwen2.5-0.5B to 151936)."""
+    from verl_megatron.models.config import load_hf_config
+
+    teacher = load_hf_config(config.model.path).vocab_size
+    student = load_hf_config(student_path).vocab_size
+    if teacher != student:
+        raise TeacherConfigError(
+            f"algorithm.distill.loss=gkd_jsd compares logits over the whole vocabulary, but the teacher "
+            f"({config.model.path}) has vocab_size {teacher} and the student ({student_path}) {student}; "
+            "use algorithm.distill.loss=reverse_kl (log-probs of the sampled tokens only)"
         )
 
 
