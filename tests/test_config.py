@@ -168,6 +168,13 @@ def test_section_checks_name_their_key():
     assert "algorithm.kl_penalty='k9'" in _error(
         ["algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=k9"]
     )
+    # one trailing '+' (the straight-through variant) and no more: 'k3++' failed at step 1
+    assert "algorithm.kl_penalty='k3++'" in _error(
+        ["algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=k3++"]
+    )
+    validate_config(
+        load_config(QUICKSTART, ["algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=k3+"]), 1
+    )
 
 
 def test_only_the_roles_a_run_uses_must_be_complete():

@@ -248,7 +248,7 @@ def _check_estimator_inputs(config: PPOConfig) -> None:
             f"rollout.n must be >= 2, got {config.rollout.n}"
         )
     if algo.use_kl_in_reward:
-        base = algo.kl_penalty.rstrip("+")
+        base = algo.kl_penalty.removesuffix("+")  # one '+' (straight-through), as the loss reads it
         if base not in core_algos.KL_PENALTY_NAMES:
             raise ConfigError(
                 f"algorithm.kl_penalty={algo.kl_penalty!r}; expected one of {list(core_algos.KL_PENALTY_NAMES)}"
