@@ -322,3 +322,22 @@ def test_registry_lookup_and_custom_registration() -> None:
         assert get_policy_loss_fn("test_only_zero") is zero_loss
     finally:
         del POLICY_LOSS_REGISTRY["test_only_zero"]
+
+
+@pytest.mark.parametrize("name", ["vanilla", "gspo", "sapo", "cispo", "dppo_tv", "geo_mean"])
+def test_loss_metrics_stay_on_the_losss_device(name):
+    """Under ``metrics_on_device`` every metric is a tensor on the loss's device (here "meta"): the
+    actor sums them per micro-batch, and a CPU zero (gspo, sapo, cispo had one) is a host-to-device
+    copy every micro-batch on a GPU."""
+    from verl_megatron.algos.policy_losses import metrics_on_device
+
+    cfg = SimpleNamespace(
+        clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=None, clip_ratio_c=3.0, tau_pos=1.0, tau_neg=1.05,
+        policy_loss=SimpleNamespace(dro_beta=0.1), global_batch_info={},
+    )  # fmt: skip
+    zeros = torch.zeros(2, 3, device="meta")
+    with metrics_on_device():
+        _, metrics = get_policy_loss_fn(name)(zeros, zeros, zeros, zeros + 1, "token-mean", cfg)
+    assert {k: str(v.device) for k, v in metrics.items()} == {
+        f"actor/{k}": "meta" for k in ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower")
+    }

@@ -361,7 +361,9 @@ def compute_policy_loss_gspo(c: LossCall) -> LossResult:
     pg_loss = c.aggregate(torch.maximum(unclipped, clipped))
     pg_clipfrac = masked_mean(torch.gt(clipped, unclipped).to(c.log_prob.dtype), c.response_mask)
     ppo_kl = masked_mean(-log_ratio, c.response_mask)
-    return pg_loss, _metrics(pg_clipfrac=pg_clipfrac, ppo_kl=ppo_kl, pg_clipfrac_lower=torch.zeros(()))
+    return pg_loss, _metrics(
+        pg_clipfrac=pg_clipfrac, ppo_kl=ppo_kl, pg_clipfrac_lower=torch.zeros((), device=pg_loss.device)
+    )
 
 
 @policy_loss("sapo", "seq-mean-token-mean")
@@ -380,7 +382,7 @@ def compute_policy_loss_sapo(c: LossCall) -> LossResult:
     taus = torch.where(c.advantages > 0, tau_pos.to(c.advantages.device), tau_neg.to(c.advantages.device))
     gates = torch.sigmoid(taus * (ratio - 1.0)) * (4.0 / taus)
     pg_loss = c.aggregate(-gates * c.advantages, "seq-mean-token-mean")
-    zero = torch.zeros(())
+    zero = torch.zeros((), device=pg_loss.device)  # with the others: no host-to-device copy later
     ppo_kl = masked_mean(-log_ratio, c.response_mask)
     return pg_loss, _metrics(pg_clipfrac=zero, ppo_kl=ppo_kl, pg_clipfrac_lower=zero)
 
@@ -408,7 +410,9 @@ def compute_policy_loss_cispo(c: LossCall) -> LossResult:
     pg_loss = c.aggregate(-clipped_ratio.detach() * c.advantages * c.log_prob)
     pg_clipfrac = masked_mean(torch.ne(ratio, clipped_ratio).to(c.log_prob.dtype), c.response_mask)
     ppo_kl = masked_mean(-log_ratio, c.response_mask)
-    return pg_loss, _metrics(pg_clipfrac=pg_clipfrac, ppo_kl=ppo_kl, pg_clipfrac_lower=torch.zeros(()))
+    return pg_loss, _metrics(
+        pg_clipfrac=pg_clipfrac, ppo_kl=ppo_kl, pg_clipfrac_lower=torch.zeros((), device=pg_loss.device)
+    )
 
 
 @policy_loss("geo_mean")

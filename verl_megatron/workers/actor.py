@@ -487,8 +487,11 @@ class MegatronActor(ActorLogProbs, PPOUpdates):
         metrics = {
             "pg_loss": pg_loss.detach() / dp,
             "entropy": entropy_agg.detach() / dp,
+            # a loss that reports no such metric counts 0 (a device zero: no host-to-device copy)
             **{
-                name: torch.as_tensor(pg_metrics.get(f"actor/{name}", 0.0), device=share.device) * share
+                name: torch.as_tensor(pg_metrics[f"actor/{name}"], device=share.device) * share
+                if f"actor/{name}" in pg_metrics
+                else torch.zeros_like(share)
                 for name in ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower")
             },
         }
