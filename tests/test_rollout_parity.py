@@ -382,6 +382,15 @@ def test_bypass_and_parity_refused_where_parity_cannot_hold(tmp_path):
     with pytest.raises(UserInputError, match=r"bypass_mode=true .* rollout\.bitwise_parity=true"):
         validate_config(load_config(QUICKSTART, [bypass]), 1)
     validate_config(load_config(QUICKSTART, [bypass, "rollout.bitwise_parity=true"]), 1)
+    # verl's bypass settings this trainer's bypass would not apply are named, not ignored
+    rest = [bypass, "rollout.bitwise_parity=true", "algorithm.rollout_correction.loss_type=reinforce",
+            "algorithm.rollout_correction.rollout_is=sequence"]  # fmt: skip
+    with pytest.raises(UserInputError) as err:
+        validate_config(load_config(QUICKSTART, rest), 1)
+    assert (
+        "would ignore algorithm.rollout_correction.loss_type='reinforce', algorithm.rollout_correction."
+        "rollout_is='sequence': unset them" in str(err.value)
+    )
     with pytest.raises(UserInputError, match=r"bitwise_parity=true needs rollout\.name=native"):
         load_config(QUICKSTART, ["rollout.name=vllm", "rollout.bitwise_parity=true"])
     with pytest.raises(UserInputError, match=r"bitwise_parity=true does not support rollout\.multi_turn"):

@@ -219,6 +219,21 @@ def _check_algorithm(config: PPOConfig) -> None:
             "which is exact only with rollout.name=native and rollout.bitwise_parity=true "
             f"(got rollout.name={config.rollout.name}, bitwise_parity={config.rollout.bitwise_parity})"
         )
+    corr = algo.rollout_correction
+    ignored = {
+        "loss_type": corr.loss_type != "ppo_clip",
+        "rollout_is": corr.rollout_is,
+        "rollout_rs": corr.rollout_rs,
+    }
+    if corr.bypass_mode and any(ignored.values()):
+        named = ", ".join(
+            f"algorithm.rollout_correction.{k}={getattr(corr, k)!r}" for k, on in ignored.items() if on
+        )
+        raise ConfigError(
+            f"algorithm.rollout_correction.bypass_mode=true trains the actor's policy loss on the rollout's "
+            f"log-probs (equal to the old ones under bitwise parity) and would ignore {named}: unset them "
+            "(verl's bypass loss with IS/rejection against the current policy: rollout_corr_helper.apply_bypass_mode)"
+        )
     if config.rollout.bitwise_parity and config.model.resolve_use_te():
         raise ConfigError(
             "rollout.bitwise_parity=true needs megatron's local layer spec (model.use_te=false): "
