@@ -27,21 +27,29 @@ from typing import Any
 
 import torch
 
+from verl_megatron.reward.combine import FormulaError, compile_formula, default_formula
 from verl_megatron.reward.managers import (
     REWARD_MANAGER_REGISTRY,
     BatchRewardManager,
+    RewardManagerBase,
     get_reward_manager_cls,
 )
 from verl_megatron.reward.scorers import (
     batch_default_compute_score,
     check_file,
     default_compute_score,
+    is_known_data_source,
+    known_data_sources,
 )
 from verl_megatron.reward.scorers.custom import load_custom_compute_score
 
 _MISSING = object()
 # Importing a scorer file may import heavy libraries (torch, sympy): seconds, not minutes.
 _CHECK_TIMEOUT_S = 120.0
+# The keyword arguments a per-sample reward manager calls compute_score with (base.py's
+# ScoreTask), and those of BatchRewardManager (plus its extra reward_kwargs).
+SAMPLE_CALL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
+BATCH_CALL_ARGS = ("data_sources", "solution_strs", "ground_truths", "extra_infos")
 
 
 def _get(node: Any, key: str, default: Any = None) -> Any:
@@ -108,12 +116,15 @@ def get_custom_reward_fn(config: Any) -> Callable[..., Any] | None:
     return load_custom_compute_score(path, name, kwargs)
 
 
-def check_scorer_file(path: str, name: str, timeout: float = _CHECK_TIMEOUT_S) -> str | None:
+def check_scorer_file(
+    path: str, name: str, timeout: float = _CHECK_TIMEOUT_S, call_args: list[str] | None = None
+) -> str | None:
     """Import the scorer file ``path`` in a child interpreter and look up ``name``.
 
-    Returns None when it loads, else a one-line message naming the file (and line) and
-    the function. The child contains whatever the file's top level does: an exception,
-    ``sys.exit``, ``os._exit``, a crash or a hang (cut off after ``timeout`` seconds).
+    Returns None when it loads (and, given ``call_args``, its signature takes those keyword
+    arguments), else a one-line message naming the file (and line) and the function. The
+    child contains whatever the file's top level does: an exception, ``sys.exit``,
+    ``os._exit``, a crash or a hang (cut off after ``timeout`` seconds).
     """
     full_path = os.path.abspath(os.path.expanduser(str(path)))
     where = f"custom_reward_function.path='{path}'"
@@ -123,7 +134,7 @@ def check_scorer_file(path: str, name: str, timeout: float = _CHECK_TIMEOUT_S) -
         source = f.read()
     try:
         child = subprocess.run(
-            [sys.executable, "-c", source, full_path, str(name)],
+            [sys.executable, "-c", source, full_path, str(name), json.dumps(list(call_args or []))],
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -157,12 +168,98 @@ def _check_manager_kwargs(manager_cls: type, kwargs: dict[str, Any]) -> str | No
     return None
 
 
+def _check_manager_values(manager_cls: type, kwargs: dict[str, Any]) -> str | None:
+    """A message when a registered manager refuses the values of ``reward_model.reward_kwargs``
+    (a manager is cheap to make: its worker processes start on the first call)."""
+    if not manager_cls.__module__.startswith("verl_megatron."):
+        return None  # a user's class: made once, when the trainer builds it
+    try:
+        manager = manager_cls(tokenizer=None, num_examine=0, **kwargs)
+    except (TypeError, ValueError) as err:
+        return f"reward_model.reward_kwargs: {' '.join(str(err).split())}"
+    close = getattr(manager, "close", None)
+    if close is not None:
+        close()
+    return None
+
+
+def _scorer_call_args(manager_cls: type, kwargs: dict[str, Any], custom: Any) -> list[str]:
+    """The keyword arguments the manager's calls give the custom scorer (bound ones included)."""
+    if issubclass(manager_cls, BatchRewardManager):
+        own = inspect.signature(manager_cls.__init__).parameters
+        args = [*BATCH_CALL_ARGS, *(key for key in kwargs if key not in own)]
+    else:
+        args = list(SAMPLE_CALL_ARGS)
+    bound = _as_dict(_get(custom, "reward_kwargs"), "custom_reward_function.reward_kwargs")
+    return list(dict.fromkeys([*args, *bound]))
+
+
+def _uses_rule(reward_model: Any) -> bool:
+    """Whether the final reward reads the rule reward (``reward_model.combine``)."""
+    judge_on = bool(_get(_get(reward_model, "judge"), "enable", False))
+    text = _get(reward_model, "combine") or default_formula(bool(_get(reward_model, "enable", False)), judge_on)
+    try:
+        return "rule" in compile_formula(str(text)).names
+    except FormulaError:  # reported by the model-reward check
+        return True
+
+
+def _files(value: Any) -> list[str]:
+    if not value:
+        return []
+    return [str(value)] if isinstance(value, (str, os.PathLike)) else [str(v) for v in value]
+
+
+def _reward_rows(path: str, key: str) -> list[Any]:
+    """The rows of ``path``; of a parquet file only the two reward columns (cheaper)."""
+    from verl_megatron.data.dataset import read_rows
+
+    if path.endswith(".parquet") and os.path.isfile(path):
+        try:
+            import pyarrow.parquet as pq
+
+            return pq.read_table(path, columns=[key, "reward_model"]).to_pylist()
+        except Exception:  # noqa: BLE001 (read_rows below names what is wrong with the file)
+            pass
+    return read_rows(path)
+
+
+def check_default_scorer_data(config: Any) -> None:
+    """Every data row can be scored by the default scorer: its data source has a rule and
+    its ``reward_model.ground_truth`` is not null (every rule compares the response with it).
+    Raises ConfigError / DataFormatError naming the file and row."""
+    from verl_megatron.data.dataset import DataFormatError
+    from verl_megatron.errors import ConfigError
+
+    data = _get(config, "data")
+    key = str(_get(data, "reward_fn_key", "data_source"))
+    for path in [*_files(_get(data, "train_files")), *_files(_get(data, "val_files"))]:
+        for row_no, row in enumerate(_reward_rows(path, key)):
+            if not isinstance(row, dict):
+                continue  # check_data_files names it
+            if not is_known_data_source(row.get(key)):
+                raise ConfigError(
+                    f"{path}: row {row_no}: {key}={row.get(key)!r} has no rule in the default scorer "
+                    f"(known: {', '.join(known_data_sources())}); set custom_reward_function.path "
+                    "to a scorer for it"
+                )
+            reward_model = row.get("reward_model")
+            if isinstance(reward_model, dict) and reward_model.get("ground_truth") is None:
+                raise DataFormatError(
+                    f"{path}: row {row_no}: reward_model.ground_truth is null; the default scorer "
+                    "compares each response with it (every reward would be 0)"
+                )
+
+
 def check_reward_config(config: Any) -> None:
     """Start-up check of the reward setup, before any model is built.
 
     Raises ``ConfigError`` (one line) when ``reward_model.reward_kwargs`` names an argument
-    the manager does not take, or when the ``custom_reward_function`` file does not import
-    (syntax error with its line, failing import, top-level exit or hang) or lacks the function.
+    the manager does not take or a value it refuses, when the ``custom_reward_function``
+    file does not import (syntax error with its line, failing import, top-level exit or
+    hang), lacks the function or has one that cannot take the manager's arguments; without
+    a custom function, when a data row's source has no rule or its ground truth is null
+    (:func:`check_default_scorer_data`; only when the final reward reads the rule reward).
     """
     from verl_megatron.errors import ConfigError
 
@@ -173,12 +270,18 @@ def check_reward_config(config: Any) -> None:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     kwargs = _as_dict(_get(reward_model, "reward_kwargs"), "reward_model.reward_kwargs")
-    problem = _check_manager_kwargs(manager_cls, kwargs)
+    problem = _check_manager_kwargs(manager_cls, kwargs) or _check_manager_values(manager_cls, kwargs)
     custom = _get(config, "custom_reward_function")
+    scores_rows = issubclass(manager_cls, RewardManagerBase)
     if problem is None and _get(custom, "path"):
-        problem = check_scorer_file(_get(custom, "path"), _get(custom, "name", "compute_score"))
+        call_args = _scorer_call_args(manager_cls, kwargs, custom) if scores_rows else None
+        problem = check_scorer_file(
+            _get(custom, "path"), _get(custom, "name", "compute_score"), call_args=call_args
+        )
     if problem is not None:
         raise ConfigError(problem)
+    if scores_rows and not _get(custom, "path") and _uses_rule(reward_model):
+        check_default_scorer_data(config)
 
 
 def load_reward_manager(config: Any, tokenizer: Any, num_examine: int = 0, **reward_kwargs: Any) -> Any:

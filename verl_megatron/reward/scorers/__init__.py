@@ -28,6 +28,14 @@ def known_data_sources() -> list[str]:
     return [*GSM8K_SOURCES, *MATH_SOURCES, *DAPO_SOURCES, *prefixes, *synthetic, *CODE_SOURCES]
 
 
+def is_known_data_source(data_source: Any) -> bool:
+    """Whether the default scorer has a rule for ``data_source``."""
+    source = str(data_source)
+    if source.startswith(DAPO_SOURCE_PREFIXES):
+        return True
+    return source in (*GSM8K_SOURCES, *MATH_SOURCES, *DAPO_SOURCES, *SYNTHETIC_SOURCES, *SHAPES_SOURCES, *CODE_SOURCES)
+
+
 def default_compute_score(
     data_source: str,
     solution_str: str,
@@ -125,5 +133,6 @@ __all__ = [
     "batch_default_compute_score",
     "default_compute_score",
     "is_builtin_scorer",
+    "is_known_data_source",
     "known_data_sources",
 ]

@@ -1,6 +1,6 @@
 """Check a user's scorer file in a throw-away interpreter: it imports and defines the function.
 
-Run as ``python -c <this file's source> PATH NAME`` by
+Run as ``python -c <this file's source> PATH NAME [CALL_ARGS_JSON]`` by
 :func:`verl_megatron.reward.loading.check_reward_config`: importing a file executes its
 top level, which may call ``sys.exit``, crash or hang, so the trainer does it in a child
 process. Standard library only (the child starts in milliseconds). The last stdout line
@@ -29,8 +29,11 @@ def _line_in(path: str, err: BaseException) -> str:
     return f", line {lines[-1]}" if lines else ""
 
 
-def check(path: str, name: str) -> dict[str, object]:
-    """Import ``path`` and look up ``name``; a dict as described in the module docstring."""
+def check(path: str, name: str, call_args: list[str] | None = None) -> dict[str, object]:
+    """Import ``path`` and look up ``name``; a dict as described in the module docstring.
+
+    ``call_args``: the keyword arguments the reward manager will call the function with;
+    a function whose signature cannot take them is an error."""
     where = f"custom_reward_function.path='{path}'"
     wanted = f"cannot load function '{name}' (custom_reward_function.name)"
     try:
@@ -62,12 +65,29 @@ def check(path: str, name: str) -> dict[str, object]:
         return {
             "error": f"custom_reward_function.name='{name}' in '{path}' is a {type(fn).__name__}, not a function"
         }
+    return _check_signature(fn, path, name, call_args or [])
+
+
+def _check_signature(fn: object, path: str, name: str, call_args: list[str]) -> dict[str, object]:
+    import inspect
+
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read (a builtin): found out at the first call
+        return {"ok": True}
+    try:
+        signature.bind(**dict.fromkeys(call_args))
+    except TypeError as err:
+        return {
+            "error": f"custom_reward_function.name='{name}' in '{path}': {name}{signature} cannot be called "
+            f"with the reward manager's keyword arguments ({', '.join(call_args)}): {_one_line(err)}"
+        }
     return {"ok": True}
 
 
 def main() -> None:
     path, name = sys.argv[1], sys.argv[2]
-    result = check(path, name)
+    result = check(path, name, json.loads(sys.argv[3]) if len(sys.argv) > 3 else None)
     # The user's file may have replaced sys.stdout; the original one reaches the parent.
     sys.__stdout__.write(f"\n{MARKER}{json.dumps(result)}\n")
     sys.__stdout__.flush()
