@@ -149,7 +149,7 @@ class PromptItem:
     extra_info: dict[str, Any]
     ability: str
     raw_prompt: list[dict[str, str]]
-    index: int
+    index: int | float | str  # extra_info.index as given, else the row number in its file
     # A row with images (data/multimodal.encode_image_row): the images kept encoded (pixel values
     # are made per batch by collate_prompts), their patch grids [n, 3] and its 3-D ids [3, Tp].
     images: tuple[bytes, ...] | None = None
@@ -205,7 +205,24 @@ def _check_row(row: Any, where: str, config: DataConfig) -> dict[str, Any]:
         "reward_model": dict(reward_model),
         "extra_info": dict(extra_info),
         "ability": ability,
+        "index": _check_index(extra_info.get("index"), where),
     }
+
+
+def _check_index(index: Any, where: str) -> Any:
+    """``extra_info.index`` as given (verl keeps it: an int, or a string such as 'q7'); None when it
+    is missing, None (a parquet struct column fills a key a row lacks with None) or NaN (pandas'
+    missing number), for the caller's row number. It names the prompt in samples.jsonl and in the
+    async trainer's check that the rollout drew the trainer's prompts, which compares with ==."""
+    if index is None or (isinstance(index, (float, np.floating)) and np.isnan(index)):
+        return None
+    numbers = (int, float, np.integer, np.floating)
+    if isinstance(index, (bool, np.bool_)) or not isinstance(index, (str, *numbers)):
+        raise DataFormatError(
+            f"{where}: field 'extra_info.index' must be an integer or a string, "
+            f"got {type(index).__name__} {index!r}"
+        )
+    return index
 
 
 def _check_chat_template(tokenizer: Any, config: DataConfig) -> None:
@@ -313,7 +330,7 @@ class RLHFDataset:
                     extra_info=fields["extra_info"],
                     ability=fields["ability"],
                     raw_prompt=fields["messages"],
-                    index=int(fields["extra_info"].get("index", row_no)),
+                    index=row_no if fields["index"] is None else fields["index"],
                     images=None if image_row is None else image_row.images,
                     image_grid_thw=None if image_row is None else image_row.image_grid_thw,
                     mrope_positions=None if image_row is None else image_row.position_ids,

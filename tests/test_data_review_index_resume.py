@@ -1,0 +1,63 @@
+"""Prompt rows' ``extra_info.index`` (None, strings) and the loader's resume position across a
+changed batch size or dataset, and its per-epoch order."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from verl_megatron.data import DataConfig, DataFormatError, RLHFDataset, collate_prompts
+from verl_megatron.data.dataset import check_data_files
+from verl_megatron.utils.local_assets import build_char_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return build_char_tokenizer(tmp_path_factory.mktemp("tok"), alphabet="0123456789")
+
+
+def _row(i: int, extra_info) -> dict:
+    return {
+        "data_source": "synthetic/copy",
+        "prompt": [{"role": "user", "content": str(i % 10)}],
+        "reward_model": {"ground_truth": "1"},
+        "extra_info": extra_info,
+    }
+
+
+def _jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def test_a_missing_or_string_index_is_the_row_number_or_kept(tmp_path, tokenizer):
+    # A parquet struct column fills the key a row lacks with None: {'index': None}.
+    parquet = str(tmp_path / "p.parquet")
+    pq.write_table(pa.Table.from_pylist([_row(0, {"index": 5}), _row(1, {"split": "train"})]), parquet)
+    assert pq.read_table(parquet).to_pylist()[1]["extra_info"] == {"index": None, "split": "train"}
+    rows = [
+        _row(0, {"index": 0}),
+        _row(1, {"index": None}),
+        _row(2, {"index": "q7"}),
+        _row(3, {"index": float("nan")}),
+    ]
+    jsonl = _jsonl(tmp_path / "d.jsonl", rows)
+    assert check_data_files([parquet, jsonl], DataConfig()) == 6
+    data = RLHFDataset([parquet, jsonl], tokenizer, DataConfig())
+    index = collate_prompts(data.items, 0, 8).non_tensor_batch["index"]
+    assert index.tolist() == [5, 1, 0, 1, "q7", 3]
+    # The async trainer's check that the rollout drew the trainer's prompts (np.array_equal).
+    assert np.array_equal(np.repeat(index, 2), np.repeat(index.copy(), 2))
+    assert data.items[1].extra_info == {"index": None, "split": "train"}  # the row's own field, as given
+
+
+def test_an_index_that_is_neither_a_number_nor_a_string_is_refused_naming_the_row(tmp_path):
+    path = _jsonl(tmp_path / "bad.jsonl", [_row(0, {"index": 0}), _row(1, {"index": [1, 2]})])
+    with pytest.raises(DataFormatError) as err:
+        check_data_files([path], DataConfig())
+    message = str(err.value)
+    assert f"{path}: row 1" in message and "'extra_info.index'" in message and "\n" not in message
