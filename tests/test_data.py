@@ -155,7 +155,9 @@ def test_loader_epochs_are_seeded_permutations_dropping_the_remainder(numbered_d
     assert epoch0 == expected
     epoch1 = [_ids(loader.next_batch()) for _ in range(3)]
     assert epoch1 == np.random.default_rng([5, 1]).permutation(10)[:9].reshape(3, 3).tolist()
-    assert epoch1 != epoch0 and loader.state_dict() == {"epoch": 1, "batch_in_epoch": 3, "seed": 5}
+    assert epoch1 != epoch0 and loader.state_dict() == {
+        "epoch": 1, "batch_in_epoch": 3, "seed": 5, "rows_in_epoch": 9, "num_rows": 10,
+    }  # fmt: skip
     same_seed = PromptLoader(numbered_dataset, 3, shuffle=True, seed=5, pad_token_id=PAD)
     assert _ids(same_seed.next_batch()) == epoch0[0]
     in_order = PromptLoader(numbered_dataset, 3, shuffle=False, seed=5, pad_token_id=PAD)

@@ -10,8 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from verl_megatron.data import DataConfig, DataFormatError, RLHFDataset, collate_prompts
-from verl_megatron.data.dataset import check_data_files
+from verl_megatron.data import DataConfig, DataFormatError, PromptLoader, RLHFDataset, collate_prompts
+from verl_megatron.data.dataset import DataOrderMismatchError, check_data_files
 from verl_megatron.utils.local_assets import build_char_tokenizer
 
 
@@ -32,6 +32,14 @@ def _row(i: int, extra_info) -> dict:
 def _jsonl(path, rows) -> str:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return str(path)
+
+
+def _dataset(tokenizer, path, n: int) -> RLHFDataset:
+    return RLHFDataset(_jsonl(path, [_row(i, {"index": i}) for i in range(n)]), tokenizer, DataConfig())
+
+
+def _rows(batch) -> list[int]:
+    return [int(i) for i in batch.non_tensor_batch["index"]]
 
 
 def test_a_missing_or_string_index_is_the_row_number_or_kept(tmp_path, tokenizer):
@@ -61,3 +69,36 @@ def test_an_index_that_is_neither_a_number_nor_a_string_is_refused_naming_the_ro
         check_data_files([path], DataConfig())
     message = str(err.value)
     assert f"{path}: row 1" in message and "'extra_info.index'" in message and "\n" not in message
+
+
+def test_a_resume_with_another_batch_size_goes_on_from_the_same_prompt(tmp_path, tokenizer):
+    data = _dataset(tokenizer, tmp_path / "d.jsonl", 24)
+    order = [np.random.default_rng([1, e]).permutation(24).tolist() for e in (0, 1)]
+    saved = PromptLoader(data, 4, shuffle=True, seed=1, pad_token_id=0)
+    assert [_rows(saved.next_batch()) for _ in range(3)] == [order[0][i : i + 4] for i in (0, 4, 8)]
+    state = saved.state_dict()
+    assert (state["rows_in_epoch"], state["num_rows"]) == (12, 24)
+    resumed = PromptLoader(data, 8, shuffle=True, seed=1, pad_token_id=0)
+    resumed.load_state_dict(state)
+    assert _rows(resumed.next_batch()) == order[0][12:20]  # not rows 24.. (batch 3 of size 8)
+    # 4 rows are left, fewer than a batch: dropped, as an uninterrupted run of size 8 would.
+    assert _rows(resumed.next_batch()) == order[1][:8] and resumed.epoch == 1
+
+
+def test_a_checkpoint_without_rows_in_epoch_resumes_in_batches_as_before(tmp_path, tokenizer):
+    data = _dataset(tokenizer, tmp_path / "d.jsonl", 24)
+    order = np.random.default_rng([1, 2]).permutation(24).tolist()
+    loader = PromptLoader(data, 4, shuffle=True, seed=1, pad_token_id=0)
+    loader.load_state_dict({"epoch": 2, "batch_in_epoch": 3, "seed": 1})
+    assert _rows(loader.next_batch()) == order[12:16] and loader.state_dict()["batch_in_epoch"] == 4
+
+
+def test_a_resume_over_a_dataset_of_another_length_is_refused(tmp_path, tokenizer):
+    state = PromptLoader(
+        _dataset(tokenizer, tmp_path / "a.jsonl", 24), 4, shuffle=True, seed=1, pad_token_id=0
+    )
+    other = PromptLoader(
+        _dataset(tokenizer, tmp_path / "b.jsonl", 20), 4, shuffle=True, seed=1, pad_token_id=0
+    )
+    with pytest.raises(DataOrderMismatchError, match=r"over 24 prompts, this run's dataset has 20"):
+        other.load_state_dict(state.state_dict())

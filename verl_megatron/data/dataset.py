@@ -427,8 +427,10 @@ class PromptLoader:
 
     The order depends only on ``(seed, epoch)``, so every process of an SPMD job
     draws the same batches, and ``load_state_dict`` of a saved position replays
-    exactly the batches an uninterrupted run would have drawn next. An
-    incomplete last batch of an epoch is dropped (as verl's ``drop_last``).
+    exactly the prompts an uninterrupted run would have drawn next. The position is
+    the number of rows drawn in the epoch, so a run resumed with another batch size
+    goes on from the same prompt. An incomplete last batch of an epoch is dropped
+    (as verl's ``drop_last``).
     """
 
     def __init__(
@@ -455,7 +457,16 @@ class PromptLoader:
         self.pad_token_id = pad_token_id
         self.drop_last = drop_last
         self.epoch = 0
-        self.batch_in_epoch = 0
+        self.rows_in_epoch = 0  # rows of this epoch's order drawn so far
+
+    @property
+    def batch_in_epoch(self) -> int:
+        """Batches of this epoch drawn so far (a part-batch left by a resume counts as one)."""
+        return -(-self.rows_in_epoch // self.batch_size)
+
+    @batch_in_epoch.setter
+    def batch_in_epoch(self, value: int) -> None:
+        self.rows_in_epoch = min(value * self.batch_size, len(self.dataset))
 
     def __len__(self) -> int:
         """Batches per epoch."""
@@ -467,18 +478,22 @@ class PromptLoader:
             return np.arange(len(self.dataset))
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset))
 
+    def _next_rows(self) -> np.ndarray:
+        """The dataset rows of the next batch, moving to a new epoch (and a new order) when this one is used up."""
+        left = len(self.dataset) - self.rows_in_epoch
+        if left <= 0 or (self.drop_last and left < self.batch_size):
+            self.epoch += 1
+            self.rows_in_epoch = 0
+        start = self.rows_in_epoch
+        rows = self._order(self.epoch)[start : start + self.batch_size]
+        self.rows_in_epoch += len(rows)
+        return rows
+
     def next_batch(self) -> DataProto:
         """The next batch, moving to a new epoch (and a new order) when this one is used up."""
-        if self.batch_in_epoch >= len(self):
-            self.epoch += 1
-            self.batch_in_epoch = 0
-        order = self._order(self.epoch)
-        start = self.batch_in_epoch * self.batch_size
-        idx = order[start : start + self.batch_size]
-        self.batch_in_epoch += 1
         config = self.dataset.config
         return collate_prompts(
-            [self.dataset[int(i)] for i in idx],
+            [self.dataset[int(i)] for i in self._next_rows()],
             self.pad_token_id,
             config.max_prompt_length,
             return_raw_chat=config.return_raw_chat,
@@ -487,18 +502,35 @@ class PromptLoader:
 
     def epoch_batches(self) -> Iterator[DataProto]:
         """Every batch of one pass, in order (used for validation)."""
-        self.epoch, self.batch_in_epoch = 0, 0
+        self.epoch, self.rows_in_epoch = 0, 0
         for _ in range(len(self)):
             yield self.next_batch()
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "seed": self.seed}
+        return {
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+            "seed": self.seed,
+            "rows_in_epoch": self.rows_in_epoch,
+            "num_rows": len(self.dataset),
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume at a saved position; one saved before ``rows_in_epoch`` existed is taken in batches
+        of this loader's size (as it was then). A dataset of another length is refused: its order
+        is another permutation, so the drawn rows would not be the ones the saved run drew."""
         if int(state["seed"]) != self.seed:
             raise DataOrderMismatchError(
                 f"the checkpoint's data order was drawn with seed {state['seed']}, this run uses {self.seed}; "
                 "resume with the same data.seed/trainer.seed"
             )
+        if "num_rows" in state and int(state["num_rows"]) != len(self.dataset):
+            raise DataOrderMismatchError(
+                f"the checkpoint's data order is over {state['num_rows']} prompts, this run's dataset has "
+                f"{len(self.dataset)} (data files or filtering changed); resume with the same data"
+            )
         self.epoch = int(state["epoch"])
-        self.batch_in_epoch = int(state["batch_in_epoch"])
+        if "rows_in_epoch" in state:
+            self.rows_in_epoch = int(state["rows_in_epoch"])
+        else:
+            self.batch_in_epoch = int(state["batch_in_epoch"])

@@ -174,9 +174,4 @@ class SFTLoader(PromptLoader):
     """``PromptLoader``'s seeded, resumable order over an :class:`SFTDataset`, batches by ``collate_sft``."""
 
     def next_batch(self) -> DataProto:
-        if self.batch_in_epoch >= len(self):  # a new epoch, in a new order
-            self.epoch, self.batch_in_epoch = self.epoch + 1, 0
-        first = self.batch_in_epoch * self.batch_size
-        self.batch_in_epoch += 1
-        rows = self._order(self.epoch)[first : first + self.batch_size].tolist()
-        return collate_sft([self.dataset[i] for i in rows], self.pad_token_id)
+        return collate_sft([self.dataset[i] for i in self._next_rows().tolist()], self.pad_token_id)
