@@ -12,6 +12,7 @@ import pytest
 
 from verl_megatron.data import DataConfig, DataFormatError, PromptLoader, RLHFDataset, collate_prompts
 from verl_megatron.data.dataset import DataOrderMismatchError, check_data_files
+from verl_megatron.data.sft_dataset import SFTItem, SFTLoader
 from verl_megatron.utils.local_assets import build_char_tokenizer
 
 
@@ -102,3 +103,35 @@ def test_a_resume_over_a_dataset_of_another_length_is_refused(tmp_path, tokenize
     )
     with pytest.raises(DataOrderMismatchError, match=r"over 24 prompts, this run's dataset has 20"):
         other.load_state_dict(state.state_dict())
+
+
+class _Chats:
+    """SFT items whose first token is their row number + 1."""
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, i: int) -> SFTItem:
+        return SFTItem(input_ids=[i + 1, 1], loss_mask=[0, 1])
+
+
+def test_sft_loader_resumes_by_rows_and_keeps_each_epochs_order():
+    order = np.random.default_rng([3, 0]).permutation(10).tolist()
+    saved = SFTLoader(_Chats(), 2, shuffle=True, seed=3, pad_token_id=0)
+    first = saved._order(0)
+    saved.next_batch()
+    assert saved._order(0) is first  # drawn once per epoch, not per batch
+    saved.next_batch()
+    resumed = SFTLoader(_Chats(), 3, shuffle=True, seed=3, pad_token_id=0)
+    resumed.load_state_dict(saved.state_dict())
+    batch = resumed.next_batch()
+    assert (batch.batch["input_ids"][:, 0] - 1).tolist() == order[4:7]
+
+
+def test_the_cached_order_is_each_epochs_seeded_permutation(tmp_path, tokenizer):
+    data = _dataset(tokenizer, tmp_path / "d.jsonl", 10)
+    loader = PromptLoader(data, 5, shuffle=True, seed=7, pad_token_id=0)
+    drawn = [_rows(loader.next_batch()) for _ in range(6)]
+    expected = [np.random.default_rng([7, e]).permutation(10).tolist() for e in range(3)]
+    assert drawn == [expected[e][i : i + 5] for e in range(3) for i in (0, 5)]
+    assert loader._order(2) is loader._order(2) and loader._order(1).tolist() == expected[1]
