@@ -11,15 +11,38 @@ provider's requests-per-minute and tokens-per-minute quotas.
 from __future__ import annotations
 
 import asyncio
+import weakref
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
-__all__ = ["AsyncTokenBucket"]
+__all__ = ["AsyncTokenBucket", "PerLoop"]
+
+_T = TypeVar("_T")
+
+
+class PerLoop(Generic[_T]):
+    """One ``factory()`` object per running event loop, made there on first use: an asyncio
+    lock or semaphore binds to the loop that first waits on it, and each ``asyncio.run``
+    is a new loop (a shared one raised 'bound to a different event loop' in the second)."""
+
+    def __init__(self, factory: Callable[[], _T]) -> None:
+        self._factory = factory
+        self._by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _T] = weakref.WeakKeyDictionary()
+
+    def get(self) -> _T:
+        loop = asyncio.get_running_loop()
+        made = self._by_loop.get(loop)
+        if made is None:
+            made = self._by_loop[loop] = self._factory()
+        return made
 
 
 class AsyncTokenBucket:
     """`rate_limit` tokens per second, at most `max_tokens` (default: `rate_limit`) in store.
 
     Attributes: ``tokens`` (the balance now), ``last_update`` (event-loop time of the last
-    refill; None before the first acquire), ``lock`` (serialises the balance's updates).
+    refill; None before the first acquire), ``lock`` (serialises the balance's updates; one
+    per event loop, see :class:`PerLoop`).
     """
 
     def __init__(self, rate_limit: float, max_tokens: float | None = None) -> None:
@@ -29,7 +52,12 @@ class AsyncTokenBucket:
         self.max_tokens = float(max_tokens or rate_limit)
         self.tokens = self.max_tokens
         self.last_update: float | None = None
-        self.lock = asyncio.Lock()
+        self._locks: PerLoop[asyncio.Lock] = PerLoop(asyncio.Lock)
+
+    @property
+    def lock(self) -> asyncio.Lock:
+        """The running event loop's lock."""
+        return self._locks.get()
 
     def _refill(self) -> None:
         now = asyncio.get_running_loop().time()

@@ -20,13 +20,14 @@ import asyncio
 import functools
 import inspect
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
 
 from verl_megatron.reward.managers.loop import RewardLoopManager
-from verl_megatron.reward.rate_limit import AsyncTokenBucket
+from verl_megatron.reward.rate_limit import AsyncTokenBucket, PerLoop
 from verl_megatron.reward.scorers import default_compute_score
 
 __all__ = ["RateLimitedRewardManager"]
@@ -44,11 +45,37 @@ def _bucket(per_minute: float | None) -> AsyncTokenBucket | None:
     return None if per_minute is None else AsyncTokenBucket(per_minute / 60.0, per_minute / 60.0)
 
 
+async def _in_daemon_thread(call: Callable[[], Any]) -> Any:
+    """``call()`` in a daemon thread of its own, awaited. Unlike the loop's default executor,
+    which ``asyncio.run`` joins at its end, a call still running when the ``timeout`` cut it
+    off does not hold up the step (nor the interpreter's exit); it runs on until it returns
+    (a thread cannot be killed) and its result is dropped."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def deliver(outcome: Any, failed: bool) -> None:
+        if not future.done():  # cancelled by the timeout
+            (future.set_exception if failed else future.set_result)(outcome)
+
+    def work() -> None:
+        try:
+            outcome, failed = call(), False
+        except BaseException as err:  # noqa: BLE001 (handed to the awaiting coroutine)
+            outcome, failed = err, True
+        try:
+            loop.call_soon_threadsafe(deliver, outcome, failed)
+        except RuntimeError:  # the loop has closed: nobody waits for this result
+            pass
+
+    threading.Thread(target=work, name="rate-limited-scorer", daemon=True).start()
+    return await future
+
+
 class RateLimitedRewardManager(RewardLoopManager):
     """``RateLimitedRewardManager(config, tokenizer, compute_score)``; see the module docstring."""
 
     _class_initialized: ClassVar[bool] = False
-    _semaphore: ClassVar[asyncio.Semaphore | None] = None
+    _semaphore: ClassVar[PerLoop[asyncio.Semaphore] | None] = None  # one per event loop
     _max_concurrent: ClassVar[int | None] = None
     _rpm_limiter: ClassVar[AsyncTokenBucket | None] = None
     _max_rpm: ClassVar[float | None] = None
@@ -73,7 +100,7 @@ class RateLimitedRewardManager(RewardLoopManager):
                 )
             return
         cls._max_concurrent = section.get("max_concurrent", 1)
-        cls._semaphore = asyncio.Semaphore(cls._max_concurrent)
+        cls._semaphore = PerLoop(functools.partial(asyncio.Semaphore, cls._max_concurrent))
         cls._max_rpm = section.get("max_rpm", None)
         cls._rpm_limiter = _bucket(cls._max_rpm)
         cls._max_tpm = section.get("max_tpm", None)
@@ -102,15 +129,14 @@ class RateLimitedRewardManager(RewardLoopManager):
             kwargs.update(reward_model_tokenizer=self.reward_model_tokenizer)
         if self.is_async_reward_score:
             return await self.compute_score(**kwargs)
-        loop = asyncio.get_running_loop()  # a blocking scorer runs in a worker thread
-        return await loop.run_in_executor(None, functools.partial(self.compute_score, **kwargs))
+        return await _in_daemon_thread(functools.partial(self.compute_score, **kwargs))
 
     async def _limited(self, **kwargs: Any) -> tuple[float, dict[str, Any]]:
         if self._rpm_limiter is not None:
             await self._rpm_limiter.acquire(1.0)
         if self._tpm_limiter is not None:
             await self._tpm_limiter.acquire(self._estimated_tokens_per_request)
-        async with self._semaphore:
+        async with self._semaphore.get():
             try:
                 result = await asyncio.wait_for(self._call_scorer(**kwargs), timeout=self.timeout)
             except asyncio.TimeoutError:
