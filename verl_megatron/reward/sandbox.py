@@ -316,6 +316,7 @@ def _run(
         f"namespaces={int(mode == NAMESPACES)}",
         f"no_fork={int(limits.max_processes == 1)}",
         f"workdir={workdir}",
+        f"wall_s={limits.wall_s}",
         f"tmpfs_bytes={4 * (limits.file_size_mb << 20)}",
         f"status_fd={status_write}",
         *(f"rlimit:{name}={soft},{hard}" for name, (soft, hard) in _rlimits(limits, mode).items()),
@@ -437,6 +438,8 @@ def _result(
     exit_line = next((line.split() for line in status.splitlines() if line.startswith(b"exit ")), None)
     setup_line = next((line for line in status.splitlines() if line.startswith(b"setup ")), None)
     cpu = float(exit_line[2]) if exit_line else 0.0
+    if cause is None and exit_line is not None and exit_line[3:] == [b"wall"]:
+        cause = TIMEOUT  # the boot's own wall-clock limit (just after ours) ended it
     if cause is not None:
         return SandboxResult(cause, None, out, err, cpu, wall, mode)
     if exit_line is None:

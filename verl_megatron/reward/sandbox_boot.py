@@ -2,7 +2,7 @@
 
 Run by :mod:`verl_megatron.reward.sandbox` as ``python -I -S -B sandbox_boot.py KEY=VALUE...
 -- PROGRAM_ARGV...`` (keys: ``namespaces``, ``workdir``, ``tmpfs_bytes``, ``status_fd``,
-``no_fork``, ``hide``, ``bind`` (a path), ``link`` (``PATH\nTARGET``) (these three repeated),
+``no_fork``, ``wall_s``, ``hide``, ``bind`` (a path), ``link`` (``PATH\nTARGET``) (these three repeated),
 ``env:NAME``, ``rlimit:RLIMIT_X`` = ``soft,hard``) with an empty environment, in
 a fresh temporary directory, with a status pipe on ``status_fd``. Standard library only and
 few imports (it runs for every sample): it must not import project code.
@@ -24,16 +24,25 @@ filter (x86_64 and aarch64) that makes ``socket``/``socketpair``/``io_uring_setu
 with EPERM and, with ``no_fork``, every new process (fork, vfork, clone without CLONE_THREAD) fail with
 EAGAIN while threads stay allowed: RLIMIT_NPROC alone does not bind a process whose real
 user is root, even inside a user namespace. The status pipe carries ``pid N`` (the child's pid as
-the parent sees it, so the parent can kill the whole namespace) and ``exit STATUS``.
+the parent sees it, so the parent can kill the whole namespace) and ``exit STATUS CPU_S``
+(``wall`` added when the boot's own wall-clock limit ended the program).
+
+Nothing outlives the caller: the boot gets SIGTERM when its parent dies and the program
+SIGKILL when the boot dies (parent-death signals, each checked once set); the boot kills the
+program once ``wall_s`` (plus a grace: the caller's limit acts first) is up or its parent is
+gone, and then removes the working directory itself if the parent is gone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import resource
+import signal
 import struct
 import sys
+import time
 
 # <linux/sched.h>
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
@@ -98,6 +107,9 @@ SECCOMP_ARCHES = {
 }
 _X32_SYSCALL_BIT = 0x40000000
 SETUP_FAILED_EXIT = 97  # the boot's own failure, told apart from the program's exit codes
+# The caller's own wall-clock limit acts first; the boot's is for a caller that is gone.
+_WALL_GRACE_S = 0.5
+_WAKE_SIGNALS = {signal.SIGCHLD, signal.SIGTERM}
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -321,8 +333,6 @@ def _child(config: dict, argv: list[str], status_fd: int) -> None:
         root = config["workdir"]  # where the root tree was staged
         mount_own_proc(root + "/proc")
         pivot_into(root)
-    else:
-        _libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)  # no pid namespace to end it: die with the boot
     os.setsid()  # own session: kill(0, ...) reaches nothing outside
     set_limits(config["rlimits"])
     drop_capabilities()
@@ -353,37 +363,120 @@ def parse_args(args: list[str]) -> tuple[dict, list[str]]:
             config[key] = value == "1"
         elif key in ("tmpfs_bytes", "status_fd"):
             config[key] = int(value)
+        elif key == "wall_s":
+            config[key] = float(value)
         else:
             config[key] = value
     return config, args[split + 1 :]
 
 
 def main() -> None:
+    parent = os.getppid()
     config, argv = parse_args(sys.argv[1:])
     status_fd = config["status_fd"]
     try:
+        # The host's mount of the working directory's parent, opened before a mount namespace
+        # makes every mount read-only: the way to remove the directory if the caller is gone.
+        host_tmp = os.open(os.path.dirname(config["workdir"]), os.O_RDONLY | os.O_DIRECTORY)
         if config["namespaces"]:
             enter_namespaces()
             workdir = config["workdir"]
             build_root(
                 workdir, workdir, config["tmpfs_bytes"], config["bind"], config["link"], config["hide"]
             )
-        else:
-            _libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)
+        # After unshare: entering a user namespace clears the parent-death signal.
+        signal.pthread_sigmask(signal.SIG_BLOCK, _WAKE_SIGNALS)
+        _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the caller died before the line above
+            _remove_workdir(host_tmp, config["workdir"])
+            os._exit(SETUP_FAILED_EXIT)
+        alive_read, alive_write = os.pipe()
         pid = os.fork()
     except Exception as err:
         os.write(status_fd, f"setup {type(err).__name__}: {err}\n".encode())
         os._exit(SETUP_FAILED_EXIT)
     if pid == 0:
         try:
+            os.close(host_tmp)  # the host's writable /tmp: never the program's
+            os.close(alive_write)
+            _die_with_boot(alive_read)
             _child(config, argv, status_fd)
         except BaseException as err:
             os.write(2, f"sandbox setup failed: {type(err).__name__}: {err}\n".encode())
         os._exit(SETUP_FAILED_EXIT)
+    os.close(alive_read)
     os.write(status_fd, f"pid {pid}\n".encode())
-    _, status = os.waitpid(pid, 0)
+    status, over_wall = _wait_program(pid, config["wall_s"] + _WALL_GRACE_S, parent)
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    os.write(status_fd, f"exit {status} {usage.ru_utime + usage.ru_stime:.4f}\n".encode())
+    over = " wall" if over_wall else ""
+    with contextlib.suppress(OSError):  # the caller may be gone
+        os.write(status_fd, f"exit {status} {usage.ru_utime + usage.ru_stime:.4f}{over}\n".encode())
+    if os.getppid() != parent:  # nobody left to remove the working directory
+        _remove_workdir(host_tmp, config["workdir"])
+
+
+def _die_with_boot(alive_read: int) -> None:
+    """The program gets SIGKILL when the boot process dies (in namespaces mode it is pid 1 of
+    its pid namespace: the kernel then ends every process in it). A boot that died before the
+    prctl closed the pipe's last write end: the read sees its end."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    os.set_blocking(alive_read, False)
+    try:
+        gone = os.read(alive_read, 1) == b""
+    except BlockingIOError:
+        gone = False
+    if gone:
+        os._exit(SETUP_FAILED_EXIT)
+    os.close(alive_read)
+
+
+def _wait_program(pid: int, wall_s: float, parent: int) -> tuple[int, bool]:
+    """Reap the program; SIGKILL it (and its process group) past ``wall_s`` or once the caller
+    is gone (its death signal, SIGTERM, wakes this up as SIGCHLD does). Returns (wait status,
+    whether the wall-clock limit ended it)."""
+    deadline = time.monotonic() + wall_s
+    killed = over_wall = False
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status, over_wall
+        remaining = deadline - time.monotonic()
+        if not killed and (remaining <= 0 or os.getppid() != parent):
+            over_wall = remaining <= 0
+            for kill in (os.killpg, os.kill):  # basic mode: its session; namespaces: its pid 1
+                with contextlib.suppress(OSError):
+                    kill(pid, signal.SIGKILL)
+            killed = True
+        signal.sigtimedwait(_WAKE_SIGNALS, 1.0 if killed else max(remaining, 0.0))
+
+
+def _remove_workdir(host_tmp: int, workdir: str) -> None:
+    """Remove the (host's) working directory through ``host_tmp``; in namespaces mode the
+    sandbox's root is mounted on it here until the program pivots away: detach it first."""
+    name = os.path.basename(workdir)
+    try:
+        _remove_tree(host_tmp, name)
+    except OSError:
+        _libc.umount2(workdir.encode(), MNT_DETACH)
+        with contextlib.suppress(OSError):
+            _remove_tree(host_tmp, name)
+
+
+def _remove_tree(dir_fd: int, name: str) -> None:
+    with contextlib.suppress(OSError):
+        os.rmdir(name, dir_fd=dir_fd)
+        return
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+    try:
+        for entry in os.scandir(fd):
+            if entry.is_dir(follow_symlinks=False):
+                _remove_tree(fd, entry.name)
+            else:
+                os.unlink(entry.name, dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=dir_fd)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,96 @@
+"""A sandbox outlives no caller: killed with SIGKILL mid-run (a contained worker at its
+deadline, a scorer worker on timeout, a crashed trainer), its boot process and program end
+within about ``wall_s`` and the working directory is removed, in both isolation modes."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import sys
+import time
+import uuid
+
+import psutil
+import pytest
+
+from verl_megatron.reward import sandbox
+
+
+def _run_forever(marker: str, mode: str, results=None) -> None:
+    program = [sys.executable, "-I", "-c", f"import time; time.sleep(600)  # {marker}"]
+    result = sandbox.run_sandboxed(program, b"", sandbox.SandboxLimits(cpu_s=2, wall_s=2), mode)
+    if results is not None:
+        results.put(result.cause)
+
+
+def _sandbox_processes(marker: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        if any(marker in part for part in proc.info["cmdline"] or ()):
+            found.append(proc)
+    return found
+
+
+def _wait_for(predicate, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+@pytest.mark.parametrize("mode", ["namespaces", "basic"])
+def test_sandbox_dies_with_its_killed_caller(mode: str) -> None:
+    if mode == "namespaces" and sandbox.detect_isolation() != "namespaces":
+        mode = "basic"  # the machine has no user namespaces: the basic mode still must hold
+    marker = uuid.uuid4().hex
+    caller = multiprocessing.get_context("fork").Process(target=_run_forever, args=(marker, mode))
+    caller.start()
+    try:
+        # the boot process (its argv names the working directory) and the program, both started
+        assert _wait_for(lambda: len(_sandbox_processes(marker)) >= 2, 30.0), _sandbox_processes(marker)
+        boot = next(p for p in _sandbox_processes(marker) if "workdir=" in " ".join(p.cmdline()))
+        workdir = next(a[len("workdir=") :] for a in boot.cmdline() if a.startswith("workdir="))
+        assert os.path.isdir(workdir)
+        os.kill(caller.pid, signal.SIGKILL)
+        caller.join()
+        # wall_s 2 s (+0.5 s grace): generous bound, not a timing measurement
+        gone = _wait_for(lambda: not _sandbox_processes(marker) and not os.path.exists(workdir), 10.0)
+        left = [(p.pid, p.cmdline()[-1][-60:]) for p in _sandbox_processes(marker)]
+        assert gone, f"{mode}: processes left {left}, working dir left: {os.path.exists(workdir)}"
+    finally:
+        if caller.is_alive():
+            caller.kill()
+            caller.join()
+        for proc in _sandbox_processes(marker):
+            proc.kill()
+
+
+def test_sandbox_boot_enforces_the_wall_limit_of_a_stalled_caller() -> None:
+    """A caller that stops supervising (SIGSTOP) past ``wall_s``: the boot process kills the
+    program itself; the caller, resumed, books it as a timeout."""
+    marker = uuid.uuid4().hex
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.SimpleQueue()
+    caller = ctx.Process(target=_run_forever, args=(marker, "auto", results))
+    caller.start()
+    try:
+        assert _wait_for(lambda: len(_sandbox_processes(marker)) >= 2, 30.0), _sandbox_processes(marker)
+        os.kill(caller.pid, signal.SIGSTOP)
+        program_gone = _wait_for(lambda: len(_sandbox_processes(marker)) <= 1, 10.0)
+        left = [(p.pid, p.status()) for p in _sandbox_processes(marker)]
+        os.kill(caller.pid, signal.SIGCONT)
+        assert program_gone, f"program still running with its caller stopped: {left}"
+        assert results.get() == sandbox.TIMEOUT
+        caller.join(10.0)
+        assert caller.exitcode == 0 and not _sandbox_processes(marker)
+    finally:
+        if caller.is_alive():
+            os.kill(caller.pid, signal.SIGCONT)
+            caller.kill()
+            caller.join()
+        for proc in _sandbox_processes(marker):
+            proc.kill()
+        results.close()
