@@ -4,7 +4,8 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/model
 under ``/trajectories/<id>/`` (a harness that only lets you set ``base_url`` names its
 trajectory that way); else the ``X-Trajectory-Id`` header or a ``trajectory_id`` body field; else
 each request is its own trajectory. Per request: ``temperature``, ``top_p``, ``top_k``,
-``max_tokens`` (capped by the trajectory's remaining token budget), ``stop`` (strings), ``n``,
+``max_tokens`` (capped by the trajectory's remaining token budget), ``stop`` (strings), ``n`` (at
+most ``max_turns``: each choice is filed as a model call of the trajectory),
 ``logprobs``; chat requests take ``tools`` and return ``tool_calls`` parsed from the model's
 text in its chat template's format (``chat_format.py``). Every choice carries the sampled
 ``token_ids`` (and the response ``prompt_token_ids``): what the trainer will train on, filed in
@@ -30,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import math
 import queue
 import threading
 import time
@@ -94,6 +96,7 @@ class GenerationRequest:
     choices: list[tuple[list[int], list[float]]] | None = None
     error: str | None = None
     version: int = -1  # the weight version that generated the choices (-1: not tracked)
+    cancelled: bool = False  # answered 503 while queued: nobody waits for its choices
 
 
 class PolicyEndpoint:
@@ -206,8 +209,9 @@ class PolicyEndpoint:
                 while len(batch) < max(1, waiting()) and time.monotonic() < until:
                     with contextlib.suppress(queue.Empty):
                         batch.append(self._queue.get(timeout=0.001))
-                batch += self._drain()
-                self._generate(batch)
+                batch = [r for r in batch + self._drain() if not r.cancelled]
+                if batch:
+                    self._generate(batch)
         finally:
             self._fail_pending("the rollout's deadline passed")
             self._override, self._weights_version = None, None
@@ -314,6 +318,8 @@ class PolicyEndpoint:
         trajectory_id = trajectory_id or headers.get("x-trajectory-id") or body.get("trajectory_id")
         request_id = f"req-{next(self._ids)}"
         trajectory_id = str(trajectory_id or request_id)
+        if route in ("/v1/chat/completions", "/v1/completions"):
+            _check_shapes(body, chat=route == "/v1/chat/completions")
         if route == "/v1/chat/completions":
             tools = body.get("tools") or None
             messages = normalize_messages(body.get("messages"))
@@ -325,6 +331,7 @@ class PolicyEndpoint:
         request = self._request(trajectory_id, prompt_ids, body)
         self._queue.put(request)
         if not request.done.wait(timeout=max(0.0, self._deadline - time.monotonic()) + 1.0):
+            request.cancelled = True  # still queued (no serve() ran): the next one skips it
             raise RequestRefused(503, "deadline", "the rollout's deadline passed")
         if request.error is not None:
             raise RequestRefused(503, "unavailable", request.error)
@@ -385,28 +392,18 @@ class PolicyEndpoint:
         elif used == 0 and len(prompt_ids) > settings.prompt_length:
             refusal = ("prompt_too_long", f"prompt of {len(prompt_ids)} tokens > {settings.prompt_length}")
         elif used >= settings.response_length:
-            refusal = (
-                "token_budget",
-                f"trajectory {trajectory_id} spent its {settings.response_length} tokens",
-            )
+            refusal = ("token_budget", f"trajectory {trajectory_id} spent {settings.response_length} tokens")
         if refusal is not None:
             self.ledger.mark_truncated(trajectory_id, refusal[0])
             raise RequestRefused(400, *refusal)
-        try:
-            n = int(body.get("n") or 1)
-            remaining = settings.response_length - used
-            max_tokens = min(
-                int(body.get("max_tokens") or body.get("max_completion_tokens") or remaining), remaining
-            )
-            temperature = float(body.get("temperature", 1.0) if body.get("temperature") is not None else 1.0)
-            top_p = float(body.get("top_p") if body.get("top_p") is not None else 1.0)
-            top_k = int(body.get("top_k") if body.get("top_k") is not None else -1)
-        except (TypeError, ValueError) as err:
-            raise RequestRefused(400, "invalid_sampling", f"bad sampling parameter: {err}") from None
-        if n < 1 or max_tokens < 1 or temperature < 0 or not 0 < top_p <= 1 or top_k < -1:
-            raise RequestRefused(
-                400, "invalid_sampling", "need n >= 1, max_tokens >= 1, temperature >= 0, top_p in (0, 1]"
-            )
+        # n: each choice is filed as a model call of the trajectory, so at most max_turns of them.
+        n = _field(body, "n", int, 1, lambda v: 1 <= v <= settings.max_turns, f"in [1, {settings.max_turns}]")
+        remaining = settings.response_length - used
+        key = "max_tokens" if body.get("max_tokens") is not None else "max_completion_tokens"
+        max_tokens = min(_field(body, key, int, remaining, lambda v: v >= 1, ">= 1"), remaining)
+        temperature = _field(body, "temperature", float, 1.0, lambda v: 0 <= v < math.inf, "finite, >= 0")
+        top_p = _field(body, "top_p", float, 1.0, lambda v: 0 < v <= 1, "in (0, 1]")
+        top_k = _field(body, "top_k", int, -1, lambda v: v >= -1, "-1 (off) or >= 0")
         sampling = (temperature == 0, temperature if temperature > 0 else 1.0, top_p, top_k)
         return GenerationRequest(trajectory_id, prompt_ids, n, max_tokens, sampling)
 
@@ -468,11 +465,23 @@ def _cut_at_stop(
     """(ids up to the one completing the first stop string, their log-probs, the text before
     that string (without a final stop token), whether a stop string was hit)."""
     stops = [stops] if isinstance(stops, str) else [s for s in stops if isinstance(s, str) and s]
-    for k in range(1, len(tokens) + 1) if stops else ():
+
+    def hit(k: int) -> tuple[str, int] | None:  # the first k ids' text and its first stop, if any
         text = tokenizer.decode(tokens[:k], skip_special_tokens=False)
-        hits = [text.find(s) for s in stops if s in text]
-        if hits:
-            return tokens[:k], log_probs[:k], text[: min(hits)], True
+        found = [text.find(s) for s in stops if s in text]
+        return (text, min(found)) if found else None
+
+    # The cut is the shortest prefix whose text holds a stop string. A longer prefix's text holds
+    # what a shorter one's does, so one decode tells whether there is a cut and a binary search
+    # finds it (log2(len) decodes; decoding every prefix was quadratic in the response's length).
+    last = hit(len(tokens)) if stops else None
+    if last is not None:
+        lo, hi = 0, len(tokens)  # the empty text holds no stop; the whole one does
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            found = hit(mid)
+            lo, hi, last = (mid, hi, last) if found is None else (lo, mid, found)
+        return tokens[:hi], log_probs[:hi], last[0][: last[1]], True
     body = tokens[:-1] if tokens and tokens[-1] in stop_ids else tokens
     return tokens, log_probs, tokenizer.decode(body, skip_special_tokens=False), False
 
@@ -507,11 +516,15 @@ class _Handler(BaseHTTPRequestHandler):
             if not isinstance(body, dict):
                 raise ValueError("the body must be a JSON object")
             headers = {k.lower(): v for k, v in self.headers.items()}
-            self._send(200, self.endpoint.handle(self.path, headers, body))
+            status, payload = 200, self.endpoint.handle(self.path, headers, body)
         except RequestRefused as err:
-            self._send(err.status, _error(err.code, str(err)))
+            status, payload = err.status, _error(err.code, str(err))
         except (ValueError, TypeError, KeyError) as err:
-            self._send(400, _error("invalid_request", f"{type(err).__name__}: {err}"))
+            status, payload = 400, _error("invalid_request", f"{type(err).__name__}: {err}")
+        except Exception as err:  # the endpoint's own bug: an answer, not a dropped connection
+            status, payload = 500, _error("internal_error", f"{type(err).__name__}: {err}", "server_error")
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the client has left
+            self._send(status, payload)
 
     def _send(self, status: int, payload: dict[str, Any]) -> None:
         data = json.dumps(payload).encode()
@@ -522,5 +535,62 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
-def _error(code: str, message: str) -> dict[str, Any]:
-    return {"error": {"message": message, "type": "invalid_request_error", "code": code}}
+def _error(code: str, message: str, kind: str = "invalid_request_error") -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "code": code}}
+
+
+def _refuse(name: str, need: str, value: Any) -> RequestRefused:
+    return RequestRefused(400, "invalid_request", f"{name!r} must be {need}, got {value!r}"[:300])
+
+
+def _check_shapes(body: dict[str, Any], chat: bool) -> None:
+    """Refuse (400 naming the field) a ``stop``, ``tools`` or ``messages`` the endpoint could not
+    read: checked before the request is queued, so a malformed one costs no engine call."""
+    stop = body.get("stop")
+    if not (stop is None or isinstance(stop, str) or _list_of(stop, str)):
+        raise _refuse("stop", "a string or a list of strings", stop)
+    if not chat:
+        return
+    tools = body.get("tools")
+    if not (tools is None or _list_of(tools, dict)):
+        raise _refuse("tools", "a list of objects", tools)
+    for i, tool in enumerate(tools or []):
+        function = tool.get("function", tool)  # chat_format's bare calls read name and parameters
+        parameters = function.get("parameters", {}) if isinstance(function, dict) else None
+        if not isinstance(parameters, dict) or not isinstance(parameters.get("properties", {}), dict):
+            raise _refuse(f"tools[{i}].function", "an object with object 'parameters'", tool)
+    messages = body.get("messages")
+    if not (isinstance(messages, list) and messages):
+        raise _refuse("messages", "a non-empty list", messages)
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise _refuse(f"messages[{i}]", "an object with a string 'role'", message)
+        content = message.get("content")
+        if not (content is None or isinstance(content, (str, list))):
+            raise _refuse(f"messages[{i}].content", "a string, a list of parts or null", content)
+        calls = message.get("tool_calls") or []
+        if not _list_of(calls, dict):
+            raise _refuse(f"messages[{i}].tool_calls", "a list of objects", calls)
+        for j, call in enumerate(calls):
+            function = call.get("function", {})
+            if not isinstance(function, dict) or not isinstance(function.get("arguments", {}), (str, dict)):
+                need = "an object whose 'function' has string or object 'arguments'"
+                raise _refuse(f"messages[{i}].tool_calls[{j}]", need, call)
+
+
+def _field(body: dict[str, Any], key: str, kind: type, default: Any, valid: Callable, need: str) -> Any:
+    """``body[key]`` as ``kind`` (``default`` when absent); refused (400 naming it) unless valid."""
+    value = body.get(key)
+    if value is None:
+        return default
+    try:
+        number = None if isinstance(value, bool) else kind(value)
+    except (TypeError, ValueError, OverflowError):
+        number = None
+    if number is None or not valid(number):
+        raise RequestRefused(400, "invalid_sampling", f"{key!r} must be a number {need}, got {value!r}"[:300])
+    return number
+
+
+def _list_of(value: Any, kind: type) -> bool:
+    return isinstance(value, list) and all(isinstance(v, kind) for v in value)
