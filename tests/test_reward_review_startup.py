@@ -81,3 +81,30 @@ def test_custom_scorer_signature_must_take_the_managers_arguments(tmp_path, mana
 def test_bad_manager_argument_values(tmp_path, manager, kwargs, needle):
     message = _refused(_config(_data(tmp_path), manager, **kwargs))
     assert message.startswith("reward_model.reward_kwargs: ") and needle in message
+
+
+def test_dapo_overlong_buffer_checked_with_the_trainers_arguments(tmp_path):
+    config = _config(_data(tmp_path), "dapo")
+    config["data"]["max_response_length"] = 4
+    config["reward_model"]["overlong_buffer"] = {"enable": True, "len": 8, "penalty_factor": 1.0}
+    message = _refused(config)
+    assert "max_resp_len must be larger than overlong_buffer.len (4 < 8)" in message
+    config["data"]["max_response_length"] = 16
+    check_reward_config(config)
+
+
+def test_dapo_validation_manager_gets_the_overlong_buffer_as_in_verls_recipe():
+    from types import SimpleNamespace as NS
+
+    from verl_megatron.trainer.components import reward_fns
+
+    buffer = {"enable": True, "len": 2, "penalty_factor": 1.0, "log": False}
+    config = NS(
+        reward_model=NS(reward_manager="dapo", num_examine=0, overlong_buffer=buffer, reward_kwargs={}),
+        data=NS(max_response_length=8, reward_fn_key="data_source"),
+        custom_reward_function=NS(path=None),
+    )
+    train, val = reward_fns(config, object())
+    for manager in (train, val):
+        assert manager.overlong_enabled and (manager.buffer_len, manager.max_resp_len) == (2, 8)
+        manager.close()

@@ -183,6 +183,18 @@ def _check_manager_values(manager_cls: type, kwargs: dict[str, Any]) -> str | No
     return None
 
 
+def dapo_extra_kwargs(config: Any) -> dict[str, Any]:
+    """The arguments the trainer gives the "dapo" manager beyond ``reward_model.reward_kwargs``
+    (they override those): ``data.max_response_length`` and ``reward_model.overlong_buffer``."""
+    reward_model = _get(config, "reward_model")
+    if str(_get(reward_model, "reward_manager", "naive")) != "dapo":
+        return {}
+    return {
+        "max_resp_len": _get(_get(config, "data"), "max_response_length"),
+        "overlong_buffer_cfg": _get(reward_model, "overlong_buffer"),
+    }
+
+
 def _scorer_call_args(manager_cls: type, kwargs: dict[str, Any], custom: Any) -> list[str]:
     """The keyword arguments the manager's calls give the custom scorer (bound ones included)."""
     if issubclass(manager_cls, BatchRewardManager):
@@ -270,7 +282,9 @@ def check_reward_config(config: Any) -> None:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     kwargs = _as_dict(_get(reward_model, "reward_kwargs"), "reward_model.reward_kwargs")
-    problem = _check_manager_kwargs(manager_cls, kwargs) or _check_manager_values(manager_cls, kwargs)
+    problem = _check_manager_kwargs(manager_cls, kwargs) or _check_manager_values(
+        manager_cls, {**kwargs, **dapo_extra_kwargs(config)}
+    )
     custom = _get(config, "custom_reward_function")
     scores_rows = issubclass(manager_cls, RewardManagerBase)
     if problem is None and _get(custom, "path"):

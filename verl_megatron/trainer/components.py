@@ -180,12 +180,9 @@ def build_colocated(
 
 def _reward_extra(config: PPOConfig) -> dict[str, Any]:
     """The training reward manager's arguments beyond ``reward_model.reward_kwargs``."""
-    if config.reward_model.reward_manager != "dapo":
-        return {}
-    return {
-        "max_resp_len": config.data.max_response_length,
-        "overlong_buffer_cfg": config.reward_model.overlong_buffer,
-    }
+    from verl_megatron.reward.loading import dapo_extra_kwargs
+
+    return dapo_extra_kwargs(config)
 
 
 def train_reward_fn(config: PPOConfig, tokenizer: PreTrainedTokenizerBase) -> RewardFn:
@@ -201,12 +198,11 @@ def reward_fns(config: PPOConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[R
     """(training, validation) reward managers."""
     from verl_megatron.reward.loading import load_reward_manager
 
-    extra = _reward_extra(config)
     train = train_reward_fn(config, tokenizer)
-    # Validation scores are the task's own score (verl: no overlong shaping, one sample printed).
-    val_extra = dict(extra, overlong_buffer_cfg=None) if extra else {}
+    # Validation gets the same manager arguments (verl's DAPO recipe gives val_reward_fn the
+    # overlong buffer too); one sample printed when the training manager prints any.
     val = load_reward_manager(
-        config, tokenizer, num_examine=1 if config.reward_model.num_examine else 0, **val_extra
+        config, tokenizer, num_examine=1 if config.reward_model.num_examine else 0, **_reward_extra(config)
     )
     return train, val
 
