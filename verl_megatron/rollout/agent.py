@@ -333,6 +333,8 @@ class AgentRollout(WrappedRollout):
             if len(trajectory.prompt_ids) > width:  # refused by the endpoint already; kept safe
                 trajectory, truncated = Trajectory(prompt_ids=own_prompt), "prompt_too_long"
             failure = slot.failure if not (slot.failure == "error" and truncated) else truncated
+            if truncated == "prompt_too_long" and not failure and not any(trajectory.response_mask):
+                failure = truncated  # none of the policy's tokens: no reward on an empty response
             if failure in ("error", "timeout", "invalid"):  # the environment's fault: not trained on
                 trajectory.response_mask = [0] * len(trajectory.response_ids)
             rows.append(trajectory.prompt_ids)
@@ -342,7 +344,9 @@ class AgentRollout(WrappedRollout):
                 float(outcome.reward) if outcome else self.config.agent.failure_score
             )
             turn_rewards = [float(r) for r in outcome.turn_rewards] if outcome else []
-            columns["agent_turn_rewards"].append(turn_rewards[: len(trajectory.turn_ends)])
+            # By model call: a turn left out of the sample (context reset) leaves its reward out.
+            kept = [turn_rewards[c] for c in trajectory.turn_calls if 0 <= c < len(turn_rewards)]
+            columns["agent_turn_rewards"].append(kept)
             columns["agent_turn_ends"].append([e for e in trajectory.turn_ends if e < budget])
             columns["agent_failure"].append(failure)
             columns["agent_truncated"].append(truncated)

@@ -336,12 +336,13 @@ class PolicyEndpoint:
         if request.error is not None:
             raise RequestRefused(503, "unavailable", request.error)
         assert request.choices is not None
-        choices = []
+        choices, records = [], []
         for index, (tokens, log_probs) in enumerate(request.choices):
             choice, record = self._choice(index, tokens, log_probs, request, body, tools, route)
             record.prompt_text, record.version = prompt_text, request.version
-            self.ledger.add(trajectory_id, record)
             choices.append(choice)
+            records.append(record)
+        self.ledger.add(trajectory_id, *records)  # one model call
         completion_tokens = sum(len(t) for t, _ in request.choices)
         return {
             "id": request_id,

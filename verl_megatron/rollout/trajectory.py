@@ -31,6 +31,7 @@ class TurnRecord:
     message: dict[str, Any] | None = None  # chat requests: the assistant message returned
     tool_calls: int = 0
     version: int = -1  # the weight version that generated it (-1: not tracked, colocated)
+    call: int = -1  # which model call of the trajectory it answered (0, 1, ...; set when filed)
 
     @property
     def context(self) -> list[int]:
@@ -42,7 +43,8 @@ class Trajectory:
     """One trajectory as a sample: ``prompt_ids`` then ``response_ids`` (policy and environment
     tokens), ``response_mask`` 1 on the policy's, ``log_probs`` (0 on the environment's),
     ``versions`` each token's weight version (-1 on the environment's), ``turn_ends`` the
-    response index of each policy turn's last token."""
+    response index of each policy turn's last token, ``turn_calls`` which model call of the
+    trajectory each of those turns was (its ``turn_rewards`` index; turns left out are skipped)."""
 
     prompt_ids: list[int]
     response_ids: list[int] = field(default_factory=list)
@@ -50,6 +52,7 @@ class Trajectory:
     log_probs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     turn_ends: list[int] = field(default_factory=list)
+    turn_calls: list[int] = field(default_factory=list)
     turns: int = 0
     tool_calls: int = 0
     resets: int = 0  # turns left out: the history was rewritten after them
@@ -62,10 +65,16 @@ class TrajectoryLedger:
         self._lock = threading.Lock()
         self._records: dict[str, list[TurnRecord]] = {}
         self._truncated: dict[str, str] = {}
+        self._calls: dict[str, int] = {}
 
-    def add(self, trajectory_id: str, record: TurnRecord) -> None:
+    def add(self, trajectory_id: str, *records: TurnRecord) -> None:
+        """File the choices of one model call (numbering the call)."""
         with self._lock:
-            self._records.setdefault(trajectory_id, []).append(record)
+            call = self._calls.get(trajectory_id, 0)
+            self._calls[trajectory_id] = call + 1
+            for record in records:
+                record.call = call
+            self._records.setdefault(trajectory_id, []).extend(records)
 
     def records(self, trajectory_id: str) -> list[TurnRecord]:
         with self._lock:
@@ -85,6 +94,7 @@ class TrajectoryLedger:
         with self._lock:
             self._records.clear()
             self._truncated.clear()
+            self._calls.clear()
 
     def budget(self, trajectory_id: str, prompt_ids: list[int]) -> tuple[int, int]:
         """(turns taken, response tokens already used before ``prompt_ids``'s end): the tokens
@@ -107,9 +117,12 @@ class TrajectoryLedger:
             context = record.context
             if chain[0].prompt_ids[: len(context)] == context:
                 chain.insert(0, record)
-        final = chain[-1].context
-        start = len(chain[0].prompt_ids)
-        out = Trajectory(prompt_ids=list(chain[0].prompt_ids), resets=len(records) - len(chain))
+        final, root, first = chain[-1].context, records[0].prompt_ids, chain[0].prompt_ids
+        # After a rewritten history the chain may start at a later turn: its prompt still extends
+        # the first one (the endpoint counted what follows it as response tokens), so the sample
+        # keeps the first prompt and the rest is the environment's.
+        start = len(root) if first[: len(root)] == root else len(first)
+        out = Trajectory(prompt_ids=list(first[:start]), resets=len(records) - len(chain))
         out.response_ids = final[start:]
         out.response_mask = [0] * len(out.response_ids)
         out.log_probs = [0.0] * len(out.response_ids)
@@ -122,6 +135,7 @@ class TrajectoryLedger:
                 out.versions[begin + k] = record.version
             if record.completion_ids:
                 out.turn_ends.append(begin + len(record.completion_ids) - 1)
+                out.turn_calls.append(record.call)
             out.turns += 1
             out.tool_calls += record.tool_calls
         return out
