@@ -8,7 +8,9 @@ is forked from one of the rollout's threads while others may be starting a subpr
 start waits for every copy of a pipe to close (so what user code opened before the fork is not
 open in the worker: it opens its own). A call whose server raises raises :class:`WorkerCallError`
 (``"ExcType: message"``), one that kills the worker RuntimeError, one past its limit
-TimeoutError (the worker killed); :meth:`CallWorker.kill` kills and reaps it.
+TimeoutError (the worker killed); :meth:`CallWorker.kill` kills and reaps it. The worker
+leads a process group of its own, and a kill reaches the whole group: what user code started
+(a tool server, an interpreter) ends with it unless it left the group itself.
 
 Users: ``openenv_session.py`` (an OpenEnv environment instance per trajectory) and
 ``contained.py`` (a harness's whole ``run`` per trajectory).
@@ -16,6 +18,7 @@ Users: ``openenv_session.py`` (an OpenEnv environment instance per trajectory) a
 
 from __future__ import annotations
 
+import contextlib
 import math
 import multiprocessing
 import os
@@ -54,6 +57,7 @@ def _serve(conn: Any, server: Callable[[str, Any], Any]) -> None:
     keep = conn.fileno()
     os.closerange(3, keep)
     os.closerange(keep + 1, os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 4096)
+    os.setsid()  # a process group of its own: kill() ends what user code started in it too
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
     conn.send((True, None))
@@ -101,7 +105,13 @@ class CallWorker:
         return self.process.is_alive() and not self.conn.closed
 
     def kill(self) -> None:
-        """SIGKILL the worker (when alive), close the pipe, reap it."""
+        """SIGKILL the worker's process group (what user code started there: tool servers,
+        subprocesses) and the worker (when alive), close the pipe, reap it."""
+        if self.process.pid is not None:
+            # Before the reap, or with the group's members still holding its id: the id is
+            # ours, not a reused one.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, signal.SIGKILL)
         if self.process.is_alive():
             self.process.kill()
         self.conn.close()
