@@ -61,3 +61,16 @@ def test_deadline_kill_ends_what_the_contained_harness_started(char_tokenizer): 
     finally:
         for proc in _with_marker(marker):
             proc.kill()
+
+
+class _Exits:
+    def run(self, task, client):
+        client.chat(task.messages)
+        sys.exit("scorer called sys.exit")  # e.g. argparse or a score function in user code
+
+
+def test_sys_exit_in_an_in_process_harness_is_an_error_at_once(char_tokenizer):  # noqa: F811
+    with pytest.warns(UserWarning, match=r"a harness raised SystemExit: scorer called sys\.exit"):
+        out, _ = _run(_Exits(), char_tokenizer, deadline_s=10.0)
+    # A slot never marked done is booked "timeout" at the deadline: "error" is the raise's.
+    assert list(out.non_tensor_batch["agent_failure"]) == ["error"]

@@ -305,7 +305,7 @@ class AgentRollout(WrappedRollout):
                     failure = "invalid"
             except TimeoutError:  # a per-call limit of the environment (e.g. openenv's env_timeout_s)
                 failure = "timeout"
-            except Exception as err:  # the environment's failure, counted; never the step's
+            except (Exception, SystemExit) as err:  # the harness's failure (sys.exit too), not the step's
                 failure = "error"
                 if not self._warned:
                     self._warned = True
