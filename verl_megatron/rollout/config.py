@@ -99,7 +99,7 @@ class AgentConfig:
     host: str = "127.0.0.1"
     """Address the endpoint listens on."""
     port: int = 0
-    """Port of the endpoint; 0 picks a free one."""
+    """Port of the endpoint; 0 picks a free one. A fixed port allows one generating rank per node."""
     failure_score: float = 0.0
     """Reward of a trajectory whose environment raised, hung, returned garbage or never ended."""
     batch_wait_s: float = 0.02
@@ -326,6 +326,22 @@ def _check_agent(rollout: RolloutConfig) -> None:
     if agent.tool_isolation not in ("auto", "namespaces", "basic"):
         raise RolloutConfigError(
             f"rollout.agent.tool_isolation must be 'auto', 'namespaces' or 'basic', got {agent.tool_isolation!r}"
+        )
+
+
+def check_agent_port(rollout: RolloutConfig, world_size: int, nnodes: int) -> None:
+    """A fixed ``rollout.agent.port`` holds one endpoint per node: refuse a job that runs several
+    on a node (each generating rank runs its own; the second to bind the port would fail at its
+    first rollout)."""
+    agent = rollout.agent
+    if not agent.enable or agent.port == 0:
+        return
+    per_node = -(-world_size // max(1, nnodes))
+    endpoints = min(rollout.world_size, per_node) if rollout.placement == "separate" else per_node
+    if endpoints > 1:
+        raise RolloutConfigError(
+            f"rollout.agent.port={agent.port} is one port per node, but {endpoints} ranks of a node run an "
+            "endpoint each; set rollout.agent.port=0 (each picks a free port)"
         )
 
 

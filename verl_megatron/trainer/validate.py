@@ -32,7 +32,11 @@ from verl_megatron.models.families.qwen3_next import check_linear_features
 from verl_megatron.models.moe import MOE_MODEL_TYPES, check_trainable
 from verl_megatron.reward.loading import resolve_reward_manager_cls
 from verl_megatron.reward.model_rewards import check_model_rewards
-from verl_megatron.rollout.config import check_engine_installed, old_log_prob_micro_batch_size
+from verl_megatron.rollout.config import (
+    check_agent_port,
+    check_engine_installed,
+    old_log_prob_micro_batch_size,
+)
 from verl_megatron.rollout.lora_sync import check_rollout_lora
 from verl_megatron.trainer.config_schema import RESUME_MODES, PPOConfig
 from verl_megatron.trainer.placement_check import check_placement
@@ -563,6 +567,7 @@ def validate_config(config: PPOConfig, world_size: int) -> ParallelLayout:
     layout = _resolve_layout(config, world_size)
     _check_finite(config, "")
     _check_model_and_rollout(config, layout)
+    check_agent_port(config.rollout, world_size, config.trainer.nnodes)
     _check_lengths(config)
     _check_trainer(config)
     _check_algorithm(config)
