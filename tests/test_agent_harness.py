@@ -38,7 +38,7 @@ def test_tools_run_in_the_sandbox_with_per_call_limits(tmp_path):
     agent = AgentConfig(enable=True, harness="tools", tool_wall_s=30.0, tool_cpu_s=1.0,
                         kwargs={"tools": {"lookup": LOOKUP, "spin": {"function": f"{hang}:spin", "parameters": ["x"]}},
                                 "score": "verl_megatron.reward.agents.tools:lookup_score"})  # fmt: skip
-    harness = build_harness(agent)
+    harness = build_harness(agent).harness  # the tool loop inside its ContainedHarness
     calls: list[ToolCallLog] = []
     call = {"function": {"name": "lookup", "arguments": json.dumps({"key": "37"})}}
     assert harness._run(call, 0, calls) == lookup_value("37", 0) == calls[0].result

@@ -4,6 +4,7 @@ ends its trajectory at once as an error naming SystemExit, not at the deadline a
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -74,3 +75,34 @@ def test_sys_exit_in_an_in_process_harness_is_an_error_at_once(char_tokenizer): 
         out, _ = _run(_Exits(), char_tokenizer, deadline_s=10.0)
     # A slot never marked done is booked "timeout" at the deadline: "error" is the raise's.
     assert list(out.non_tensor_batch["agent_failure"]) == ["error"]
+
+
+SCORE = """import os
+def score(answer, row, calls):
+    with open(os.path.join(os.path.dirname(__file__), "pids.txt"), "a") as f:
+        f.write(f"{os.getpid()}\\n")
+    return float(len(answer or ""))
+"""
+
+
+@pytest.mark.parametrize("isolation", ["process", "none"])
+def test_tools_harness_score_is_contained_by_default(char_tokenizer, tmp_path, isolation):  # noqa: F811
+    from verl_megatron.reward.agents import build_harness
+    from verl_megatron.reward.agents.contained import ContainedHarness
+    from verl_megatron.rollout.config import AgentConfig
+
+    (tmp_path / "my_score.py").write_text(SCORE)
+    tool = {"function": "verl_megatron.data.lookup_task:lookup_value", "parameters": ["key"]}
+    kwargs = {"tools": {"lookup": tool}, "score": f"{tmp_path}/my_score.py:score"}
+    if isolation == "none":
+        kwargs["isolation"] = "none"
+    children = {p.pid for p in psutil.Process().children(recursive=True)}
+    harness = build_harness(AgentConfig(enable=True, harness="tools", kwargs=kwargs))
+    assert isinstance(harness, ContainedHarness) == (isolation == "process")
+    out, _ = _run(harness, char_tokenizer, deadline_s=30.0)
+    assert list(out.non_tensor_batch["agent_failure"]) == [""]
+    assert list(out.non_tensor_batch["agent_reward"]) == [2.0]  # len("ab"): the same either way
+    (pid,) = [int(line) for line in (tmp_path / "pids.txt").read_text().split()]
+    assert (pid != os.getpid()) == (isolation == "process"), (pid, os.getpid())
+    assert not psutil.pid_exists(pid) or pid == os.getpid(), f"worker {pid} left"
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= children

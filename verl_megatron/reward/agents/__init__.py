@@ -8,10 +8,10 @@ a factory called with ``rollout.agent.kwargs`` that returns a harness (``run(tas
 AgentOutcome``). ``openenv`` steps an OpenEnv ``Environment`` subclass, each instance in a
 worker process (``openenv_env.py``, openenv-core 0.3).
 
-User code is contained by default (``rollout.agent.kwargs.isolation: process``): a verifiers or
-custom harness runs each trajectory's ``run`` in a worker process of its own
-(``contained.py``), an OpenEnv environment each instance; ``isolation: none`` runs them in the
-trainer process (trusted code; a custom factory never sees the key).
+User code is contained by default (``rollout.agent.kwargs.isolation: process``): a tools (its
+score function), verifiers or custom harness runs each trajectory's ``run`` in a worker
+process of its own (``contained.py``), an OpenEnv environment each instance; ``isolation:
+none`` runs them in the trainer process (trusted code; a custom factory never sees the key).
 """
 
 from __future__ import annotations
@@ -30,16 +30,16 @@ __all__ = ["build_harness"]
 def build_harness(agent: AgentConfig) -> Any:
     """The harness ``rollout.agent`` names, built before any model (a bad name fails fast)."""
     kwargs = dict(agent.kwargs)
-    if agent.harness == "tools":
-        from verl_megatron.reward.agents.tools import ToolHarness
-
-        return ToolHarness(agent, **kwargs)
     if agent.harness == "openenv":
         from verl_megatron.reward.agents.openenv_env import OpenEnvHarness
 
         return OpenEnvHarness(agent, **kwargs)
     isolation = check_isolation(kwargs.pop("isolation", "process"))
-    if agent.harness == "verifiers":
+    if agent.harness == "tools":  # its score function is user code
+        from verl_megatron.reward.agents.tools import ToolHarness
+
+        harness = ToolHarness(agent, **kwargs)
+    elif agent.harness == "verifiers":
         from verl_megatron.reward.agents.verifiers_env import VerifiersHarness
 
         harness = VerifiersHarness(agent, **kwargs)
