@@ -87,6 +87,7 @@ def score(answer, row, calls):
 
 @pytest.mark.parametrize("isolation", ["process", "none"])
 def test_tools_harness_score_is_contained_by_default(char_tokenizer, tmp_path, isolation):  # noqa: F811
+    from verl_megatron.reward import sandbox
     from verl_megatron.reward.agents import build_harness
     from verl_megatron.reward.agents.contained import ContainedHarness
     from verl_megatron.rollout.config import AgentConfig
@@ -99,6 +100,8 @@ def test_tools_harness_score_is_contained_by_default(char_tokenizer, tmp_path, i
     children = {p.pid for p in psutil.Process().children(recursive=True)}
     harness = build_harness(AgentConfig(enable=True, harness="tools", kwargs=kwargs))
     assert isinstance(harness, ContainedHarness) == (isolation == "process")
+    if isolation == "process":  # probed before the workers fork, not once in each
+        assert sandbox.detect_isolation.cache_info().currsize == 1
     out, _ = _run(harness, char_tokenizer, deadline_s=30.0)
     assert list(out.non_tensor_batch["agent_failure"]) == [""]
     assert list(out.non_tensor_batch["agent_reward"]) == [2.0]  # len("ab"): the same either way

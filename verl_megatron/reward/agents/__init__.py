@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from verl_megatron.errors import ConfigError
+from verl_megatron.reward import sandbox
 from verl_megatron.reward.agents.contained import ContainedHarness
 from verl_megatron.reward.agents.worker import check_isolation
 from verl_megatron.rollout.config import AgentConfig
@@ -39,6 +40,8 @@ def build_harness(agent: AgentConfig) -> Any:
         from verl_megatron.reward.agents.tools import ToolHarness
 
         harness = ToolHarness(agent, **kwargs)
+        if agent.tool_isolation == "auto" and isolation == "process":
+            sandbox.detect_isolation()  # probed (and cached) once here, not in every worker
     elif agent.harness == "verifiers":
         from verl_megatron.reward.agents.verifiers_env import VerifiersHarness
 
