@@ -15,7 +15,11 @@ from verl_megatron.reward.loading import check_reward_config
 def _data(tmp_path, source="openai/gsm8k", truths=("1", "2")) -> str:
     path = tmp_path / "train.jsonl"
     rows = [
-        {"data_source": source, "prompt": [{"role": "user", "content": "q"}], "reward_model": {"ground_truth": t}}
+        {
+            "data_source": source,
+            "prompt": [{"role": "user", "content": "q"}],
+            "reward_model": {"ground_truth": t},
+        }
         for t in truths
     ]
     path.write_text("\n".join(json.dumps(r) for r in rows))
@@ -23,7 +27,10 @@ def _data(tmp_path, source="openai/gsm8k", truths=("1", "2")) -> str:
 
 
 def _config(data: str, manager: str = "naive", scorer: str | None = None, **kwargs) -> dict:
-    config = {"reward_model": {"reward_manager": manager, "reward_kwargs": kwargs}, "data": {"train_files": [data]}}
+    config = {
+        "reward_model": {"reward_manager": manager, "reward_kwargs": kwargs},
+        "data": {"train_files": [data]},
+    }
     if scorer is not None:
         config["custom_reward_function"] = {"path": scorer, "name": "compute_score"}
     return config
@@ -57,8 +64,16 @@ def test_null_ground_truth_for_the_default_scorer(tmp_path):
 @pytest.mark.parametrize(
     "manager, scorer, needle",
     [
-        ("naive", "def compute_score(solution_str, ground_truth):\n    return 1.0\n", "unexpected keyword argument 'data_source'"),
-        ("batch", "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n", "keyword arguments (data_sources, solution_strs, ground_truths, extra_infos)"),
+        (
+            "naive",
+            "def compute_score(solution_str, ground_truth):\n    return 1.0\n",
+            "unexpected keyword argument 'data_source'",
+        ),
+        (
+            "batch",
+            "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n",
+            "keyword arguments (data_sources, solution_strs, ground_truths, extra_infos)",
+        ),
     ],
 )
 def test_custom_scorer_signature_must_take_the_managers_arguments(tmp_path, manager, scorer, needle):

@@ -209,7 +209,9 @@ def _scorer_call_args(manager_cls: type, kwargs: dict[str, Any], custom: Any) ->
 def _uses_rule(reward_model: Any) -> bool:
     """Whether the final reward reads the rule reward (``reward_model.combine``)."""
     judge_on = bool(_get(_get(reward_model, "judge"), "enable", False))
-    text = _get(reward_model, "combine") or default_formula(bool(_get(reward_model, "enable", False)), judge_on)
+    text = _get(reward_model, "combine") or default_formula(
+        bool(_get(reward_model, "enable", False)), judge_on
+    )
     try:
         return "rule" in compile_formula(str(text)).names
     except FormulaError:  # reported by the model-reward check
@@ -231,7 +233,7 @@ def _reward_rows(path: str, key: str) -> list[Any]:
             import pyarrow.parquet as pq
 
             return pq.read_table(path, columns=[key, "reward_model"]).to_pylist()
-        except Exception:  # noqa: BLE001 (read_rows below names what is wrong with the file)
+        except Exception:  # read_rows below names what is wrong with the file
             pass
     return read_rows(path)
 

@@ -17,6 +17,7 @@ other limits is ignored with a warning).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import logging
@@ -60,12 +61,10 @@ async def _in_daemon_thread(call: Callable[[], Any]) -> Any:
     def work() -> None:
         try:
             outcome, failed = call(), False
-        except BaseException as err:  # noqa: BLE001 (handed to the awaiting coroutine)
+        except BaseException as err:  # handed to the awaiting coroutine
             outcome, failed = err, True
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits for this result
             loop.call_soon_threadsafe(deliver, outcome, failed)
-        except RuntimeError:  # the loop has closed: nobody waits for this result
-            pass
 
     threading.Thread(target=work, name="rate-limited-scorer", daemon=True).start()
     return await future

@@ -33,7 +33,14 @@ def is_known_data_source(data_source: Any) -> bool:
     source = str(data_source)
     if source.startswith(DAPO_SOURCE_PREFIXES):
         return True
-    return source in (*GSM8K_SOURCES, *MATH_SOURCES, *DAPO_SOURCES, *SYNTHETIC_SOURCES, *SHAPES_SOURCES, *CODE_SOURCES)
+    return source in (
+        *GSM8K_SOURCES,
+        *MATH_SOURCES,
+        *DAPO_SOURCES,
+        *SYNTHETIC_SOURCES,
+        *SHAPES_SOURCES,
+        *CODE_SOURCES,
+    )
 
 
 def default_compute_score(
