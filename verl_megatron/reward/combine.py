@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from verl_megatron.rollout.sampling import last_positive
+
 __all__ = [
     "VARIABLES",
     "Formula",
@@ -133,8 +135,7 @@ def place_at_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> to
     masked environment tokens inside its response, so ``mask.sum() - 1`` could name a masked
     column. A row without response tokens gets its score at column 0 (verl's index
     ``length - 1`` would wrap to the last column)."""
-    columns = torch.arange(response_mask.shape[-1], device=response_mask.device)
-    last = torch.where(response_mask.bool(), columns, 0).amax(-1).cpu()
+    last = last_positive(response_mask).squeeze(-1).cpu()
     out = torch.zeros(response_mask.shape, dtype=torch.float32)
     out[torch.arange(out.shape[0]), last] = scores.to(torch.float32)
     return out

@@ -39,7 +39,7 @@ from verl_megatron.rollout.base import (
     responses_from_lists,
 )
 from verl_megatron.rollout.config import RolloutConfig
-from verl_megatron.rollout.sampling import prompt_indices, resolve_sampling
+from verl_megatron.rollout.sampling import resolve_sampling, sample_rows
 from verl_megatron.rollout.wrapped import WrappedRollout
 
 __all__ = [
@@ -155,8 +155,7 @@ class MultiTurnRollout(WrappedRollout):
         conversations = [Conversation(i, rows[i // n]) for i in range(len(rows) * n)]
         # Each conversation's row in the global batch (sample j of prompt p: p * n + j), which its
         # turns seed from, however prompts are split over replicas and whichever rows are still live.
-        starts = prompt_indices(prompts.meta_info, len(rows))
-        global_rows = [starts[i // n] * n + i % n for i in range(len(conversations))]
+        global_rows = sample_rows(prompts.meta_info, len(rows), n)
         while live := [c for c in conversations if not c.done]:
             self._policy_turn(live, prompts.meta_info, budget, pad, [global_rows[c.index] for c in live])
             for conversation in live:

@@ -17,7 +17,7 @@ import torch
 from verl_megatron.protocol import DataProto
 from verl_megatron.rollout.base import RolloutEngine, assemble_output, prompt_tensors
 from verl_megatron.rollout.config import RolloutConfig
-from verl_megatron.rollout.sampling import resolve_sampling
+from verl_megatron.rollout.sampling import resolve_sampling, sample_rows
 
 __all__ = ["generate_with_versions"]
 
@@ -63,7 +63,7 @@ def generate_with_versions(
     versions = torch.full((rows, response_length), -1, dtype=torch.long)
     stop_ids = torch.tensor(stops, dtype=torch.long)
     live = torch.arange(rows)
-    first_row = int(prompts.meta_info.get("prompt_offset", 0)) * n
+    global_rows = torch.tensor(sample_rows(prompts.meta_info, input_ids.shape[0], n))
     start_version = version()
     position = 0
     while position < response_length and live.numel() > 0:
@@ -74,9 +74,9 @@ def generate_with_versions(
             batch = DataProto.from_dict(dict(prompts.batch.items()), meta_info=dict(prompts.meta_info))
         else:
             batch = _continuation(row_ids, row_mask, responses[:, :position], live, pad)
-            # Each row seeds from its own row in the global batch (this share's rows start at
-            # first_row), as the first segment's prompts do: ranks and splits draw alike.
-            batch.meta_info = {**prompts.meta_info, "n": 1, "prompt_indices": (first_row + live).tolist()}
+            # Each row seeds from its own row in the global batch, as the first segment's prompts
+            # do: ranks and splits draw alike.
+            batch.meta_info = {**prompts.meta_info, "n": 1, "prompt_indices": global_rows[live].tolist()}
         # Read after refresh(): the engine reuses packed weights only within one version.
         batch.meta_info.update(response_length=width, weights_version=version())
         out = engine.generate_sequences(batch).to("cpu")

@@ -25,11 +25,13 @@ from verl_megatron.rollout.cpu.kernels import decode_kernels
 __all__ = [
     "SamplingParams",
     "call_seed",
+    "last_positive",
     "prompt_indices",
     "prompt_seed",
     "prompt_uniforms",
     "resolve_sampling",
     "sample_next",
+    "sample_rows",
 ]
 
 # Candidates examined before falling back to a full sort for top-p: if the K most likely tokens
@@ -122,6 +124,13 @@ def prompt_indices(meta: dict, prompts: int) -> list[int]:
     return [int(i) for i in given]
 
 
+def sample_rows(meta: dict, prompts: int, n: int) -> list[int]:
+    """The global rows of a call's samples (sample j of prompt p: ``p * n + j``, p from
+    ``prompt_indices``), in the call's row order: the seeds of rows continued in a later call
+    (partial rollout's segments, multi-turn's turns)."""
+    return [p * n + j for p in prompt_indices(meta, prompts) for j in range(n)]
+
+
 def prompt_uniforms(seeds: list[int], n: int, steps: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """The uniform numbers [len(seeds) * n, steps] a call's rows draw with, one per row and step.
 
@@ -172,7 +181,7 @@ def _inverse_cdf_blocked(
         sums = torch.cat([sums, weights[:, full:].sum(dim=-1, keepdim=True)], dim=-1)
     cdf = sums.cumsum(dim=-1)
     u = _uniform(batch, cdf, generator, uniform) * cdf[:, -1:]
-    block = torch.minimum(torch.searchsorted(cdf, u, right=True), _last_positive(sums))
+    block = torch.minimum(torch.searchsorted(cdf, u, right=True), last_positive(sums))
     # The uniform's offset into its block, and that block's entries (past-the-end columns weigh 0).
     offset = u - (cdf.gather(-1, block) - sums.gather(-1, block))
     columns = block * _BLOCK + torch.arange(_BLOCK, device=weights.device)
@@ -181,11 +190,11 @@ def _inverse_cdf_blocked(
     # The block sums and the running sum add in different orders: an offset a few ulps below the
     # block's sum can lie past its running sum. Then take its last entry of positive weight (the
     # entries after it weigh 0 and must never be drawn).
-    index = torch.minimum(torch.searchsorted(running, offset, right=True), _last_positive(in_block))
+    index = torch.minimum(torch.searchsorted(running, offset, right=True), last_positive(in_block))
     return (block * _BLOCK + index).squeeze(-1)
 
 
-def _last_positive(weights: torch.Tensor) -> torch.Tensor:
+def last_positive(weights: torch.Tensor) -> torch.Tensor:
     """[B, 1]: the index of each row's last entry of positive weight in ``weights`` [B, K] (0 if none)."""
     columns = torch.arange(weights.shape[-1], device=weights.device)
     return torch.where(weights > 0, columns, 0).amax(dim=-1, keepdim=True)

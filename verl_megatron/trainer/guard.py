@@ -110,8 +110,9 @@ def global_weight_norm(chunks: list[torch.nn.Module]) -> float:
         if distributed:
             dist.all_reduce(total)
         norm = math.sqrt(float(total))
-        # Every rank holds the same total: all of them recompute together, or none.
-        if math.isfinite(norm):
+        # Every rank holds the same total: all of them recompute together, or none. Only a float32
+        # overflow is worth a float64 pass; a NaN stays NaN.
+        if not math.isinf(norm):
             break
     return norm
 
