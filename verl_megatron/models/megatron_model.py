@@ -225,12 +225,22 @@ def gather_updated_params(chunks: list[torch.nn.Module]) -> None:
 
     With ``overlap_param_gather`` the updated parameters reach every rank only in the next
     forward's pre-hooks; code that reads whole parameters outside a forward (weight sync to an
-    inference engine, checkpoints) calls this first. A no-op otherwise.
+    inference engine, checkpoints) calls this first. A no-op otherwise, and for a chunk gathered
+    since its last gradient sync (the guard, a weight send and a checkpoint of one step gather once
+    between them, not once each).
     """
     for chunk in chunks:
         config = getattr(chunk, "ddp_config", None)
-        if config is not None and config.use_distributed_optimizer and config.overlap_param_gather:
+        overlapped = config is not None and config.use_distributed_optimizer and config.overlap_param_gather
+        if overlapped and not _params_gathered(chunk):
             chunk.start_param_sync(force_sync=True)
+
+
+def _params_gathered(chunk: torch.nn.Module) -> bool:
+    """Every bucket group of a DDP chunk finished an all-gather since megatron last cleared its
+    ``param_gather_dispatched`` (at each gradient sync, i.e. before every optimizer step)."""
+    groups = [*getattr(chunk, "bucket_groups", ()), *getattr(chunk, "expert_parallel_bucket_groups", ())]
+    return bool(groups) and all(g.param_gather_dispatched and g.param_gather_handle is None for g in groups)
 
 
 def zero_grads(chunks: list[torch.nn.Module], optimizer) -> None:
