@@ -331,7 +331,7 @@ class PolicyEndpoint:
         request = self._request(trajectory_id, prompt_ids, body)
         self._queue.put(request)
         if not request.done.wait(timeout=max(0.0, self._deadline - time.monotonic()) + 1.0):
-            request.cancelled = True  # still queued (no serve() ran): the next one skips it
+            request.cancelled = True  # a later serve() skips it if still queued (one in flight runs on)
             raise RequestRefused(503, "deadline", "the rollout's deadline passed")
         if request.error is not None:
             raise RequestRefused(503, "unavailable", request.error)
