@@ -23,6 +23,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from verl_megatron.utils.call_worker import die_with_parent
+
 OK, TIMEOUT, ERROR, INVALID = "ok", "timeout", "error", "invalid"
 
 # Worker start-up (fork: milliseconds; spawn: an interpreter plus imports)
@@ -107,24 +109,11 @@ def _run_one(fn: Callable[..., Any], task_id: int, kwargs: dict[str, Any]) -> tu
     return task_id, OK, result, time.perf_counter() - start
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this worker when the trainer dies (even by SIGKILL), so a
-    scorer stuck in a sleep is not left behind; elsewhere a closed pipe ends idle workers."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        parent = multiprocessing.parent_process()
-        if parent is not None and os.getppid() != parent.pid:  # it died before prctl
-            os._exit(0)
-
-
 def _worker_main(conn: multiprocessing.connection.Connection, fn: Callable[..., Any]) -> None:
     # Ctrl-C goes to the whole process group; the trainer handles it and our
     # pipe closing ends this loop, so the worker itself ignores it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent()
+    die_with_parent()
     conn.send(("ready", None, None))
     while True:
         try:
