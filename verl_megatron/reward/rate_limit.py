@@ -11,11 +11,13 @@ provider's requests-per-minute and tokens-per-minute quotas.
 from __future__ import annotations
 
 import asyncio
+import collections
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-__all__ = ["AsyncTokenBucket", "PerLoop"]
+__all__ = ["AsyncTokenBucket", "PerLoop", "ThreadSlots"]
 
 _T = TypeVar("_T")
 
@@ -35,6 +37,72 @@ class PerLoop(Generic[_T]):
         if made is None:
             made = self._by_loop[loop] = self._factory()
         return made
+
+
+class ThreadSlots:
+    """At most `limit` slots taken at once, process-wide: across threads and event loops.
+
+    A blocking call run in a thread of its own takes a slot before the thread starts and the
+    thread gives it back when the call returns, also after the awaiting coroutine gave up on
+    it (a timeout): a thread cannot be stopped, so it counts as in flight until it ends. An
+    asyncio semaphore cannot bound that: it belongs to one loop (each ``asyncio.run`` is a
+    new one) and its holder's cancellation frees the slot while the thread runs on.
+
+    ``await acquire()`` waits, first come first served, for a free slot; ``release()`` may be
+    called from any thread and hands the slot straight to the oldest waiter.
+    """
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"ThreadSlots: limit must be >= 1, got {limit}")
+        self.limit = limit
+        self._taken = 0
+        self._lock = threading.Lock()
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    @property
+    def taken(self) -> int:
+        """Slots taken now (including those handed to a waiter that has not resumed yet)."""
+        return self._taken
+
+    async def acquire(self) -> None:
+        """Take a slot, waiting for one; cancellable (a timeout) without losing a slot."""
+        with self._lock:
+            if self._taken < self.limit and not self._waiters:
+                self._taken += 1
+                return
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            with self._lock:
+                queued = waiter in self._waiters
+                if queued:
+                    self._waiters.remove(waiter)
+            # Handed over already: a cancelled future is passed on by `_grant`; one granted
+            # before the cancellation reached this task is ours to give back.
+            if not queued and waiter.done() and not waiter.cancelled():
+                self.release()
+            raise
+
+    def release(self) -> None:
+        """Give a slot back: to the oldest waiter whose loop still runs, else to the pool."""
+        with self._lock:
+            while self._waiters:
+                waiter = self._waiters.popleft()
+                try:
+                    waiter.get_loop().call_soon_threadsafe(self._grant, waiter)
+                    return
+                except RuntimeError:  # its loop has closed: nobody waits there any more
+                    continue
+            self._taken -= 1
+
+    def _grant(self, waiter: asyncio.Future[None]) -> None:
+        if waiter.done():  # its call timed out between the hand-over and now
+            self.release()
+        else:
+            waiter.set_result(None)
 
 
 class AsyncTokenBucket:

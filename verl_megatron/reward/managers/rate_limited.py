@@ -5,7 +5,9 @@ Each ``await run_single(data)`` scores the last sample of `data` after passing t
 a request-per-minute bucket (1 token per request), a token-per-minute bucket
 (``estimated_tokens_per_request`` tokens per request) and a concurrency semaphore, then runs
 the scorer under ``timeout`` seconds. A timeout or an exception scores 0 (``acc`` 0, and
-``timeout``/``error`` in the extra info) instead of failing the step.
+``timeout``/``error`` in the extra info) instead of failing the step. A blocking scorer runs in
+a thread that a timeout cannot stop; it holds one of ``max_concurrent`` process-wide slots
+until it really returns, so at most ``max_concurrent`` scorer calls ever run at once.
 
 The limits come from the config's ``reward`` section (``max_concurrent`` 1, ``max_rpm`` and
 ``max_tpm`` None = unlimited, ``estimated_tokens_per_request`` 2000, ``timeout`` 300 s). They
@@ -28,7 +30,7 @@ from typing import Any, ClassVar
 import torch
 
 from verl_megatron.reward.managers.loop import RewardLoopManager
-from verl_megatron.reward.rate_limit import AsyncTokenBucket, PerLoop
+from verl_megatron.reward.rate_limit import AsyncTokenBucket, PerLoop, ThreadSlots
 from verl_megatron.reward.scorers import default_compute_score
 
 __all__ = ["RateLimitedRewardManager"]
@@ -46,11 +48,13 @@ def _bucket(per_minute: float | None) -> AsyncTokenBucket | None:
     return None if per_minute is None else AsyncTokenBucket(per_minute / 60.0, per_minute / 60.0)
 
 
-async def _in_daemon_thread(call: Callable[[], Any]) -> Any:
+async def _in_daemon_thread(call: Callable[[], Any], slots: ThreadSlots) -> Any:
     """``call()`` in a daemon thread of its own, awaited. Unlike the loop's default executor,
     which ``asyncio.run`` joins at its end, a call still running when the ``timeout`` cut it
     off does not hold up the step (nor the interpreter's exit); it runs on until it returns
-    (a thread cannot be killed) and its result is dropped."""
+    (a thread cannot be killed) and its result is dropped. The thread holds one of `slots`
+    from its start to its end, so abandoned calls still count against ``max_concurrent``
+    and a new call waits (within its timeout) for one of them to end."""
     loop = asyncio.get_running_loop()
     future = loop.create_future()
 
@@ -63,10 +67,17 @@ async def _in_daemon_thread(call: Callable[[], Any]) -> Any:
             outcome, failed = call(), False
         except BaseException as err:  # handed to the awaiting coroutine
             outcome, failed = err, True
+        finally:
+            slots.release()
         with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits for this result
             loop.call_soon_threadsafe(deliver, outcome, failed)
 
-    threading.Thread(target=work, name="rate-limited-scorer", daemon=True).start()
+    await slots.acquire()
+    try:
+        threading.Thread(target=work, name="rate-limited-scorer", daemon=True).start()
+    except BaseException:
+        slots.release()
+        raise
     return await future
 
 
@@ -76,6 +87,7 @@ class RateLimitedRewardManager(RewardLoopManager):
     _class_initialized: ClassVar[bool] = False
     _semaphore: ClassVar[PerLoop[asyncio.Semaphore] | None] = None  # one per event loop
     _max_concurrent: ClassVar[int | None] = None
+    _scorer_threads: ClassVar[ThreadSlots | None] = None  # process-wide: threads outlive loops
     _rpm_limiter: ClassVar[AsyncTokenBucket | None] = None
     _max_rpm: ClassVar[float | None] = None
     _tpm_limiter: ClassVar[AsyncTokenBucket | None] = None
@@ -99,7 +111,10 @@ class RateLimitedRewardManager(RewardLoopManager):
                 )
             return
         cls._max_concurrent = section.get("max_concurrent", 1)
+        if not isinstance(cls._max_concurrent, int) or cls._max_concurrent < 1:
+            raise ValueError(f"reward.max_concurrent must be an integer >= 1, got {cls._max_concurrent!r}")
         cls._semaphore = PerLoop(functools.partial(asyncio.Semaphore, cls._max_concurrent))
+        cls._scorer_threads = ThreadSlots(cls._max_concurrent)
         cls._max_rpm = section.get("max_rpm", None)
         cls._rpm_limiter = _bucket(cls._max_rpm)
         cls._max_tpm = section.get("max_tpm", None)
@@ -128,7 +143,7 @@ class RateLimitedRewardManager(RewardLoopManager):
             kwargs.update(reward_model_tokenizer=self.reward_model_tokenizer)
         if self.is_async_reward_score:
             return await self.compute_score(**kwargs)
-        return await _in_daemon_thread(functools.partial(self.compute_score, **kwargs))
+        return await _in_daemon_thread(functools.partial(self.compute_score, **kwargs), self._scorer_threads)
 
     async def _limited(self, **kwargs: Any) -> tuple[float, dict[str, Any]]:
         if self._rpm_limiter is not None:
