@@ -181,3 +181,26 @@ def test_trainer_dataset_encodes_image_rows_into_the_prompt_batch(tmp_path, vl_p
         check_vl_rollout("qwen2_5_vl", "hf")
     for engine in ("native", "vllm", "sglang"):
         check_vl_rollout("qwen2_5_vl", engine)
+
+
+def test_dataset_reads_image_rows_under_the_configured_prompt_key(tmp_path, vl_path):
+    """``data.prompt_key`` names the messages column both at the start-up check and while the
+    dataset encodes the row: the image placeholders are counted in that column, not in "prompt"."""
+    import pandas as pd
+
+    from verl_megatron.data.dataset import RLHFDataset
+    from verl_megatron.data.multimodal import image_processor_for
+
+    row = _row([_png((56, 84), "blue")])
+    row["question"] = row.pop("prompt")
+    path = tmp_path / "rows.parquet"
+    pd.DataFrame([row]).to_parquet(path)
+    config = DataConfig(prompt_key="question", max_prompt_length=40)
+    assert check_data_files([str(path)], config) == 1
+    processor = image_processor_for(vl_path)
+    dataset = RLHFDataset([str(path)], processor.tokenizer, config, processor)
+    expected = encode_multimodal_prompt(row["question"], [shape_image((56, 84), "blue")], processor)
+    assert len(dataset) == 1
+    assert dataset.items[0].input_ids == expected.input_ids
+    # 84 x 56 pixels: 6 x 4 patches of 14, merged 2 x 2 into 6 image tokens
+    assert dataset.items[0].input_ids.count(processor.image_token_id) == 6

@@ -350,7 +350,8 @@ class RLHFDataset:
         from verl_megatron.data.multimodal import encode_image_row
 
         return encode_image_row(
-            row, where, self.processor, messages=fields["messages"], image_key=self.config.image_key,
+            row, where, self.processor, messages=fields["messages"], prompt_key=self.config.prompt_key,
+            image_key=self.config.image_key,
             max_pixels=self.config.max_image_pixels, base_dir=os.path.dirname(os.path.abspath(path)),
             chat_template_kwargs=self.config.apply_chat_template_kwargs,
         )  # fmt: skip

@@ -386,6 +386,7 @@ def encode_image_row(
     processor: ImageTextProcessor,
     *,
     messages: Sequence[dict[str, Any]],
+    prompt_key: str,
     image_key: str,
     max_pixels: int | None,
     base_dir: str | None,
@@ -393,8 +394,11 @@ def encode_image_row(
 ) -> EncodedImageRow:
     """Decode ``row``'s images (named errors say ``where``), encode its prompt as the processor
     does and compute its 3-D rotary ids (the trainer's dataset, ``data/dataset.py``); the pixel
-    values are dropped, the images kept encoded."""
-    images = check_multimodal_row(row, where, image_key=image_key, max_pixels=max_pixels, base_dir=base_dir)
+    values are dropped, the images kept encoded. ``prompt_key`` is ``data.prompt_key``: the
+    placeholders are counted in that column, as the start-up check counts them."""
+    images = check_multimodal_row(
+        row, where, prompt_key=prompt_key, image_key=image_key, max_pixels=max_pixels, base_dir=base_dir
+    )
     prompt = encode_multimodal_prompt(messages, images, processor, **chat_template_kwargs)
     tensors, _ = collate_multimodal_prompts(
         [prompt],
