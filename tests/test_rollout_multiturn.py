@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from verl_megatron.rollout.multiturn import Conversation, EnvironmentReply, truncate_reply
+from verl_megatron.rollout.multiturn import ENV_FAILURES, Conversation, EnvironmentReply, truncate_reply
 
 BUDGET = 24
 PROMPTS = ["12+3=", "7*8=?", "9"]
@@ -51,13 +51,15 @@ def multiturn_job(path: str) -> dict:
     from tests.test_rollout_native import _setup
     from verl_megatron.protocol import DataProto
     from verl_megatron.rollout import RolloutConfig, build_rollout
+    from verl_megatron.rollout.config import MultiTurnConfig
     from verl_megatron.rollout.multiturn import MultiTurnRollout
     from verl_megatron.trainer.metrics import multi_turn_metrics
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     runtime, chunks, hf_config = _setup(path)
     letters = [tokenizer.convert_tokens_to_ids(c) for c in string.ascii_letters]
-    config = RolloutConfig(n=2, response_length=BUDGET, seed=3, stop_token_ids=letters)
+    multi_turn = MultiTurnConfig(isolation="none")  # in this process: the test reads what it saw
+    config = RolloutConfig(n=2, response_length=BUDGET, seed=3, stop_token_ids=letters, multi_turn=multi_turn)
     environment = ScriptedEnvironment()
     rollout = MultiTurnRollout(
         build_rollout(config, runtime, chunks, tokenizer, hf_config), config, tokenizer, environment
@@ -151,6 +153,7 @@ def test_multiturn_conversation_masks_and_log_probs(pool1, assets):
         "multi_turn/env_turns_count": float(env_turns_seen),
         "multi_turn/env_seconds_count": float(sum(out["multi_turn_env_seconds"])),
         "multi_turn/truncated_count": float(sum(t != "" for t in out["multi_turn_truncated"])),
+        **{f"multi_turn/{cause}_count": 0.0 for cause in ENV_FAILURES},
     }, out["step_metrics"]
     # Policy tokens: log-probs of a full forward over the final conversation; environment tokens: 0.
     policy_mask = out["response_mask"].bool()

@@ -62,6 +62,7 @@ def test_data_metrics_by_hand():
     batch.non_tensor_batch.update({f"multi_turn_{k}": np.array(v, dtype=object) for k, v in turns.items()})
     m = M.compute_data_metrics(batch, use_critic=False, max_response_length=4)
     expected = {"turns": 4.0, "env_turns": 2.0, "env_seconds": 0.75, "truncated": 1.0}
+    expected.update({"env_error": 0.0, "env_timeout": 0.0, "env_invalid": 0.0})  # no environment failed
     assert {k: v for k, v in m.items() if k.startswith("multi_turn/")} == {
         f"multi_turn/{k}_count": v for k, v in expected.items()
     }

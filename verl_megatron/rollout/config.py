@@ -9,10 +9,12 @@ Bad values raise ``RolloutConfigError`` naming the field; nothing is silently re
 from __future__ import annotations
 
 import importlib.util
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from verl_megatron.errors import RolloutConfigError
+from verl_megatron.utils.call_worker import ISOLATION_MODES
 
 __all__ = [
     "ENGINE_NAMES",
@@ -68,6 +70,24 @@ class MultiTurnConfig:
     """The environment answering each policy turn: ``pkg.module:name`` or ``/path/file.py:name``,
     naming a callable ``(Conversation, last_turn_text) -> EnvironmentReply``
     (see ``verl_megatron.rollout.multiturn``). Required when ``enable``."""
+    isolation: str = "process"
+    """Where the environment runs: ``process`` (a worker process per rollout call; a call that
+    raises, hangs or kills it ends only its conversation) or ``none`` (in the trainer, trusted
+    code: an exception stops the step)."""
+    env_timeout_s: float = 60.0
+    """Wall-clock seconds one environment call may take (``isolation: process``); past it the
+    worker is killed and the conversation ends with cause ``env_timeout``."""
+
+    def __post_init__(self) -> None:
+        if self.isolation not in ISOLATION_MODES:
+            raise RolloutConfigError(
+                f"rollout.multi_turn.isolation must be one of {list(ISOLATION_MODES)}, got {self.isolation!r}"
+            )
+        timeout = self.env_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < math.inf:
+            raise RolloutConfigError(
+                f"rollout.multi_turn.env_timeout_s must be a number of seconds > 0, got {timeout!r}"
+            )
 
 
 @dataclass

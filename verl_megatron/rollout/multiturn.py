@@ -12,7 +12,26 @@ The output has the engine's batch keys; ``responses`` holds every token after th
 ``response_mask`` is 1 on the policy's tokens and 0 on the environment's (the loss ignores
 them), ``attention_mask`` is 1 on both, and ``rollout_log_probs`` is 0 on environment tokens.
 Per sample, ``multi_turn_{turns,env_turns,env_seconds,truncated}`` columns give the step's
-``multi_turn/*_count`` metrics (batch sums, ``trainer/metrics.py``).
+``multi_turn/*_count`` metrics (batch sums, ``trainer/metrics.py``), with one count per cause of
+an environment's failure (``multi_turn/env_error_count`` ...).
+
+The environment is user code and is contained by default (``rollout.multi_turn.isolation:
+process``): its calls of one ``generate_sequences`` run in one worker process
+(``utils/call_worker.py``), forked at the first call and killed and reaped before
+``generate_sequences`` returns or raises. Each call sends the conversation (a copy) and the
+turn's text, and brings back the reply and the conversation's ``info`` dict: that is where an
+environment keeps per-sample state across turns. State kept anywhere else (the environment
+object's attributes, globals) lives in the worker only for one rollout call, starts each call
+from the trainer's copy, and is lost when a failed worker is replaced; other changes the
+environment makes to the conversation are not brought back. A call that raises (cause
+``env_error``), kills its worker (``env_error``), takes longer than
+``rollout.multi_turn.env_timeout_s`` (``env_timeout``, the worker is killed) or returns
+something that is not an :class:`EnvironmentReply` (``env_invalid``) ends only its
+conversation: ``truncated`` holds the cause and its ``response_mask`` is zeroed (the environment
+failed, not the policy: its tokens are not trained on, as ``rollout.agent`` does); a fresh worker
+serves the other conversations if the old one is gone. With ``isolation: none`` (trusted code)
+the environment runs in the trainer as a plain call, without a time limit, and whatever it
+raises, an invalid reply's TypeError included, propagates and stops the step.
 This is the simplest path (a Python callable per turn); an agent harness speaking the OpenAI
 API goes through ``rollout.agent`` (``verl_megatron.rollout.agent``) instead::
 
@@ -22,8 +41,11 @@ API goes through ``rollout.agent`` (``verl_megatron.rollout.agent``) instead::
 
 from __future__ import annotations
 
+import contextlib
+import operator
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,12 +63,17 @@ from verl_megatron.rollout.base import (
 from verl_megatron.rollout.config import RolloutConfig
 from verl_megatron.rollout.sampling import resolve_sampling, sample_rows
 from verl_megatron.rollout.wrapped import WrappedRollout
+from verl_megatron.utils.call_worker import CallWorker, WorkerCallError
 
 __all__ = [
+    "ENV_FAILURES",
+    "ContainedEnvironment",
     "Conversation",
     "Environment",
+    "EnvironmentFailure",
     "EnvironmentReply",
     "MultiTurnRollout",
+    "checked_reply",
     "conversation_output",
     "truncate_reply",
 ]
@@ -64,10 +91,11 @@ class Conversation:
         log_probs: per response token, its sampling log-prob (0 for environment tokens).
         policy_turns / env_turns: turns taken so far.
         env_seconds: time spent in the environment's calls.
-        truncated: why it ended without the environment's ``done``: ``max_turns`` or
-            ``token_budget`` ("" otherwise).
+        truncated: why it ended without the environment's ``done``: ``max_turns``,
+            ``token_budget`` or an environment failure in :data:`ENV_FAILURES` ("" otherwise).
         done: no further turn will be taken.
-        info: free-form per-sample state an environment may keep (scores, tool state).
+        info: free-form per-sample state an environment may keep (scores, tool state); the one
+            place such state survives from turn to turn in a worker process (module docstring).
     """
 
     index: int
@@ -110,6 +138,85 @@ class EnvironmentReply:
 
 # environment(conversation, text of the policy's last turn) -> reply
 Environment = Callable[[Conversation, str], EnvironmentReply]
+
+# Why an environment's call ended its conversation (``Conversation.truncated``; module docstring).
+ENV_FAILURES = ("env_error", "env_timeout", "env_invalid")
+_TIMEOUT_KEY = "rollout.multi_turn.env_timeout_s"
+
+
+class EnvironmentFailure(Exception):
+    """A contained environment call failed; ``cause`` is one of :data:`ENV_FAILURES`."""
+
+    def __init__(self, cause: str, detail: str) -> None:
+        super().__init__(detail)
+        self.cause = cause
+
+
+def checked_reply(reply: Any) -> EnvironmentReply:
+    """``reply`` as a plain EnvironmentReply (token ids as ints, ``done`` a bool); a TypeError
+    naming the problem if it is not one."""
+    where = "rollout.multi_turn.environment"
+    if not isinstance(reply, EnvironmentReply):
+        raise TypeError(f"{where} returned {type(reply).__name__}, not an EnvironmentReply")
+    if not isinstance(reply.text, str):
+        raise TypeError(f"{where} returned a reply whose text is {type(reply.text).__name__}, not str")
+    tokens = reply.token_ids
+    if tokens is not None:
+        try:
+            tokens = [operator.index(t) for t in tokens]
+        except TypeError:
+            raise TypeError(f"{where} returned token_ids that are not a sequence of ints") from None
+        if any(t < 0 for t in tokens):
+            raise TypeError(f"{where} returned negative token_ids")
+    return EnvironmentReply(text=reply.text, token_ids=tokens, done=bool(reply.done))
+
+
+class _EnvironmentServer:
+    """The worker's side of a contained environment: one call on the conversation copy it is
+    sent; back come the checked reply and the conversation's ``info`` (or None and the problem)."""
+
+    def __init__(self, environment: Environment) -> None:
+        self.environment = environment
+
+    def __call__(self, op: str, args: tuple[Conversation, str]) -> tuple[EnvironmentReply | None, Any]:
+        conversation, text = args
+        reply = self.environment(conversation, text)  # what it raises: a WorkerCallError
+        try:
+            return checked_reply(reply), conversation.info
+        except TypeError as err:
+            return None, str(err)
+
+
+class ContainedEnvironment:
+    """An environment's calls of one rollout call in a worker process (module docstring): called
+    as the environment is; a failed call raises :class:`EnvironmentFailure`. :meth:`close` kills
+    the worker; one that died or was killed is replaced at the next call."""
+
+    def __init__(self, environment: Environment, timeout_s: float) -> None:
+        self.server, self.timeout_s = _EnvironmentServer(environment), timeout_s
+        self.worker: CallWorker | None = None
+
+    def __call__(self, conversation: Conversation, text: str) -> EnvironmentReply:
+        if self.worker is None or not self.worker.alive:
+            self.close()
+            self.worker = CallWorker(self.server, "environment", _TIMEOUT_KEY)
+        try:
+            reply, info = self.worker.call("turn", (conversation, text), self.timeout_s)
+        except WorkerCallError as err:  # before RuntimeError: it is one
+            raise EnvironmentFailure("env_error", str(err)) from None
+        except TimeoutError as err:  # the worker was killed
+            raise EnvironmentFailure("env_timeout", str(err)) from None
+        except RuntimeError as err:  # the worker died (its exit code in the message)
+            raise EnvironmentFailure("env_error", str(err)) from None
+        if reply is None:
+            raise EnvironmentFailure("env_invalid", info)
+        conversation.info = info
+        return reply
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.kill()
+            self.worker = None
 
 
 def truncate_reply(tokens: list[int], limit: int, side: str) -> list[int]:
@@ -156,10 +263,11 @@ class MultiTurnRollout(WrappedRollout):
         # Each conversation's row in the global batch (sample j of prompt p: p * n + j), which its
         # turns seed from, however prompts are split over replicas and whichever rows are still live.
         global_rows = sample_rows(prompts.meta_info, len(rows), n)
-        while live := [c for c in conversations if not c.done]:
-            self._policy_turn(live, prompts.meta_info, budget, pad, [global_rows[c.index] for c in live])
-            for conversation in live:
-                self._environment_turn(conversation, budget)
+        with self._environment_calls() as call:
+            while live := [c for c in conversations if not c.done]:
+                self._policy_turn(live, prompts.meta_info, budget, pad, [global_rows[c.index] for c in live])
+                for conversation in live:
+                    self._environment_turn(conversation, budget, call)
         out = conversation_output(prompts, conversations, budget, pad, n)
         # Per sample, summed per step by trainer/metrics.py as multi_turn/*_count.
         for key, values in (
@@ -170,6 +278,20 @@ class MultiTurnRollout(WrappedRollout):
         ):
             out.non_tensor_batch[key] = np.array(values, dtype=object)
         return out
+
+    @contextlib.contextmanager
+    def _environment_calls(self) -> Iterator[Environment]:
+        """The environment as this rollout call calls it: in a worker process (killed and reaped
+        on the way out, however it is left) or, with ``isolation: none``, in this process."""
+        settings = self.config.multi_turn
+        if settings.isolation == "none":
+            yield lambda conversation, text: checked_reply(self.environment(conversation, text))
+            return
+        contained = ContainedEnvironment(self.environment, settings.env_timeout_s)
+        try:
+            yield contained
+        finally:
+            contained.close()
 
     def _policy_turn(
         self, live: list[Conversation], meta: dict[str, Any], budget: int, pad: int, rows: list[int]
@@ -206,7 +328,7 @@ class MultiTurnRollout(WrappedRollout):
             elif limit is not None and conversation.policy_turns >= limit:
                 conversation.done, conversation.truncated = True, "max_turns"
 
-    def _environment_turn(self, conversation: Conversation, budget: int) -> None:
+    def _environment_turn(self, conversation: Conversation, budget: int, call: Environment) -> None:
         if conversation.done:
             return
         settings = self.config.multi_turn
@@ -215,8 +337,13 @@ class MultiTurnRollout(WrappedRollout):
             return
         last_turn = conversation.response_ids[_last_policy_start(conversation) :]
         start = time.monotonic()
-        reply = self.environment(conversation, self.tokenizer.decode(last_turn, skip_special_tokens=True))
-        conversation.env_seconds += time.monotonic() - start
+        try:
+            reply = call(conversation, self.tokenizer.decode(last_turn, skip_special_tokens=True))
+        except EnvironmentFailure as failure:
+            _end_failed(conversation, failure)
+            return
+        finally:
+            conversation.env_seconds += time.monotonic() - start
         if reply.done:
             conversation.done = True
             return
@@ -249,6 +376,14 @@ def conversation_output(prompts: DataProto, samples: list[Any], budget: int, pad
     return assemble_output(
         prompts, responses, response_mask, log_probs, n, response_attention_mask=in_sequence.long()
     )
+
+
+def _end_failed(conversation: Conversation, failure: EnvironmentFailure) -> None:
+    """End a conversation whose environment failed: not trained on (its mask zeroed), its cause kept."""
+    conversation.done, conversation.truncated = True, failure.cause
+    conversation.response_mask = [0] * len(conversation.response_ids)
+    what = f"rollout.multi_turn: conversation {conversation.index} ended ({failure.cause})"
+    warnings.warn(f"{what}: {failure}", stacklevel=2)
 
 
 def _last_policy_start(conversation: Conversation) -> int:

@@ -102,12 +102,19 @@ def compute_data_metrics(batch: DataProto, use_critic: bool, max_response_length
 
 def multi_turn_metrics(columns: Mapping[str, Any]) -> dict[str, float]:
     """Batch sums of a ``rollout.multi_turn`` rollout's per-sample columns (rollout/multiturn.py):
-    policy turns, environment turns, seconds in the environment, truncated conversations."""
+    policy turns, environment turns, seconds in the environment, truncated conversations, and
+    those of them that their environment's failure ended, per cause."""
+    from verl_megatron.rollout.multiturn import ENV_FAILURES
+
     return {
         "multi_turn/turns_count": float(sum(columns["multi_turn_turns"])),
         "multi_turn/env_turns_count": float(sum(columns["multi_turn_env_turns"])),
         "multi_turn/env_seconds_count": float(sum(columns["multi_turn_env_seconds"])),
         "multi_turn/truncated_count": float(sum(bool(t) for t in columns["multi_turn_truncated"])),
+        **{
+            f"multi_turn/{cause}_count": float(sum(t == cause for t in columns["multi_turn_truncated"]))
+            for cause in ENV_FAILURES
+        },
     }
 
 
