@@ -22,6 +22,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint import save as dcp_save
 
 from verl_megatron.checkpoint.collectives import DescribedWriteError, describe_failure
+from verl_megatron.checkpoint.hashing import HashingFileSystem, WrittenFiles
 from verl_megatron.distributed.parallel import Runtime
 
 
@@ -33,6 +34,11 @@ class _CauseKeepingWriter(FileSystemWriter):
     drops when it gathers the failures of the ranks.
     """
 
+    def __init__(self, *args, written: WrittenFiles | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if written is not None:
+            self.fs = HashingFileSystem(written)  # the sha256 of each file, taken as it is written
+
     def write_data(self, plan, planner):
         try:
             return super().write_data(plan, planner)
@@ -43,8 +49,9 @@ class _CauseKeepingWriter(FileSystemWriter):
 class InProcessTorchDistSave(mcore_torch.TorchDistSaveShardedStrategy):
     """Synchronous torch_dist save from the calling process (no helper processes)."""
 
-    def __init__(self, thread_count: int = 2) -> None:
+    def __init__(self, thread_count: int = 2, written: WrittenFiles | None = None) -> None:
         super().__init__("torch_dist", 1, keep_only_main_replica=True, thread_count=thread_count)
+        self.written = written
 
     def save(self, sharded_state_dict, checkpoint_dir) -> None:
         # The translation megatron's TorchDistSaveShardedStrategy.async_save does
@@ -55,7 +62,7 @@ class InProcessTorchDistSave(mcore_torch.TorchDistSaveShardedStrategy):
         dcp_save(
             mcore_torch.mcore_to_pyt_state_dict(flat, False),
             storage_writer=_CauseKeepingWriter(
-                str(checkpoint_dir), sync_files=True, thread_count=self.thread_count
+                str(checkpoint_dir), sync_files=True, thread_count=self.thread_count, written=self.written
             ),
             planner=mcore_torch.MCoreSavePlanner(
                 dedup_replicated_tensors=not self.keep_only_main_replica, flatten_state_dict=False
@@ -63,9 +70,10 @@ class InProcessTorchDistSave(mcore_torch.TorchDistSaveShardedStrategy):
         )
 
 
-def save_strategy(runtime: Runtime):
-    """The strategy for this layout: in-process torch_dist, split over dp replicas when dp > 1."""
-    base = InProcessTorchDistSave()
+def save_strategy(runtime: Runtime, written: WrittenFiles | None = None):
+    """The strategy for this layout: in-process torch_dist, split over dp replicas when dp > 1.
+    ``written`` records the sha256 of each file this rank writes."""
+    base = InProcessTorchDistSave(written=written)
     if (runtime.layout.dp or 1) > 1:
         return FullyParallelSaveStrategyWrapper(base, runtime.dp_group(with_cp=True))
     return base
