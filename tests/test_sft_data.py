@@ -106,7 +106,27 @@ def test_files_are_checked_without_a_tokenizer(tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text(json.dumps({"prompt": "1", "response": "2"}) + "\n" + json.dumps({"prompt": "1"}) + "\n")
     with pytest.raises(DataFormatError, match=r"rows.jsonl: row 1: needs field 'messages'"):
-        check_sft_files([str(path)], SFTConfig())
+        check_sft_files([str(path)], SFTConfig(), "images")
+
+
+def test_rows_with_images_are_refused_naming_file_row_and_key(tmp_path, tokenizer):
+    """SFT is text only: a row's images would be dropped and the literal "<image>" trained on."""
+    from verl_megatron.data.sft_dataset import check_sft_files
+    from verl_megatron.data.synthetic import write_parquet
+
+    chat = [{"role": "user", "content": "<image>1"}, {"role": "assistant", "content": "2"}]
+    rows = [{"messages": chat, "pics": []}, {"messages": chat, "pics": [{"bytes": b"png", "path": None}]}]
+    path = str(tmp_path / "vl.parquet")
+    write_parquet(rows, path)
+    assert check_sft_files([path], SFTConfig(), "images") == 2  # another column: not images
+    match = r"vl.parquet: row 1: field 'pics' \(data.image_key\) holds images, but SFT trains on text only"
+    with pytest.raises(DataFormatError, match=match):
+        check_sft_files([path], SFTConfig(), "pics")
+    from verl_megatron.data.sft_dataset import SFTDataset
+
+    with pytest.raises(DataFormatError, match=match):
+        SFTDataset([path], tokenizer, SFTConfig(), DataConfig(image_key="pics"))
+    assert len(SFTDataset([path], tokenizer, SFTConfig(), DataConfig())) == 2
 
 
 def test_sft_command_names_a_bad_row_before_any_model(tmp_path, no_runtime, capsys):

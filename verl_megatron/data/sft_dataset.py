@@ -43,10 +43,12 @@ class SFTItem:
     loss_mask: list[int]
 
 
-def sft_messages(row: Any, where: str, config: SFTConfig) -> list[dict[str, str]]:
-    """The row's chat, checked: at least one assistant message; DataFormatError naming ``where``."""
+def sft_messages(row: Any, where: str, config: SFTConfig, image_key: str) -> list[dict[str, str]]:
+    """The row's chat, checked: at least one assistant message, no images (``image_key``, the
+    run's ``data.image_key``); DataFormatError naming ``where``."""
     if not isinstance(row, dict):
         raise DataFormatError(f"{where}: a row must be an object, got {type(row).__name__}")
+    _refuse_images(row, where, image_key)
     if row.get(config.messages_key) is not None:
         messages = check_chat_messages(row[config.messages_key], where, config.messages_key)
     elif row.get(config.prompt_key) is not None and row.get(config.response_key) is not None:
@@ -70,11 +72,23 @@ def sft_messages(row: Any, where: str, config: SFTConfig) -> list[dict[str, str]
     return messages
 
 
-def check_sft_files(files: Sequence[str], config: SFTConfig) -> int:
-    """Read and check every row of ``files`` (no tokenizer); the number of rows."""
+def _refuse_images(row: dict[str, Any], where: str, image_key: str) -> None:
+    # SFT tokenizes text only: a row's images would be dropped and the model trained on the
+    # literal "<image>" placeholder with no pixels behind it.
+    images = row.get(image_key)
+    if images is not None and not (isinstance(images, list | tuple) and not images):
+        raise DataFormatError(
+            f"{where}: field '{image_key}' (data.image_key) holds images, but SFT trains on text only "
+            "(multimodal SFT is not supported yet); remove the images from the SFT rows"
+        )
+
+
+def check_sft_files(files: Sequence[str], config: SFTConfig, image_key: str) -> int:
+    """Read and check every row of ``files`` (no tokenizer; ``image_key``: ``data.image_key``);
+    the number of rows."""
     rows = [(path, row) for path in files for row in enumerate(read_rows(path))]
     for path, (row_no, row) in rows:
-        sft_messages(row, f"{path}: row {row_no}", config)
+        sft_messages(row, f"{path}: row {row_no}", config, image_key)
     return len(rows)
 
 
@@ -92,7 +106,7 @@ class SFTDataset:
         for path in data_files:
             for row_no, row in enumerate(read_rows(os.fspath(path))):
                 where = f"{path}: row {row_no}"
-                self.items.append(self._item(sft_messages(row, where, config), where))
+                self.items.append(self._item(sft_messages(row, where, config, data.image_key), where))
         if not self.items:
             raise DataFormatError(f"no SFT rows in {list(data_files)}")
 

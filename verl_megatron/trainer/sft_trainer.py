@@ -48,8 +48,8 @@ def _check_sft_data(config: PPOConfig) -> DataSizes | None:
     data = config.data
     if not data.train_files:
         return None
-    train_rows = check_sft_files(data.train_files, config.sft)
-    val_rows = check_sft_files(data.val_files, config.sft) if data.val_files else 0
+    train_rows = check_sft_files(data.train_files, config.sft, data.image_key)
+    val_rows = check_sft_files(data.val_files, config.sft, data.image_key) if data.val_files else 0
     if train_rows < data.train_batch_size:
         raise DataFormatError(
             f"data.train_batch_size={data.train_batch_size} is larger than the {train_rows} rows of "
