@@ -100,7 +100,7 @@ def run_mode(config_path: str | None, overrides: Sequence[str]) -> str:
 
 def run(config_path: str | None, overrides: Sequence[str]) -> dict[str, float]:
     """Load, check, build and train; returns the trainer's summary (first/last validation score)."""
-    from verl_megatron.reward.loading import check_reward_config
+    from verl_megatron.reward.loading import RewardColumns, check_reward_config
     from verl_megatron.trainer.distill_stage import check_distill
     from verl_megatron.trainer.preflight import prepare_run
     from verl_megatron.trainer.progress import kept_weights_note, startup_line
@@ -110,8 +110,9 @@ def run(config_path: str | None, overrides: Sequence[str]) -> dict[str, float]:
 
         return run_sft(config_path, overrides, _rank)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    config, layout, data_sizes = prepare_run(config_path, overrides, world_size)
-    check_reward_config(config)  # imports the scorer file in a child process, before any model
+    reward_columns = RewardColumns()  # gathered by the data check, so the files are read once
+    config, layout, data_sizes = prepare_run(config_path, overrides, world_size, reward_columns.add)
+    check_reward_config(config, reward_columns)  # imports the scorer in a child process, before any model
     check_distill(config)
     if _rank() == 0:
         print(

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,17 +112,23 @@ def read_rows(path: str | os.PathLike) -> list[dict[str, Any]]:
     return rows
 
 
-def check_data_files(files: Sequence[str], config: DataConfig) -> int:
+def check_data_files(
+    files: Sequence[str], config: DataConfig, on_row: Callable[[str, int, dict[str, Any]], None] | None = None
+) -> int:
     """Read and check every row of ``files`` (no tokenizer); return the number of rows.
 
     Cheap enough for the launching process: it finds a missing file or a malformed
     row before any worker starts. Rows with images (``config.image_key``) have every image
     decoded and checked (``data/multimodal.py``; relative paths are under the data file's folder).
+    ``on_row(path, row_no, fields)`` sees each checked row's fields (the start-up reward check
+    gathers its columns there rather than read the files again).
     """
     total = 0
     for path in files:
         for row_no, row in enumerate(read_rows(path)):
-            _check_row(row, f"{path}: row {row_no}", config)
+            fields = _check_row(row, f"{path}: row {row_no}", config)
+            if on_row is not None:
+                on_row(path, row_no, fields)
             if isinstance(row, dict) and row.get(config.image_key) is not None:
                 _check_images(row, f"{path}: row {row_no}", config, os.path.dirname(os.path.abspath(path)))
             total += 1

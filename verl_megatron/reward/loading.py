@@ -238,34 +238,83 @@ def _reward_rows(path: str, key: str) -> list[Any]:
     return read_rows(path)
 
 
-def check_default_scorer_data(config: Any) -> None:
-    """Every data row can be scored by the default scorer: its data source has a rule and
-    its ``reward_model.ground_truth`` is not null (every rule compares the response with it).
-    Raises ConfigError / DataFormatError naming the file and row."""
+class _FileRewardFacts:
+    """Of one data file, what the default-scorer check refuses: the first row whose data
+    source has no rule (its number and source) and the first row whose ground truth is null."""
+
+    def __init__(self) -> None:
+        self.unknown_source: tuple[int, Any] | None = None
+        self.null_truth: int | None = None
+
+    def add(self, row_no: int, source: Any, reward_model: Any) -> None:
+        if self.unknown_source is None and not is_known_data_source(source):
+            self.unknown_source = (row_no, source)
+        if (
+            self.null_truth is None
+            and isinstance(reward_model, dict)
+            and reward_model.get("ground_truth") is None
+        ):
+            self.null_truth = row_no
+
+
+class RewardColumns:
+    """The reward columns of the data files, gathered while the start-up data check reads them
+    (``check_data_files(..., on_row=columns.add)``), so that :func:`check_default_scorer_data`
+    does not read the files a second time. Keeps two facts a file, not its rows."""
+
+    def __init__(self) -> None:
+        self._files: dict[str, _FileRewardFacts] = {}
+
+    def add(self, path: str, row_no: int, fields: dict[str, Any]) -> None:
+        """One checked row: ``fields`` as the data check returns them (``data_source`` is the
+        ``data.reward_fn_key`` column's value)."""
+        facts = self._files.setdefault(path, _FileRewardFacts())
+        facts.add(row_no, fields.get("data_source"), fields.get("reward_model"))
+
+    def get(self, path: str) -> _FileRewardFacts | None:
+        return self._files.get(path)
+
+
+def _read_facts(path: str, key: str) -> _FileRewardFacts:
+    facts = _FileRewardFacts()
+    for row_no, row in enumerate(_reward_rows(path, key)):
+        if isinstance(row, dict):  # check_data_files names a row that is not
+            facts.add(row_no, row.get(key), row.get("reward_model"))
+    return facts
+
+
+def _refuse_first(path: str, key: str, facts: _FileRewardFacts) -> None:
+    """Raise for the file's first refused row (its source before its ground truth)."""
     from verl_megatron.data.dataset import DataFormatError
     from verl_megatron.errors import ConfigError
 
+    unknown, null = facts.unknown_source, facts.null_truth
+    if unknown is not None and (null is None or unknown[0] <= null):
+        raise ConfigError(
+            f"{path}: row {unknown[0]}: {key}={unknown[1]!r} has no rule in the default scorer "
+            f"(known: {', '.join(known_data_sources())}); set custom_reward_function.path "
+            "to a scorer for it"
+        )
+    if null is not None:
+        raise DataFormatError(
+            f"{path}: row {null}: reward_model.ground_truth is null; the default scorer "
+            "compares each response with it (every reward would be 0)"
+        )
+
+
+def check_default_scorer_data(config: Any, columns: RewardColumns | None = None) -> None:
+    """Every data row can be scored by the default scorer: its data source has a rule and
+    its ``reward_model.ground_truth`` is not null (every rule compares the response with it).
+    Raises ConfigError / DataFormatError naming the file and row. A file that `columns` (what
+    the start-up data check gathered) covers is not read again."""
     data = _get(config, "data")
     key = str(_get(data, "reward_fn_key", "data_source"))
     for path in [*_files(_get(data, "train_files")), *_files(_get(data, "val_files"))]:
-        for row_no, row in enumerate(_reward_rows(path, key)):
-            if not isinstance(row, dict):
-                continue  # check_data_files names it
-            if not is_known_data_source(row.get(key)):
-                raise ConfigError(
-                    f"{path}: row {row_no}: {key}={row.get(key)!r} has no rule in the default scorer "
-                    f"(known: {', '.join(known_data_sources())}); set custom_reward_function.path "
-                    "to a scorer for it"
-                )
-            reward_model = row.get("reward_model")
-            if isinstance(reward_model, dict) and reward_model.get("ground_truth") is None:
-                raise DataFormatError(
-                    f"{path}: row {row_no}: reward_model.ground_truth is null; the default scorer "
-                    "compares each response with it (every reward would be 0)"
-                )
+        facts = columns.get(path) if columns is not None else None
+        _refuse_first(path, key, facts if facts is not None else _read_facts(path, key))
 
 
-def check_reward_config(config: Any) -> None:
+def check_reward_config(config: Any, columns: RewardColumns | None = None) -> None:
     """Start-up check of the reward setup, before any model is built.
 
     Raises ``ConfigError`` (one line) when ``reward_model.reward_kwargs`` names an argument
@@ -274,6 +323,7 @@ def check_reward_config(config: Any) -> None:
     hang), lacks the function or has one that cannot take the manager's arguments; without
     a custom function, when a data row's source has no rule or its ground truth is null
     (:func:`check_default_scorer_data`; only when the final reward reads the rule reward).
+    `columns`: the data files' reward columns, as the start-up data check read them.
     """
     from verl_megatron.errors import ConfigError
 
@@ -297,7 +347,7 @@ def check_reward_config(config: Any) -> None:
     if problem is not None:
         raise ConfigError(problem)
     if scores_rows and not _get(custom, "path") and _uses_rule(reward_model):
-        check_default_scorer_data(config)
+        check_default_scorer_data(config, columns)
 
 
 def load_reward_manager(config: Any, tokenizer: Any, num_examine: int = 0, **reward_kwargs: Any) -> Any:

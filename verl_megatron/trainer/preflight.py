@@ -9,7 +9,7 @@ names. Each failure is a ``UserInputError`` (one ``error:`` line on the command 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from verl_megatron.errors import ConfigError
@@ -27,16 +27,19 @@ def _check_resume(config: Any) -> None:
             raise ConfigError(f"trainer.resume_from_path='{trainer.resume_from_path}' does not exist")
 
 
-def check_inputs(config: Any) -> DataSizes | None:
-    """Read and check every data row; None when the quickstart will write the data itself."""
+def check_inputs(
+    config: Any, on_row: Callable[[str, int, dict[str, Any]], None] | None = None
+) -> DataSizes | None:
+    """Read and check every data row (each shown to `on_row`, see ``check_data_files``); None
+    when the quickstart will write the data itself."""
     from verl_megatron.data.dataset import DataFormatError, check_data_files
 
     _check_resume(config)
     data = config.data
     if not data.train_files:
         return None
-    train_rows = check_data_files(data.train_files, data)
-    val_rows = check_data_files(data.val_files, data) if data.val_files else 0
+    train_rows = check_data_files(data.train_files, data, on_row)
+    val_rows = check_data_files(data.val_files, data, on_row) if data.val_files else 0
     filtering = config.algorithm.filter_groups.enable
     batch_key = "data.gen_batch_size" if filtering and data.gen_batch_size else "data.train_batch_size"
     batch = data.gen_batch_size if batch_key == "data.gen_batch_size" else data.train_batch_size
@@ -49,11 +52,15 @@ def check_inputs(config: Any) -> DataSizes | None:
 
 
 def prepare_run(
-    config_path: str | None, overrides: Sequence[str], world_size: int
+    config_path: str | None,
+    overrides: Sequence[str],
+    world_size: int,
+    on_row: Callable[[str, int, dict[str, Any]], None] | None = None,
 ) -> tuple[Any, Any, DataSizes | None]:
-    """(config, layout, data sizes) of a run of ``world_size`` processes, everything checked."""
+    """(config, layout, data sizes) of a run of ``world_size`` processes, everything checked;
+    `on_row` sees each data row as it is checked."""
     from verl_megatron.trainer.config import default_config_path
 
     config = load_config(config_path or default_config_path(), list(overrides))
     layout = validate_config(config, world_size)
-    return config, layout, check_inputs(config)
+    return config, layout, check_inputs(config, on_row)
