@@ -109,6 +109,16 @@ def from_rank0(obj: Any) -> Any:
     return box[0]
 
 
+def gather_to_rank0(obj: Any) -> list[Any] | None:
+    """Every rank's ``obj`` in rank order on rank 0, None on the others."""
+    rank, size = world()
+    if size == 1:
+        return [obj]
+    gathered: list[Any] | None = [None] * size if rank == 0 else None
+    dist.gather_object(obj, gathered, dst=0)
+    return gathered
+
+
 def all_ranks(flag: bool) -> bool:
     """Whether ``flag`` holds on every rank."""
     if world()[1] == 1:

@@ -46,6 +46,7 @@ from verl_megatron.checkpoint.collectives import (
     all_ranks,
     describe_failure,
     from_rank0,
+    gather_to_rank0,
     on_rank0,
     world,
 )
@@ -127,23 +128,13 @@ def save_checkpoint(
         raise ValueError(f"checkpoint step must be a non-negative int, got {step!r}")
     if extra_state is not None and not isinstance(extra_state, dict):
         raise TypeError(f"extra_state must be a dict, got {type(extra_state).__name__}")
-    from megatron.core import dist_checkpointing
-
-    from verl_megatron.checkpoint.strategy import save_strategy
-
     start = time.perf_counter()
     tmp = storage.staging_dir(root, step) / f".{name}.tmp"
     on_rank0(lambda: storage.start_part(root, step, name), f"preparing {tmp}")
     extra_state = from_rank0(extra_state)
     state, optimizer_kind = _state_to_save(chunks, optimizer, scheduler, extra_state, runtime)
 
-    error = None
-    try:
-        dist_checkpointing.save(state, str(tmp), sharded_strategy=save_strategy(runtime))
-    except _READ_WRITE_ERRORS as exc:
-        error = CheckpointError(f"writing {tmp} failed: {describe_failure(exc)} ({storage.write_room(tmp)})")
-    agree(error, f"saving step {step} to {root}")
-
+    written = _write(state, tmp, runtime, f"saving step {step} to {root}")
     meta = {
         "step": step,
         "name": name,
@@ -154,11 +145,36 @@ def save_checkpoint(
         "scheduler": scheduler is not None,
         "lora": lora_signature(chunks),
     }
-    on_rank0(lambda: storage.publish_part(root, step, name, meta), f"finishing {tmp}")
+    on_rank0(lambda: storage.publish_part(root, step, name, meta, written), f"finishing {tmp}")
     if commit:
         commit_checkpoint(root, step, max_ckpt_to_keep=max_ckpt_to_keep)
     logger.info("saved %s of step %d to %s in %.2fs", name, step, root, time.perf_counter() - start)
     return storage.step_dir(root, step)
+
+
+# megatron writes these itself on rank 0, past the hashing writer: small files, hashed from disk.
+_MEGATRON_COMMON_FILES = ("common.pt", "metadata.json")
+
+
+def _write(state: dict[str, Any], tmp: Path, runtime: Runtime, what: str) -> list[dict[str, str]] | None:
+    """Write ``state``'s shards into ``tmp``; collective. Returns, on rank 0, what every rank wrote
+    (relative path -> sha256, one dict per rank): each rank hashes its own files as it writes them,
+    so the part marker's checksums cost no rank a read of the whole checkpoint."""
+    from megatron.core import dist_checkpointing
+
+    from verl_megatron.checkpoint.hashing import WrittenFiles
+    from verl_megatron.checkpoint.strategy import save_strategy
+
+    written, error = WrittenFiles(tmp), None
+    try:
+        dist_checkpointing.save(state, str(tmp), sharded_strategy=save_strategy(runtime, written))
+        if world()[0] == 0:
+            for rel in _MEGATRON_COMMON_FILES:
+                written.hash_from_disk(rel)
+    except _READ_WRITE_ERRORS as exc:
+        error = CheckpointError(f"writing {tmp} failed: {describe_failure(exc)} ({storage.write_room(tmp)})")
+    agree(error, what)
+    return gather_to_rank0(written.digests())
 
 
 def _state_to_save(

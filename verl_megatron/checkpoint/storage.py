@@ -22,7 +22,9 @@ Loading checks every file's size and sha256 against the part marker, so bytes
 changed in place (a bad disk, a botched copy) are named instead of loaded.
 
 Everything here is plain file work done by one process (rank 0); the
-distributed save in :mod:`verl_megatron.checkpoint.manager` calls it.
+distributed save in :mod:`verl_megatron.checkpoint.manager` calls it. The
+checksums of a distributed save are taken by the ranks that write the files
+(:mod:`verl_megatron.checkpoint.hashing`) and handed to :func:`publish_part`.
 """
 
 from __future__ import annotations
@@ -136,12 +138,40 @@ def file_sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def finish_part(part: Path, meta: dict[str, Any]) -> None:
-    """Write the part marker (contents, file sizes and checksums) after fsyncing the part's files."""
+def reported_checksums(part: Path, files: dict[str, int], written: list[dict[str, str]]) -> dict[str, str]:
+    """The sha256 of every file of ``part`` from ``written`` (one dict relative path -> sha256 per
+    rank, in rank order: what each rank wrote). Raises CheckpointError naming a file that no rank
+    reported writing, that a rank reported but is not in ``part``, or that two ranks reported."""
+    checksums: dict[str, str] = {}
+    writer: dict[str, int] = {}
+    problems = []
+    for rank, digests in enumerate(written):
+        for rel, digest in sorted(digests.items()):
+            if rel in writer:
+                problems.append(f"{rel} was reported by rank {writer[rel]} and rank {rank}")
+            elif rel not in files:
+                problems.append(f"{rel} was written by rank {rank} but is not in the part")
+            checksums[rel], writer[rel] = digest, rank
+    problems += [
+        f"{rel} is in the part but no rank reported writing it" for rel in sorted(files) if rel not in writer
+    ]
+    if problems:
+        raise CheckpointError(f"cannot finish checkpoint part {part}: " + "; ".join(problems[:5]))
+    return checksums
+
+
+def finish_part(part: Path, meta: dict[str, Any], written: list[dict[str, str]] | None = None) -> None:
+    """Write the part marker (contents, file sizes and checksums) after fsyncing the part's files.
+
+    ``written``: the checksums each rank took of the files it wrote (see :func:`reported_checksums`);
+    None: hash every file here."""
     fsync_tree(part)
     files = _manifest(part)
-    # sha256 runs at ~1.5 GB/s a core (hardware SHA): a small cost next to writing the files.
-    checksums = {rel: file_sha256(part / rel) for rel in files}
+    if written is None:
+        # sha256 runs at ~1.5 GB/s a core (hardware SHA): fine for a part one process writes.
+        checksums = {rel: file_sha256(part / rel) for rel in files}
+    else:
+        checksums = reported_checksums(part, files, written)
     record = {"format_version": FORMAT_VERSION, **meta, "files": files, "sha256": checksums}
     write_text_atomic(part / PART_MARKER, json.dumps(record, indent=1, sort_keys=True))
 
@@ -155,11 +185,19 @@ def start_part(root: str | os.PathLike, step: int, name: str) -> Path:
     return tmp
 
 
-def publish_part(root: str | os.PathLike, step: int, name: str, meta: dict[str, Any]) -> Path:
-    """Finish the part written into :func:`start_part`'s directory and give it its name in staging."""
+def publish_part(
+    root: str | os.PathLike,
+    step: int,
+    name: str,
+    meta: dict[str, Any],
+    written: list[dict[str, str]] | None = None,
+) -> Path:
+    """Finish the part written into :func:`start_part`'s directory and give it its name in staging.
+
+    ``written``: see :func:`finish_part`."""
     staged = staging_dir(root, step)
     tmp, part = staged / f".{name}.tmp", staged / name
-    finish_part(tmp, meta)
+    finish_part(tmp, meta, written)
     if part.exists():
         # A leftover of an interrupted save of this same step: it was never published.
         shutil.rmtree(part)
