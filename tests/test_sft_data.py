@@ -68,6 +68,18 @@ def test_every_assistant_turn_is_trained_and_nothing_else(tmp_path, tokenizer):
     assert batch["attention_mask"][0].sum() == n
 
 
+def test_a_prompt_response_row_trains_on_its_response_alone(tmp_path, tokenizer):
+    """Assistant turns inside a list-valued prompt are context, as verl masks the whole prompt;
+    a ``messages`` chat with the same turns trains on each of them."""
+    turns = [{"role": "user", "content": "12"}, {"role": "assistant", "content": "99"}]
+    turns.append({"role": "user", "content": "34"})
+    chat = [*turns, {"role": "assistant", "content": "43"}]
+    data = _dataset(tmp_path, [{"prompt": turns, "response": "43"}, {"messages": chat}], tokenizer)
+    assert _trained_text(tokenizer, data[0]) == ["43<|endoftext|>"]
+    assert _trained_text(tokenizer, data[1]) == ["99<|endoftext|>", "43<|endoftext|>"]
+    assert data[0].input_ids == data[1].input_ids  # the same tokens, only the mask differs
+
+
 @pytest.mark.parametrize(
     ("row", "match"),
     [

@@ -18,7 +18,8 @@ class SFTConfig:
 
     A row is verl's SFT format: either a chat in ``messages_key`` (a list of ``{"role",
     "content"}``; every assistant turn is trained on) or a ``prompt_key`` (a string, or a list of
-    chat messages) with a ``response_key`` string (the assistant's answer, trained on). The
+    chat messages: context, assistant turns included, never trained on) with a ``response_key``
+    string (the assistant's answer, the only part trained on). The
     model's chat template writes the conversation; only the tokens of assistant turns count in
     the loss.
     """

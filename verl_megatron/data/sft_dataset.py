@@ -4,7 +4,9 @@ A row is a chat (``sft.messages_key``) or a prompt and a response (``sft.prompt_
 ``sft.response_key``; see ``SFTConfig``). The model's chat template writes the conversation one
 message at a time: the text each message adds is tokenized on its own, and the tokens an
 assistant message adds (after the template's generation prompt) are the trained ones, so every
-assistant turn of a multi-turn chat is trained on. A template that rewrites earlier messages
+assistant turn of a multi-turn chat is trained on. A prompt/response row trains on its response
+alone: assistant turns inside a list-valued prompt are context (verl's prompt/response SFT masks
+the whole prompt). A template that rewrites earlier messages
 when later ones are added cannot be split this way and is a ``DataFormatError`` naming the row.
 
 ``collate_sft`` lays a batch out as the actor's rows: a one-token "prompt" (the first token)
@@ -43,14 +45,16 @@ class SFTItem:
     loss_mask: list[int]
 
 
-def sft_messages(row: Any, where: str, config: SFTConfig, image_key: str) -> list[dict[str, str]]:
-    """The row's chat, checked: at least one assistant message, no images (``image_key``, the
-    run's ``data.image_key``); DataFormatError naming ``where``."""
+def sft_messages(row: Any, where: str, config: SFTConfig, image_key: str) -> tuple[list[dict[str, str]], int]:
+    """The row's chat and the index of its first message that may be trained on (0 for a chat,
+    the response's for a prompt/response row), checked: at least one assistant message, no images
+    (``image_key``, the run's ``data.image_key``); DataFormatError naming ``where``."""
     if not isinstance(row, dict):
         raise DataFormatError(f"{where}: a row must be an object, got {type(row).__name__}")
     _refuse_images(row, where, image_key)
     if row.get(config.messages_key) is not None:
         messages = check_chat_messages(row[config.messages_key], where, config.messages_key)
+        first_trained = 0
     elif row.get(config.prompt_key) is not None and row.get(config.response_key) is not None:
         prompt, response = row[config.prompt_key], row[config.response_key]
         if isinstance(prompt, str):
@@ -61,6 +65,7 @@ def sft_messages(row: Any, where: str, config: SFTConfig, image_key: str) -> lis
             raise DataFormatError(
                 f"{where}: field '{config.response_key}' must be a string, got {type(response).__name__}"
             )
+        first_trained = len(messages)  # the prompt is context, its assistant turns included
         messages.append({"role": "assistant", "content": response})
     else:
         raise DataFormatError(
@@ -69,7 +74,7 @@ def sft_messages(row: Any, where: str, config: SFTConfig, image_key: str) -> lis
         )
     if not any(m["role"] == "assistant" for m in messages):
         raise DataFormatError(f"{where}: the chat has no assistant message, so nothing to train on")
-    return messages
+    return messages, first_trained
 
 
 def _refuse_images(row: dict[str, Any], where: str, image_key: str) -> None:
@@ -106,7 +111,8 @@ class SFTDataset:
         for path in data_files:
             for row_no, row in enumerate(read_rows(os.fspath(path))):
                 where = f"{path}: row {row_no}"
-                self.items.append(self._item(sft_messages(row, where, config, data.image_key), where))
+                messages, first_trained = sft_messages(row, where, config, data.image_key)
+                self.items.append(self._item(messages, first_trained, where))
         if not self.items:
             raise DataFormatError(f"no SFT rows in {list(data_files)}")
 
@@ -121,13 +127,17 @@ class SFTDataset:
             messages, tokenize=False, add_generation_prompt=generation_prompt, **self.template_kwargs
         )
 
-    def _pieces(self, messages: list[dict[str, str]], where: str) -> list[tuple[str, int]]:
-        """(text, trained) pieces whose concatenation is the whole templated chat."""
+    def _pieces(
+        self, messages: list[dict[str, str]], first_trained: int, where: str
+    ) -> list[tuple[str, int]]:
+        """(text, trained) pieces whose concatenation is the whole templated chat; the assistant
+        messages from index ``first_trained`` on are the trained ones."""
         pieces: list[tuple[str, int]] = []
         done = ""
         for i, message in enumerate(messages):
-            steps = [(self._render(messages[:i], True), 0)] if message["role"] == "assistant" else []
-            steps.append((self._render(messages[: i + 1], False), int(message["role"] == "assistant")))
+            assistant = message["role"] == "assistant"
+            steps = [(self._render(messages[:i], True), 0)] if assistant else []
+            steps.append((self._render(messages[: i + 1], False), int(assistant and i >= first_trained)))
             for text, trained in steps:
                 if not text.startswith(done):
                     raise DataFormatError(
@@ -138,10 +148,10 @@ class SFTDataset:
                 done = text
         return pieces
 
-    def _item(self, messages: list[dict[str, str]], where: str) -> SFTItem:
+    def _item(self, messages: list[dict[str, str]], first_trained: int, where: str) -> SFTItem:
         ids: list[int] = []
         mask: list[int] = []
-        for text, trained in self._pieces(messages, where):
+        for text, trained in self._pieces(messages, first_trained, where):
             piece = self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
             ids.extend(piece)
             mask.extend([trained] * len(piece))
