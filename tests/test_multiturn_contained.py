@@ -180,3 +180,37 @@ def test_bad_setting_is_refused_at_config_load():
     with pytest.raises(RolloutConfigError, match=r"rollout\.multi_turn\.isolation must be one of"):
         load_config("configs/quickstart.yaml", ["rollout.multi_turn.isolation=threads"])
     assert load_config("configs/quickstart.yaml", []).rollout.multi_turn.isolation == "process"
+
+
+def train_step_job(out_dir: str) -> dict:
+    """One quickstart training step with a multi-turn rollout (its environment contained, as by
+    default): the step's multi_turn metrics and the processes left behind in this rank."""
+    from tests.test_e2e import QUICKSTART, TINY
+    from verl_megatron.train import run
+    from verl_megatron.trainer.tracking import read_jsonl_metrics
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    multi_turn = [
+        "rollout.multi_turn.enable=true",
+        f"rollout.multi_turn.environment={__name__}:counting_environment",
+    ]
+    # room in the response for a few turns
+    steps = ["data.max_response_length=12", "trainer.total_training_steps=1", "trainer.save_freq=-1"]
+    run(QUICKSTART, [f"trainer.default_local_dir={out_dir}", *TINY, *steps, *multi_turn])
+    rows = read_jsonl_metrics(os.path.join(out_dir, "metrics.jsonl"))
+    left = [p.pid for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    return {
+        "metrics": {k: v for r in rows for k, v in r.items() if k.startswith("multi_turn/")},
+        "left": left,
+    }
+
+
+def test_quickstart_step_with_a_contained_multi_turn_environment(pool1, tmp_path):
+    # the trainer's own wiring (components.py), forking the worker from a training rank
+    result = pool1.run(f"{__name__}:train_step_job", out_dir=str(tmp_path))[0]
+    metrics = result["metrics"]
+    # 8 prompts x 4 samples, each with its first turn and some with more (17 in the run at hand)
+    assert metrics["multi_turn/turns_count"] > 32 and metrics["multi_turn/env_turns_count"] > 0, metrics
+    assert metrics["multi_turn/env_seconds_count"] > 0, metrics
+    assert [metrics[f"multi_turn/{cause}_count"] for cause in ENV_FAILURES] == [0.0, 0.0, 0.0]
+    assert result["left"] == []
