@@ -13,6 +13,7 @@ export. transformers' ``from_pretrained`` of the export must give those logits w
 from __future__ import annotations
 
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -78,3 +79,44 @@ def test_export_after_training_loads_in_transformers_and_matches(pool2, tmp_path
             f"{family} prompt {i}: max |diff| {float(diff.max()):.3e} at {where}"
         )
         assert moved > 1e-2, f"{family} prompt {i}: the export's logits moved by {moved:.3e} only"
+
+
+def vl_final_export_job(path: str, out_root: str) -> str:
+    """The trainer's end-of-run export (``export_final_model``) of the untouched checkpoint."""
+    from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
+    from verl_megatron.models.builder import build_gpt_chunks
+    from verl_megatron.models.config import ModelConfig, load_hf_config
+    from verl_megatron.models.convert import load_hf_weights
+    from verl_megatron.trainer.final_export import export_final_model
+    from verl_megatron.utils.tokenizer import hf_tokenizer
+
+    runtime = init_runtime(ParallelLayout())
+    hf_config, model_cfg = load_hf_config(path), ModelConfig(path=path, dtype="float32")
+    chunks = build_gpt_chunks(hf_config, runtime, model_cfg)
+    load_hf_weights(chunks, path, runtime)
+    return export_final_model(chunks, runtime, out_root, hf_config, hf_tokenizer(path), model_cfg)
+
+
+def test_final_export_keeps_the_image_processor(pool1, tmp_path_factory, tmp_path):
+    """The export of a VL model takes image prompts: it carries the source's image processor
+    (preprocessor_config.json) and chat template, so verl_megatron's processor loads from it and
+    encodes an image prompt to the source's ids and pixel values."""
+    from transformers import AutoImageProcessor
+
+    from verl_megatron.data.multimodal import encode_multimodal_prompt, image_processor_for
+    from verl_megatron.utils.local_vl_assets import shape_image
+
+    path = saved_model(tmp_path_factory, "tiny_qwen2_5_vl_final_export", build_tiny_qwen2_5_vl)
+    (export,) = pool1.run(f"{__name__}:vl_final_export_job", path=path, out_root=str(tmp_path))
+    assert export == str(tmp_path / "hf_export")
+    for name in ("preprocessor_config.json", "chat_template.jinja"):
+        assert (tmp_path / "hf_export" / name).read_bytes() == Path(path, name).read_bytes(), name
+    loaded = AutoImageProcessor.from_pretrained(export, local_files_only=True)
+    assert loaded.to_dict() == AutoImageProcessor.from_pretrained(path, local_files_only=True).to_dict()
+    processor, source = image_processor_for(export), image_processor_for(path)
+    assert processor is not None
+    messages = [{"role": "user", "content": "<image>What colour?"}]
+    images = [shape_image((56, 84), "red")]
+    mine, theirs = (encode_multimodal_prompt(messages, images, p) for p in (processor, source))
+    assert mine.input_ids == theirs.input_ids and mine.input_ids.count(processor.image_token_id) == 6
+    assert torch.equal(mine.pixel_values, theirs.pixel_values) and mine.image_grid_thw.tolist() == [[1, 6, 4]]

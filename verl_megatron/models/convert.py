@@ -467,11 +467,37 @@ def _export_config(hf_config: Any, info: ModelInfo, dtype: torch.dtype) -> Any:
     return config
 
 
+# What AutoProcessor reads besides the tokenizer: a VL checkpoint's image / video processor and
+# the processor's own settings and chat template. Without them the export takes no images.
+PROCESSOR_FILES = (
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "processor_config.json",
+    "chat_template.json",
+    "chat_template.jinja",
+)
+
+
+def _source_dir(hf_config: Any) -> str:
+    """The checkpoint folder ``hf_config`` was read from ('' when it was built in memory)."""
+    return getattr(hf_config, "_name_or_path", "") or ""
+
+
+def _copy_processor_files(hf_config: Any, tmp_dir: str) -> None:
+    """Copy the source checkpoint's processor files (``PROCESSOR_FILES``) into the export; a file
+    the tokenizer already wrote (its chat template) is kept, being the one trained with."""
+    source = _source_dir(hf_config)
+    for name in PROCESSOR_FILES:
+        target = os.path.join(tmp_dir, name)
+        if os.path.isfile(os.path.join(source, name)) and not os.path.exists(target):
+            shutil.copyfile(os.path.join(source, name), target)
+
+
 def _generation_config(hf_config: Any) -> Any:
     """The source checkpoint's generation settings (sampling defaults, eos ids) when it has them."""
     from transformers import GenerationConfig
 
-    source = getattr(hf_config, "_name_or_path", "") or ""
+    source = _source_dir(hf_config)
     if os.path.isfile(os.path.join(source, "generation_config.json")):
         return GenerationConfig.from_pretrained(source, local_files_only=True)
     return GenerationConfig.from_model_config(hf_config)
@@ -501,6 +527,7 @@ def _write_checkpoint(
         _generation_config(hf_config).save_pretrained(tmp_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp_dir)
+    _copy_processor_files(hf_config, tmp_dir)
 
 
 def export_hf_weights(
@@ -516,8 +543,9 @@ def export_hf_weights(
 
     Collective over all ranks. Replica 0 (dp and cp rank 0) gathers the weights over tp and
     pp; global rank 0 writes safetensors (sharded with an index above ``max_shard_bytes``),
-    config.json (``*ForTokenClassification`` with one label for a critic), generation_config.json
-    and the tokenizer when given, into a temporary folder renamed to ``out_dir`` at the end.
+    config.json (``*ForTokenClassification`` with one label for a critic), generation_config.json,
+    the tokenizer when given and the source folder's processor files (a VL model's image
+    processor, ``PROCESSOR_FILES``), into a temporary folder renamed to ``out_dir`` at the end.
     """
     out_dir = os.path.abspath(os.fspath(out_dir))
     tmp_dir = f"{out_dir}.tmp-{os.getpid()}" if runtime.rank == 0 else None
