@@ -119,6 +119,51 @@ def test_gkd_jsd_with_a_teacher_of_another_logit_width_stops_at_start_up(tmp_pat
         run(recipe, [*overrides, "algorithm.distill.loss=reverse_kl"])
 
 
+def test_a_bad_teacher_layout_stops_at_start_up_before_any_model(tmp_path, no_runtime, monkeypatch):
+    """The teacher's own tp/pp (``algorithm.distill.teacher.parallel``) and model settings are
+    part of the config check: before, tp=2 on one process passed it and failed in the teacher's
+    build, after the student and the rollout were built."""
+    import verl_megatron.models.builder as builder
+    from verl_megatron.train import run
+    from verl_megatron.trainer.preflight import prepare_run
+    from verl_megatron.utils.local_assets import build_char_tokenizer, build_tiny_hf_model
+    from verl_megatron.workers.teacher_config import TeacherConfigError
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("a model was built before the teacher's layout was checked")
+
+    monkeypatch.setattr(builder, "build_gpt_chunks", no_build)
+    small = {"hidden_size": 32, "num_layers": 1, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 64}
+    student, teacher = tmp_path / "student", tmp_path / "teacher"
+    for path in (student, teacher):
+        build_tiny_hf_model(
+            path, "llama", tokenizer=build_char_tokenizer(path, alphabet="0123456789"), **small
+        )
+    recipe = os.path.join(ROOT, "configs", "distill_quickstart.yaml")
+    overrides = [f"model.path={student}", f"algorithm.distill.teacher.model.path={teacher}",
+                 f"trainer.default_local_dir={tmp_path / 'out'}"]  # fmt: skip
+    key = "algorithm.distill.teacher"
+    with pytest.raises(
+        TeacherConfigError,
+        match=rf"^{key}.parallel: tp\*pp\*cp = 2\*1\*1 = 2 does not divide the world size 1",
+    ):
+        prepare_run(recipe, [*overrides, f"{key}.parallel.tp=2"], 1)
+    with pytest.raises(
+        TeacherConfigError, match=rf"^{key}.parallel: tp\*pp\*cp = 2\*1\*1 = 2 does not divide"
+    ):
+        run(recipe, [*overrides, f"{key}.parallel.tp=2"])
+    # Its heads on 4 ranks (2 kv heads cannot split 4 ways), and its model settings.
+    with pytest.raises(
+        TeacherConfigError, match=rf"^{key}.parallel: num_key_value_heads=2 is not divisible by tp=4"
+    ):
+        prepare_run(recipe, [*overrides, f"{key}.parallel.tp=4"], 4)
+    with pytest.raises(TeacherConfigError, match=rf"^{key}.model.sequence_parallel=True needs tp > 1"):
+        prepare_run(recipe, [*overrides, f"{key}.model.sequence_parallel=true"], 1)
+    # The quickstart's student (no model.path) is built later: the teacher is checked all the same.
+    with pytest.raises(TeacherConfigError, match=rf"^{key}.parallel: tp\*pp\*cp = 2\*1\*1 = 2"):
+        prepare_run(recipe, [f"algorithm.distill.teacher.model.path={teacher}", f"{key}.parallel.tp=2"], 1)
+
+
 @pytest.mark.parametrize("loss", ["reverse_kl", "gkd_jsd"])
 def test_distill_recipe_runs_a_step(pool1, tmp_path, loss):
     """The recipe with a small teacher that shares the quickstart's tokenizer. reverse_kl: on the

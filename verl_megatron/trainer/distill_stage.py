@@ -24,7 +24,14 @@ from verl_megatron.protocol import DataProto
 from verl_megatron.trainer import metrics as M
 from verl_megatron.workers.teacher_config import DistillConfig
 
-__all__ = ["DistillTeacher", "build_teacher", "check_distill", "distill_advantages", "teacher_log_probs"]
+__all__ = [
+    "DistillTeacher",
+    "build_teacher",
+    "check_distill",
+    "check_teacher_layout",
+    "distill_advantages",
+    "teacher_log_probs",
+]
 
 
 class DistillTeacher(Protocol):
@@ -54,6 +61,16 @@ def check_distill(config: Any) -> None:
         )
     if config.model.path:  # else the quickstart builds the student: checked once it exists (build_teacher)
         _check_teacher(config)
+
+
+def check_teacher_layout(config: Any, world_size: int) -> None:
+    """The teacher's own tp/pp over the run's ``world_size`` ranks and its model settings, as
+    ``MegatronTeacher`` builds it (``workers/teacher.teacher_layout``): part of the config check,
+    so a bad teacher layout stops before the student, the rollout or the teacher is built."""
+    if config.algorithm.distill.enable:
+        from verl_megatron.workers.teacher import teacher_layout
+
+        teacher_layout(config.algorithm.distill.teacher, world_size)
 
 
 def _check_teacher(config: Any) -> None:

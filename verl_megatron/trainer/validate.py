@@ -39,6 +39,7 @@ from verl_megatron.rollout.config import (
 )
 from verl_megatron.rollout.lora_sync import check_rollout_lora
 from verl_megatron.trainer.config_schema import RESUME_MODES, PPOConfig
+from verl_megatron.trainer.distill_stage import check_teacher_layout
 from verl_megatron.trainer.placement_check import check_placement
 from verl_megatron.trainer.ppo.rollout_correction import check_rollout_correction
 from verl_megatron.trainer.tracking import TRACKING_BACKENDS
@@ -579,4 +580,5 @@ def validate_config(config: PPOConfig, world_size: int) -> ParallelLayout:
         check_model_fits(layout, config.model.path, config.model.sequence_parallel)
         _check_family_features(config, layout)
     check_model_rewards(config, world_size)  # reward model checkpoint and layout, combine, judge
+    check_teacher_layout(config, world_size)  # the distillation teacher's own tp/pp and settings
     return layout

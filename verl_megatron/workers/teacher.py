@@ -8,7 +8,8 @@ memory between its forward passes. Its log-probs come from the reference policy'
 (``MegatronRef``): the same packing, micro-batching and temperature as the student's.
 
 ``check_teacher`` runs at start-up, before any model is built: the checkpoint exists and its
-tokenizer is the student's (the same token for every id). Distillation across tokenizers needs
+tokenizer is the student's (the same token for every id); so does ``teacher_layout`` (its own
+tp/pp over the run's ranks and its model settings, the layout the teacher is then built on). Distillation across tokenizers needs
 the two sequences aligned token by token, which is future work.
 """
 
@@ -19,14 +20,15 @@ import os
 
 import torch
 
-from verl_megatron.distributed.parallel import Runtime
+from verl_megatron.distributed.parallel import ParallelLayout, Runtime
+from verl_megatron.errors import ModelConfigError, ParallelConfigError
 from verl_megatron.models.offload import Offloader
 from verl_megatron.protocol import DataProto
 from verl_megatron.workers.actor import MegatronRef
 from verl_megatron.workers.config import RefConfig
 from verl_megatron.workers.teacher_config import TeacherConfig, TeacherConfigError
 
-__all__ = ["MegatronTeacher", "check_teacher", "check_teacher_logits"]
+__all__ = ["MegatronTeacher", "check_teacher", "check_teacher_logits", "teacher_layout"]
 
 
 def check_teacher(config: TeacherConfig, student_tokenizer_path: str) -> None:
@@ -68,6 +70,26 @@ def check_teacher_logits(config: TeacherConfig, student_path: str) -> None:
         )
 
 
+def teacher_layout(config: TeacherConfig, world_size: int) -> ParallelLayout:
+    """The teacher's layout over ``world_size`` ranks, its model settings and (when its
+    checkpoint is there; ``check_teacher`` names a missing one) its heads and layers checked on
+    it: TeacherConfigError naming the ``algorithm.distill.teacher`` key."""
+    from verl_megatron.models.config import check_layout, load_hf_config, read_hf_architecture
+
+    key = "algorithm.distill.teacher"
+    try:
+        layout = config.parallel.resolve(world_size)
+        if os.path.isfile(os.path.join(os.path.expanduser(config.model.path), "config.json")):
+            check_layout(layout, read_hf_architecture(load_hf_config(config.model.path)))
+    except ParallelConfigError as err:
+        raise TeacherConfigError(f"{key}.parallel: {err} ({key}.model.path='{config.model.path}')") from None
+    try:
+        config.model.validate(layout)
+    except ModelConfigError as err:  # its messages name the key under "model."
+        raise TeacherConfigError(f"{key}.{err}") from None
+    return layout
+
+
 class MegatronTeacher:
     """Frozen teacher log-probs [B, Tr] of a batch's responses; built and called on every rank."""
 
@@ -78,7 +100,7 @@ class MegatronTeacher:
         from verl_megatron.models.convert import load_hf_weights
 
         self.config = config
-        layout = config.parallel.resolve(runtime.world_size)
+        layout = teacher_layout(config, runtime.world_size)  # checked at start-up too
         self.slot = None if layout == runtime.layout else ParallelStateSlot(layout, runtime)
         self._runtime = runtime
         forward = RefConfig(
@@ -88,7 +110,6 @@ class MegatronTeacher:
             use_remove_padding=config.use_remove_padding,
         )
         with self.scope() as rt:
-            config.model.validate(rt.layout)
             chunks = build_gpt_chunks(load_hf_config(config.model.path), rt, config.model)
             load_hf_weights(chunks, config.model.path, rt, config.model)
             self.forward = MegatronRef(rt, forward, chunks)  # frozen: no gradients, no optimizer
