@@ -35,7 +35,7 @@ from verl_megatron.models.matmul_route import MatmulRoute
 from verl_megatron.models.megatron_model import attach_schedule_hooks
 from verl_megatron.models.routing import ROW_ID_KEY
 from verl_megatron.protocol import DataProto
-from verl_megatron.workers import moe, vl_inputs
+from verl_megatron.workers import vl_inputs
 from verl_megatron.workers.batching import LateRows, MicroBatch
 from verl_megatron.workers.config import ActorConfig, PolicyLossSettings, RefConfig
 from verl_megatron.workers.model_runner import ModelRunner, StepResult, dp_share
@@ -370,7 +370,7 @@ class MegatronActor(ActorLogProbs, PPOUpdates):
         self.loss_config = PolicyLossSettings.of(_trainer_loss_config(config))  # the loss's numbers only
         self.update_calls = 0
         attach_schedule_hooks(chunks)
-        self.moe_stats = moe.MoEStats(runtime, chunks) if moe.is_moe(chunks) else None
+        self.moe_stats = self.runner.moe_stats
 
     def _keys(self, data: DataProto) -> tuple[str, ...]:
         keys = (*_MODEL_KEYS, "response_mask", "advantages")

@@ -203,8 +203,7 @@ class ModelRunner:
         selector = OutputRowSelector(chunks) if select_output_rows else None
         self.row_selector = selector if selector is not None and selector.active else None
         self.moe = moe.is_moe(chunks)
-        if self.moe:
-            moe.reset_aux_loss_tracker()  # a new model: the tracker may hold another model's layer count
+        self.moe_stats = moe.MoEStats(runtime, chunks) if self.moe else None  # empties megatron's tracker
         # MoE routing replay (workers/routes.py): the recorded routes each forward replays.
         self.route_replay = route_replay
         # The bitwise parity mode the chunks were switched to (models/batch_invariant.py).
@@ -351,11 +350,12 @@ class ModelRunner:
             if self.row_selector is not None:
                 mb = dataclasses.replace(mb, inputs=self.row_selector.prepare(inputs))
             head = DeferredHead() if defer_head and self.row_selector is not None else None
+            if self.moe_stats is not None:  # a padding repeat counts in no MoE metric
+                self.moe_stats.before_forward(real)
             output = self._forward(model, inputs, head)
-            if self.moe:  # the aux loss gets the policy loss's factor: cp / real micro-batches
-                moe.scale_aux_loss(
-                    output, self.cp / len(micro_batches) if real else 0.0, unwrap(model).config
-                )
+            if self.moe_stats is not None:  # the aux loss gets the policy loss's factor: cp / real mbs
+                scale = self.cp / len(micro_batches) if real else 0.0
+                self.moe_stats.before_backward(output, real, scale, unwrap(model).config)
 
             def loss_func(output_tensor):
                 if not real:

@@ -69,12 +69,35 @@ def reset_aux_loss_tracker() -> None:
     get_moe_layer_wise_logging_tracker().clear()
 
 
+# A router's own per-step counts (megatron's expert-bias update reads them after the step).
+_ROUTER_COUNTS = ("local_tokens_per_expert",)
+
+
+def _tracker_values() -> dict[str, torch.Tensor]:
+    """Name -> [layers] sums of megatron's process-wide per-layer aux-loss tracker."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    return {name: entry["values"] for name, entry in get_moe_layer_wise_logging_tracker().items()}
+
+
+def _router_counts(router) -> list[str]:
+    """Names of the per-step counts ``router`` keeps (megatron leaves them None where the feature is off)."""
+    return [name for name in _ROUTER_COUNTS if isinstance(getattr(router, name, None), torch.Tensor)]
+
+
 class MoEStats:
     """Expert load and aux loss per MoE layer over the training forwards since the last collect.
 
     Load: tokens (padding excluded) routed to each expert, counted by a forward hook on every
     router while training with gradients. Aux loss: megatron's per-layer tracker (filled when
     ``moe_router_load_balancing_type`` has a loss), averaged over micro-batches.
+
+    The interleaved schedule's padding micro-batches (repeats with no loss) count nowhere: the
+    runner says which micro-batch is one (:meth:`before_forward`, :meth:`before_backward`), and
+    around such a router call the hooks put back what the router added to megatron's aux-loss
+    tracker and to its own per-step counts (the expert-bias update's), so every layout reports
+    the real tokens once. The router itself runs as usual: its aux loss is unchanged (the
+    runner scales that micro-batch's by 0).
     """
 
     def __init__(self, runtime: Runtime, chunks: Sequence[torch.nn.Module]) -> None:
@@ -83,26 +106,67 @@ class MoEStats:
         self.runtime = runtime
         self.config = unwrap(chunks[0]).config
         self.num_layers = self.config.num_layers
-        self.counts = torch.zeros(self.num_layers, self.config.num_moe_experts, dtype=torch.float64)
+        # On the device, so counting a micro-batch waits for nothing; calls are host counts.
+        self.counts = torch.zeros(
+            self.num_layers, self.config.num_moe_experts, dtype=torch.float64, device=runtime.device
+        )
         self.calls = torch.zeros(self.num_layers, dtype=torch.float64)
         self.moe_layers: set[int] = set()
+        self.counted = True  # whether the routers' next training forwards are a real micro-batch
+        # layer -> (tracker values, router counts) before a padding call
+        self._saved: dict[int, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
         for chunk in chunks:
             for module in unwrap(chunk).modules():
                 if isinstance(module, Router):
                     self.moe_layers.add(module.layer_number - 1)
+                    module.register_forward_pre_hook(self._save)
                     module.register_forward_hook(self._count, with_kwargs=True)
         self._clear_tracker()
 
+    def before_forward(self, counted: bool) -> None:
+        """The next micro-batch's forward is real (``counted``) or a schedule padding repeat."""
+        self.counted = counted
+
+    def before_backward(self, output: torch.Tensor, counted: bool, aux_scale: float, config) -> None:
+        """After the forward of ``output``'s micro-batch: its aux loss gets the factor ``aux_scale``
+        (:func:`scale_aux_loss`), and its flag holds again from the start of its backward, where
+        recomputed layers (activation checkpointing) run their routers again."""
+        scale_aux_loss(output, aux_scale, config)
+        if output.requires_grad:
+            output.register_hook(lambda grad: self.before_forward(counted))
+
+    def _save(self, router, args) -> None:
+        if self.counted or not (router.training and torch.is_grad_enabled()):
+            return
+        layer = router.layer_number - 1
+        tracker = {name: values[layer].clone() for name, values in _tracker_values().items()}
+        counts = {name: getattr(router, name).clone() for name in _router_counts(router)}
+        self._saved[layer] = (tracker, counts)
+
+    def _restore(self, router, layer: int) -> None:
+        """Undo a padding call's additions to the tracker and the router's counts (device copies)."""
+        tracker, counts = self._saved.pop(layer)
+        for name, values in _tracker_values().items():
+            if name in tracker:
+                values[layer].copy_(tracker[name])
+            else:  # the entry was created by this call: nothing was there before
+                values[layer].zero_()
+        for name, count in counts.items():
+            getattr(router, name).copy_(count)
+
     def _count(self, router, args, kwargs, output) -> None:
         if not (router.training and torch.is_grad_enabled()):
+            return
+        layer = router.layer_number - 1
+        if not self.counted:
+            self._restore(router, layer)
             return
         _, routing_map = output
         padding = args[1] if len(args) > 1 else kwargs.get("padding_mask")
         routed = routing_map.detach().to(torch.float64)
         if padding is not None:
             routed = routed * (~padding.reshape(-1, 1)).to(routed.device, torch.float64)
-        layer = router.layer_number - 1
-        self.counts[layer] += routed.sum(dim=0).cpu()
+        self.counts[layer] += routed.sum(dim=0).to(self.counts.device)
         self.calls[layer] += 1
 
     @staticmethod
@@ -116,12 +180,10 @@ class MoEStats:
 
     def _aux_losses(self) -> torch.Tensor:
         """[num_layers] sum over micro-batches of each layer's raw load-balancing loss (no coefficient)."""
-        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
-
-        entry = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
-        if entry is None:
-            return torch.zeros(self.num_layers, dtype=torch.float64)
-        return entry["values"].detach().to("cpu", torch.float64)
+        values = _tracker_values().get("load_balancing_loss")
+        if values is None:
+            return torch.zeros(self.num_layers, dtype=torch.float64, device=self.runtime.device)
+        return values.detach()[: self.num_layers].to(self.runtime.device, torch.float64)
 
     def collect(self, prefix: str) -> dict[str, float]:
         """Per-layer metrics of everything counted since the previous call (same on every rank).
@@ -134,7 +196,7 @@ class MoEStats:
         """
         runtime = self.runtime
         # counts, per-layer call counts, aux losses: one reduction for all three
-        packed = torch.cat([self.counts.reshape(-1), self.calls, self._aux_losses()]).to(runtime.device)
+        packed = torch.cat([self.counts.reshape(-1), self.calls.to(runtime.device), self._aux_losses()])
         if runtime.layout.dp * runtime.layout.cp > 1:
             dist.all_reduce(packed, group=runtime.dp_group(with_cp=True))
         if runtime.layout.pp > 1:
