@@ -232,3 +232,48 @@ def test_loading_the_wrong_checkpoint_names_the_problem(pool1, originals, tmp_pa
     assert (
         "'head_dim': (16, 32)" in errors["wrong_config"] and "'num_layers': (2, 4)" in errors["wrong_config"]
     )
+
+
+def failed_export_job(path: str, out_dir: str) -> dict:
+    """Export with a late write failure (the generation config's save, after the weights)."""
+    from transformers import GenerationConfig
+
+    from verl_megatron.models.builder import build_gpt_chunks
+    from verl_megatron.models.config import ModelConfig, load_hf_config
+    from verl_megatron.models.convert import export_hf_weights, load_hf_weights
+
+    def no_space(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    runtime = _layout_runtime(1, 1, None)
+    hf_config = load_hf_config(path)
+    chunks = build_gpt_chunks(hf_config, runtime, ModelConfig(path=path, dtype="float32"))
+    load_hf_weights(chunks, path, runtime)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(GenerationConfig, "save_pretrained", no_space)
+        try:
+            export_hf_weights(chunks, runtime, out_dir, hf_config)
+            return {"error": None}
+        except OSError as err:
+            return {"error": f"{type(err).__name__}: {err}"}
+
+
+def test_a_failed_export_leaves_no_temporary_folder(pool1, originals, tmp_path):
+    """The temporary folder holds a full copy of the weights and its name carries the pid, so a
+    failed export must remove it itself; the error still reaches the caller."""
+    path, _ = originals["llama_gqa_llama3rope"]
+    (result,) = pool1.run(f"{__name__}:failed_export_job", path=path, out_dir=str(tmp_path / "out" / "hf"))
+    assert result["error"] == "OSError: [Errno 28] No space left on device"
+    assert os.listdir(tmp_path / "out") == []
+
+
+def test_a_failed_adapter_write_leaves_no_temporary_folder(monkeypatch, tmp_path):
+    from verl_megatron.models import lora_export
+
+    def no_space(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(json, "dump", no_space)  # after adapter_model.safetensors is written
+    with pytest.raises(OSError, match="No space left on device"):
+        lora_export._write(str(tmp_path / "lora_adapter"), {"a.lora_A.weight": torch.ones(2, 3)}, {"r": 2})
+    assert os.listdir(tmp_path) == []

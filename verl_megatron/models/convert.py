@@ -561,4 +561,6 @@ def export_hf_weights(
             publish_folder(tmp_dir, out_dir)
     except Exception as err:  # every rank must reach the status broadcast below
         error = err
+        if tmp_dir:  # a full copy of the weights, under a name (the pid) no later export reuses
+            shutil.rmtree(tmp_dir, ignore_errors=True)
     raise_on_any_rank(error, runtime.device, f"export to '{out_dir}' failed on another rank (see its log)")

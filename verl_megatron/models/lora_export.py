@@ -115,12 +115,15 @@ def _write(out_dir: str, tensors: dict[str, torch.Tensor], config: dict[str, Any
     tmp = f"{out_dir}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    save_file(
-        {k: v.contiguous() for k, v in tensors.items()}, os.path.join(tmp, ADAPTER_WEIGHTS), {"format": "pt"}
-    )
-    with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
-    publish_folder(tmp, out_dir)  # the same replace-never-half-written move as the merged HF export
+    try:
+        weights = {k: v.contiguous() for k, v in tensors.items()}
+        save_file(weights, os.path.join(tmp, ADAPTER_WEIGHTS), {"format": "pt"})
+        with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+        publish_folder(tmp, out_dir)  # the same replace-never-half-written move as the merged HF export
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # its name holds the pid: no later write would remove it
+        raise
 
 
 def export_peft_adapter(
