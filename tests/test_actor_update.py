@@ -68,13 +68,13 @@ def padded_batch(
     }
 
 
-def build_model(runtime, path: str, *, value_head: bool = False, ddp: bool = True, route=None):
+def build_model(runtime, path: str, *, value_head: bool = False, ddp: bool = True, route=None, **model):
     from verl_megatron.models.builder import build_gpt_chunks
     from verl_megatron.models.config import ModelConfig, load_hf_config
     from verl_megatron.models.convert import load_hf_weights
     from verl_megatron.models.megatron_model import wrap_ddp
 
-    model_cfg = ModelConfig(path=path, dtype="float32", use_te=False)
+    model_cfg = ModelConfig(path=path, dtype="float32", use_te=False, **model)
     chunks = build_gpt_chunks(load_hf_config(path), runtime, model_cfg, value_head=value_head, route=route)
     load_hf_weights(chunks, path, runtime, model_cfg)
     return wrap_ddp(chunks) if ddp else chunks
@@ -121,7 +121,7 @@ def actor_config(variant: str):
     return kl_actor_config(ppo_micro_batch_size_per_gpu=2, **VARIANTS[variant])
 
 
-def build_actor(runtime, path: str, cfg) -> tuple[list, Any]:
+def build_actor(runtime, path: str, cfg, **model) -> tuple[list, Any]:
     """(chunks, MegatronActor) on the checkpoint at ``path``, with its optimizer and LR schedule;
     built as the trainer builds it, with a ``MatmulRoute`` its updates turn on."""
     from verl_megatron.models.matmul_route import MatmulRoute
@@ -130,7 +130,7 @@ def build_actor(runtime, path: str, cfg) -> tuple[list, Any]:
     from verl_megatron.workers.lr_schedule import build_lr_scheduler, optim_settings
 
     route = MatmulRoute()
-    chunks = build_model(runtime, path, route=route)
+    chunks = build_model(runtime, path, route=route, **model)
     optimizer = build_optimizer(chunks, optim_settings(cfg.optim))
     scheduler = build_lr_scheduler(optimizer, cfg.optim)
     return chunks, MegatronActor(runtime, cfg, chunks, optimizer, scheduler, route=route)

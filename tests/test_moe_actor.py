@@ -14,14 +14,21 @@ over three micro-batches (3, 3 and 2 rows), the gradient of every weight must eq
 ``coef / top_k * mean over micro-batches of sum over layers of transformers'
 load_balancing_loss_func(layer logits, attention mask)`` computed through the HF model
 (megatron's per-layer switch loss is transformers' divided by top-k).
+
+Interleaved pp=2 x vpp=2 with one micro-batch per step runs a padding repeat of it: the MoE
+metrics, the routers' expert-bias counts and megatron's aux-loss sums must hold the real
+micro-batch once, as one process does.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 from tests.closeness import assert_close_report
+from tests.family_models import build_glm4_moe
 from tests.helpers import saved_model
 from tests.test_actor_update import (
     TEMPERATURE,
@@ -47,13 +54,19 @@ def build_moe_model(path: str) -> None:
     )  # fmt: skip
 
 
-def moe_actor_job(path: str, layout: dict, foreign_losses: bool = False) -> dict:
+def moe_actor_job(
+    path: str,
+    layout: dict,
+    foreign_losses: bool = False,
+    micro_batch_size: int = 2,
+    model: dict | None = None,
+) -> dict:
     from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
     from verl_megatron.protocol import DataProto
 
     runtime = init_runtime(ParallelLayout(**layout), seed=5)
-    cfg = actor_config("padded")
-    chunks, actor = build_actor(runtime, path, cfg)
+    cfg = dataclasses.replace(actor_config("padded"), ppo_micro_batch_size_per_gpu=micro_batch_size)
+    chunks, actor = build_actor(runtime, path, cfg, **(model or {}))
     # share_prompt_prefix is on by default; routing (replay, token counts) keeps every row's prompt
     assert cfg.share_prompt_prefix and actor.runner.prefix_sharing is None
     data = DataProto.from_dict(make_batch(), meta_info={"temperature": TEMPERATURE})
@@ -109,6 +122,80 @@ def test_another_models_aux_losses_stay_out_of_the_actors_metrics(pool1, moe_ref
 def test_moe_layouts_match_single_process(pool2, moe_reference, moe_path, layout):
     run = merge(pool2.run(f"{__name__}:moe_actor_job", path=moe_path, layout=layout))["moe"]
     _assert_same_update(run, moe_reference)
+
+
+@pytest.fixture(scope="module")
+def one_micro_batch_reference(pool1, moe_path) -> dict:
+    """One process, one micro-batch (4 rows) per optimizer step."""
+    return merge(pool1.run(f"{__name__}:moe_actor_job", path=moe_path, layout={}, micro_batch_size=4))["moe"]
+
+
+@pytest.mark.parametrize("model", [{}, dict(enable_gradient_checkpointing=True)], ids=["plain", "recompute"])
+def test_moe_metrics_leave_out_vpp_padding_micro_batches(pool2, one_micro_batch_reference, moe_path, model):
+    """One micro-batch per optimizer step: the interleaved pp=2 x vpp=2 schedule runs it twice
+    (the second a padding repeat with no loss), so the routers see every token twice. The MoE
+    metrics must count the real tokens once, as one process does (tokens_per_expert_mean was
+    54 per layer, not 27). With recomputation the counting routers run in the backward."""
+    layout = dict(pp=2, vpp=2)
+    run = pool2.run(
+        f"{__name__}:moe_actor_job", path=moe_path, layout=layout, micro_batch_size=4, model=model
+    )
+    actual = {k: v for k, v in merge(run)["moe"]["metrics"].items() if "/moe/" in k}
+    expected = {k: v for k, v in one_micro_batch_reference["metrics"].items() if "/moe/" in k}
+    valid_tokens = int(make_batch()["attention_mask"].sum())
+    assert expected["actor/moe/tokens_per_expert_mean/layer_0"] * EXPERTS == valid_tokens * TOPK
+    # Token counts are integers summed in float64 (exact); the aux losses are the same float32
+    # per-micro-batch values averaged in float64: a few float64 ulps cover both.
+    eps = torch.finfo(torch.float64).eps
+    assert_close_report(actual, expected, rtol=8 * eps, atol=0.0, what="moe metrics")
+
+
+def padding_trace_job(path: str, layout: dict) -> dict:
+    """Per global MoE layer, what a training pass over one micro-batch (4 rows) leaves in the
+    router's expert-bias counts and in megatron's aux-loss tracker (the aux loss switched on);
+    no optimizer step consumes them here."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+    from megatron.core.transformer.moe.router import Router
+
+    from verl_megatron.distributed.modules import unwrap
+    from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
+    from verl_megatron.workers.model_runner import ModelRunner, StepResult
+
+    runtime = init_runtime(ParallelLayout(**layout), seed=5)
+    aux = dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=AUX_COEF)
+    chunks = build_model(runtime, path, override_transformer_config=aux)
+    runner = ModelRunner(runtime, chunks, use_remove_padding=False)
+    keys = ("input_ids", "attention_mask", "responses")
+    batch = {k: v[:4] for k, v in make_batch().items() if k in keys}
+    mbs = runner.split(batch, micro_batch_size=4, use_dynamic_bsz=False, max_token_len=0)
+    runner.run(mbs, lambda mb, logits: StepResult(loss=(logits * 0).sum()), forward_only=False)
+    losses = get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"]
+    routers = [m for chunk in chunks for m in unwrap(chunk).modules() if isinstance(m, Router)]
+    out = {
+        f"expert_bias_counts/layer_{r.layer_number - 1}": r.local_tokens_per_expert.double() for r in routers
+    }
+    out.update(
+        {f"aux_loss_sum/layer_{r.layer_number - 1}": losses[r.layer_number - 1].double() for r in routers}
+    )
+    return out
+
+
+def test_padding_repeats_leave_no_trace_in_router_counts(pool1, pool2, tmp_path_factory):
+    """Besides the metrics, the routers' expert-bias counts (the bias update's input) and the
+    aux-loss tracker's sums must hold one pass over the real micro-batch under pp=2 x vpp=2,
+    as in one process (both held two passes: at pp=2 a doubling leaves the bias update's signs
+    alone, but with more stages the repeats are of the last micro-batch only). A GLM-4.5 (sigmoid
+    routing with expert biases) of 4 layers, the last 3 mixtures of experts."""
+    path = saved_model(
+        tmp_path_factory, "tiny_glm4_moe_4", lambda p: build_glm4_moe(p, num_hidden_layers=LAYERS)
+    )
+    expected = pool1.run(f"{__name__}:padding_trace_job", path=path, layout={})[0]
+    results = pool2.run(f"{__name__}:padding_trace_job", path=path, layout=dict(pp=2, vpp=2))
+    actual = {k: v for r in results for k, v in r.items()}
+    assert len(expected) == 2 * (LAYERS - 1) and float(expected["expert_bias_counts/layer_1"].sum()) > 0
+    # Counts are integers; each tracker sum is one float32 loss, computed alike in both layouts.
+    eps = torch.finfo(torch.float64).eps
+    assert_close_report(actual, expected, rtol=8 * eps, atol=0.0, what="router counts")
 
 
 def aux_grad_job(path: str, layout: dict) -> dict:
