@@ -109,6 +109,17 @@ def test_wrong_types_and_malformed_overrides():
     assert "actor.loss_agg_mode must be one of" in _error(["actor.loss_agg_mode=bad"])
 
 
+def test_scalar_for_a_section_names_the_section(tmp_path):
+    assert _error(["actor.optim=3"]) == (
+        "'actor.optim' is a section; expected a mapping, got 3 (from override 'actor.optim=3')"
+    )
+    yaml_path = tmp_path / "c.yaml"
+    yaml_path.write_text("actor:\n  optim: 0.001\n")
+    assert _error([], path=str(yaml_path)) == (
+        f"'actor.optim' is a section; expected a mapping, got 0.001 (in {yaml_path})"
+    )
+
+
 def test_batch_arithmetic():
     # quickstart: train_batch_size 64 prompts, rollout.n 8, actor mini-batch 32 prompts, micro 256.
     assert _error(["actor.ppo_mini_batch_size=48"]).startswith(

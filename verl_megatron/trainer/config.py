@@ -112,6 +112,9 @@ def _check_keys(schema_node: Any, values: Any, prefix: str, source: str) -> Any:
                 f"unknown config key '{full}' ({source})" + suggest_key(str(key), known, prefix)
             )
         child = schema_node._get_node(key)
+        # OmegaConf's own error for a scalar merged onto a section names no key ("'?': None").
+        if isinstance(child, DictConfig) and value is not None and not isinstance(value, dict):
+            raise ConfigError(f"'{full}' is a section; expected a mapping, got {value!r} ({source})")
         if isinstance(child, ListConfig) and isinstance(value, str):
             value = [value]
         checked[key] = _check_keys(child, value, f"{full}.", source)
