@@ -94,3 +94,27 @@ def test_sandbox_boot_enforces_the_wall_limit_of_a_stalled_caller() -> None:
         for proc in _sandbox_processes(marker):
             proc.kill()
         results.close()
+
+
+OPEN_FDS = (
+    "import os\n"
+    "def is_open(fd):\n"
+    "    try:\n"
+    "        os.fstat(fd)\n"
+    "    except OSError:\n"
+    "        return False\n"
+    "    return True\n"
+    "print([fd for fd in range(64) if is_open(fd)])\n"  # RLIMIT_NOFILE is 64
+)
+
+
+@pytest.mark.parametrize("mode", ["namespaces", "basic"])
+def test_program_holds_only_its_standard_streams(mode: str) -> None:
+    """The boot's status pipe, its handle on the host's /tmp and its bytecode (compiled once by
+    the caller, read from an fd) stay out of the program, first run and later ones alike."""
+    if mode == "namespaces" and sandbox.detect_isolation() != "namespaces":
+        mode = "basic"
+    for _ in range(2):
+        run = sandbox.run_sandboxed([sys.executable, "-I", "-S", "-c", OPEN_FDS], isolation=mode)
+        assert run.cause == sandbox.EXITED and run.returncode == 0, run
+        assert run.stdout == b"[0, 1, 2]\n", run

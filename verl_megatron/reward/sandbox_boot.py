@@ -3,8 +3,9 @@
 Run by :mod:`verl_megatron.reward.sandbox` as ``python -I -S -B sandbox_boot.py KEY=VALUE...
 -- PROGRAM_ARGV...`` (keys: ``namespaces``, ``workdir``, ``tmpfs_bytes``, ``status_fd``,
 ``no_fork``, ``wall_s``, ``hide``, ``bind`` (a path), ``link`` (``PATH\nTARGET``) (these three repeated),
-``env:NAME``, ``rlimit:RLIMIT_X`` = ``soft,hard``) with an empty environment, in
-a fresh temporary directory, with a status pipe on ``status_fd``. Standard library only and
+``env:NAME``, ``rlimit:RLIMIT_X`` = ``soft,hard``, ``code_fd``) with an empty environment, in
+a fresh temporary directory, with a status pipe on ``status_fd``; or from its bytecode, compiled
+once by the caller, as ``/proc/self/fd/N`` with ``code_fd=N`` (closed first). Standard library only and
 few imports (it runs for every sample): it must not import project code.
 
 With ``namespaces`` (the default where the kernel allows unprivileged user namespaces) it
@@ -376,7 +377,7 @@ def parse_args(args: list[str]) -> tuple[dict, list[str]]:
             config["link"][path] = target
         elif key in ("namespaces", "no_fork"):
             config[key] = value == "1"
-        elif key in ("tmpfs_bytes", "status_fd"):
+        elif key in ("tmpfs_bytes", "status_fd", "code_fd"):
             config[key] = int(value)
         elif key == "wall_s":
             config[key] = float(value)
@@ -388,6 +389,8 @@ def parse_args(args: list[str]) -> tuple[dict, list[str]]:
 def main() -> None:
     parent = os.getppid()
     config, argv = parse_args(sys.argv[1:])
+    if "code_fd" in config:
+        os.close(config["code_fd"])  # the boot's own bytecode, already read: not the program's
     status_fd = config["status_fd"]
     try:
         # The host's mount of the working directory's parent, opened before a mount namespace
