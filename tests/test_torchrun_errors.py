@@ -60,3 +60,24 @@ def test_start_up_error_reaches_the_user_every_time():
         reasons = [line for line in lines if line.startswith("traceback :")]
         assert reasons[-1] == f"traceback : {LINE}", output
     assert printed == REPEATS
+
+
+def test_failure_report_names_the_rank_that_died_first(capsys):
+    """Rank 1 was killed (-9) and torchrun then SIGTERMed rank 0 (-15): the line blames rank 1."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from verl_megatron.cli import _report_failures
+
+    failures = {
+        0: ProcessFailure(local_rank=0, pid=100, exitcode=-15, error_file=""),
+        1: ProcessFailure(local_rank=1, pid=101, exitcode=-9, error_file=""),
+    }
+    failures[0].timestamp = failures[1].timestamp  # torchrun's stamps are whole seconds
+    assert _report_failures(ChildFailedError("verl_megatron.train", failures)) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == "error: training failed: rank 1 exited with code -9 (its output is above)"
+    # Every rank SIGTERMed (the agent itself was stopped): the earliest one.
+    failures[1] = ProcessFailure(local_rank=1, pid=101, exitcode=-15, error_file="")
+    failures[0].timestamp, failures[1].timestamp = 20, 10
+    assert _report_failures(ChildFailedError("verl_megatron.train", failures)) == 1
+    assert "rank 1 exited with code -15" in capsys.readouterr().err

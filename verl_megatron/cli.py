@@ -11,6 +11,7 @@ so ``--help`` and ``--version`` answer at once.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 from collections.abc import Sequence
@@ -19,7 +20,7 @@ from verl_megatron.errors import EXIT_USER_ERROR, is_user_error, report_user_err
 
 __all__ = ["main"]
 
-_USAGE = "usage: verl-megatron {train,check-hf} [args...] | sft [args...] | --version | --help"
+_USAGE = "usage: verl-megatron {train,check-hf,plan} [args...] | sft [args...] | --version | --help"
 _HELP = f"""{_USAGE}
 
 Reinforcement-learning post-training (PPO, GRPO, DAPO) on megatron-core.
@@ -100,13 +101,21 @@ def _report_failures(err) -> int:
             return EXIT_USER_ERROR
     if any(f.exitcode == EXIT_USER_ERROR for _, f in failures):
         return EXIT_USER_ERROR
-    rank, failure = next(((r, f) for r, f in failures if f.exitcode > 0), failures[0])
+    rank, failure = next(((r, f) for r, f in failures if f.exitcode > 0), None) or _first_failure(failures)
     print(
         f"error: training failed: rank {rank} exited with code {failure.exitcode} (its output is above)",
         file=sys.stderr,
         flush=True,
     )
     return 1
+
+
+def _first_failure(failures: list) -> tuple:
+    """The (rank, failure) that died first: once one worker fails torchrun SIGTERMs the others,
+    so a -15 is a consequence unless every rank has it; the earliest of the rest (torchrun's
+    timestamps are whole seconds, so a tie goes to the lowest rank)."""
+    own = [(r, f) for r, f in failures if f.exitcode != -signal.SIGTERM] or failures
+    return min(own, key=lambda item: (item[1].timestamp, item[0]))
 
 
 def train(argv: list[str]) -> int:
