@@ -111,6 +111,36 @@ def test_a_size_that_fits_passes_and_bad_settings_are_one_line(job, peak, capsys
         assert err.startswith(message) and len(err.splitlines()) == 1, err
 
 
+def test_the_plan_holds_the_distillation_teacher(model_dir):
+    """The frozen teacher's weights stay on the GPU (unless algorithm.distill.teacher.offload
+    parks them between its forwards), and gkd_jsd holds the teacher's logits [B, Tr, V] of the
+    whole batch through the update: both count in the planned peak."""
+    import os
+
+    from verl_megatron.planner.command import plan_config
+    from verl_megatron.trainer.preflight import prepare_run
+
+    recipe = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "distill_quickstart.yaml")
+
+    def plan(*overrides):
+        models = [f"model.path={model_dir}", f"algorithm.distill.teacher.model.path={model_dir}"]
+        config, _, _ = prepare_run(recipe, [*models, *overrides], 1)
+        return plan_config(config, 1, 2**40, savings=None)
+
+    alone, taught = plan("algorithm.distill.enable=false"), plan()
+    # The teacher is the tiny llama, float32: 2 layers of (2 norms, q and o 64x64, k and v 64x32,
+    # gate, up and down 64x128), embedding and output 1024x64 (vocab 1000 padded to 128s), final norm.
+    teacher_bytes = 4 * (2 * (2 * 64 + 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128) + 2 * 1024 * 64 + 64)
+    assert teacher_bytes == 820480
+    assert taught.worst.roles["teacher"].state.params == teacher_bytes
+    assert taught.peak_phase == "update" and taught.peak - alone.peak == teacher_bytes
+    assert plan("algorithm.distill.teacher.offload=true").peak == alone.peak  # parked in the update
+    jsd = plan("algorithm.distill.loss=gkd_jsd")
+    logits = 64 * 8 * 4 * 1000 * 4  # train_batch_size * rollout.n rows, response_length, vocab_size, float32
+    assert jsd.peak - taught.peak == logits == 8_192_000
+    assert jsd.worst.phases["rollout"] == taught.worst.phases["rollout"]  # computed after the rollout
+
+
 def test_trainer_mode_and_sft_keys_are_refused_on_resume():
     from verl_megatron.trainer.config import default_config_path, load_config, to_dict
     from verl_megatron.trainer.run_dir import _refused, config_changes

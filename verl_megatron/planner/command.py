@@ -100,8 +100,13 @@ def plan_config(config: Any, world_size: int, gpu_bytes: int, savings: bool | No
     reward = None
     if config.reward_model.enable:
         reward = _hf_config(config.reward_model.model.path, "reward_model.model.path")
+    teacher = None
+    if config.algorithm.distill.enable:
+        teacher = _hf_config(
+            config.algorithm.distill.teacher.model.path, "algorithm.distill.teacher.model.path"
+        )
     config.parallel.resolve(world_size)  # a layout that cannot exist is bad input, not "does not fit"
-    specs = role_specs(config, hf_config, reward)
+    specs = role_specs(config, hf_config, reward, teacher)
     built: dict = {}
     plan = plan_memory(config, world_size, gpu_bytes, specs, built, other_optimizer=bool(savings))
     if savings or (savings is None and not plan.fits):

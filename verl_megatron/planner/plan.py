@@ -26,6 +26,7 @@ __all__ = [
     "phase_bytes",
     "plan_memory",
     "role_specs",
+    "teacher_logits_bytes",
 ]
 
 PHASES = ("rollout", "log_probs", "update")
@@ -85,7 +86,9 @@ class MemoryPlan:
         return max(phases, key=phases.get)
 
 
-def role_specs(config: Any, hf_config: Any, reward_hf_config: Any = None) -> list[RoleSpec]:
+def role_specs(
+    config: Any, hf_config: Any, reward_hf_config: Any = None, teacher_hf_config: Any = None
+) -> list[RoleSpec]:
     """The models a job with ``config`` (a PPOConfig) builds on every rank, as the trainer does."""
     from verl_megatron.trainer.config import use_critic, use_reference
 
@@ -102,7 +105,23 @@ def role_specs(config: Any, hf_config: Any, reward_hf_config: Any = None) -> lis
     if config.reward_model.enable and reward_hf_config is not None:
         rm = config.reward_model
         specs.append(RoleSpec("reward_model", reward_hf_config, rm.model, rm.parallel, value_head=True))
+    if config.algorithm.distill.enable and teacher_hf_config is not None:  # frozen, only run
+        teacher = config.algorithm.distill.teacher
+        specs.append(RoleSpec("teacher", teacher_hf_config, teacher.model, teacher.parallel))
     return specs
+
+
+def teacher_logits_bytes(config: Any, specs: list[RoleSpec]) -> int:
+    """``algorithm.distill.loss: gkd_jsd``: the teacher's logits [B, Tr, V] of the whole batch,
+    gathered on every rank in its dtype and held from its forward through the update."""
+    teacher = next((s for s in specs if s.name == "teacher"), None)
+    if teacher is None or config.algorithm.distill.loss != "gkd_jsd":
+        return 0
+    from verl_megatron.models.config import read_hf_architecture
+
+    rows = config.data.train_batch_size * config.rollout.n
+    vocab = read_hf_architecture(teacher.hf_config).vocab_size
+    return rows * config.rollout.response_length * vocab * teacher.model.torch_dtype.itemsize
 
 
 def representative_ranks(layout: ParallelLayout, shards_over_dp: bool) -> list[int]:
@@ -155,6 +174,9 @@ def micro_batch_tokens(config: Any, role: str) -> tuple[int, int]:
         if worker.use_dynamic_bsz
         else worker.ppo_micro_batch_size_per_gpu * length
     )
+    if role == "teacher":  # its own forward micro-batch (algorithm.distill.teacher)
+        t = config.algorithm.distill.teacher
+        return 0, t.max_token_len_per_gpu if t.use_dynamic_bsz else t.micro_batch_size_per_gpu * length
     if role == "reference":
         ref = config.ref
         infer = (
@@ -227,6 +249,8 @@ def _offload(config: Any, role: str) -> Any:
 
 def _moved(config: Any, role: str) -> dict[str, bool]:
     """Which parts of ``role``'s state its offload switches move to host memory between uses."""
+    if role == "teacher":  # algorithm.distill.teacher.offload parks its weights between its forwards
+        return {"param": config.algorithm.distill.teacher.offload, "grad": False, "optimizer": False}
     off = _offload(config, role)
     return {
         part: bool(off is not None and getattr(off, f"{part}_offload"))
@@ -329,6 +353,7 @@ def plan_memory(
     layout = config.parallel.resolve(world_size)
     distopt = any(s.optim is not None and s.optim.use_distributed_optimizer for s in specs)
     built = {} if built is None else built
+    held = teacher_logits_bytes(config, specs)  # on the GPU outside the rollout
     positions = []
     for rank in representative_ranks(layout, shards_over_dp=distopt):
         roles: dict[str, RoleMemory] = {}
@@ -339,7 +364,7 @@ def plan_memory(
             roles[spec.name] = _role_memory(config, spec, where.pp, states)
         engine = _engine_bytes(config, specs[0].hf_config, layout, gpu_bytes)
         plan = PositionPlan(position, roles, engine)
-        plan.phases = phase_bytes(config, roles, engine)
+        plan.phases = {p: b + held * (p != "rollout") for p, b in phase_bytes(config, roles, engine).items()}
         plan.offload = offload_schedule(config, roles)
         positions.append(plan)
     return MemoryPlan(world_size, gpu_bytes, layout, positions)

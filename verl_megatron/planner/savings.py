@@ -154,7 +154,8 @@ def candidate_changes(config: Any, hf_config: Any, world_size: int, roles: set[s
 
 def _respec(config: Any, specs: list[RoleSpec]) -> list[RoleSpec]:
     reward = next((s.hf_config for s in specs if s.name == "reward_model"), None)
-    return role_specs(config, specs[0].hf_config, reward)
+    teacher = next((s.hf_config for s in specs if s.name == "teacher"), None)
+    return role_specs(config, specs[0].hf_config, reward, teacher)
 
 
 def plan_savings(
