@@ -61,8 +61,9 @@ class DistillConfig:
     coef: float = 0.0
     """Weight of the rule reward's advantages (``algorithm.adv_estimator``) mixed in; 0: pure distillation."""
     whiten: bool = True
-    """Subtract the batch mean of the reverse-KL advantages and divide by their std (a constant
-    baseline: the same expected gradient, less variance; ``algos/distill.reverse_kl_advantages``)."""
+    """Subtract the batch mean of the reverse-KL advantages and divide by their std: subtracting
+    (a constant baseline) keeps the expected gradient and lowers its variance; dividing rescales
+    the gradient by 1/std (``algos/distill.reverse_kl_advantages``)."""
     jsd_beta: float = 0.5
     """``gkd_jsd``: the mixture weight beta in [0, 1] (0: forward KL(teacher || student), 1: reverse KL)."""
     jsd_temperature: float = 1.0
