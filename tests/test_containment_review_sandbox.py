@@ -118,3 +118,11 @@ def test_program_holds_only_its_standard_streams(mode: str) -> None:
         run = sandbox.run_sandboxed([sys.executable, "-I", "-S", "-c", OPEN_FDS], isolation=mode)
         assert run.cause == sandbox.EXITED and run.returncode == 0, run
         assert run.stdout == b"[0, 1, 2]\n", run
+
+
+def test_without_a_memfd_the_boot_runs_its_source(monkeypatch) -> None:
+    """Where no sealed memfd can hold the boot's bytecode, the boot runs from its source file."""
+    monkeypatch.setattr(sandbox, "_boot_bytecode", lambda path: None)
+    run = sandbox.run_sandboxed([sys.executable, "-I", "-S", "-c", OPEN_FDS])
+    assert run.cause == sandbox.EXITED and run.returncode == 0, run
+    assert run.stdout == b"[0, 1, 2]\n", run
