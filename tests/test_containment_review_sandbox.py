@@ -126,3 +126,25 @@ def test_without_a_memfd_the_boot_runs_its_source(monkeypatch) -> None:
     run = sandbox.run_sandboxed([sys.executable, "-I", "-S", "-c", OPEN_FDS])
     assert run.cause == sandbox.EXITED and run.returncode == 0, run
     assert run.stdout == b"[0, 1, 2]\n", run
+
+
+def test_a_closed_bytecode_fd_is_made_again_not_reused() -> None:
+    """A worker process closes the fds it inherited, and another file may then take the boot
+    bytecode's number: the sandbox must make its bytecode again, never start a boot from
+    whatever file now holds that number."""
+    print_ok = [sys.executable, "-I", "-S", "-c", "print('ok')"]
+    assert sandbox.run_sandboxed(print_ok).stdout == b"ok\n"
+    fd = sandbox._boot_bytecode(sandbox.sandbox_boot.__file__)
+    if fd is None:  # no sealed memfds here: the boot runs its source, nothing is cached
+        return
+    os.close(fd)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    impostor = os.dup2(devnull, fd)  # another file takes the closed number
+    os.close(devnull)
+    try:
+        run = sandbox.run_sandboxed(print_ok)
+        assert run.cause == sandbox.EXITED and run.stdout == b"ok\n", run
+        fresh = sandbox._boot_bytecode(sandbox.sandbox_boot.__file__)
+        assert fresh not in (None, fd), (fresh, fd)
+    finally:
+        os.close(impostor)

@@ -361,12 +361,32 @@ def _run(
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-@functools.cache
+# path -> (pid, fd, (st_dev, st_ino)) of the boot's bytecode made in process pid.
+_BOOT_CODE: dict[str, tuple[int, int, tuple[int, int]]] = {}
+
+
 def _boot_bytecode(path: str) -> int | None:
     """A sealed (unwritable) in-memory .pyc of the boot script at ``path``, compiled once per
     process: run from its source, every boot compiled its ~500 lines again (about 4 ms of CPU
     a sample). None where the kernel has no sealed memfds or no /proc: the boot then runs its
-    source. Two threads' first runs may each make one; one fd of the two is kept open unused."""
+    source. Two threads' first runs may each make one; one fd of the two is kept open unused.
+    A forked child makes its own, and so does a process whose fd was closed since (a worker
+    closes what it inherited): a number from the cache is used only while it still names the
+    file it was made as, never a file that later took the number."""
+    cached = _BOOT_CODE.get(path)
+    if cached is not None and cached[0] == os.getpid():
+        with contextlib.suppress(OSError):
+            st = os.fstat(cached[1])
+            if (st.st_dev, st.st_ino) == cached[2]:
+                return cached[1]
+    fd = _new_boot_bytecode(path)
+    if fd is not None:
+        st = os.fstat(fd)
+        _BOOT_CODE[path] = (os.getpid(), fd, (st.st_dev, st.st_ino))
+    return fd
+
+
+def _new_boot_bytecode(path: str) -> int | None:
     if not hasattr(os, "memfd_create") or not os.path.isdir("/proc/self/fd"):
         return None
     with open(path, "rb") as f:
