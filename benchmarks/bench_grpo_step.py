@@ -396,7 +396,9 @@ def _ours_shares_prompts(cfg: GRPOBenchConfig) -> bool:
     ids = torch.arange(rows * t).view(rows, t) + 3
     ids[:, : cfg.prompt_len] = (torch.arange(rows) // cfg.group)[:, None] + 3  # one prompt per group
     mask = torch.ones_like(ids)
-    return shared_prefix_inputs(ids, mask, ids[:, cfg.prompt_len :], t) is not None
+    return (
+        shared_prefix_inputs(ids, mask, ids[:, cfg.prompt_len :], alternative_positions=rows * t) is not None
+    )
 
 
 def stage_flops(cfg: GRPOBenchConfig, impl: str) -> dict[str, dict[str, float]]:

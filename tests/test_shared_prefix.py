@@ -310,3 +310,33 @@ def test_a_ppo_step_with_shared_prompts_matches_the_padded_one(pool1, tmp_path):
         atol=1e-6,
         what="PPO step metrics, shared prompt rows vs padded rows",
     )
+
+
+def one_group(prompt_len: int, resp_lens: list[int], width: int) -> dict[str, torch.Tensor]:
+    """One prompt of ``prompt_len`` tokens with a response of each length (``width`` columns)."""
+    g = torch.Generator().manual_seed(1)
+    rows = len(resp_lens)
+    prompts = torch.randint(1, VOCAB, (1, prompt_len), generator=g).repeat(rows, 1)
+    responses = torch.randint(1, VOCAB, (rows, width), generator=g)
+    return padded_batch(prompts, responses, torch.full((rows,), prompt_len), torch.tensor(resp_lens))
+
+
+def test_sharing_is_weighed_against_the_layout_that_would_run():
+    """Shared positions are compared with the packed row's length when packing is on. Long-tailed
+    group (prompt 4, responses 20 + 7 x 1): shared 4 + 8 x 20 = 164 positions, padded 8 x 24 = 192,
+    packed 8 x 4 + 27 = 59. Against the padded count sharing was taken with packing too (164 > 59)."""
+    from verl_megatron.workers.batching import build_micro_batches
+
+    batch = one_group(4, [20] + [1] * 7, 20)
+    packed_len = int(batch["attention_mask"].sum())
+    assert packed_len == 59
+    (padded,) = build_micro_batches(batch, [list(range(8))], pack=False, share_prefix=True)
+    assert padded.inputs.shared_prefix is not None and padded.inputs.input_ids.shape == (1, 164)
+    (packed,) = build_micro_batches(batch, [list(range(8))], pack=True, share_prefix=True)
+    assert packed.inputs.shared_prefix is None, packed.inputs.input_ids.shape
+    assert packed.inputs.input_ids.numel() == packed_len
+    # Long shared prompts (40 tokens, 4 responses of 5): shared 60 positions, packed 180.
+    batch = one_group(40, [5] * 4, 5)
+    (mb,) = build_micro_batches(batch, [list(range(4))], pack=True, share_prefix=True)
+    assert mb.inputs.shared_prefix is not None and mb.inputs.input_ids.shape == (1, 60)
+    assert int(batch["attention_mask"].sum()) == 180

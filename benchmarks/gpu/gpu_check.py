@@ -268,7 +268,7 @@ def update_flops(batch: Any, sizes: dict[str, int], micro_batch: int, shares_pro
         mask = tensors["attention_mask"][start : rows.stop]
         shared = shares_prompts and shared_prefix_inputs(
             tensors["input_ids"][start : rows.stop], mask, tensors["responses"][start : rows.stop],
-            int(mask.sum(-1).max()),
+            alternative_positions=len(rows) * int(mask.sum(-1).max()),
         ) is not None  # fmt: skip
         shared_micro_batches += shared
         groups: dict[Any, list[int]] = {}

@@ -417,7 +417,7 @@ def build_micro_batches(
         ids, mask, resp = (batch[k][rows] for k in ("input_ids", "attention_mask", "responses"))
         inputs = None
         if share_prefix and not uniform and not thd and cp_size == 1 and align == 1:
-            inputs = shared_prefix.shared_prefix_inputs(ids, mask, resp, _model_shape(mask, False, 1, 1)[1])
+            inputs = shared_prefix.shared_prefix_inputs(ids, mask, resp, alternative_positions=num * width)
         if inputs is None and pack:
             inputs = _packed_inputs(ids, mask, resp, width, thd, cp_size)
         elif inputs is None:

@@ -23,7 +23,11 @@ S x S pairs, and re-indexes the rotary table by the layout's ``rotary_index``
 (``models.rotary_positions``).
 
 Rows whose response tokens are not a contiguous prefix of the response columns, or a micro-batch
-where sharing would not save positions, keep the ordinary layout.
+where sharing would not save positions over the layout that would run instead, keep the ordinary
+layout. That comparison is against the caller's layout: rows x padded width for padded rows, the
+sum of real tokens for a packed row (``use_remove_padding``). Against the padded count a
+long-tailed packed micro-batch (most responses short, one long) would take n slots of the longest
+response's width and run more positions than packing does.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from verl_megatron.workers.model_inputs import PAD_ID, ModelInputs, response_col
 __all__ = ["SharedPrefix", "attend", "full_mask", "shared_prefix_inputs", "unsupported_reason"]
 
 # A micro-batch is laid out shared only when that needs at most this fraction of the
-# positions of the padded layout (the extra attention calls cost a little).
+# positions of the layout that would run otherwise (the extra attention calls cost a little).
 _MIN_SAVING = 0.9
 # Upper bound on the [G, 1, S, S] mask's elements (bytes); past it the ordinary layouts are used.
 _MAX_MASK_ELEMENTS = 1 << 26
@@ -52,10 +56,20 @@ def _prompt_groups(prompts: list[tuple[int, ...]]) -> list[list[int]]:
 
 
 def shared_prefix_inputs(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, responses: torch.Tensor, padded_width: int
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    responses: torch.Tensor,
+    *,
+    alternative_positions: int,
 ):
     """Shared-prompt ModelInputs for one micro-batch's rows, or None where the layout does not apply
-    or would not save positions over ``padded_width`` columns per row."""
+    or would not save positions.
+
+    ``alternative_positions`` is what the micro-batch's other layout runs: rows x padded width
+    for padded rows, the packed row's length (its real tokens) with packing. The shared layout,
+    groups x (P + n x W) positions, is taken only when that is at most ``_MIN_SAVING`` of it and
+    its [G, 1, S, S] mask has at most ``_MAX_MASK_ELEMENTS`` elements.
+    """
     response_columns(attention_mask, responses.shape[1])  # its one-line errors first
     rows, tr = responses.shape
     tp = input_ids.shape[1] - tr
@@ -71,7 +85,7 @@ def shared_prefix_inputs(
     w = max(int(resp_len.max()), 1)
     s = p + n * w
     num = len(groups)
-    if num * s > _MIN_SAVING * rows * padded_width or num * s * s > _MAX_MASK_ELEMENTS:
+    if num * s > _MIN_SAVING * alternative_positions or num * s * s > _MAX_MASK_ELEMENTS:
         return None
 
     ids = torch.full((num, s), PAD_ID, dtype=input_ids.dtype)
