@@ -91,5 +91,5 @@ def test_subcommands(capsys, monkeypatch):
     monkeypatch.setattr(check_hf, "main", lambda argv: seen.append(argv) or 7)
     assert cli.main(["check-hf", "/models/x", "--tp", "2"]) == 7
     assert seen == [["/models/x", "--tp", "2"]]
-    assert cli.main([]) == 2 and "usage: verl-megatron {train,check-hf,plan}" in capsys.readouterr().err
+    assert cli.main([]) == 2 and "usage: verl-megatron {train,check,check-hf,plan}" in capsys.readouterr().err
     assert cli.main(["serve"]) == 2 and "unknown command 'serve'" in capsys.readouterr().err

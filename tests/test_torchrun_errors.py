@@ -15,6 +15,8 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LINE = "error: parallel: tp*pp*cp = 3*1*1 = 3 does not divide the world size 2"
 # The old failure showed in 2 of 3 runs: 6 runs all passing would happen with it by chance 0.14% of
@@ -81,3 +83,38 @@ def test_failure_report_names_the_rank_that_died_first(capsys):
     failures[0].timestamp, failures[1].timestamp = 20, 10
     assert _report_failures(ChildFailedError("verl_megatron.train", failures)) == 1
     assert "rank 1 exited with code -15" in capsys.readouterr().err
+
+
+TYPO_LINE = "error: unknown config key 'actor.optim.lrr' (from override 'actor.optim.lrr=1'); did you mean 'actor.optim.lr'?"
+
+
+@pytest.mark.parametrize(
+    "script, env",
+    [
+        ("single_node.sh", {"NPROC": "1"}),
+        ("single_node.sh", {"NPROC": "2"}),
+        (
+            "multi_node.sh",
+            {"NNODES": "1", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "NPROC_PER_NODE": "2"},
+        ),
+    ],
+)
+def test_launch_script_config_error_is_one_line_and_exit_2(script, env):
+    """The scripts check the config once before torchrun, which would restart the failed job
+    MAX_RESTARTS (3) times: four attempts, five error lines and exit status 1."""
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHON": sys.executable,
+        "MASTER_PORT": str(_free_port()),
+        **env,
+    }
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        env.pop(key, None)
+    run = subprocess.run(
+        [os.path.join(ROOT, "launch", script), "actor.optim.lrr=1"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    output = run.stdout + run.stderr
+    assert run.returncode == 2, output
+    assert [line for line in output.splitlines() if "error" in line.lower()] == [TYPO_LINE], output

@@ -20,7 +20,7 @@ from verl_megatron.errors import EXIT_USER_ERROR, is_user_error, report_user_err
 
 __all__ = ["main"]
 
-_USAGE = "usage: verl-megatron {train,check-hf,plan} [args...] | sft [args...] | --version | --help"
+_USAGE = "usage: verl-megatron {train,check,check-hf,plan} [args...] | sft [args...] | --version | --help"
 _HELP = f"""{_USAGE}
 
 Reinforcement-learning post-training (PPO, GRPO, DAPO) on megatron-core.
@@ -30,6 +30,9 @@ commands:
                                           (verl-megatron train --help for more)
   sft [--config FILE] [key=value ...]     supervised fine-tuning on the same actor (train with
                                           trainer.mode=sft); without --config: configs/sft_quickstart.yaml
+  check [--config FILE] [--world-size N] [key=value ...]
+                                          train's start-up checks (config, data, resume) for N
+                                          processes, nothing started (exit 0 passes, 2 bad input)
   check-hf PATH [--tp N] [--pp N] [--vpp N] [--ep N] [--etp N] [--dtype D] [--tolerance X] [--seed N]
                                           compare megatron's logits with transformers'
                                           for a Hugging Face checkpoint (MoE: --ep/--etp)
@@ -118,6 +121,47 @@ def _first_failure(failures: list) -> tuple:
     return min(own, key=lambda item: (item[1].timestamp, item[0]))
 
 
+def _prepare(config, config_path: str | None, overrides: list[str], world_size: int) -> None:
+    """Everything a rank checks before it needs a process group, for ``world_size`` ranks:
+    config, data, resume target (an SFT run: its own checks)."""
+    from verl_megatron.trainer.preflight import prepare_run
+
+    if config.trainer.mode == "sft":
+        from verl_megatron.trainer.sft_trainer import prepare_sft as prepare_run
+    prepare_run(config_path, overrides, world_size)
+
+
+def check(argv: list[str]) -> int:
+    """``check``: train's start-up checks once, before a launcher starts its ranks (launch/*.sh),
+    so a config error is one line and exit status 2 instead of a torchrun restart per attempt."""
+    import argparse
+
+    from verl_megatron import train as train_module
+
+    parser = argparse.ArgumentParser(
+        prog="verl-megatron check", description="The start-up checks of train; nothing is built or run."
+    )
+    parser.add_argument("--config", default=None, help="YAML config (default: configs/quickstart.yaml)")
+    parser.add_argument(
+        "--world-size", type=int, default=None, help="processes (default: trainer.nnodes x n_gpus_per_node)"
+    )
+    parser.add_argument("overrides", nargs="*", help="config overrides, e.g. actor.optim.lr=1e-6")
+    args = parser.parse_intermixed_args(argv)
+    train_module.quiet_warnings()
+    try:
+        from verl_megatron.trainer.config import default_config_path, load_config
+
+        config = load_config(args.config or default_config_path(), args.overrides)
+        world_size = args.world_size or config.trainer.nnodes * config.trainer.n_gpus_per_node
+        _prepare(config, args.config, args.overrides, world_size)
+    except Exception as err:
+        if not is_user_error(err):
+            raise
+        return report_user_error(err)
+    print(f"verl-megatron check: the start-up checks pass for {world_size} process(es)", flush=True)
+    return 0
+
+
 def train(argv: list[str]) -> int:
     """Run training here, or under torchrun when the config asks for several processes."""
     from verl_megatron import train as train_module
@@ -130,7 +174,6 @@ def train(argv: list[str]) -> int:
     train_module.quiet_warnings()
     try:
         from verl_megatron.trainer.config import default_config_path, load_config
-        from verl_megatron.trainer.preflight import prepare_run
 
         config = load_config(args.config or default_config_path(), args.overrides)
         trainer = config.trainer
@@ -142,10 +185,7 @@ def train(argv: list[str]) -> int:
             )
             return EXIT_USER_ERROR
         if trainer.n_gpus_per_node > 1:
-            # Everything that can be checked without a process group is checked here, once.
-            if trainer.mode == "sft":
-                from verl_megatron.trainer.sft_trainer import prepare_sft as prepare_run
-            prepare_run(args.config, args.overrides, trainer.n_gpus_per_node)
+            _prepare(config, args.config, args.overrides, trainer.n_gpus_per_node)
     except Exception as err:
         if not is_user_error(err):
             raise
@@ -170,6 +210,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not any(a == "--config" or a.startswith("--config=") for a in rest):
             rest = ["--config", _SFT_QUICKSTART, *rest]
         return train([*rest, "trainer.mode=sft"])
+    if command == "check":
+        return check(rest)
     if command == "check-hf":
         from verl_megatron.tools.check_hf import main as check_hf_main
 
