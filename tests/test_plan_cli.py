@@ -121,3 +121,32 @@ def test_readme_plan_command_runs_and_fits(capsys):
     (command,) = [c for c in readme_commands() if c.startswith("verl-megatron plan")]
     assert main(shlex.split(command)[1:]) == 0
     assert "verdict: FITS" in capsys.readouterr().out
+
+
+def _quickstart_plan(path: str, capsys, *extra: str) -> tuple[int, str, str]:
+    args = ["plan", "--config", "configs/quickstart.yaml", f"model.path={path}", "--gpus", "2", *extra]
+    status = main(args)
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_unset_micro_batch_is_derived_as_the_trainer_does(config_only, capsys):
+    """quickstart.yaml leaves actor.ppo_micro_batch_size_per_gpu unset: the trainer derives a rank's
+    share of a mini-batch (32 prompts x n=8 / dp=2 = 128); the plan is that of the explicit size."""
+    status, derived, _ = _quickstart_plan(config_only, capsys, "--json")
+    assert status == 0
+    status, explicit, _ = _quickstart_plan(
+        config_only, capsys, "--json", "actor.ppo_micro_batch_size_per_gpu=128"
+    )
+    assert status == 0 and json.loads(derived) == json.loads(explicit)
+    _, other, _ = _quickstart_plan(config_only, capsys, "--json", "actor.ppo_micro_batch_size_per_gpu=64")
+    actor = json.loads(derived)["positions"][0]["roles"]["actor"]
+    assert (
+        actor["train_activations"] > json.loads(other)["positions"][0]["roles"]["actor"]["train_activations"]
+    )
+
+
+def test_config_the_trainer_refuses_is_bad_input(config_only, capsys):
+    status, out, err = _quickstart_plan(config_only, capsys, "actor.ppo_micro_batch_size_per_gpu=3")
+    assert status == 2 and not out
+    assert len(err.strip().splitlines()) == 1 and "does not divide the 128 samples" in err, err

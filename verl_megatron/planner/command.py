@@ -86,8 +86,22 @@ def build_plan(args: argparse.Namespace) -> Any:
     if args.gpus < 1:
         raise ConfigError(f"--gpus must be >= 1, got {args.gpus}")
     gpu_bytes = parse_memory(args.gpu_memory)
-    config = load_config(args.config or default_config_path(), args.overrides)
+    config = _checked(load_config(args.config or default_config_path(), args.overrides), args.gpus)
     return plan_config(config, args.gpus, gpu_bytes)
+
+
+def _checked(config: Any, world_size: int) -> Any:
+    """``config`` after the trainer's start-up checks for ``world_size`` GPUs (those that need no
+    weights, engine or GPU here): a config the trainer refuses is bad input, and the checks fill
+    in the micro-batch sizes left unset."""
+    if config.trainer.mode == "sft":
+        from verl_megatron.trainer.sft_trainer import check_sft_config
+
+        return check_sft_config(config, world_size, this_machine=False)[0]
+    from verl_megatron.trainer.config import validate_config
+
+    validate_config(config, world_size, this_machine=False)
+    return config
 
 
 def plan_config(config: Any, world_size: int, gpu_bytes: int, savings: bool | None = True) -> Any:

@@ -60,18 +60,23 @@ def _check_sft_data(config: PPOConfig) -> DataSizes | None:
 
 def prepare_sft(config_path: str | None, overrides: Sequence[str], world_size: int) -> tuple[Any, Any, Any]:
     """(config, layout, data sizes) of an SFT run of ``world_size`` processes, everything checked."""
+    config, layout = check_sft_config(load_config(config_path, list(overrides)), world_size)
+    return config, layout, _check_sft_data(config)
+
+
+def check_sft_config(config: PPOConfig, world_size: int, this_machine: bool = True) -> tuple[PPOConfig, Any]:
+    """(config with its derived micro-batch size, layout): the config checks of an SFT run
+    (``this_machine``: see ``validate_config``)."""
     from verl_megatron.errors import ConfigError
 
-    config = load_config(config_path, list(overrides))
     if config.rollout.n != 1:
         raise ConfigError(f"rollout.n={config.rollout.n}: SFT trains each row once; set rollout.n=1")
     # SFT builds the actor alone: checked as a run without critic (the default estimator has one).
     actor_only = dataclasses.replace(
         config, algorithm=dataclasses.replace(config.algorithm, adv_estimator="reinforce_plus_plus")
     )
-    layout = validate_config(actor_only, world_size)
-    config = dataclasses.replace(config, actor=actor_only.actor)  # with a derived micro-batch size
-    return config, layout, _check_sft_data(config)
+    layout = validate_config(actor_only, world_size, this_machine)
+    return dataclasses.replace(config, actor=actor_only.actor), layout  # with a derived micro-batch size
 
 
 def sft_startup_line(config: PPOConfig, layout: Any, world_size: int, data: DataSizes | None) -> str:

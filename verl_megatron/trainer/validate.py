@@ -397,9 +397,11 @@ def _check_finite(node: Any, prefix: str) -> None:
             raise ConfigError(f"{prefix}{f.name} must be a finite number, got {value}")
 
 
-def check_model_fits(layout: ParallelLayout, model_path: str, sequence_parallel: bool = False) -> None:
+def check_model_fits(
+    layout: ParallelLayout, model_path: str, sequence_parallel: bool = False, weights: bool = True
+) -> None:
     """Parallel sizes against the checkpoint's heads, kv heads, layers and experts (config.json), and
-    its weights against config.json (safetensors headers only)."""
+    its weights against config.json (safetensors headers only) with ``weights``."""
     if not os.path.exists(os.path.expanduser(model_path)):
         raise ConfigError(f"model.path='{model_path}' does not exist")
     try:
@@ -413,7 +415,8 @@ def check_model_fits(layout: ParallelLayout, model_path: str, sequence_parallel:
         check_trainable(arch.moe, layout.tp, sequence_parallel)
     except (ParallelConfigError, ModelConfigError) as err:
         raise ConfigError(f"parallel: {err} (model.path='{model_path}')") from None
-    check_hf_weights(model_path, arch)  # headers only: missing, truncated or misfit weights named
+    if weights:
+        check_hf_weights(model_path, arch)  # headers only: missing, truncated or misfit weights named
 
 
 def _check_family_features(config: PPOConfig, layout: ParallelLayout) -> None:
@@ -447,7 +450,7 @@ def _resolve_layout(config: PPOConfig, world_size: int) -> ParallelLayout:
         raise ConfigError(f"parallel: {err}") from None
 
 
-def _check_model_and_rollout(config: PPOConfig, layout: ParallelLayout) -> None:
+def _check_model_and_rollout(config: PPOConfig, layout: ParallelLayout, this_machine: bool = True) -> None:
     """The model's settings on this layout and the rollout engine that serves it."""
     # Before the engine's install check: vllm cannot record routes.
     routing_replay.check_config(
@@ -460,9 +463,10 @@ def _check_model_and_rollout(config: PPOConfig, layout: ParallelLayout) -> None:
         # Its routing check refuses the quickstart's dense model; quickstart.family may build an MoE one.
         quickstart=config.quickstart.enable and config.quickstart.family not in MOE_MODEL_TYPES,
     )
-    config.model.validate(layout)
+    if this_machine:
+        config.model.validate(layout)  # Transformer Engine and CUDA among them
+        check_engine_installed(config.rollout.name)
     config.model.recompute_settings()
-    check_engine_installed(config.rollout.name)
     check_rollout_lora(config.rollout, config.model)
     old_log_prob_micro_batch_size(config.rollout, config.actor)
     _check_expert_rollout(config, layout)
@@ -558,16 +562,19 @@ def _check_inputs_named(config: PPOConfig) -> None:
         raise ConfigError("data.train_files is empty; give parquet/jsonl files of verl rows")
 
 
-def validate_config(config: PPOConfig, world_size: int) -> ParallelLayout:
+def validate_config(config: PPOConfig, world_size: int, this_machine: bool = True) -> ParallelLayout:
     """Check the whole config for a job of ``world_size`` processes; return the resolved layout.
 
     Runs before any model is built. Every error names the key at fault. The
     model's shape is checked against the layout when ``model.path`` is set
-    (the quickstart checks its own tiny model once it is built).
+    (the quickstart checks its own tiny model once it is built). ``this_machine=False`` leaves
+    out what only the machine that runs the job answers: weight files, the rollout engine's
+    package, Transformer Engine and CUDA (``verl-megatron plan`` plans a job for other machines
+    from the checkpoints' config.json alone).
     """
     layout = _resolve_layout(config, world_size)
     _check_finite(config, "")
-    _check_model_and_rollout(config, layout)
+    _check_model_and_rollout(config, layout, this_machine)
     check_agent_port(config.rollout, world_size, config.trainer.nnodes)
     _check_lengths(config)
     _check_trainer(config)
@@ -577,8 +584,10 @@ def validate_config(config: PPOConfig, world_size: int) -> ParallelLayout:
     _check_token_budgets(config, layout.cp)
     _check_inputs_named(config)
     if config.model.path:
-        check_model_fits(layout, config.model.path, config.model.sequence_parallel)
-        _check_family_features(config, layout)
-    check_model_rewards(config, world_size)  # reward model checkpoint and layout, combine, judge
+        check_model_fits(layout, config.model.path, config.model.sequence_parallel, weights=this_machine)
+    if config.model.path and this_machine:
+        _check_family_features(config, layout)  # some need Transformer Engine's presence
+    if this_machine:
+        check_model_rewards(config, world_size)  # reward model checkpoint and layout, combine, judge
     check_teacher_layout(config, world_size)  # the distillation teacher's own tp/pp and settings
     return layout
