@@ -41,3 +41,35 @@ def test_shipped_config_builds_to_the_published_size(name):
         per_rank = hf.num_hidden_layers * (experts // ep) * 3 * hf.hidden_size * expert_size
         params += (ep - 1) * per_rank
     assert abs(params / 1e9 / PUBLISHED_BILLIONS[name] - 1) < 0.01, f"{name}: {params / 1e9:.3f}B"
+
+
+def test_sft_is_planned_as_the_actor_alone(tmp_path):
+    """configs/sft_quickstart.yaml: no rollout engine, reference or critic; rows of sft.max_length
+    (16) tokens, not the rollout's prompt + response (8 + 4). The actor's state and activations
+    equal those of an RL job's actor with 16-token rows and the same micro-batch."""
+    from verl_megatron.planner.command import _checked, plan_config
+    from verl_megatron.trainer.config import load_config
+    from verl_megatron.utils.local_assets import build_tiny_hf_model
+
+    build_tiny_hf_model(
+        tmp_path, "llama", vocab_size=32, hidden_size=64, num_heads=4, num_kv_heads=4, num_layers=2
+    )
+    sft_yaml = os.path.join(os.path.dirname(__file__), "..", "configs", "sft_quickstart.yaml")
+
+    def actor_plan(*overrides: str):
+        config = _checked(load_config(sft_yaml, [f"model.path={tmp_path}", *overrides]), 1)
+        return plan_config(config, 1, 2**40, savings=False).positions[0]
+
+    sft = actor_plan()
+    rl = actor_plan(
+        "trainer.mode=rl", "data.max_prompt_length=8", "data.max_response_length=8",
+        "algorithm.adv_estimator=reinforce_plus_plus",
+    )  # fmt: skip
+    assert set(sft.roles) == {"actor"} and sft.engine == {} and rl.engine["kv_cache"] > 0
+    actor = sft.roles["actor"]
+    assert actor == rl.roles["actor"] and actor.train_activations > 0
+    state = actor.state.params + actor.state.grads + actor.state.optimizer
+    assert sft.phases == {
+        "validation": state + actor.infer_activations,
+        "update": state + actor.train_activations,
+    }

@@ -5,7 +5,8 @@ come from ``activations``; the rollout engine's memory from the rollout config. 
 colocated step: ``rollout`` (generation), ``log_probs`` (old / reference log-probs, values) and
 ``update`` (actor and critic forward + backward + step). Offloaded state is off the GPU in the
 phases that do not use it (the switches of ``<role>.megatron``; the external engines sleep
-outside the rollout).
+outside the rollout). An SFT run (``trainer.mode: sft``) builds the actor alone, generates
+nothing, and has two phases: ``validation`` (the loss's forward) and ``update``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ __all__ = [
     "phase_bytes",
     "plan_memory",
     "role_specs",
+    "sequence_length",
     "teacher_logits_bytes",
 ]
 
@@ -94,6 +96,8 @@ def role_specs(
 
     lora = config.model.lora_rank > 0
     specs = [RoleSpec("actor", hf_config, config.model, config.parallel, optim=config.actor.optim, lora=lora)]
+    if config.trainer.mode == "sft":  # the SFT loop builds the actor alone
+        return specs
     if use_reference(config):
         specs.append(RoleSpec("reference", hf_config, config.model, config.parallel))
     if use_critic(config):
@@ -165,9 +169,16 @@ def _recomputes(model: Any) -> bool:
     return bool(model.enable_gradient_checkpointing or model.recompute_granularity == "full")
 
 
+def sequence_length(config: Any) -> int:
+    """A row's longest length: prompt + response, or an SFT run's sft.max_length."""
+    if config.trainer.mode == "sft":
+        return config.sft.max_length
+    return config.rollout.prompt_length + config.rollout.response_length
+
+
 def micro_batch_tokens(config: Any, role: str) -> tuple[int, int]:
     """(training tokens, inference tokens) of one micro-batch of ``role`` on one GPU."""
-    length = config.rollout.prompt_length + config.rollout.response_length
+    length = sequence_length(config)
     worker = config.critic if role == "critic" else config.actor
     train = (
         worker.ppo_max_token_len_per_gpu
@@ -199,7 +210,7 @@ def _role_memory(config: Any, spec: RoleSpec, pp_rank: int, states: dict) -> Rol
     ``use_distributed_optimizer`` (a trained role)."""
     shape = _activation_shape(spec.hf_config, spec.model, spec.layout, pp_rank)
     train_tokens, infer_tokens = micro_batch_tokens(config, spec.name)
-    length = config.rollout.prompt_length + config.rollout.response_length
+    length = sequence_length(config)
     packed = config.actor.use_remove_padding
     dense_mask = packed and spec.model.use_te is False
 
@@ -227,8 +238,10 @@ def _role_memory(config: Any, spec: RoleSpec, pp_rank: int, states: dict) -> Rol
 
 
 def _engine_bytes(config: Any, hf_config: Any, layout: ParallelLayout, gpu_bytes: int) -> dict[str, int]:
-    """The rollout engine's own weights and KV cache on one GPU."""
+    """The rollout engine's own weights and KV cache on one GPU (none in an SFT run)."""
     rollout = config.rollout
+    if config.trainer.mode == "sft":
+        return {}
     if rollout.name != "native":  # vLLM / SGLang claim a fraction of the GPU for weights + cache
         return {"weights_and_kv_cache": int(rollout.gpu_memory_utilization * gpu_bytes)}
     from verl_megatron.models.config import read_hf_architecture
@@ -304,6 +317,8 @@ def phase_bytes(config: Any, roles: dict[str, RoleMemory], engine: dict[str, int
     out["log_probs"] = max(on_gpu(name, None) + roles[name].infer_activations for name in roles)
     trained = [name for name in roles if roles[name].train_activations]
     out["update"] = max((on_gpu(name, name) + roles[name].train_activations for name in trained), default=0)
+    if config.trainer.mode == "sft":  # no generation; the validation loss is the actor's forward
+        return {"validation": out["log_probs"], "update": out["update"]}
     return out
 
 
