@@ -302,3 +302,47 @@ def test_timeouts_that_cannot_work_are_named_at_start_up(override, message):
     with pytest.raises(ConfigError) as err:
         validate_config(load_config(default_config_path(), [override]), 1)
     assert str(err.value) == message
+
+
+# Rank 0 alone over an in-process store: its main thread sleeps (a hang) while another thread of
+# the process works 4 ms every 0.2 s, ~20 ms a second, as a progress bar's refresh thread does.
+BACKGROUND_WORK = """
+import sys, threading, time
+import torch.distributed as dist
+from verl_megatron.distributed.watchdog import Watchdog, WatchdogSettings
+
+def refresh():
+    while True:
+        end = time.thread_time() + 0.004
+        while time.thread_time() < end:
+            pass
+        time.sleep(0.2)
+
+threading.Thread(target=refresh, daemon=True).start()
+Watchdog(WatchdogSettings({timeout_s}, sys.argv[1]), 0, 1, dist.HashStore()).start()
+time.sleep({hang_s})
+print("not stopped")
+"""
+
+
+def test_a_busy_background_thread_does_not_hide_a_stall_of_the_main_thread(tmp_path):
+    timeout_s, hang_s = 3, 30
+    script = BACKGROUND_WORK.format(timeout_s=timeout_s, hang_s=hang_s)
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=hang_s + 60,
+    )
+    elapsed = time.monotonic() - start
+    print(f"stall declared after {elapsed:.1f} s (timeout {timeout_s} s)")
+    assert done.returncode == 4, (done.returncode, done.stdout, done.stderr[-2000:])
+    lines = [line for line in done.stderr.splitlines() if line.startswith("stall: ")]
+    assert len(lines) == 1 and "no rank made progress for" in lines[0], done.stderr[-2000:]
+    assert "in stage start" in lines[0] and "(trainer.stall_timeout_s=3)" in lines[0], lines[0]
+    assert elapsed < hang_s, elapsed
+    with open(tmp_path / "stall" / "rank0.txt") as f:
+        assert f.read().startswith(lines[0])

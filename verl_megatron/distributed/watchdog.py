@@ -56,7 +56,8 @@ STALL_EXIT_CODE = 4
 """Exit status of a rank ended by the watchdog (2: user error, 3: divergence guard)."""
 TERM_EXIT_CODE = 128 + signal.SIGTERM
 # CPU time of the watched thread that counts as work between two looks: a thread blocked in a
-# wait wakes now and then for microseconds, never for milliseconds a second.
+# wait wakes now and then for microseconds, never for milliseconds a second. Other threads of the
+# process do not count: a progress bar's refresh thread alone burns ~10 ms a second.
 _BUSY_CPU_S = 0.01
 # How long the rank that declared a stall waits for a stopped peer it continued to end by itself.
 _PEER_GRACE_S = 3.0
@@ -125,6 +126,7 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._watched = 0
+        self._watched_clock: int | None = None
         self._last_sample: tuple[int, dict[int, float], Any] = (-1, {}, None)
         self._seen: dict[int, _Seen] = {}
         self._wake: tuple[socket.socket, socket.socket] | None = None
@@ -151,6 +153,9 @@ class Watchdog:
     def start(self) -> Watchdog:
         now = time.monotonic()
         self._watched = threading.get_ident()
+        # Taken here, in the watched thread: the clock names its thread id, readable from the
+        # watchdog's thread (and failing, not lying, once the thread has ended).
+        self._watched_clock = time.pthread_getcpuclockid(self._watched)
         self._seen = {r: _Seen(None, now, now) for r in range(self.world_size)}
         self._publish("running")
         self._wake = socket.socketpair()
@@ -262,9 +267,10 @@ class Watchdog:
 
     def _sample(self) -> None:
         """Bump the progress counter when this rank worked since the last look: a stage mark, CPU
-        time of this process (the watchdog's thread aside) or of a process it started (a scorer
-        worker, a compiler), or a change of the watched thread's Python stack."""
-        cpu = cpu_by_process(os.getpid(), time.thread_time())
+        time of the watched thread or of a process this one started (a scorer worker, a compiler),
+        or a change of the watched thread's Python stack."""
+        cpu = cpu_by_process(os.getpid(), 0.0)
+        cpu[os.getpid()] = self._watched_cpu()
         frame, stack = sys._current_frames().get(self._watched), []
         while frame is not None:
             stack.append((id(frame.f_code), frame.f_lasti))
@@ -274,6 +280,12 @@ class Watchdog:
         if self._marks != last_marks or worked >= _BUSY_CPU_S or stack != last_stack:
             self._progress += 1
         self._last_sample = (self._marks, cpu, stack)
+
+    def _watched_cpu(self) -> float:
+        """CPU seconds of the watched thread; the last look's once it has ended (no more work)."""
+        with contextlib.suppress(OSError):
+            return time.clock_gettime(self._watched_clock)
+        return self._last_sample[1].get(os.getpid(), 0.0)
 
     def _own(self) -> dict[str, Any]:
         return {"stage": self._stage, "step": self._step, "frame": self._frame()}
