@@ -8,6 +8,7 @@ import os
 import pytest
 
 from verl_megatron.cli import main
+from verl_megatron.errors import ConfigError
 
 LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
@@ -150,3 +151,20 @@ def test_config_the_trainer_refuses_is_bad_input(config_only, capsys):
     status, out, err = _quickstart_plan(config_only, capsys, "actor.ppo_micro_batch_size_per_gpu=3")
     assert status == 2 and not out
     assert len(err.strip().splitlines()) == 1 and "does not divide the 128 samples" in err, err
+
+
+def test_non_finite_gpu_memory_is_one_line(config_only, capsys):
+    """1e400 reads as an infinite float: refused, as the trainer's trainer.memory_check_gpu_memory."""
+    from verl_megatron.planner.memory_check import check_memory
+    from verl_megatron.trainer.config import load_config
+
+    assert main([*_plan(config_only), "--gpus", "8", "--gpu-memory", "1e400"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: --gpu-memory '1e400' must be a positive, finite size", err
+    config = load_config(
+        "configs/grpo.yaml", [f"model.path={config_only}", "trainer.memory_check_gpu_memory='1e400'"]
+    )
+    with pytest.raises(
+        ConfigError, match=r"^trainer.memory_check_gpu_memory='1e400': expected a positive size"
+    ):
+        check_memory(config, 8, None)

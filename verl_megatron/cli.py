@@ -36,7 +36,7 @@ commands:
   check-hf PATH [--tp N] [--pp N] [--vpp N] [--ep N] [--etp N] [--dtype D] [--tolerance X] [--seed N]
                                           compare megatron's logits with transformers'
                                           for a Hugging Face checkpoint (MoE: --ep/--etp)
-  plan --config FILE model.path=DIR --gpus N [--gpu-memory 80GiB] [--json]
+  plan [--config FILE] model.path=DIR --gpus N [--gpu-memory 80GiB] [--json]
                                           will the job fit? memory per GPU, per rank and phase
                                           (exit 0 fits, 3 does not, 2 bad input)
 

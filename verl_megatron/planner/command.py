@@ -42,8 +42,8 @@ def parse_memory(text: str) -> int:
         value = float(match.group(1)) * _UNITS[unit]
     except ValueError:
         raise ConfigError(f"--gpu-memory {text!r}: expected a size such as 80GiB or 141GB") from None
-    if value <= 0:
-        raise ConfigError(f"--gpu-memory {text!r} must be positive")
+    if not 0 < value < float("inf"):  # 1e400 reads as inf, which no int holds
+        raise ConfigError(f"--gpu-memory {text!r} must be a positive, finite size")
     return int(value)
 
 
@@ -58,7 +58,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Will a job fit? Model state per rank (exact, built on the meta device), "
         "activations, rollout engine, per phase, against one GPU's memory.",
     )
-    parser.add_argument("--config", help="YAML recipe (default: the quickstart's)")
+    parser.add_argument(
+        "--config", help="YAML recipe (default: configs/quickstart.yaml; model.path=DIR is needed either way)"
+    )
     parser.add_argument("--gpus", type=int, required=True, help="world size (GPUs of the job)")
     parser.add_argument("--gpu-memory", default="80GiB", help="memory of one GPU (default 80GiB)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
