@@ -16,14 +16,19 @@ from __future__ import annotations
 import contextlib
 import importlib
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import multiprocessing.util as mp_util
 import os
 import socket
 import sys
+import time
 import traceback
 from typing import Any
 
 _JOB_TIMEOUT_S = 900
+# After one rank fails, how long the others may take to report before they are presumed stuck
+# in a collective waiting for it.
+_STRAGGLER_GRACE_S = 10.0
 
 
 def _free_port() -> int:
@@ -90,6 +95,7 @@ class DistPool:
             "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
         }
         self.world_size = world_size
+        self._closed: str | None = None  # why the pool no longer runs jobs
         self._conns = []
         self._procs = []
         for rank in range(world_size):
@@ -106,21 +112,58 @@ class DistPool:
         mp_util.Finalize(None, self.close, kwargs={"force": True}, exitpriority=10)
 
     def run(self, target: str, timeout_s: float = _JOB_TIMEOUT_S, **kwargs: Any) -> list[Any]:
-        """Run ``target(**kwargs)`` on every rank; return results in rank order."""
+        """Run ``target(**kwargs)`` on every rank; return results in rank order.
+
+        Waits on all ranks together under one deadline. When a rank fails, the others get
+        :data:`_STRAGGLER_GRACE_S` to report too (ranks failing the same check do so within
+        milliseconds); one that has not by then is presumed stuck in a collective with the
+        failed rank, and the pool is closed. A timeout or a rank that exits closes it as well.
+        """
+        if self._closed is not None:
+            raise RuntimeError(f"cannot run {target}: the pool is closed ({self._closed})")
         for conn in self._conns:
             conn.send((target, kwargs))
-        results, errors = [], []
-        for rank, conn in enumerate(self._conns):
-            if not conn.poll(timeout_s):
-                self.close(force=True)
-                raise TimeoutError(f"rank {rank} did not finish {target} within {timeout_s:.0f}s")
-            status, payload = conn.recv()
-            (results if status == "ok" else errors).append(payload)
+        deadline = time.monotonic() + timeout_s
+        replies: dict[int, tuple[str, Any]] = {}
+        while len(replies) < self.world_size:
+            waiting = {conn: rank for rank, conn in enumerate(self._conns) if rank not in replies}
+            ready = mp_connection.wait(list(waiting), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                self._fail_stragglers(target, timeout_s, replies, sorted(waiting.values()))
+            for conn in ready:
+                rank = waiting[conn]
+                replies[rank] = self._receive(rank, conn)
+                if replies[rank][0] != "ok":
+                    deadline = min(deadline, time.monotonic() + _STRAGGLER_GRACE_S)
+        if any(status == "exited" for status, _ in replies.values()):
+            self.close(force=True, reason=f"a rank exited during {target}")
+        errors = [payload for _, (status, payload) in sorted(replies.items()) if status != "ok"]
         if errors:
             raise RuntimeError(f"job {target} failed:\n" + "\n".join(errors))
-        return results
+        return [replies[rank][1] for rank in range(self.world_size)]
 
-    def close(self, force: bool = False) -> None:
+    def _receive(self, rank: int, conn) -> tuple[str, Any]:
+        try:
+            return conn.recv()
+        except (EOFError, OSError):  # the worker died (killed, os._exit, a crash in C)
+            self._procs[rank].join(timeout=5)
+            return "exited", f"rank {rank}: the worker exited (exit code {self._procs[rank].exitcode})"
+
+    def _fail_stragglers(self, target: str, timeout_s: float, replies: dict, pending: list[int]):
+        errors = [payload for _, (status, payload) in sorted(replies.items()) if status != "ok"]
+        names = ", ".join(f"rank {rank}" for rank in pending)
+        if not errors:
+            self.close(force=True, reason=f"{names} did not finish {target} within {timeout_s:.0f}s")
+            raise TimeoutError(f"{names} did not finish {target} within {timeout_s:.0f}s")
+        self.close(force=True, reason=f"{names} hung after a failure in {target}")
+        raise RuntimeError(
+            f"job {target} failed:\n"
+            + "\n".join(errors)
+            + f"\n({names} had not finished when the wait ended, presumably waiting in a collective "
+            "for the failed rank: the pool is closed)"
+        )
+
+    def close(self, force: bool = False, reason: str = "close() was called") -> None:
         for conn, proc in zip(self._conns, self._procs):
             if proc.is_alive() and not force:
                 with contextlib.suppress(BrokenPipeError, OSError):
@@ -130,3 +173,5 @@ class DistPool:
             if proc.is_alive():
                 proc.kill()
         self._procs, self._conns = [], []
+        if self._closed is None:
+            self._closed = reason
