@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from importlib.metadata import version
 
 import pytest
@@ -164,3 +165,66 @@ def test_rollout_log_prob_micro_batch_is_read_by_the_actor():
     assert "set that to true instead" in error(["rollout.log_prob_use_dynamic_bsz=true"])
     assert "actor.ppo_infer_max_token_len_per_gpu" in error(["rollout.log_prob_max_token_len_per_gpu=100"])
     assert "set rollout.log_prob_micro_batch_size_per_gpu" in error(["rollout.log_prob_micro_batch_size=64"])
+
+
+# fit() of a trainer whose second step fails, on a terminal, with TensorBoard on (a writer thread).
+FAILING_RUN = """
+import sys, threading
+from verl_megatron.trainer.ppo_trainer import PPOTrainer
+from verl_megatron.trainer.tracking import Tracking
+
+class FailingTrainer(PPOTrainer):
+    def __init__(self):  # no model: only what fit() touches
+        self.model_rewards = self.teacher = self.reward_fn = self.val_reward_fn = None
+        self.tracker = Tracking("", "", [], "", enabled=False)
+
+    def _fit(self):
+        self.tracker = Tracking("p", "e", ["console", "tensorboard"], sys.argv[1], total_steps=3)
+        self.tracker.log({"critic/score/mean": 0.5}, step=1)
+        raise RuntimeError("step 2 failed")
+
+before = sorted(t.name for t in threading.enumerate())
+try:
+    FailingTrainer().fit()
+except RuntimeError as err:
+    print(f"ERROR {err}", flush=True)
+print(f"THREADS {before} -> {sorted(t.name for t in threading.enumerate())}", flush=True)
+"""
+
+
+def _on_a_terminal(argv: list[str], timeout_s: float) -> str:
+    """What ``argv`` writes to a pseudo-terminal (its stdout and stderr) until it exits."""
+    import pty
+    import select
+
+    primary, secondary = pty.openpty()
+    proc = subprocess.Popen(argv, cwd=ROOT, stdin=secondary, stdout=secondary, stderr=secondary)
+    os.close(secondary)
+    chunks, deadline = [], time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            if select.select([primary], [], [], 1.0)[0]:
+                try:
+                    chunk = os.read(primary, 65536)
+                except OSError:  # EIO: the process and its terminal are gone
+                    break
+                if not chunk:
+                    break
+                chunks.append(chunk)
+    finally:
+        os.close(primary)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    return b"".join(chunks).decode(errors="replace")
+
+
+def test_a_failed_run_on_a_terminal_shows_the_cursor_and_closes_the_writers(tmp_path):
+    output = _on_a_terminal([sys.executable, "-c", FAILING_RUN, str(tmp_path)], timeout_s=120)
+    assert "ERROR step 2 failed" in output, output[-2000:]
+    bar = output.index("\x1b[?25l")  # the bar hides the cursor ...
+    error = output.index("ERROR step 2 failed")
+    assert output.count("\x1b[?25h", bar, error) == 1, repr(output[-2000:])  # ... and shows it again
+    before, after = output.split("THREADS ", 1)[1].splitlines()[0].split(" -> ")
+    assert before == after, (before, after)  # no writer thread left behind
+    assert os.listdir(tmp_path / "tensorboard" / "p" / "e")  # TensorBoard did write: its thread ran

@@ -158,6 +158,7 @@ class PPOTrainer:
         try:
             summary = self._fit()
         finally:
+            self.tracker.close()  # on an error too: the terminal's cursor, the writers' threads
             self._close_rewards()
         self.rollout_source.finish()
         return summary

@@ -214,15 +214,23 @@ class Tracking:
         """Close the backends; draw ``curves.png`` from the JSONL file. Returns the PNG path."""
         if not self.enabled:
             return None
-        if self._progress is not None:
-            self._progress.stop()
-        if self._tb is not None:
-            self._tb.close()
-        if self._wandb is not None:
-            self._wandb.finish()
+        self.close()
         if not plot:
             return None
         return plot_curves(self.jsonl_path, os.path.join(self.log_dir, "curves.png"))
+
+    def close(self) -> None:
+        """Stop the progress bar (the terminal gets its cursor back) and close the TensorBoard and
+        wandb writers, ending their threads; nothing is drawn. A run that fails calls this too;
+        a second call does nothing. Messages still print, as plain lines."""
+        progress, tb, run = self._progress, self._tb, self._wandb
+        self._progress = self._tb = self._wandb = None
+        if progress is not None:
+            progress.stop()
+        if tb is not None:
+            tb.close()
+        if run is not None:
+            run.finish()
 
 
 def _fmt(value: float) -> str:
