@@ -293,6 +293,11 @@ def test_a_stalled_job_ends_on_every_rank_with_one_line_and_the_stacks(tmp_path)
     [
         ("trainer.stall_timeout_s=2", "trainer.stall_timeout_s must be >= 5 (or 0: off), got 2.0"),
         ("trainer.process_group_timeout_s=0", "trainer.process_group_timeout_s must be > 0, got 0.0"),
+        (  # the default stall timeout, 60 s: a scorer call waited for as long is declared a stall
+            "reward_model.reward_kwargs.compute_score_timeout=60",
+            "reward_model.reward_kwargs.compute_score_timeout=60 must be below trainer.stall_timeout_s=60: "
+            "a scorer call is waited for without progress, so the watchdog would end the job first",
+        ),
     ],
 )
 def test_timeouts_that_cannot_work_are_named_at_start_up(override, message):
@@ -346,3 +351,19 @@ def test_a_busy_background_thread_does_not_hide_a_stall_of_the_main_thread(tmp_p
     assert elapsed < hang_s, elapsed
     with open(tmp_path / "stall" / "rank0.txt") as f:
         assert f.read().startswith(lines[0])
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["reward_model.reward_kwargs.compute_score_timeout=59"],
+        ["reward_model.reward_kwargs.compute_score_timeout=600", "trainer.stall_timeout_s=0"],  # off
+        ["reward_model.reward_kwargs.compute_score_timeout=null"],  # no limit: nothing to compare
+    ],
+)
+def test_scorer_timeouts_the_watchdog_outlasts_are_accepted(overrides):
+    from verl_megatron.trainer.config import default_config_path, load_config, validate_config
+
+    config = load_config(default_config_path(), overrides)
+    validate_config(config, 1)
+    assert config.trainer.stall_timeout_s in (0, 60)

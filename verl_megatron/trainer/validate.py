@@ -385,6 +385,13 @@ def _check_reward(config: PPOConfig) -> None:
     path = config.custom_reward_function.path
     if path and not os.path.isfile(os.path.expanduser(path)):
         raise ConfigError(f"custom_reward_function.path='{path}' does not exist")
+    score_s = config.reward_model.reward_kwargs.get("compute_score_timeout")
+    stall_s = config.trainer.stall_timeout_s
+    if stall_s > 0 and isinstance(score_s, (int, float)) and score_s >= stall_s:
+        raise ConfigError(
+            f"reward_model.reward_kwargs.compute_score_timeout={score_s:g} must be below trainer.stall_timeout_s="
+            f"{stall_s:g}: a scorer call is waited for without progress, so the watchdog would end the job first"
+        )
 
 
 def _check_finite(node: Any, prefix: str) -> None:
