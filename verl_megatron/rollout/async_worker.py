@@ -253,10 +253,14 @@ class RolloutWorker:
         done stops refreshing), so a rank waiting in a broadcast could wait on a peer waiting in
         the batch gather. Weights then arrive at step starts, which every rank reaches alike.
         """
-        if self.placement.weights is not None and len(self.placement.rollout_ranks) > 1:
-            return
-        while self.placement.store.check([weights_key(self.version + 1)]):
+        while self._weights_waiting():
             self._receive()
+
+    def _weights_waiting(self) -> bool:
+        """Whether :meth:`_refresh` would load a newer version now."""
+        if self.placement.weights is not None and len(self.placement.rollout_ranks) > 1:
+            return False
+        return self.placement.store.check([weights_key(self.version + 1)])
 
     def _generate(self, prompts: DataProto, step: int) -> DataProto:
         from verl_megatron.rollout.partial import generate_with_versions
@@ -275,7 +279,7 @@ class RolloutWorker:
             output = generate_with_versions(
                 self.engine, local, response_length=cfg.response_length, segment=self.settings.segment,
                 stops=self.stops, pad=self.tokenizer.pad_token_id,
-                version=lambda: self.version, refresh=self._refresh,
+                version=lambda: self.version, refresh=self._refresh, pending=self._weights_waiting,
             )  # fmt: skip
         output.meta_info = {}
         if ranks > 1:

@@ -22,11 +22,18 @@ Each prompt samples from its own seed (``sampling.prompt_seed``: seed, call numb
 prompt's row in the global batch, ``meta_info['prompt_offset']`` + its local row, or
 ``meta_info['prompt_indices']``, see ``sampling.prompt_indices``): the same seed and the same
 sequence of calls give the same tokens whatever the tp/pp/dp layout.
+
+Partial rollout (``rollout/partial.py``) decodes a response in segments through
+:meth:`NativeRollout.generate_segments`: one call runs on through every segment boundary where no
+newer weights are waiting, each segment drawing as its own call would, so it costs one prefill
+where a call per segment re-prefilled each row's prompt + response so far at every boundary.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -55,12 +62,74 @@ from verl_megatron.rollout.sampling import (
     prompt_uniforms,
     resolve_sampling,
     sample_next,
+    sample_rows,
 )
 
-__all__ = ["NativeRollout"]
+__all__ = ["NativeRollout", "Segments"]
 
 # Finished rows are dropped from the batch once at most this fraction of its rows is still live.
 _COMPACT_FRACTION = 0.75
+
+
+@dataclass(frozen=True)
+class Segments:
+    """How partial rollout cuts one :meth:`NativeRollout.generate_segments` call's response."""
+
+    width: int
+    """Tokens a segment (the last may be shorter); each draws as a separate call would."""
+    stop: Callable[[], bool]
+    """Asked at each segment boundary where rows are still running: True (newer weights are
+    waiting) ends the call there. Must answer alike on every rank that decodes with this one
+    (a replica's tp x pp ranks; with expert parallelism, its expert group's)."""
+
+
+class _Steps:
+    """A call's uniforms per decoding step and, with segments, the boundaries where it may end.
+
+    Without segments the call draws one table from its prompts' seeds (``sampling.prompt_seed``
+    at the call number). With them, step t lies in segment k = t // width, which draws as the
+    k-th of consecutive one-segment calls does: segment 0 from the prompts' seeds, segment k > 0
+    from each row's global row (``sampling.sample_rows``, as ``rollout/partial.py`` continues
+    rows) at call number + k, its columns counted from the segment's start. A row's tokens are
+    then the same whether a boundary ends the call or not.
+    """
+
+    def __init__(self, seed: int, call: int, meta: dict, prompts: int, params: SamplingParams,
+                 length: int, segments: Segments | None, device: torch.device) -> None:  # fmt: skip
+        self.seed, self.call, self.device = seed, call, device
+        self.indices, self.params, self.length = prompt_indices(meta, prompts), params, length
+        self.rows = sample_rows(meta, prompts, params.n)  # global row of each output row
+        self.width = length if segments is None else segments.width
+        self.stop = None if segments is None else segments.stop
+        self.table: torch.Tensor | None = None
+        self.segment = -1  # the segment ``table`` holds
+
+    def uniform(self, t: int, active: torch.Tensor) -> torch.Tensor | None:
+        """[active rows] uniforms of step t (None when greedy)."""
+        if self.params.greedy:
+            return None
+        segment = t // self.width
+        if segment != self.segment:  # drawn when reached: rows that stopped before draw nothing
+            self.table, self.segment = self._table(segment, active), segment
+        return self.table[active, t - segment * self.width]
+
+    def _table(self, segment: int, active: torch.Tensor) -> torch.Tensor:
+        width = min(self.width, self.length - segment * self.width)
+        if segment == 0:
+            seeds = [prompt_seed(self.seed, self.call, i) for i in self.indices]
+            return prompt_uniforms(seeds, self.params.n, width, self.device)
+        seeds = [prompt_seed(self.seed, self.call + segment, self.rows[r]) for r in active.tolist()]
+        table = torch.zeros(len(self.rows), width, device=self.device)
+        table[active] = prompt_uniforms(seeds, 1, width, self.device)
+        return table
+
+    def stop_after(self, t: int) -> bool:
+        """Whether the call ends after step t: a segment boundary, and ``Segments.stop`` says so."""
+        return self.stop is not None and (t + 1) % self.width == 0 and self.stop()
+
+    def calls(self, decoded: int) -> int:
+        """Sampling calls used by ``decoded`` tokens: one a segment begun (their call numbers)."""
+        return -(-decoded // self.width)
 
 
 class NativeRollout(RolloutEngine):
@@ -118,6 +187,16 @@ class NativeRollout(RolloutEngine):
         trainer's count of updates). Calls naming the same version reuse the weights packed for
         CPU decoding (``rollout.keep_packed_weights``); without one every call packs afresh.
         """
+        return self._generate(prompts, None)[0]
+
+    def generate_segments(self, prompts: DataProto, segments: Segments) -> tuple[DataProto, int]:
+        """:meth:`generate_sequences` as consecutive calls of ``segments.width`` tokens each would
+        sample it (their call numbers and seeds, see ``_Steps``), in one call that ends early at
+        the first boundary where ``segments.stop()`` is true. Returns (output, tokens decoded):
+        response columns from that one on are padding in every row (masked)."""
+        return self._generate(prompts, segments)
+
+    def _generate(self, prompts: DataProto, segments: Segments | None) -> tuple[DataProto, int]:
         input_ids, mask, positions = prompt_tensors(prompts)
         meta = prompts.meta_info
         params = resolve_sampling(self.config, meta)
@@ -127,7 +206,9 @@ class NativeRollout(RolloutEngine):
         stops = stop_token_ids(self.config, meta, self.tokenizer, self.hf_config)
         pad = pad_token_id(meta, self.tokenizer)
         device = self.runtime.device
-        uniforms = self._uniforms(prompt_indices(meta, input_ids.shape[0]), params, response_length)
+        steps = _Steps(
+            self.seed, self._calls, meta, input_ids.shape[0], params, response_length, segments, device
+        )
         start = time.perf_counter()
         rows, width = input_ids.shape[0] * params.n, input_ids.shape[1] + response_length
         with (
@@ -145,23 +226,15 @@ class NativeRollout(RolloutEngine):
                 stops,
                 pad,
                 response_length,
-                uniforms,
+                steps,
                 vl_prefill.prompt_images(prompts),
             )
+        decoded = int(self.stats["decode_steps"]) + 1
+        self._calls += steps.calls(decoded)
         self.stats["seconds"] = time.perf_counter() - start
         self.stats["response_tokens"] = float(response_mask.sum())
-        return self._routes.attach(assemble_output(prompts, responses, response_mask, log_probs, params.n))
-
-    def _uniforms(
-        self, indices: list[int], params: SamplingParams, response_length: int
-    ) -> torch.Tensor | None:
-        """[prompts * n, response_length] uniforms of this call's rows, its prompts being rows
-        ``indices`` of the global batch (None when greedy)."""
-        call, self._calls = self._calls, self._calls + 1
-        if params.greedy:
-            return None
-        seeds = [prompt_seed(self.seed, call, i) for i in indices]
-        return prompt_uniforms(seeds, params.n, response_length, self.runtime.device)
+        output = assemble_output(prompts, responses, response_mask, log_probs, params.n)
+        return self._routes.attach(output), decoded
 
     def _decode(
         self,
@@ -174,7 +247,7 @@ class NativeRollout(RolloutEngine):
         stops: list[int],
         pad: int,
         response_length: int,
-        uniforms: torch.Tensor | None,
+        steps: _Steps,
         images: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(responses, response_mask, log_probs), each [B*n, Tr]; see the module docstring.
@@ -208,7 +281,7 @@ class NativeRollout(RolloutEngine):
         active = torch.arange(rows, device=device)  # output row of each cache row
         parity = decoder.parity_length is not None
         for t in range(response_length):
-            uniform = None if uniforms is None else uniforms[active, t]
+            uniform = steps.uniform(t, active)
             tokens, token_log_probs = self._next_tokens(
                 logits, params, uniform, active.numel(), vocab, parity
             )
@@ -218,7 +291,7 @@ class NativeRollout(RolloutEngine):
             response_mask[active, t] = live.long()
             finished[active] |= torch.isin(tokens, stop_ids)
             # Every rank of a replica holds the same tokens; replicas sharing experts agree below.
-            if t == response_length - 1 or self._all_done(bool(finished.all())):
+            if t == response_length - 1 or self._all_done(bool(finished.all())) or steps.stop_after(t):
                 self.stats["decode_steps"], self.stats["final_cache_rows"] = t, active.numel()
                 break
             keep = ~finished[active]

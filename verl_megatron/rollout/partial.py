@@ -6,6 +6,13 @@ may load newer weights, and the rows still running continue from prompt + respon
 generated it (``rollout_versions`` [B*n, Tr], -1 on padding); ``weight_version`` [B*n] is the
 version a row started with. With one segment covering the whole response this is exactly one
 ``generate_sequences`` call.
+
+Given ``pending`` (whether newer weights are waiting) and the native engine, a boundary where none
+are does not end the engine call: its rows decode on in the cache, each segment drawing as its own
+call would (``NativeRollout.generate_segments``), so the tokens are the same and only a boundary
+where weights change re-prefills. Without ``pending``, or with another engine, every boundary is
+an engine call and a re-prefill of every row still running (e.g. 64 prefills of a 512-token
+response cut in segments of 8, where one suffices when no update arrives).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import torch
 from verl_megatron.protocol import DataProto
 from verl_megatron.rollout.base import RolloutEngine, assemble_output, prompt_tensors
 from verl_megatron.rollout.config import RolloutConfig
+from verl_megatron.rollout.native import NativeRollout, Segments
 from verl_megatron.rollout.sampling import resolve_sampling, sample_rows
 
 __all__ = ["generate_with_versions"]
@@ -35,6 +43,29 @@ def _continuation(
     return DataProto.from_dict({"input_ids": ids, "attention_mask": mask})
 
 
+def _generate(
+    engine: RolloutEngine, batch: DataProto, remaining: int, segment: int, pending: Callable[[], bool] | None
+) -> tuple[DataProto, int]:
+    """(output, response columns it decoded) of one engine call from here: to the first boundary
+    where newer weights are waiting when the engine can continue past boundaries, else one segment."""
+    if pending is not None and isinstance(engine, NativeRollout):
+        batch.meta_info["response_length"] = remaining
+        out, decoded = engine.generate_segments(batch, Segments(width=segment, stop=pending))
+        return out.to("cpu"), decoded
+    batch.meta_info["response_length"] = min(segment, remaining)
+    return engine.generate_sequences(batch).to("cpu"), min(segment, remaining)
+
+
+def _kept(tokens: torch.Tensor, mask: torch.Tensor, stop_ids: torch.Tensor, segment: int) -> torch.Tensor:
+    """[rows, width] bool: the columns of a call from a segment boundary that calls of one segment
+    each would have returned, through the end of the segment where a row first holds one of
+    ``stops``. Only a call past boundaries drops any, and only where the engine stops on other
+    ids than ``stops`` (e.g. ``rollout.ignore_eos`` with the eos among them)."""
+    stopped = torch.isin(tokens, stop_ids) & mask.bool()
+    first = torch.where(stopped.any(-1), stopped.int().argmax(-1), tokens.shape[1])
+    return torch.arange(tokens.shape[1]) < (first // segment + 1)[:, None] * segment
+
+
 def generate_with_versions(
     engine: RolloutEngine,
     prompts: DataProto,
@@ -45,10 +76,12 @@ def generate_with_versions(
     pad: int,
     version: Callable[[], int],
     refresh: Callable[[], None],
+    pending: Callable[[], bool] | None = None,
 ) -> DataProto:
     """``engine.generate_sequences(prompts)`` decoded ``segment`` tokens at a time (see the module
     docstring); ``version()`` is the weight version loaded now, ``refresh()`` loads newer weights
-    when there are any. The output carries ``rollout_versions`` and ``weight_version``."""
+    when there are any, ``pending()`` says whether it would now (None: not known, so every segment
+    boundary refreshes and re-prefills). The output carries ``rollout_versions`` and ``weight_version``."""
     config = getattr(engine, "config", None)
     if isinstance(config, RolloutConfig):  # the engine's own rule: greedy returns one row a prompt
         n = resolve_sampling(config, prompts.meta_info).n
@@ -69,7 +102,6 @@ def generate_with_versions(
     while position < response_length and live.numel() > 0:
         if position > 0:
             refresh()
-        width = min(segment, response_length - position)
         if position == 0:
             batch = DataProto.from_dict(dict(prompts.batch.items()), meta_info=dict(prompts.meta_info))
         else:
@@ -78,13 +110,15 @@ def generate_with_versions(
             # do: ranks and splits draw alike.
             batch.meta_info = {**prompts.meta_info, "n": 1, "prompt_indices": global_rows[live].tolist()}
         # Read after refresh(): the engine reuses packed weights only within one version.
-        batch.meta_info.update(response_length=width, weights_version=version())
-        out = engine.generate_sequences(batch).to("cpu")
-        seg_tokens, seg_mask = out.batch["responses"], out.batch["response_mask"].long()
+        batch.meta_info["weights_version"] = version()
+        out, width = _generate(engine, batch, response_length - position, segment, pending)
+        seg_tokens, seg_mask = out.batch["responses"][:, :width], out.batch["response_mask"][:, :width].long()
+        kept = _kept(seg_tokens, seg_mask, stop_ids, segment)
+        seg_tokens, seg_mask = torch.where(kept, seg_tokens, pad), seg_mask * kept
         span = slice(position, position + width)
         responses[live, span], response_mask[live, span] = seg_tokens, seg_mask
         if "rollout_log_probs" in out.batch.keys():  # noqa: SIM118 (TensorDict has no __contains__)
-            log_probs[live, span] = out.batch["rollout_log_probs"].float()
+            log_probs[live, span] = out.batch["rollout_log_probs"][:, :width].float() * kept
         versions[live, span] = torch.where(seg_mask.bool(), version(), -1)
         ended = (seg_mask == 0).any(-1) | (torch.isin(seg_tokens, stop_ids) & seg_mask.bool()).any(-1)
         live = live[~ended]
