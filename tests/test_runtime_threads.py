@@ -57,3 +57,56 @@ def test_switching_layouts_leaks_no_threads_or_groups(pool2):
         # Bounded by one layout's groups, not growing with the number of rebuilds.
         assert max(r["threads"]) - start["threads"] <= 4, f"rank {rank}: OS threads {start} -> {r['threads']}"
         assert r["reused"], "the same layout twice built new groups"
+
+
+def failed_init_job() -> dict:
+    """In a fresh process: init_runtime with a layout that does not fit, then with one that fails
+    after the process group started (its groups fail to build), then with a good layout."""
+    import torch.distributed as dist
+
+    import verl_megatron.distributed.parallel as parallel
+    from verl_megatron.distributed.parallel import ParallelConfigError, ParallelLayout, init_runtime
+
+    started = []
+    real_init = dist.init_process_group
+    dist.init_process_group = lambda *a, **k: started.append(1) or real_init(*a, **k)
+    out = {}
+    try:
+        init_runtime(ParallelLayout(tp=2))
+    except ParallelConfigError as e:
+        out["layout"] = {"error": str(e), "groups_started": len(started), "left": dist.is_initialized()}
+    real_build, parallel.build_megatron_groups = parallel.build_megatron_groups, None  # fails when called
+    try:
+        init_runtime(ParallelLayout())
+    except TypeError:
+        out["build"] = {"groups_started": len(started), "left": dist.is_initialized()}
+    parallel.build_megatron_groups = real_build
+    runtime = init_runtime(ParallelLayout())
+    out["next"] = {"owns": runtime._owns_process_group, "world": runtime.world_size}
+    parallel.shutdown(runtime)
+    return out
+
+
+def test_a_failed_init_runtime_leaves_no_process_group_behind():
+    """A layout error used to be found after the process group had started, and nothing destroyed
+    it: the next init_runtime found a group it did not own (train's shutdown never ran)."""
+    import json
+    import subprocess
+    import sys
+
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")
+    }
+    code = f"import json; from {__name__} import failed_init_job; print(json.dumps(failed_init_job()))"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    # The layout is checked against WORLD_SIZE before any group starts.
+    assert out["layout"] == {
+        "error": "tp*pp*cp = 2*1*1 = 2 does not divide the world size 1",
+        "groups_started": 0,
+        "left": False,
+    }
+    # A failure after the group started destroys the group this call created.
+    assert out["build"] == {"groups_started": 1, "left": False}
+    assert out["next"] == {"owns": True, "world": 1}

@@ -347,27 +347,41 @@ def build_megatron_groups(layout: ParallelLayout, timeout_minutes: float = 30) -
     _megatron_groups_key = key
 
 
+def _resolve_for_this_machine(layout: ParallelLayout, world_size: int) -> ParallelLayout:
+    resolved = layout.resolve(world_size)
+    if resolved.cp > 1 and not torch.cuda.is_available():
+        raise ParallelConfigError(
+            "parallel.cp > 1 needs Transformer Engine attention, which needs CUDA; this machine has no GPU"
+        )
+    return resolved
+
+
 def init_runtime(layout: ParallelLayout, seed: int = 1234, timeout_minutes: float = 30) -> Runtime:
     """Create the job's distributed runtime; call once per process.
 
-    Raises ParallelConfigError before any model is built when the layout
-    does not fit the world size. Calling it again (e.g. in tests) rebuilds
-    megatron's parallel state for a new layout on the same process group,
-    destroying the old groups (see :func:`build_megatron_groups`).
+    Raises ParallelConfigError before the process group starts when the layout
+    does not fit the world size; any failure destroys a process group this call
+    started. Calling it again (e.g. in tests) rebuilds megatron's parallel state
+    for a new layout on the same process group, destroying the old groups (see
+    :func:`build_megatron_groups`).
     """
     from verl_megatron.distributed import cpu_compat
     from verl_megatron.utils.cpu_heap import keep_freed_memory
 
     compat = cpu_compat.install()
     owns = not dist.is_initialized()
+    if owns:  # the group will have torchrun's WORLD_SIZE: a layout that cannot fit starts nothing
+        _resolve_for_this_machine(layout, int(os.environ.get("WORLD_SIZE", "1")))
     rank, world_size, local_rank, backend = init_process_group(timeout_minutes)
-    layout = layout.resolve(world_size)
-    if layout.cp > 1 and not torch.cuda.is_available():
-        raise ParallelConfigError(
-            "parallel.cp > 1 needs Transformer Engine attention, which needs CUDA; this machine has no GPU"
-        )
-
-    build_megatron_groups(layout, timeout_minutes)
+    try:
+        layout = _resolve_for_this_machine(layout, world_size)
+        build_megatron_groups(layout, timeout_minutes)
+    except BaseException:
+        # The caller gets no Runtime to shut down (train's finally has None), so a group this
+        # call started would outlive it, and the next init_runtime would find it and not own it.
+        if owns:
+            shutdown()
+        raise
     seed_everything(seed)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     if device.type == "cpu":
