@@ -188,7 +188,8 @@ class ModelConfig:
         use_te = self.resolve_use_te()
         from verl_megatron.models.lora import check_lora_config
 
-        check_lora_config(self, use_te)
+        # An MoE model's experts take no adapters: MLP targets named for one are refused here.
+        check_lora_config(self, use_te, moe=self.lora_rank > 0 and _is_moe_checkpoint(self.path))
         if self.sequence_parallel and layout.tp == 1:
             raise ModelConfigError(
                 "model.sequence_parallel=True needs tp > 1 (it splits activations over tp)"
@@ -244,6 +245,14 @@ def _transformer_config_fields() -> set[str]:
     from megatron.core.transformer import TransformerConfig
 
     return {f.name for f in dataclasses.fields(TransformerConfig)}
+
+
+def _is_moe_checkpoint(path: str) -> bool:
+    """Whether ``path`` holds a dense-layout mixture-of-experts model (False where it holds no config)."""
+    folder = os.path.expanduser(path)
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        return False
+    return load_hf_config(folder).model_type in MOE_MODEL_TYPES
 
 
 def load_hf_config(path: str | os.PathLike) -> Any:

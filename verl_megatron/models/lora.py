@@ -31,6 +31,7 @@ parameters, so gradient buffers and optimizer state exist for the adapters only.
 from __future__ import annotations
 
 import difflib
+import logging
 import math
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -67,6 +68,8 @@ _SITES: dict[str, tuple[str, str]] = {
     "down_proj": ("mlp.linear_fc2", "down"),
 }
 HF_TARGETS = tuple(_SITES)
+# The MLP's projections: an MoE layer's MLP is its experts (megatron's MoELayer), which take no adapters.
+_MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 # megatron's names, accepted as shorthands for the projections they fuse.
 _MEGATRON_ALIASES = {
     "linear_qkv": ("q_proj", "k_proj", "v_proj"),
@@ -76,6 +79,7 @@ _MEGATRON_ALIASES = {
 }
 _HF_PREFIX = {"self_attention": "self_attn", "mlp": "mlp"}
 _CONTAINER = "lora_adapters"
+logger = logging.getLogger(__name__)
 
 
 class LoraConfigError(ModelConfigError, UserInputError):
@@ -148,8 +152,11 @@ def _match(name: str) -> tuple[str, ...] | None:
     return _MEGATRON_ALIASES.get(last)
 
 
-def check_lora_config(model_cfg: Any, use_te: bool) -> LoraSettings | None:
-    """The LoRA settings of a ModelConfig (None: LoRA off); LoraConfigError naming the key at fault."""
+def check_lora_config(model_cfg: Any, use_te: bool, moe: bool = False) -> LoraSettings | None:
+    """The LoRA settings of a ModelConfig (None: LoRA off); LoraConfigError naming the key at fault.
+
+    ``moe``: the model's MLPs are mixtures of experts (:data:`MOE_MODEL_TYPES`), see :func:`_moe_targets`.
+    """
     rank = model_cfg.lora_rank
     if rank < 0:
         raise LoraConfigError(f"model.lora_rank must be > 0 to train LoRA adapters (0: off), got {rank}")
@@ -170,7 +177,34 @@ def check_lora_config(model_cfg: Any, use_te: bool) -> LoraSettings | None:
             "Engine fuses the input norm into linear_qkv / linear_fc1, so an adapter cannot see their input"
         )
     targets = resolve_targets(model_cfg.target_modules, model_cfg.exclude_modules)
+    if moe:
+        targets = _moe_targets(model_cfg.target_modules, targets)
     return LoraSettings(rank, float(model_cfg.lora_alpha), targets, float(model_cfg.lora_dropout))
+
+
+def _moe_targets(target_modules: Any, targets: tuple[str, ...]) -> tuple[str, ...]:
+    """The attention targets of an MoE model: its experts have no adapters here.
+
+    "all-linear" then adapts q/k/v/o only (PEFT also adapts the experts' stacked weights and the
+    router; training them is not supported here); MLP projections named explicitly are an error.
+    """
+    mlp = [t for t in targets if t in _MLP_TARGETS]
+    if mlp and target_modules != "all-linear":
+        raise LoraConfigError(
+            f"model.target_modules names MLP projections {mlp}, but this model's MLP layers are mixtures of "
+            "experts, which LoRA does not adapt: target attention projections (q_proj, k_proj, v_proj, o_proj)"
+        )
+    kept = tuple(t for t in targets if t not in _MLP_TARGETS)
+    if not kept:
+        raise LoraConfigError(
+            "model.exclude_modules removes every attention projection of this mixture-of-experts model, whose "
+            "experts LoRA does not adapt: no adapter would be trained"
+        )
+    if mlp:
+        logger.info(
+            "LoRA all-linear on a mixture-of-experts model: adapting %s; the experts stay frozen", kept
+        )
+    return kept
 
 
 # ----------------------------------------------------------------------------- modules
@@ -294,6 +328,16 @@ class RowAdapter(_SiteAdapter):
         return self.matmul(h, pair.lora_B) * self.scaling
 
 
+def _site_module(layer: torch.nn.Module, site: str) -> torch.nn.Module:
+    try:
+        return layer.get_submodule(site)
+    except AttributeError:  # an MoELayer has no linear_fc1 / linear_fc2
+        raise LoraConfigError(
+            f"LoRA targets {site}, which layer {layer.layer_number} does not have (a mixture-of-experts MLP?): "
+            "target attention projections only"
+        ) from None
+
+
 def _layer_sites(
     layer: torch.nn.Module, settings: LoraSettings, config: Any, tp: int, dtype, device
 ) -> dict[str, _SiteAdapter]:
@@ -309,7 +353,7 @@ def _layer_sites(
     for hf_name in settings.targets:
         by_site.setdefault(_SITES[hf_name][0], []).append(hf_name)
     for site, hf_names in by_site.items():
-        base = layer.get_submodule(site)
+        base = _site_module(layer, site)
         pairs: dict[str, LoraPair] = {}
         if site.endswith("linear_qkv"):
             parts = [("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)]
@@ -450,7 +494,8 @@ def apply_lora(
 
 def apply_configured_lora(chunks: list[torch.nn.Module], model_cfg: Any, seed: int) -> list[torch.nn.Module]:
     """``apply_lora`` with the settings of a ModelConfig (``model.lora_rank`` etc.); a no-op at rank 0."""
-    settings = check_lora_config(model_cfg, use_te=False) if model_cfg.lora_rank else None
+    moe = unwrap(chunks[0]).config.num_moe_experts is not None
+    settings = check_lora_config(model_cfg, use_te=False, moe=moe) if model_cfg.lora_rank else None
     return chunks if settings is None else apply_lora(chunks, settings, seed=seed)
 
 
