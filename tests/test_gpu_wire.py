@@ -37,6 +37,66 @@ def test_the_guard_passes_nccl_dtypes_and_wire_dtype_widens_losslessly() -> None
         wire_dtype(torch.uint64)
 
 
+FLOAT8 = [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz]
+
+
+@pytest.mark.parametrize("dtype", FLOAT8)
+def test_the_guard_carries_float8_but_refuses_to_reduce_it(dtype) -> None:
+    # NCCL refuses float8 reductions ("Unsupported Float8 type for NCCL reduction"); gloo refuses
+    # float8 altogether, so only the guard says it on a CPU run.
+    check_wire("test", torch.zeros(3, dtype=dtype))
+    with pytest.raises(WireDtypeError, match=rf"^test: a {dtype} tensor \(3,\) cannot be reduced"):
+        check_wire("test", [torch.zeros(1), torch.zeros(3, dtype=dtype)], reduction=True)
+    check_wire("test", [torch.zeros(1, dtype=d) for d in NCCL_DTYPES if d not in FLOAT8], reduction=True)
+
+
+def float8_reductions_job() -> dict:
+    """Each reduction of torch.distributed on a float8 tensor, and a broadcast of one, in a pool worker."""
+    import torch.distributed as dist
+
+    def f8(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=torch.float8_e4m3fn)
+
+    calls = {
+        "all_reduce": lambda: dist.all_reduce(f8(2)),
+        "reduce": lambda: dist.reduce(f8(2), dst=0),
+        "reduce_scatter": lambda: dist.reduce_scatter(f8(2), [f8(2), f8(2)]),
+        "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(f8(2), f8(4)),
+        "_reduce_scatter_base": lambda: dist._reduce_scatter_base(f8(2), f8(4)),
+        "all_reduce_coalesced": lambda: dist.all_reduce_coalesced([f8(2)]),
+        "broadcast": lambda: dist.broadcast(f8(2), src=0),
+    }
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = "sent"
+        except WireDtypeError as error:
+            out[name] = str(error)
+        except RuntimeError as error:  # gloo's own refusal, past the guard
+            out[name] = f"past the guard: {error}"
+    return out
+
+
+def test_pool_workers_refuse_float8_reductions(pool2) -> None:
+    for run in pool2.run(f"{__name__}:float8_reductions_job"):
+        broadcast = run.pop("broadcast")
+        assert not broadcast.startswith("torch.distributed."), broadcast  # NCCL broadcasts float8
+        assert sorted(run) == sorted(
+            [
+                "all_reduce",
+                "reduce",
+                "reduce_scatter",
+                "reduce_scatter_tensor",
+                "_reduce_scatter_base",
+                "all_reduce_coalesced",
+            ]
+        )
+        for name, outcome in run.items():
+            assert outcome.startswith(f"torch.distributed.{name}: a torch.float8_e4m3fn tensor"), outcome
+            assert "cannot be reduced" in outcome, outcome
+
+
 def test_the_collectives_of_distributed_are_guarded(monkeypatch) -> None:
     import verl_megatron.distributed.collective as collective
 

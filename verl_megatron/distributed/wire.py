@@ -7,6 +7,13 @@ float32, float64 and the float8 types; any other (int16, uint16, uint32, uint64,
 releases, "Unconvertible NCCL type Short"). gloo carries more, so a CPU run would never see that
 failure: the guard raises :class:`WireDtypeError` on every backend, before the call, so the CPU
 tests catch what only a GPU job would otherwise hit.
+
+NCCL carries float8 but does not reduce it: ProcessGroupNCCL's allreduce, allreduce_coalesced,
+reduce_scatter, _reduce_scatter_base and reduce_scatter_tensor_coalesced refuse float8 ("Unsupported
+Float8 type for NCCL reduction", "Float8 dtypes are not currenlty supported for NCCL reductions" in
+older releases; e4m3fn / e5m2 pass only when PyTorch was built with an NCCL that has FP8), and its
+reduce checks nothing while the type map sends those float8 types as uint8 (always the fnuz ones),
+so the bytes would be summed as integers. The guard refuses float8 in every reduction.
 """
 
 from __future__ import annotations
@@ -15,7 +22,14 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-__all__ = ["NCCL_DTYPES", "WireDtypeError", "check_wire", "guard_torch_distributed", "wire_dtype"]
+__all__ = [
+    "FLOAT8_DTYPES",
+    "NCCL_DTYPES",
+    "WireDtypeError",
+    "check_wire",
+    "guard_torch_distributed",
+    "wire_dtype",
+]
 
 NCCL_DTYPES: frozenset[torch.dtype] = frozenset(
     {
@@ -35,6 +49,11 @@ NCCL_DTYPES: frozenset[torch.dtype] = frozenset(
     }
 )
 
+# Carried by NCCL (as bytes), never reduced by it.
+FLOAT8_DTYPES: frozenset[torch.dtype] = frozenset(
+    {torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
+)
+
 # The smallest NCCL dtype that holds every value of an integer dtype NCCL lacks.
 _WIDER = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64}
 
@@ -43,8 +62,11 @@ class WireDtypeError(TypeError):
     """A tensor of a dtype NCCL cannot carry was about to be communicated (a bug, not user input)."""
 
 
-def check_wire(where: str, tensors: torch.Tensor | Iterable[torch.Tensor]) -> None:
-    """Raise WireDtypeError if any of ``tensors`` has a dtype outside :data:`NCCL_DTYPES`.
+def check_wire(
+    where: str, tensors: torch.Tensor | Iterable[torch.Tensor], *, reduction: bool = False
+) -> None:
+    """Raise WireDtypeError if any of ``tensors`` has a dtype outside :data:`NCCL_DTYPES`, or, for
+    a ``reduction`` (all-reduce, reduce, reduce-scatter), a float8 dtype.
 
     ``where`` names the helper in the message. Called on every backend (gloo included).
     """
@@ -53,6 +75,11 @@ def check_wire(where: str, tensors: torch.Tensor | Iterable[torch.Tensor]) -> No
             raise WireDtypeError(
                 f"{where}: a {tensor.dtype} tensor {tuple(tensor.shape)} cannot be communicated "
                 f"(NCCL has no such type); convert it with wire_dtype() first"
+            )
+        if reduction and tensor.dtype in FLOAT8_DTYPES:
+            raise WireDtypeError(
+                f"{where}: a {tensor.dtype} tensor {tuple(tensor.shape)} cannot be reduced "
+                f"(NCCL reduces no float8); reduce it in bfloat16 or float32"
             )
 
 
@@ -73,8 +100,13 @@ def wire_dtype(dtype: torch.dtype) -> torch.dtype:
 _CALLS = (
     "all_reduce", "broadcast", "send", "recv", "reduce", "all_gather", "all_gather_into_tensor",
     "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather",
-    "scatter", "batch_isend_irecv",
+    "scatter", "batch_isend_irecv", "all_reduce_coalesced", "_reduce_scatter_base",
 )  # fmt: skip
+# Those of them that reduce: no float8 (see the module's docstring).
+_REDUCTIONS = frozenset({
+    "all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_reduce_coalesced",
+    "_reduce_scatter_base",
+})  # fmt: skip
 
 
 def _tensors(values: Iterable[object]) -> Iterator[torch.Tensor]:
@@ -104,7 +136,8 @@ def guard_torch_distributed() -> None:
 
         @functools.wraps(call)
         def guarded(*args, _call=call, _name=name, **kwargs):
-            check_wire(f"torch.distributed.{_name}", _tensors([*args, *kwargs.values()]))
+            tensors = _tensors([*args, *kwargs.values()])
+            check_wire(f"torch.distributed.{_name}", tensors, reduction=_name in _REDUCTIONS)
             return _call(*args, **kwargs)
 
         guarded._wire_guarded = True
