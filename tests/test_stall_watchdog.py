@@ -367,3 +367,36 @@ def test_scorer_timeouts_the_watchdog_outlasts_are_accepted(overrides):
     config = load_config(default_config_path(), overrides)
     validate_config(config, 1)
     assert config.trainer.stall_timeout_s in (0, 60)
+
+
+# The main thread waits for a worker thread that computes for seconds (a blocking scorer, an
+# in-process agent harness): sustained work of another thread is progress, not a stall.
+WORKER_THREAD = """
+import sys, threading, time
+import torch.distributed as dist
+from verl_megatron.distributed.watchdog import Watchdog, WatchdogSettings
+
+def work():
+    end = time.thread_time() + {work_s}
+    while time.thread_time() < end:
+        pass
+
+Watchdog(WatchdogSettings({timeout_s}, sys.argv[1]), 0, 1, dist.HashStore()).start()
+worker = threading.Thread(target=work, daemon=True)
+worker.start()
+worker.join()
+print("finished")
+"""
+
+
+def test_a_thread_the_main_thread_waits_for_is_progress(tmp_path):
+    timeout_s, work_s = 2, 6
+    done = subprocess.run(
+        [sys.executable, "-c", WORKER_THREAD.format(timeout_s=timeout_s, work_s=work_s), str(tmp_path)],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=work_s * 10 + 60,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "finished", (done.returncode, done.stderr[-2000:])

@@ -56,9 +56,15 @@ STALL_EXIT_CODE = 4
 """Exit status of a rank ended by the watchdog (2: user error, 3: divergence guard)."""
 TERM_EXIT_CODE = 128 + signal.SIGTERM
 # CPU time of the watched thread that counts as work between two looks: a thread blocked in a
-# wait wakes now and then for microseconds, never for milliseconds a second. Other threads of the
-# process do not count: a progress bar's refresh thread alone burns ~10 ms a second.
+# wait wakes now and then for microseconds, never for milliseconds a second.
 _BUSY_CPU_S = 0.01
+# CPU time of the process's other threads together (the watchdog's aside) that counts as work:
+# a thread the watched one waits for (a blocking scorer, an in-process agent harness) works
+# for a large share of a second, while housekeeping threads (a progress bar's refresh, ~10 ms a
+# second; log writers) use far less, and must not hide a stall.
+_BUSY_OTHER_THREADS_S = 0.1
+# The key of the other threads' CPU seconds among the per-process ones (no pid is negative).
+_OTHER_THREADS = -1
 # How long the rank that declared a stall waits for a stopped peer it continued to end by itself.
 _PEER_GRACE_S = 3.0
 _POKE = b"\1"
@@ -268,16 +274,20 @@ class Watchdog:
     def _sample(self) -> None:
         """Bump the progress counter when this rank worked since the last look: a stage mark, CPU
         time of the watched thread or of a process this one started (a scorer worker, a compiler),
-        or a change of the watched thread's Python stack."""
-        cpu = cpu_by_process(os.getpid(), 0.0)
-        cpu[os.getpid()] = self._watched_cpu()
+        sustained CPU time of the process's other threads, or a change of the watched thread's
+        Python stack."""
+        cpu = cpu_by_process(os.getpid(), time.thread_time())
+        watched = self._watched_cpu()
+        cpu[_OTHER_THREADS], cpu[os.getpid()] = cpu[os.getpid()] - watched, watched
         frame, stack = sys._current_frames().get(self._watched), []
         while frame is not None:
             stack.append((id(frame.f_code), frame.f_lasti))
             frame = frame.f_back
         last_marks, last_cpu, last_stack = self._last_sample
-        worked = sum(max(0.0, t - last_cpu.get(pid, 0.0)) for pid, t in cpu.items())
-        if self._marks != last_marks or worked >= _BUSY_CPU_S or stack != last_stack:
+        gained = {pid: max(0.0, t - last_cpu.get(pid, 0.0)) for pid, t in cpu.items()}
+        others = gained.pop(_OTHER_THREADS)
+        worked = sum(gained.values()) >= _BUSY_CPU_S or others >= _BUSY_OTHER_THREADS_S
+        if self._marks != last_marks or worked or stack != last_stack:
             self._progress += 1
         self._last_sample = (self._marks, cpu, stack)
 
