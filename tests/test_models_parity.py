@@ -143,6 +143,29 @@ def test_check_hf_status(pool1, tiny_models):
     assert statuses == (0, 1)
 
 
+def nan_check_hf_job(path: str) -> int:
+    """check-hf's status when one logit of megatron's second prompt is NaN (its first prompt is exact)."""
+    import verl_megatron.tools.check_hf as check_hf
+
+    original = check_hf.megatron_logits
+
+    def with_nan(*args, **kwargs):
+        logits = original(*args, **kwargs)
+        logits[1][3, 5] = float("nan")
+        return logits
+
+    check_hf.megatron_logits = with_nan  # this worker process only, restored below
+    try:
+        return check_hf.main([path])
+    finally:
+        check_hf.megatron_logits = original
+
+
+def test_check_hf_fails_on_a_nan_logit(pool1, tiny_models):
+    (status,) = pool1.run(f"{__name__}:nan_check_hf_job", path=tiny_models["qwen3_headdim32"])
+    assert status == 1
+
+
 def test_check_hf_command_launches_tp_times_pp_processes(tiny_models):
     env = {
         k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Iterable
 
 import torch
 
@@ -27,6 +29,21 @@ def check_prompts(path: str, vocab_size: int, seed: int) -> list[torch.Tensor]:
     return [torch.randint(0, vocab_size, (length,), generator=generator) for length in (7, 12, 5)]
 
 
+def max_abs_diff(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """The largest |megatron - reference| over the prompts; inf if any difference is not finite.
+
+    inf, not NaN: Python's max() and a MAX all-reduce may keep the other operand against a NaN,
+    so a NaN logit of any prompt but the first would vanish and the check would pass.
+    """
+    worst = 0.0
+    for ours, reference in pairs:
+        diff = (ours - reference).abs()
+        if not bool(torch.isfinite(diff).all()):
+            return math.inf
+        worst = max(worst, float(diff.max()))
+    return worst
+
+
 def verdict(
     max_diff: float, tolerance: float, *, reporter: bool, head: str, quantity: str, prompts: int
 ) -> int:
@@ -36,8 +53,9 @@ def verdict(
     """
     ok = float(max_diff) <= tolerance
     if reporter:
+        shown = f"{float(max_diff):.3e}" if math.isfinite(max_diff) else "not finite (NaN or inf values)"
         print(
-            f"{head}: max |{quantity} diff| = {float(max_diff):.3e} over {prompts} prompts "
+            f"{head}: max |{quantity} diff| = {shown} over {prompts} prompts "
             f"(tolerance {tolerance:g}): {'OK' if ok else 'FAILED'}",
             flush=True,
         )

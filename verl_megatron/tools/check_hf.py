@@ -27,7 +27,7 @@ from verl_megatron.models.builder import build_gpt_chunks, model_info
 from verl_megatron.models.config import ModelConfig, load_hf_config
 from verl_megatron.models.convert import load_hf_weights
 from verl_megatron.models.families.qwen2_vl import VL_MODEL_TYPES
-from verl_megatron.tools.check_common import check_prompts, verdict
+from verl_megatron.tools.check_common import check_prompts, max_abs_diff, verdict
 
 DEFAULT_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.25}
 
@@ -206,7 +206,7 @@ def run_check(args: argparse.Namespace) -> int:
     local_diff = 0.0
     if reporter:
         reference = hf_logits(args.path, sequences, runtime.device)
-        local_diff = max(float((m - r).abs().max()) for m, r in zip(logits, reference))
+        local_diff = max_abs_diff(zip(logits, reference))
     max_diff = max_over_ranks(local_diff, runtime.device)
     tolerance = DEFAULT_TOLERANCE[args.dtype] if args.tolerance is None else args.tolerance
     head = (

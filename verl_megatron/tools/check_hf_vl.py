@@ -22,7 +22,7 @@ from verl_megatron.errors import ModelConfigError
 from verl_megatron.models.builder import build_gpt_chunks, model_info
 from verl_megatron.models.config import ModelConfig
 from verl_megatron.models.convert import load_hf_weights
-from verl_megatron.tools.check_common import verdict
+from verl_megatron.tools.check_common import max_abs_diff, verdict
 from verl_megatron.utils.local_vl_assets import shape_image
 from verl_megatron.utils.mrope import mrope_position_ids
 
@@ -144,7 +144,7 @@ def run_vl_check(args: argparse.Namespace, runtime: Runtime, hf_config, toleranc
     local_diff = 0.0
     if reporter:
         reference = hf_vl_logits(args.path, samples, int(hf_config.image_token_id))
-        local_diff = max(float((m - r).abs().max()) for m, r in zip(logits, reference))
+        local_diff = max_abs_diff(zip(logits, reference))
     max_diff = max_over_ranks(local_diff, runtime.device)
     head = f"check-hf {args.path} tp={args.tp} pp={args.pp} dtype={args.dtype} (image + text)"
     return verdict(max_diff, tolerance, reporter=reporter, head=head, quantity="logit", prompts=len(samples))
