@@ -192,6 +192,43 @@ print(f"THREADS {before} -> {sorted(t.name for t in threading.enumerate())}", fl
 """
 
 
+# The same for the SFT trainer: its fit() builds the tracker, the second step fails.
+FAILING_SFT_RUN = """
+import sys, threading
+from types import SimpleNamespace
+from verl_megatron.trainer import sft_trainer
+
+sft_trainer.to_dict = lambda config: {}  # a bare namespace stands in for the config
+
+class FailingSFT(sft_trainer.SFTTrainer):
+    def __init__(self):  # no model: only what fit() touches
+        trainer = SimpleNamespace(
+            project_name="p", experiment_name="e", logger=["console", "tensorboard"],
+            default_local_dir=sys.argv[1], val_before_train=False,
+        )
+        self.config = SimpleNamespace(trainer=trainer)
+        self.runtime = SimpleNamespace(is_main=True)
+        self.total_steps, self._staged = 3, None
+        self.guard = SimpleNamespace(start=lambda chunks: None, check=lambda *args: None)
+        self.actor = SimpleNamespace(chunks=[])
+
+    def _resume(self):
+        return 0
+
+    def train_step(self, step):
+        if step == 2:
+            raise RuntimeError("step 2 failed")
+        return {"train/loss": 0.5}
+
+before = sorted(t.name for t in threading.enumerate())
+try:
+    FailingSFT().fit()
+except RuntimeError as err:
+    print(f"ERROR {err}", flush=True)
+print(f"THREADS {before} -> {sorted(t.name for t in threading.enumerate())}", flush=True)
+"""
+
+
 def _on_a_terminal(argv: list[str], timeout_s: float) -> str:
     """What ``argv`` writes to a pseudo-terminal (its stdout and stderr) until it exits."""
     import pty
@@ -219,8 +256,9 @@ def _on_a_terminal(argv: list[str], timeout_s: float) -> str:
     return b"".join(chunks).decode(errors="replace")
 
 
-def test_a_failed_run_on_a_terminal_shows_the_cursor_and_closes_the_writers(tmp_path):
-    output = _on_a_terminal([sys.executable, "-c", FAILING_RUN, str(tmp_path)], timeout_s=120)
+@pytest.mark.parametrize("script", [FAILING_RUN, FAILING_SFT_RUN], ids=["ppo", "sft"])
+def test_a_failed_run_on_a_terminal_shows_the_cursor_and_closes_the_writers(tmp_path, script):
+    output = _on_a_terminal([sys.executable, "-c", script, str(tmp_path)], timeout_s=120)
     assert "ERROR step 2 failed" in output, output[-2000:]
     bar = output.index("\x1b[?25l")  # the bar hides the cursor ...
     error = output.index("ERROR step 2 failed")

@@ -187,6 +187,13 @@ class SFTTrainer:
             config=to_dict(self.config), total_steps=self.total_steps,
             resume_step=start if start > 0 else None, enabled=self.runtime.is_main,
         )  # fmt: skip
+        try:
+            return self._fit(start)
+        finally:
+            self.tracker.close()  # on an error too: the terminal's cursor, the writers' threads
+
+    def _fit(self, start: int) -> dict[str, float]:
+        trainer = self.config.trainer
         if start > 0:
             self.tracker.print(f"resumed from step {start} in {trainer.default_local_dir}")
         if trainer.val_before_train and start == 0 and self.parts.val_loader is not None:
