@@ -211,3 +211,32 @@ def test_missing_checkpoint_files_name_the_path(tmp_path):
         json.dump(index, f)
     with pytest.raises(FileNotFoundError, match=r"model-00002-of-00002\.safetensors', which does not exist"):
         SafetensorsCheckpoint(tmp_path)
+
+
+def test_partial_rotary_factor_only_where_transformers_reads_it():
+    from verl_megatron.models.config import _with_partial_rotary
+
+    half = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
+    for family in ("llama", "qwen2", "qwen3", "mistral"):  # their HF rotary ignores the key
+        assert read_hf_architecture(_hf(family, rope_parameters=half)).rope.rotary_percent == 1.0, family
+    glm = SimpleNamespace(model_type="glm4_moe", rope_parameters=half)
+    assert _with_partial_rotary(RopeSettings(theta=1e4), glm).rotary_percent == 0.5
+    linear = {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4, "partial_rotary_factor": 0.5}
+    with pytest.raises(ModelConfigError, match=r"^llama: partial_rotary_factor=0.5 with rope type 'linear'"):
+        read_hf_architecture(_hf("llama", rope_parameters=linear))
+
+
+def partial_rotary_check_job(path: str) -> int:
+    from verl_megatron.tools.check_hf import main
+
+    return main([path])
+
+
+def test_llama_with_a_partial_rotary_factor_gives_transformers_logits(pool1, tmp_path):
+    from tests.test_models_parity import make_tiny_model
+
+    spec = dict(family="llama", num_kv_heads=2, vocab_size=128, num_layers=2, intermediate_size=64)
+    make_tiny_model(str(tmp_path), spec | {"partial_rotary_factor": 0.5})
+    assert load_hf_config(tmp_path).rope_parameters["partial_rotary_factor"] == 0.5
+    (status,) = pool1.run(f"{__name__}:partial_rotary_check_job", path=str(tmp_path))
+    assert status == 0  # max |logit diff| <= 1e-3 (7.29 when half of each head rotated)

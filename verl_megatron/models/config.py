@@ -65,6 +65,8 @@ SUPPORTED_MODEL_TYPES = (
     "qwen3_5_text",
 )  # fmt: skip
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+# Families whose transformers rotary embedding rotates only ``partial_rotary_factor`` of each head.
+_PARTIAL_ROTARY_MODEL_TYPES = ("glm4_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _RECOMPUTE_KEYS = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules")
 
@@ -346,10 +348,31 @@ def read_rope_settings(hf_config: Any) -> RopeSettings:
 
 
 def _with_partial_rotary(rope: RopeSettings, hf_config: Any) -> RopeSettings:
-    """``rope`` rotating only the share ``partial_rotary_factor`` of each head (as transformers)."""
+    """``rope`` rotating only the share ``partial_rotary_factor`` of each head, where transformers does.
+
+    Only the families of _PARTIAL_ROTARY_MODEL_TYPES read the key. The others' default rotary
+    embedding ignores it and rotates whole heads, so the converted model does too (rotary_percent
+    1.0); their scaled (linear, llama3) frequencies would honour it and then fail to broadcast
+    against whole heads in transformers' forward, so that combination is refused.
+    """
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
     percent = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
-    return rope if percent in (None, 1.0) else dataclasses.replace(rope, rotary_percent=float(percent))
+    model_type = hf_config.model_type
+    if percent in (None, 1.0):
+        return rope
+    if model_type in _PARTIAL_ROTARY_MODEL_TYPES:
+        return dataclasses.replace(rope, rotary_percent=float(percent))
+    if rope.rope_type != "default":
+        raise ModelConfigError(
+            f"{model_type}: partial_rotary_factor={percent} with rope type {rope.rope_type!r}, which transformers' "
+            f"{model_type} cannot run (its frequencies cover part of each head, its rotation the whole head); "
+            "set partial_rotary_factor to 1.0"
+        )
+    logger.warning(
+        "%s: partial_rotary_factor=%s is ignored, as transformers' %s ignores it: whole heads rotate",
+        model_type, percent, model_type,
+    )  # fmt: skip
+    return rope
 
 
 def read_hf_architecture(hf_config: Any) -> HFArchitecture:
