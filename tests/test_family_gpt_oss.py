@@ -83,3 +83,23 @@ def test_gpt_oss_start_up_weight_check(oss, tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(HFWeightsError, match=r"model\.layers\.1\.self_attn\.sinks"):
         check_hf_weights(str(tmp_path), arch)
+
+
+def test_check_hf_at_tp_2_needs_expert_tp_1_before_launching(oss, capsys, monkeypatch):
+    import verl_megatron.tools.check_hf as check_hf
+    from verl_megatron import cli
+
+    path = oss[0]["gpt_oss"]
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(check_hf, "_launch", lambda *a: pytest.fail("torchrun launched"))
+    monkeypatch.setattr(check_hf, "run_check", lambda *a: 0)
+    assert cli.main(["check-hf", path, "--tp", "2"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith(f"error: check-hf {path} --tp 2 --pp 1: gpt_oss's experts"), (
+        err
+    )
+    assert err[0].endswith("got 2 (etp unset: tp); set etp=1 (parallel.etp=1, check-hf --etp 1)"), err
+    launched = []
+    monkeypatch.setattr(check_hf, "_launch", lambda argv, nproc: launched.append(nproc) or 0)
+    assert cli.main(["check-hf", path, "--tp", "2", "--etp", "1"]) == 0
+    assert launched == [2] and capsys.readouterr().err.strip() == ""

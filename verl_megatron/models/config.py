@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from verl_megatron.distributed.parallel import ParallelLayout
-from verl_megatron.errors import ModelConfigError
+from verl_megatron.errors import ModelConfigError, ParallelConfigError
 from verl_megatron.models.families.deepseek import (
     MLAArchitecture,
     check_mla_split,
@@ -462,6 +462,11 @@ def check_layout(layout: ParallelLayout, arch: HFArchitecture) -> None:
         num_query_groups=arch.num_key_value_heads,
         num_experts=arch.moe.num_experts if arch.moe else None,
     )
+    if arch.moe is not None and arch.linear_bias and layout.expert_tp > 1:  # megatron asserts it later
+        raise ParallelConfigError(
+            f"{arch.model_type}'s experts have biases, which megatron supports only at expert tensor-parallel "
+            f"size 1, got {layout.expert_tp} (etp unset: tp); set etp=1 (parallel.etp=1, check-hf --etp 1)"
+        )
 
 
 def _reject_sliding_window(hf_config: Any) -> None:
