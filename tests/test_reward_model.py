@@ -167,6 +167,30 @@ def test_check_hf_compares_reward_scores(pool1, pool2, rm_path, qwen2_rm_path, f
     assert _reported_diff(line) < 1e-4
 
 
+def nan_check_hf_job(argv: list[str]) -> tuple[int, str]:
+    """check_hf_job with one NaN in the transformers scores that rank 0 compares against."""
+    from verl_megatron.tools import check_reward_head
+
+    original = check_reward_head.hf_scores
+
+    def with_nan(*args, **kwargs):
+        scores = original(*args, **kwargs).clone()
+        scores[1] = float("nan")
+        return scores
+
+    check_reward_head.hf_scores = with_nan  # this worker process only, restored below
+    try:
+        return check_hf_job(argv)
+    finally:
+        check_reward_head.hf_scores = original
+
+
+def test_check_hf_fails_on_a_nan_reward_score(pool2, qwen2_rm_path):
+    """A NaN on rank 0 must not vanish in the MAX all-reduce against the other rank's 0."""
+    results = pool2.run(f"{__name__}:nan_check_hf_job", argv=[qwen2_rm_path, "--tp", "2"])
+    assert [status for status, _ in results] == [1, 1], results
+
+
 # ------------------------------------------------------------------ inputs
 
 

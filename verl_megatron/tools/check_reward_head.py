@@ -16,7 +16,7 @@ import torch
 
 from verl_megatron.distributed.collective import max_over_ranks
 from verl_megatron.distributed.parallel import Runtime
-from verl_megatron.tools.check_common import check_prompts, verdict
+from verl_megatron.tools.check_common import check_prompts, max_abs_diff, verdict
 
 __all__ = ["DEFAULT_SCORE_TOLERANCE", "hf_scores", "is_sequence_classification", "run_reward_check"]
 
@@ -60,7 +60,8 @@ def run_reward_check(args: argparse.Namespace, runtime: Runtime, hf_config: Any)
     finally:
         reward_model.close()
     reporter = runtime.rank == 0
-    local_diff = float((scores - hf_scores(args.path, sequences)).abs().max()) if reporter else 0.0
+    # inf for a non-finite score: a NaN could vanish in the MAX all-reduce against another rank's 0.
+    local_diff = max_abs_diff([(scores, hf_scores(args.path, sequences))]) if reporter else 0.0
     max_diff = max_over_ranks(local_diff, runtime.device)
     tolerance = DEFAULT_SCORE_TOLERANCE[args.dtype] if args.tolerance is None else args.tolerance
     head = f"check-hf {args.path} (reward model) tp={args.tp} pp={args.pp} vpp={args.vpp} dtype={args.dtype}"
