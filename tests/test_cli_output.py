@@ -167,6 +167,17 @@ def test_rollout_log_prob_micro_batch_is_read_by_the_actor():
     assert "set rollout.log_prob_micro_batch_size_per_gpu" in error(["rollout.log_prob_micro_batch_size=64"])
 
 
+# fit() of a trainer (class {trainer} of the script) whose second step fails, and the threads
+# before and after.
+FIT_AND_REPORT = """
+before = sorted(t.name for t in threading.enumerate())
+try:
+    {trainer}().fit()
+except RuntimeError as err:
+    print(f"ERROR {{err}}", flush=True)
+print(f"THREADS {{before}} -> {{sorted(t.name for t in threading.enumerate())}}", flush=True)
+"""
+
 # fit() of a trainer whose second step fails, on a terminal, with TensorBoard on (a writer thread).
 FAILING_RUN = """
 import sys, threading
@@ -182,13 +193,6 @@ class FailingTrainer(PPOTrainer):
         self.tracker = Tracking("p", "e", ["console", "tensorboard"], sys.argv[1], total_steps=3)
         self.tracker.log({"critic/score/mean": 0.5}, step=1)
         raise RuntimeError("step 2 failed")
-
-before = sorted(t.name for t in threading.enumerate())
-try:
-    FailingTrainer().fit()
-except RuntimeError as err:
-    print(f"ERROR {err}", flush=True)
-print(f"THREADS {before} -> {sorted(t.name for t in threading.enumerate())}", flush=True)
 """
 
 
@@ -219,13 +223,6 @@ class FailingSFT(sft_trainer.SFTTrainer):
         if step == 2:
             raise RuntimeError("step 2 failed")
         return {"train/loss": 0.5}
-
-before = sorted(t.name for t in threading.enumerate())
-try:
-    FailingSFT().fit()
-except RuntimeError as err:
-    print(f"ERROR {err}", flush=True)
-print(f"THREADS {before} -> {sorted(t.name for t in threading.enumerate())}", flush=True)
 """
 
 
@@ -258,6 +255,8 @@ def _on_a_terminal(argv: list[str], timeout_s: float) -> str:
 
 @pytest.mark.parametrize("script", [FAILING_RUN, FAILING_SFT_RUN], ids=["ppo", "sft"])
 def test_a_failed_run_on_a_terminal_shows_the_cursor_and_closes_the_writers(tmp_path, script):
+    trainer = "FailingTrainer" if script is FAILING_RUN else "FailingSFT"
+    script += FIT_AND_REPORT.format(trainer=trainer)
     output = _on_a_terminal([sys.executable, "-c", script, str(tmp_path)], timeout_s=120)
     assert "ERROR step 2 failed" in output, output[-2000:]
     bar = output.index("\x1b[?25l")  # the bar hides the cursor ...
