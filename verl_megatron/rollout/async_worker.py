@@ -263,6 +263,7 @@ class RolloutWorker:
         return self.placement.store.check([weights_key(self.version + 1)])
 
     def _generate(self, prompts: DataProto, step: int) -> DataProto:
+        from verl_megatron.rollout.native import Lockstep
         from verl_megatron.rollout.partial import generate_with_versions
 
         cfg = self.settings.rollout
@@ -280,6 +281,7 @@ class RolloutWorker:
                 self.engine, local, response_length=cfg.response_length, segment=self.settings.segment,
                 stops=self.stops, pad=self.tokenizer.pad_token_id,
                 version=lambda: self.version, refresh=self._refresh, pending=self._weights_waiting,
+                lockstep=Lockstep.of(self.runtime),  # none to agree with: each rank is a whole replica
             )  # fmt: skip
         output.meta_info = {}
         if ranks > 1:

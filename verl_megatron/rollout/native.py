@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from verl_megatron.distributed.parallel import Runtime
+from verl_megatron.distributed.wire import check_wire
 from verl_megatron.models.batch_invariant import BatchInvariance
 from verl_megatron.models.logprobs import vocab_parallel_log_probs
 from verl_megatron.models.routing import NO_RECORDER, RouteRecorder
@@ -65,10 +66,42 @@ from verl_megatron.rollout.sampling import (
     sample_rows,
 )
 
-__all__ = ["NativeRollout", "Segments"]
+__all__ = ["Lockstep", "NativeRollout", "Segments"]
 
 # Finished rows are dropped from the batch once at most this fraction of its rows is still live.
 _COMPACT_FRACTION = 0.75
+
+
+@dataclass(frozen=True)
+class Lockstep:
+    """The process groups whose ranks decode each step together with this rank: a replica's
+    tp x pp ranks (model-parallel group), then, where the MoE layers meet other replicas (ep > 1
+    or an expert tp group wider than tp), the expert group. Empty: this rank decodes alone."""
+
+    groups: tuple[dist.ProcessGroup, ...]
+    device: torch.device
+    """Where the agreement's tensor lives (the runtime's: NCCL reduces only on the GPU)."""
+
+    @classmethod
+    def of(cls, runtime: Runtime) -> Lockstep:
+        layout, groups = runtime.layout, []
+        if layout.tp * layout.pp > 1:
+            groups.append(runtime.mp_group())
+        if layout.ep > 1 or layout.expert_tp > layout.tp:
+            groups.append(runtime.expert_group())
+        return cls(tuple(groups), runtime.device)
+
+    def max(self, values: list[int]) -> list[int]:
+        """Collective over ``groups``: the elementwise largest ``values`` of all ranks here.
+
+        The replica's ranks first agree, then the expert group over replicas: each expert group
+        then holds one value whenever it is a union of replicas' stages or lies within one (the
+        layouts where ``NativeRollout._all_done`` agrees on finishing too)."""
+        flags = torch.tensor(values, dtype=torch.int64, device=self.device)
+        check_wire("Lockstep.max", flags, reduction=True)
+        for group in self.groups:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        return [int(v) for v in flags.tolist()]
 
 
 @dataclass(frozen=True)
@@ -79,8 +112,11 @@ class Segments:
     """Tokens a segment (the last may be shorter); each draws as a separate call would."""
     stop: Callable[[], bool]
     """Asked at each segment boundary where rows are still running: True (newer weights are
-    waiting) ends the call there. Must answer alike on every rank that decodes with this one
-    (a replica's tp x pp ranks; with expert parallelism, its expert group's)."""
+    waiting) ends the call there. Each rank asks its own, so ranks may answer differently."""
+    lockstep: Lockstep | None = None
+    """The ranks that decode with this one (``Lockstep.of`` the engine's runtime): the call ends
+    at a boundary when any of them says stop, one all-reduce a boundary, for a rank that went on
+    alone would wait forever in the next step's collectives. None: this rank decodes alone."""
 
 
 class _Steps:
@@ -101,6 +137,8 @@ class _Steps:
         self.rows = sample_rows(meta, prompts, params.n)  # global row of each output row
         self.width = length if segments is None else segments.width
         self.stop = None if segments is None else segments.stop
+        lockstep = None if segments is None else segments.lockstep
+        self.lockstep = lockstep if lockstep is not None and lockstep.groups else None  # alone: none
         self.table: torch.Tensor | None = None
         self.segment = -1  # the segment ``table`` holds
 
@@ -124,8 +162,12 @@ class _Steps:
         return table
 
     def stop_after(self, t: int) -> bool:
-        """Whether the call ends after step t: a segment boundary, and ``Segments.stop`` says so."""
-        return self.stop is not None and (t + 1) % self.width == 0 and self.stop()
+        """Whether the call ends after step t: a segment boundary, and ``Segments.stop`` says so
+        on this rank or, with a lockstep, on any rank decoding with it."""
+        if self.stop is None or (t + 1) % self.width != 0:
+            return False
+        local = bool(self.stop())
+        return local if self.lockstep is None else bool(self.lockstep.max([int(local)])[0])
 
     def calls(self, decoded: int) -> int:
         """Sampling calls used by ``decoded`` tokens: one a segment begun (their call numbers)."""
@@ -193,7 +235,17 @@ class NativeRollout(RolloutEngine):
         """:meth:`generate_sequences` as consecutive calls of ``segments.width`` tokens each would
         sample it (their call numbers and seeds, see ``_Steps``), in one call that ends early at
         the first boundary where ``segments.stop()`` is true. Returns (output, tokens decoded):
-        response columns from that one on are padding in every row (masked)."""
+        response columns from that one on are padding in every row (masked).
+
+        Refuses a ``segments.lockstep`` that leaves out the ranks this one decodes with."""
+        needed = Lockstep.of(self.runtime).groups
+        given = () if segments.lockstep is None else segments.lockstep.groups
+        if given != needed:
+            raise ValueError(
+                f"generate_segments: this rank decodes with {len(needed)} process group(s) "
+                f"(tp={self.runtime.layout.tp}, pp={self.runtime.layout.pp}, ep={self.runtime.layout.ep}) "
+                f"and segments.lockstep names {len(given)}: pass Lockstep.of(runtime)"
+            )
         return self._generate(prompts, segments)
 
     def _generate(self, prompts: DataProto, segments: Segments | None) -> tuple[DataProto, int]:

@@ -10,7 +10,9 @@ version a row started with. With one segment covering the whole response this is
 Given ``pending`` (whether newer weights are waiting) and the native engine, a boundary where none
 are does not end the engine call: its rows decode on in the cache, each segment drawing as its own
 call would (``NativeRollout.generate_segments``), so the tokens are the same and only a boundary
-where weights change re-prefills. Without ``pending``, or with another engine, every boundary is
+where weights change re-prefills. Ranks that decode together (tp / pp / expert peers, given as
+``lockstep``) end the call at the same boundary, the first where any of them sees newer weights,
+and then load the same version. Without ``pending``, or with another engine, every boundary is
 an engine call and a re-prefill of every row still running (e.g. 64 prefills of a 512-token
 response cut in segments of 8, where one suffices when no update arrives).
 """
@@ -24,7 +26,7 @@ import torch
 from verl_megatron.protocol import DataProto
 from verl_megatron.rollout.base import RolloutEngine, assemble_output, prompt_tensors
 from verl_megatron.rollout.config import RolloutConfig
-from verl_megatron.rollout.native import NativeRollout, Segments
+from verl_megatron.rollout.native import Lockstep, NativeRollout, Segments
 from verl_megatron.rollout.sampling import resolve_sampling, sample_rows
 
 __all__ = ["generate_with_versions"]
@@ -44,16 +46,47 @@ def _continuation(
 
 
 def _generate(
-    engine: RolloutEngine, batch: DataProto, remaining: int, segment: int, pending: Callable[[], bool] | None
+    engine: RolloutEngine,
+    batch: DataProto,
+    remaining: int,
+    segment: int,
+    pending: Callable[[], bool] | None,
+    lockstep: Lockstep | None,
 ) -> tuple[DataProto, int]:
     """(output, response columns it decoded) of one engine call from here: to the first boundary
     where newer weights are waiting when the engine can continue past boundaries, else one segment."""
     if pending is not None and isinstance(engine, NativeRollout):
         batch.meta_info["response_length"] = remaining
-        out, decoded = engine.generate_segments(batch, Segments(width=segment, stop=pending))
+        out, decoded = engine.generate_segments(batch, Segments(segment, pending, lockstep))
         return out.to("cpu"), decoded
     batch.meta_info["response_length"] = min(segment, remaining)
     return engine.generate_sequences(batch).to("cpu"), min(segment, remaining)
+
+
+def _refresh_alike(
+    refresh: Callable[[], None], version: Callable[[], int], lockstep: Lockstep | None
+) -> None:
+    """``refresh()``, then, with ranks decoding together, again on those behind until all hold the
+    newest version any of them loaded: a peer may have seen a version arrive that this rank's
+    refresh() had not yet (whatever told the peer was there before the agreement, so a rank behind
+    finds it). Raises on every rank, naming the versions, where a refresh() behind loads nothing."""
+    refresh()
+    if lockstep is None or not lockstep.groups:
+        return
+    stuck = 0
+    while True:
+        newest, negated_oldest, any_stuck = lockstep.max([version(), -version(), stuck])
+        if any_stuck:
+            raise RuntimeError(
+                f"partial rollout: ranks decoding together hold weight versions {-negated_oldest} to "
+                f"{newest} at one segment boundary, and refresh() loads no newer one on a rank behind"
+            )
+        if newest == -negated_oldest:
+            return
+        if version() < newest:
+            before = version()
+            refresh()
+            stuck = int(version() == before)
 
 
 def _kept(tokens: torch.Tensor, mask: torch.Tensor, stop_ids: torch.Tensor, segment: int) -> torch.Tensor:
@@ -77,11 +110,14 @@ def generate_with_versions(
     version: Callable[[], int],
     refresh: Callable[[], None],
     pending: Callable[[], bool] | None = None,
+    lockstep: Lockstep | None = None,
 ) -> DataProto:
     """``engine.generate_sequences(prompts)`` decoded ``segment`` tokens at a time (see the module
     docstring); ``version()`` is the weight version loaded now, ``refresh()`` loads newer weights
     when there are any, ``pending()`` says whether it would now (None: not known, so every segment
-    boundary refreshes and re-prefills). The output carries ``rollout_versions`` and ``weight_version``."""
+    boundary refreshes and re-prefills). ``lockstep``: the ranks that decode with this one
+    (``Lockstep.of(runtime)``; None: it decodes alone), which stop and refresh at the same boundary.
+    The output carries ``rollout_versions`` and ``weight_version``."""
     config = getattr(engine, "config", None)
     if isinstance(config, RolloutConfig):  # the engine's own rule: greedy returns one row a prompt
         n = resolve_sampling(config, prompts.meta_info).n
@@ -101,7 +137,7 @@ def generate_with_versions(
     position = 0
     while position < response_length and live.numel() > 0:
         if position > 0:
-            refresh()
+            _refresh_alike(refresh, version, lockstep)
         if position == 0:
             batch = DataProto.from_dict(dict(prompts.batch.items()), meta_info=dict(prompts.meta_info))
         else:
@@ -111,7 +147,7 @@ def generate_with_versions(
             batch.meta_info = {**prompts.meta_info, "n": 1, "prompt_indices": global_rows[live].tolist()}
         # Read after refresh(): the engine reuses packed weights only within one version.
         batch.meta_info["weights_version"] = version()
-        out, width = _generate(engine, batch, response_length - position, segment, pending)
+        out, width = _generate(engine, batch, response_length - position, segment, pending, lockstep)
         seg_tokens, seg_mask = out.batch["responses"][:, :width], out.batch["response_mask"][:, :width].long()
         kept = _kept(seg_tokens, seg_mask, stop_ids, segment)
         seg_tokens, seg_mask = torch.where(kept, seg_tokens, pad), seg_mask * kept
