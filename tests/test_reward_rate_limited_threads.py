@@ -128,3 +128,49 @@ def test_slot_handed_to_a_waiter_that_times_out_is_not_lost():
         return [*taken, slots.taken]
 
     assert asyncio.run(scenario()) == [0, 1]
+
+
+@pytest.fixture
+def manager_cls():
+    """The class with its shared rate buckets made afresh, and not reset between its managers."""
+    from verl_megatron.reward.managers.rate_limited import RateLimitedRewardManager
+
+    RateLimitedRewardManager._class_initialized = False
+    yield RateLimitedRewardManager
+    RateLimitedRewardManager._class_initialized = False
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("max_concurrent", 0, "reward.max_concurrent must be an integer >= 1, got 0"),
+        ("max_rpm", 0, "reward.max_rpm must be a number > 0 or null, got 0"),
+        ("timeout", -1, "reward.timeout must be a number > 0 or null, got -1"),
+    ],
+)
+def test_a_later_managers_limits_are_checked_too(manager_cls, key, value, message):
+    manager_cls({"reward": {"max_concurrent": 4}}, _Tok(), _CountingScorer(hold=0.0))
+    with pytest.raises(ValueError) as err:
+        manager_cls({"reward": {key: value}}, _Tok(), _CountingScorer(hold=0.0))
+    assert str(err.value) == message
+
+
+def test_each_manager_is_bounded_by_its_own_max_concurrent(manager_cls):
+    peaks = {}
+    for limit in (1, 3):  # the first manager's 1 used to bound the second one too
+        scorer = _CountingScorer(hold=0.5)
+        manager = manager_cls({"reward": {"max_concurrent": limit, "timeout": 30.0}}, _Tok(), scorer)
+        out = manager(_batch(6), return_dict=True)
+        assert out["reward_tensor"][:, -1].tolist() == [1.0] * 6
+        peaks[limit] = scorer.peak
+    assert peaks == {1: 1, 3: 3}
+
+
+def test_a_queue_longer_than_the_timeout_is_waited_out(manager_cls):
+    # One slot, five calls of 0.1 s, a 0.3 s timeout: the slot keeps coming free, so the last
+    # call waits 0.4 s for it and still scores (the timeout bounds a call, not the queue).
+    scorer = _CountingScorer(hold=0.1)
+    manager = manager_cls({"reward": {"max_concurrent": 1, "timeout": 0.3}}, _Tok(), scorer)
+    out = manager(_batch(5), return_dict=True)
+    assert out["reward_tensor"][:, -1].tolist() == [1.0] * 5
+    assert (scorer.started, scorer.peak) == (5, 1)

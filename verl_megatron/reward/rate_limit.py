@@ -57,6 +57,7 @@ class ThreadSlots:
             raise ValueError(f"ThreadSlots: limit must be >= 1, got {limit}")
         self.limit = limit
         self._taken = 0
+        self._released = 0  # slots given back so far: a waiter sees whether the queue moves
         self._lock = threading.Lock()
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
 
@@ -65,17 +66,27 @@ class ThreadSlots:
         """Slots taken now (including those handed to a waiter that has not resumed yet)."""
         return self._taken
 
-    async def acquire(self) -> None:
-        """Take a slot, waiting for one; cancellable (a timeout) without losing a slot."""
+    async def acquire(self, stale_s: float | None = None) -> bool:
+        """Take a slot, waiting for one: True. False (no slot taken) when no slot came free for
+        `stale_s` seconds: the holders hang, while a queue that moves is waited out however
+        long. Cancellable (a timeout) without losing a slot."""
         with self._lock:
             if self._taken < self.limit and not self._waiters:
                 self._taken += 1
-                return
+                return True
             waiter = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)
+            seen = self._released
         try:
-            await waiter
+            while not (await asyncio.wait({waiter}, timeout=stale_s))[0]:
+                with self._lock:
+                    if self._released == seen and waiter in self._waiters:
+                        self._waiters.remove(waiter)
+                        return False
+                    seen = self._released  # a slot came free meanwhile: the queue moves
+            return True
         except asyncio.CancelledError:
+            waiter.cancel()  # `asyncio.wait` leaves it pending: a hand-over on its way is passed on
             with self._lock:
                 queued = waiter in self._waiters
                 if queued:
@@ -89,6 +100,7 @@ class ThreadSlots:
     def release(self) -> None:
         """Give a slot back: to the oldest waiter whose loop still runs, else to the pool."""
         with self._lock:
+            self._released += 1
             while self._waiters:
                 waiter = self._waiters.popleft()
                 try:

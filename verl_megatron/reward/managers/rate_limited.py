@@ -6,14 +6,17 @@ a request-per-minute bucket (1 token per request), a token-per-minute bucket
 (``estimated_tokens_per_request`` tokens per request) and a concurrency semaphore, then runs
 the scorer under ``timeout`` seconds. A timeout or an exception scores 0 (``acc`` 0, and
 ``timeout``/``error`` in the extra info) instead of failing the step. A blocking scorer runs in
-a thread that a timeout cannot stop; it holds one of ``max_concurrent`` process-wide slots
-until it really returns, so at most ``max_concurrent`` scorer calls ever run at once.
+a thread that a timeout cannot stop; it holds one of the manager's ``max_concurrent`` slots
+until it really returns, so at most ``max_concurrent`` of its scorer calls ever run at once
+(that is its only gate: a call queues for a slot as long as slots come free, and scores the
+timeout when none came free for ``timeout`` seconds).
 
 The limits come from the config's ``reward`` section (``max_concurrent`` 1, ``max_rpm`` and
-``max_tpm`` None = unlimited, ``estimated_tokens_per_request`` 2000, ``timeout`` 300 s). They
-belong to the class, not the instance: an API quota is per process, however many managers
-score against it, so the first `init_class` fixes them (verl's behaviour; a later config with
-other limits is ignored with a warning).
+``max_tpm`` None = unlimited, ``estimated_tokens_per_request`` 2000, ``timeout`` 300 s), checked
+for every manager. ``max_concurrent``, ``estimated_tokens_per_request`` and ``timeout`` are the
+manager's own. The rpm and tpm buckets belong to the class: an API quota is per process,
+however many managers score against it, so the first `init_class` fixes them (verl's
+behaviour; a later config with other rates is ignored with a warning).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import functools
 import inspect
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
 import torch
@@ -43,18 +46,36 @@ def _section(config: Any) -> Any:
     return section if section is not None else {}
 
 
+DEFAULT_TIMEOUT_S = 300.0
+"""``reward.timeout`` when the section leaves it out (verl's)."""
+
+
+def _number(section: Any, key: str, default: Any, integer: bool = False, optional: bool = False) -> Any:
+    """``section[key]`` (else `default`), refused with one line unless a number > 0 (an integer
+    >= 1 with `integer`; None too with `optional`)."""
+    value = section.get(key, default)
+    if value is None and optional:
+        return None
+    kinds = int if integer else int | float
+    if isinstance(value, bool) or not isinstance(value, kinds) or not 0 < value < float("inf"):
+        wanted = "an integer >= 1" if integer else "a number > 0" + (" or null" if optional else "")
+        raise ValueError(f"reward.{key} must be {wanted}, got {value!r}")
+    return value
+
+
 def _bucket(per_minute: float | None) -> AsyncTokenBucket | None:
     """A bucket refilling `per_minute` / 60 per second holding one second's worth, or None."""
     return None if per_minute is None else AsyncTokenBucket(per_minute / 60.0, per_minute / 60.0)
 
 
-async def _in_daemon_thread(call: Callable[[], Any], slots: ThreadSlots) -> Any:
-    """``call()`` in a daemon thread of its own, awaited. Unlike the loop's default executor,
+def _in_daemon_thread(call: Callable[[], Any], slots: ThreadSlots) -> asyncio.Future[Any]:
+    """``call()`` started now in a daemon thread of its own; its outcome is the future's. The
+    caller took one of `slots`, which the thread gives back when the call returns (started
+    here, not in a task, so a timeout firing before a task's first step cannot lose it). Unlike the loop's default executor,
     which ``asyncio.run`` joins at its end, a call still running when the ``timeout`` cut it
     off does not hold up the step (nor the interpreter's exit); it runs on until it returns
-    (a thread cannot be killed) and its result is dropped. The thread holds one of `slots`
-    from its start to its end, so abandoned calls still count against ``max_concurrent``
-    and a new call waits (within its timeout) for one of them to end."""
+    (a thread cannot be killed) and its result is dropped, still holding its slot, so
+    abandoned calls count against ``max_concurrent``."""
     loop = asyncio.get_running_loop()
     future = loop.create_future()
 
@@ -72,33 +93,31 @@ async def _in_daemon_thread(call: Callable[[], Any], slots: ThreadSlots) -> Any:
         with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits for this result
             loop.call_soon_threadsafe(deliver, outcome, failed)
 
-    await slots.acquire()
     try:
         threading.Thread(target=work, name="rate-limited-scorer", daemon=True).start()
     except BaseException:
         slots.release()
         raise
-    return await future
+    return future
 
 
 class RateLimitedRewardManager(RewardLoopManager):
     """``RateLimitedRewardManager(config, tokenizer, compute_score)``; see the module docstring."""
 
+    # The process's API quota, shared by every manager (verl's); the rest is per manager.
     _class_initialized: ClassVar[bool] = False
-    _semaphore: ClassVar[PerLoop[asyncio.Semaphore] | None] = None  # one per event loop
-    _max_concurrent: ClassVar[int | None] = None
-    _scorer_threads: ClassVar[ThreadSlots | None] = None  # process-wide: threads outlive loops
     _rpm_limiter: ClassVar[AsyncTokenBucket | None] = None
     _max_rpm: ClassVar[float | None] = None
     _tpm_limiter: ClassVar[AsyncTokenBucket | None] = None
     _max_tpm: ClassVar[float | None] = None
-    _estimated_tokens_per_request: ClassVar[int | None] = None
 
     @classmethod
     def init_class(cls, config: Any, tokenizer: Any) -> None:
-        """Create the shared limiters from ``config.reward`` once per process."""
+        """Check ``config.reward``; create the shared rpm / tpm buckets once per process."""
         del tokenizer
         section = _section(config)
+        max_rpm = _number(section, "max_rpm", None, optional=True)
+        max_tpm = _number(section, "max_tpm", None, optional=True)
         if cls._class_initialized:
             if (section.get("max_rpm", None), section.get("max_tpm", None)) != (cls._max_rpm, cls._max_tpm):
                 logger.warning(
@@ -110,16 +129,8 @@ class RateLimitedRewardManager(RewardLoopManager):
                     section.get("max_tpm", None),
                 )
             return
-        cls._max_concurrent = section.get("max_concurrent", 1)
-        if not isinstance(cls._max_concurrent, int) or cls._max_concurrent < 1:
-            raise ValueError(f"reward.max_concurrent must be an integer >= 1, got {cls._max_concurrent!r}")
-        cls._semaphore = PerLoop(functools.partial(asyncio.Semaphore, cls._max_concurrent))
-        cls._scorer_threads = ThreadSlots(cls._max_concurrent)
-        cls._max_rpm = section.get("max_rpm", None)
-        cls._rpm_limiter = _bucket(cls._max_rpm)
-        cls._max_tpm = section.get("max_tpm", None)
-        cls._tpm_limiter = _bucket(cls._max_tpm)
-        cls._estimated_tokens_per_request = section.get("estimated_tokens_per_request", 2000)
+        cls._max_rpm, cls._rpm_limiter = max_rpm, _bucket(max_rpm)
+        cls._max_tpm, cls._tpm_limiter = max_tpm, _bucket(max_tpm)
         cls._class_initialized = True
 
     def __init__(
@@ -134,24 +145,42 @@ class RateLimitedRewardManager(RewardLoopManager):
         config = config if config is not None else {"reward": {}}
         super().__init__(config, tokenizer, compute_score or default_compute_score, *args, **kwargs)
         self.is_async_reward_score = inspect.iscoroutinefunction(self.compute_score)
-        self.timeout = _section(config).get("timeout", 300.0)
+        section = _section(config)
+        self.timeout = _number(section, "timeout", DEFAULT_TIMEOUT_S, optional=True)
+        self.max_concurrent = _number(section, "max_concurrent", 1, integer=True)
+        self._estimated_tokens_per_request = _number(section, "estimated_tokens_per_request", 2000)
+        # Async scorers: a semaphore per event loop. Blocking ones: slots their threads hold
+        # across loops (each ``asyncio.run`` is one) until they end, however long.
+        self._semaphore = PerLoop(functools.partial(asyncio.Semaphore, self.max_concurrent))
+        self._scorer_threads = ThreadSlots(self.max_concurrent)
         type(self).init_class(config, tokenizer)
 
-    async def _call_scorer(self, **kwargs: Any) -> Any:
+    def _call_scorer(self, **kwargs: Any) -> Awaitable[Any]:
         if self.reward_router_address is not None:
             kwargs.update(reward_router_address=self.reward_router_address)
             kwargs.update(reward_model_tokenizer=self.reward_model_tokenizer)
         if self.is_async_reward_score:
-            return await self.compute_score(**kwargs)
-        return await _in_daemon_thread(functools.partial(self.compute_score, **kwargs), self._scorer_threads)
+            return self.compute_score(**kwargs)
+        return _in_daemon_thread(functools.partial(self.compute_score, **kwargs), self._scorer_threads)
+
+    @contextlib.asynccontextmanager
+    async def _gate(self) -> Any:
+        """Yields whether the call may run: the manager's one concurrency gate for its scorer."""
+        if self.is_async_reward_score:
+            async with self._semaphore.get():
+                yield True
+        else:  # the thread gives the slot back (_in_daemon_thread)
+            yield await self._scorer_threads.acquire(stale_s=self.timeout)
 
     async def _limited(self, **kwargs: Any) -> tuple[float, dict[str, Any]]:
         if self._rpm_limiter is not None:
             await self._rpm_limiter.acquire(1.0)
         if self._tpm_limiter is not None:
             await self._tpm_limiter.acquire(self._estimated_tokens_per_request)
-        async with self._semaphore.get():
+        async with self._gate() as admitted:
             try:
+                if not admitted:  # every slot held by a call that outlived its timeout
+                    raise asyncio.TimeoutError
                 result = await asyncio.wait_for(self._call_scorer(**kwargs), timeout=self.timeout)
             except asyncio.TimeoutError:
                 logger.warning(
