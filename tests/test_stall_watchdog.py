@@ -288,15 +288,43 @@ def test_a_stalled_job_ends_on_every_rank_with_one_line_and_the_stacks(tmp_path)
                 assert "reward_scorer.py" in f.read()
 
 
+# A multi-turn environment (never imported by the config check) and the rate-limited manager.
+MULTI_TURN = ["rollout.multi_turn.enable=true", "rollout.multi_turn.environment=tests/env.py:reply"]
+RATE_LIMITED = (
+    "reward_model.reward_manager=verl_megatron.reward.managers.rate_limited:RateLimitedRewardManager"
+)
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [
         ("trainer.stall_timeout_s=2", "trainer.stall_timeout_s must be >= 5 (or 0: off), got 2.0"),
         ("trainer.process_group_timeout_s=0", "trainer.process_group_timeout_s must be > 0, got 0.0"),
-        (  # the default stall timeout, 60 s: a scorer call waited for as long is declared a stall
+        # The default stall timeout, 60 s: a call waited for as long without progress is a stall.
+        (
             "reward_model.reward_kwargs.compute_score_timeout=60",
             "reward_model.reward_kwargs.compute_score_timeout=60 must be below trainer.stall_timeout_s=60: "
             "a scorer call is waited for without progress, so the watchdog would end the job first",
+        ),
+        (
+            [*MULTI_TURN, "rollout.multi_turn.env_timeout_s=60"],
+            "rollout.multi_turn.env_timeout_s=60 must be below trainer.stall_timeout_s=60: "
+            "an environment call is waited for without progress, so the watchdog would end the job first",
+        ),
+        (
+            [*MULTI_TURN, "rollout.multi_turn.env_timeout_s=20", "trainer.stall_timeout_s=20"],
+            "rollout.multi_turn.env_timeout_s=20 must be below trainer.stall_timeout_s=20: "
+            "an environment call is waited for without progress, so the watchdog would end the job first",
+        ),
+        (  # the manager's own default timeout, 300 s
+            [RATE_LIMITED],
+            "reward_model.reward_kwargs.config.reward.timeout=300 must be below trainer.stall_timeout_s=60: "
+            "an API-bound scorer call is waited for without progress, so the watchdog would end the job first",
+        ),
+        (
+            [RATE_LIMITED, "reward_model.reward_kwargs.config.reward.timeout=60"],
+            "reward_model.reward_kwargs.config.reward.timeout=60 must be below trainer.stall_timeout_s=60: "
+            "an API-bound scorer call is waited for without progress, so the watchdog would end the job first",
         ),
     ],
 )
@@ -304,8 +332,9 @@ def test_timeouts_that_cannot_work_are_named_at_start_up(override, message):
     from verl_megatron.errors import ConfigError
     from verl_megatron.trainer.config import default_config_path, load_config, validate_config
 
+    overrides = [override] if isinstance(override, str) else override
     with pytest.raises(ConfigError) as err:
-        validate_config(load_config(default_config_path(), [override]), 1)
+        validate_config(load_config(default_config_path(), overrides), 1)
     assert str(err.value) == message
 
 
@@ -359,6 +388,16 @@ def test_a_busy_background_thread_does_not_hide_a_stall_of_the_main_thread(tmp_p
         ["reward_model.reward_kwargs.compute_score_timeout=59"],
         ["reward_model.reward_kwargs.compute_score_timeout=600", "trainer.stall_timeout_s=0"],  # off
         ["reward_model.reward_kwargs.compute_score_timeout=null"],  # no limit: nothing to compare
+        MULTI_TURN,  # the default env_timeout_s, 30 s
+        [*MULTI_TURN, "rollout.multi_turn.env_timeout_s=59"],
+        [*MULTI_TURN, "rollout.multi_turn.env_timeout_s=600", "trainer.stall_timeout_s=0"],
+        [
+            *MULTI_TURN,
+            "rollout.multi_turn.env_timeout_s=600",
+            "rollout.multi_turn.isolation=none",
+        ],  # in the trainer: no timeout applies
+        [RATE_LIMITED, "reward_model.reward_kwargs.config.reward.timeout=59"],
+        [RATE_LIMITED, "trainer.stall_timeout_s=0"],
     ],
 )
 def test_scorer_timeouts_the_watchdog_outlasts_are_accepted(overrides):

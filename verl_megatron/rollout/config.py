@@ -74,9 +74,10 @@ class MultiTurnConfig:
     """Where the environment runs: ``process`` (a worker process per rollout call; a call that
     raises, hangs or kills it ends only its conversation) or ``none`` (in the trainer, trusted
     code: an exception stops the step)."""
-    env_timeout_s: float = 60.0
+    env_timeout_s: float = 30.0
     """Wall-clock seconds one environment call may take (``isolation: process``); past it the
-    worker is killed and the conversation ends with cause ``env_timeout``."""
+    worker is killed and the conversation ends with cause ``env_timeout``. Below
+    ``trainer.stall_timeout_s`` (60 by default): the trainer waits for the call without progress."""
 
     def __post_init__(self) -> None:
         if self.isolation not in ISOLATION_MODES:

@@ -42,6 +42,7 @@ from verl_megatron.trainer.config_schema import RESUME_MODES, PPOConfig
 from verl_megatron.trainer.distill_stage import check_teacher_layout
 from verl_megatron.trainer.placement_check import check_placement
 from verl_megatron.trainer.ppo.rollout_correction import check_rollout_correction
+from verl_megatron.trainer.stall_checks import check_stall_timeouts
 from verl_megatron.trainer.tracking import TRACKING_BACKENDS
 
 __all__ = [
@@ -385,13 +386,7 @@ def _check_reward(config: PPOConfig) -> None:
     path = config.custom_reward_function.path
     if path and not os.path.isfile(os.path.expanduser(path)):
         raise ConfigError(f"custom_reward_function.path='{path}' does not exist")
-    score_s = config.reward_model.reward_kwargs.get("compute_score_timeout")
-    stall_s = config.trainer.stall_timeout_s
-    if stall_s > 0 and isinstance(score_s, (int, float)) and score_s >= stall_s:
-        raise ConfigError(
-            f"reward_model.reward_kwargs.compute_score_timeout={score_s:g} must be below trainer.stall_timeout_s="
-            f"{stall_s:g}: a scorer call is waited for without progress, so the watchdog would end the job first"
-        )
+    check_stall_timeouts(config)
 
 
 def _check_finite(node: Any, prefix: str) -> None:
