@@ -168,3 +168,38 @@ def test_non_finite_gpu_memory_is_one_line(config_only, capsys):
         ConfigError, match=r"^trainer.memory_check_gpu_memory='1e400': expected a positive size"
     ):
         check_memory(config, 8, None)
+
+
+def test_the_teacher_is_checked_without_this_machines_checks(config_only):
+    """The planner's config check (``validate_config(this_machine=False)``) leaves out what only the
+    machine that runs the job answers for the teacher as for the student: a sequence-parallel teacher
+    at tp=2 needs Transformer Engine and CUDA, which this CPU lacks (the old check refused it with the
+    teacher's model check). The trainer's teacher check (this_machine=True) still refuses it here."""
+    from verl_megatron.planner.command import _checked
+    from verl_megatron.trainer.config import load_config, validate_config
+    from verl_megatron.trainer.distill_stage import check_teacher_layout
+    from verl_megatron.workers.teacher_config import TeacherConfigError
+
+    overrides = [
+        f"model.path={config_only}",
+        f"algorithm.distill.teacher.model.path={config_only}",
+        "algorithm.distill.teacher.parallel.tp=2",
+        "algorithm.distill.teacher.model.sequence_parallel=true",
+    ]
+    config = _checked(load_config("configs/distill_quickstart.yaml", overrides), 2)
+    layout = validate_config(config, 2, this_machine=False)
+    assert (layout.tp, layout.pp, layout.dp) == (1, 1, 2)
+    assert config.actor.ppo_micro_batch_size_per_gpu == 32 * 8 // 2  # derived for dp=2 by the check
+    with pytest.raises(
+        TeacherConfigError, match=r"^algorithm\.distill\.teacher\.model\.sequence_parallel=True"
+    ):
+        check_teacher_layout(config, 2)
+    # The teacher's layout is still checked.
+    bad = load_config(
+        "configs/distill_quickstart.yaml", [*overrides[:2], "algorithm.distill.teacher.parallel.tp=3"]
+    )
+    with pytest.raises(
+        TeacherConfigError,
+        match=r"^algorithm\.distill\.teacher\.parallel: .*does not divide the world size 2",
+    ):
+        validate_config(bad, 2, this_machine=False)

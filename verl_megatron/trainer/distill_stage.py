@@ -63,14 +63,15 @@ def check_distill(config: Any) -> None:
         _check_teacher(config)
 
 
-def check_teacher_layout(config: Any, world_size: int) -> None:
+def check_teacher_layout(config: Any, world_size: int, this_machine: bool = True) -> None:
     """The teacher's own tp/pp over the run's ``world_size`` ranks and its model settings, as
     ``MegatronTeacher`` builds it (``workers/teacher.teacher_layout``): part of the config check,
-    so a bad teacher layout stops before the student, the rollout or the teacher is built."""
+    so a bad teacher layout stops before the student, the rollout or the teacher is built
+    (``this_machine``: see ``validate_config``)."""
     if config.algorithm.distill.enable:
         from verl_megatron.workers.teacher import teacher_layout
 
-        teacher_layout(config.algorithm.distill.teacher, world_size)
+        teacher_layout(config.algorithm.distill.teacher, world_size, this_machine)
 
 
 def _check_teacher(config: Any) -> None:

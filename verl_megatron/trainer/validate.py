@@ -591,5 +591,5 @@ def validate_config(config: PPOConfig, world_size: int, this_machine: bool = Tru
         _check_family_features(config, layout)  # some need Transformer Engine's presence
     if this_machine:
         check_model_rewards(config, world_size)  # reward model checkpoint and layout, combine, judge
-    check_teacher_layout(config, world_size)  # the distillation teacher's own tp/pp and settings
+    check_teacher_layout(config, world_size, this_machine)  # the distillation teacher's tp/pp and settings
     return layout

@@ -70,10 +70,12 @@ def check_teacher_logits(config: TeacherConfig, student_path: str) -> None:
         )
 
 
-def teacher_layout(config: TeacherConfig, world_size: int) -> ParallelLayout:
+def teacher_layout(config: TeacherConfig, world_size: int, this_machine: bool = True) -> ParallelLayout:
     """The teacher's layout over ``world_size`` ranks, its model settings and (when its
     checkpoint is there; ``check_teacher`` names a missing one) its heads and layers checked on
-    it: TeacherConfigError naming the ``algorithm.distill.teacher`` key."""
+    it: TeacherConfigError naming the ``algorithm.distill.teacher`` key. ``this_machine=False``
+    leaves out its model settings (Transformer Engine and CUDA among them), as ``validate_config``
+    does for the student's."""
     from verl_megatron.models.config import check_layout, load_hf_config, read_hf_architecture
 
     key = "algorithm.distill.teacher"
@@ -83,6 +85,8 @@ def teacher_layout(config: TeacherConfig, world_size: int) -> ParallelLayout:
             check_layout(layout, read_hf_architecture(load_hf_config(config.model.path)))
     except ParallelConfigError as err:
         raise TeacherConfigError(f"{key}.parallel: {err} ({key}.model.path='{config.model.path}')") from None
+    if not this_machine:
+        return layout
     try:
         config.model.validate(layout)
     except ModelConfigError as err:  # its messages name the key under "model."
