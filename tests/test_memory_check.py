@@ -153,3 +153,24 @@ def test_trainer_mode_and_sft_keys_are_refused_on_resume():
     for key in ("sft.truncation", "sft.prompt_key", "sft.messages_key", "sft.response_key"):
         assert _refused(key), key
     assert not _refused("trainer.memory_check") and not _refused("trainer.memory_check_gpu_memory")
+
+
+def test_check_refuses_a_job_that_cannot_fit_as_train_does(job, capsys, monkeypatch):
+    """``verl-megatron check`` (launch/*.sh, before torchrun) runs the same memory plan: the same
+    line and exit status 2 as train (it passed with status 0); under ``warn`` the warning, status 0."""
+    from verl_megatron.cli import main as cli_main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    overrides, out = job
+    small = [*overrides, "trainer.memory_check_gpu_memory=1MiB"]
+    assert main(small) == 2
+    refused = capsys.readouterr().err
+    assert cli_main(["check", *small]) == 2
+    assert capsys.readouterr().err == refused and refused.startswith("error: trainer.memory_check: this job")
+    assert cli_main(["check", *small, "trainer.memory_check=warn"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == [
+        f"warning: {refused.strip()[len('error: ') :]}",
+        "verl-megatron check: the start-up checks pass for 1 process(es)",
+    ]
+    assert not out.exists()

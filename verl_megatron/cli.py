@@ -31,8 +31,9 @@ commands:
   sft [--config FILE] [key=value ...]     supervised fine-tuning on the same actor (train with
                                           trainer.mode=sft); without --config: configs/sft_quickstart.yaml
   check [--config FILE] [--world-size N] [key=value ...]
-                                          train's start-up checks (config, data, resume) for N
-                                          processes, nothing started (exit 0 passes, 2 bad input)
+                                          train's start-up checks (config, data, resume, reward,
+                                          distillation, memory) for N processes, nothing started
+                                          (exit 0 passes, 2 bad input)
   check-hf PATH [--tp N] [--pp N] [--vpp N] [--ep N] [--etp N] [--dtype D] [--tolerance X] [--seed N]
                                           compare megatron's logits with transformers'
                                           for a Hugging Face checkpoint (MoE: --ep/--etp)
@@ -121,19 +122,10 @@ def _first_failure(failures: list) -> tuple:
     return min(own, key=lambda item: (item[1].timestamp, item[0]))
 
 
-def _prepare(config, config_path: str | None, overrides: list[str], world_size: int) -> None:
-    """Everything a rank checks before it needs a process group, for ``world_size`` ranks:
-    config, data, resume target (an SFT run: its own checks)."""
-    from verl_megatron.trainer.preflight import prepare_run
-
-    if config.trainer.mode == "sft":
-        from verl_megatron.trainer.sft_trainer import prepare_sft as prepare_run
-    prepare_run(config_path, overrides, world_size)
-
-
 def check(argv: list[str]) -> int:
-    """``check``: train's start-up checks once, before a launcher starts its ranks (launch/*.sh),
-    so a config error is one line and exit status 2 instead of a torchrun restart per attempt."""
+    """``check``: train's start-up checks (``train.startup_checks``) once, before a launcher starts
+    its ranks (launch/*.sh), so a config error is one line and exit status 2 instead of a torchrun
+    restart per attempt."""
     import argparse
 
     from verl_megatron import train as train_module
@@ -153,11 +145,14 @@ def check(argv: list[str]) -> int:
 
         config = load_config(args.config or default_config_path(), args.overrides)
         world_size = args.world_size or config.trainer.nnodes * config.trainer.n_gpus_per_node
-        _prepare(config, args.config, args.overrides, world_size)
+        # The function every rank runs before it builds anything: the ranks' verdict, once.
+        checked = train_module.startup_checks(args.config, args.overrides, world_size)
     except Exception as err:
         if not is_user_error(err):
             raise
         return report_user_error(err)
+    if checked.memory_line:  # trainer.memory_check=warn on a job that does not fit
+        print(checked.memory_line, flush=True)
     print(f"verl-megatron check: the start-up checks pass for {world_size} process(es)", flush=True)
     return 0
 
@@ -184,8 +179,8 @@ def train(argv: list[str]) -> int:
                 file=sys.stderr,
             )
             return EXIT_USER_ERROR
-        if trainer.n_gpus_per_node > 1:
-            _prepare(config, args.config, args.overrides, trainer.n_gpus_per_node)
+        if trainer.n_gpus_per_node > 1:  # the ranks' start-up checks, once (the ranks print the warnings)
+            train_module.startup_checks(args.config, args.overrides, trainer.n_gpus_per_node)
     except Exception as err:
         if not is_user_error(err):
             raise

@@ -13,9 +13,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any
 
-__all__ = ["main", "parse_args", "run", "run_mode"]
+__all__ = ["Checked", "main", "parse_args", "run", "run_mode", "startup_checks"]
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -98,38 +101,80 @@ def run_mode(config_path: str | None, overrides: Sequence[str]) -> str:
     return mode
 
 
-def run(config_path: str | None, overrides: Sequence[str]) -> dict[str, float]:
-    """Load, check, build and train; returns the trainer's summary (first/last validation score)."""
+@dataclass(frozen=True)
+class Checked:
+    """What the start-up checks passed: the config to build (derived sizes filled in), its layout,
+    the data's row counts (None: the quickstart writes its data), and the memory plan's warning
+    line (``trainer.memory_check=warn`` on a job that does not fit; else None)."""
+
+    config: Any
+    layout: Any
+    data_sizes: Any
+    memory_line: str | None = None
+
+
+def startup_checks(
+    config_path: str | None,
+    overrides: Sequence[str],
+    world_size: int,
+    announce: Callable[[Checked], None] | None = None,
+) -> Checked:
+    """Every check of a run of ``world_size`` processes before a process group or a model exists,
+    in this order: config and data (the rows' reward columns gathered on the way, so the files are
+    read once), reward setup, distillation, memory plan; each failure is one ``UserInputError``.
+    ``run`` (on every rank) and ``verl-megatron check`` (before a launcher starts torchrun) both run
+    this function, so the launcher's verdict is the ranks'. ``announce`` sees the checked config
+    before the memory plan, which builds every role's model on the meta device (``run`` prints its
+    start-up line there). An SFT run: its own checks (``prepare_sft``, as ``run_sft`` runs them)."""
     from verl_megatron.reward.loading import RewardColumns, check_reward_config
     from verl_megatron.trainer.distill_stage import check_distill
     from verl_megatron.trainer.preflight import prepare_run
+
+    if run_mode(config_path, overrides) == "sft":
+        from verl_megatron.trainer.sft_trainer import prepare_sft
+
+        return Checked(*prepare_sft(config_path, overrides, world_size))
+    reward_columns = RewardColumns()  # gathered by the data check, so the files are read once
+    config, layout, data_sizes = prepare_run(config_path, overrides, world_size, reward_columns.add)
+    check_reward_config(config, reward_columns)  # imports the scorer in a child process, before any model
+    check_distill(config)
+    checked = Checked(config, layout, data_sizes)
+    if announce is not None:
+        announce(checked)
+    from verl_megatron.planner.memory_check import check_memory, device_memory_bytes
+
+    # Before any weights; over the ranks that train (rollout.placement=separate keeps some apart).
+    trainer_ranks = layout.tp * layout.pp * layout.cp * layout.dp
+    return replace(checked, memory_line=check_memory(config, trainer_ranks, device_memory_bytes()))
+
+
+def _print_startup(
+    config_path: str | None, overrides: Sequence[str], world_size: int, checked: Checked
+) -> None:
+    """Rank 0's start-up line (and the note on kept weights), once the config and data pass."""
     from verl_megatron.trainer.progress import kept_weights_note, startup_line
 
+    if _rank() != 0:
+        return
+    line = startup_line(checked.config, checked.layout, world_size, checked.data_sizes)
+    print(line + _derived_note(config_path, overrides, checked.layout.dp), flush=True)
+    note = kept_weights_note(checked.config)
+    if note:
+        print(note, flush=True)
+
+
+def run(config_path: str | None, overrides: Sequence[str]) -> dict[str, float]:
+    """Load, check, build and train; returns the trainer's summary (first/last validation score)."""
     if run_mode(config_path, overrides) == "sft":  # supervised fine-tuning: trainer/sft_run.py
         from verl_megatron.trainer.sft_run import run_sft
 
         return run_sft(config_path, overrides, _rank)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    reward_columns = RewardColumns()  # gathered by the data check, so the files are read once
-    config, layout, data_sizes = prepare_run(config_path, overrides, world_size, reward_columns.add)
-    check_reward_config(config, reward_columns)  # imports the scorer in a child process, before any model
-    check_distill(config)
-    if _rank() == 0:
-        print(
-            startup_line(config, layout, world_size, data_sizes)
-            + _derived_note(config_path, overrides, layout.dp),
-            flush=True,
-        )
-        note = kept_weights_note(config)
-        if note:
-            print(note, flush=True)
-    from verl_megatron.planner.memory_check import check_memory, device_memory_bytes
-
-    # Before any weights; over the ranks that train (rollout.placement=separate keeps some apart).
-    trainer_ranks = layout.tp * layout.pp * layout.cp * layout.dp
-    memory_line = check_memory(config, trainer_ranks, device_memory_bytes())
-    if memory_line and _rank() == 0:
-        print(memory_line, flush=True)
+    announce = partial(_print_startup, config_path, overrides, world_size)
+    checked = startup_checks(config_path, overrides, world_size, announce)
+    config = checked.config
+    if checked.memory_line and _rank() == 0:
+        print(checked.memory_line, flush=True)
     from verl_megatron.trainer.trainer_checkpoint import restarted
 
     config, restart_line = restarted(config, _rank())  # torchrun --max-restarts: from the newest checkpoint
@@ -165,7 +210,8 @@ def run(config_path: str | None, overrides: Sequence[str]) -> dict[str, float]:
             check_model_fits(runtime.layout, config.model.path, config.model.sequence_parallel)
             if placement is not None:
                 placement.barrier()  # the rollout ranks may read the quickstart's assets now
-            config, components = build_components(config, runtime)
+            alive = None if watchdog is None else watchdog.alive  # an agent rollout's bounded waits
+            config, components = build_components(config, runtime, alive)
             if placement is not None:
                 return train_async(config, runtime, components, placement, stages=watchdog)
             teacher = build_teacher(config, runtime)  # algorithm.distill's teacher, or None

@@ -1,9 +1,11 @@
 """Everything checked before a process group or a model exists: config, data files, resume target.
 
-``prepare_run`` is what the launching process runs before it starts torchrun, and what every
-rank runs before it builds anything: load and validate the config, read every data row
-(no tokenizer), compare the data with the batch size, and look at the checkpoint a resume
-names. Each failure is a ``UserInputError`` (one ``error:`` line on the command line).
+``prepare_run`` is the first part of ``train.startup_checks``, which the launching process runs
+before it starts torchrun and every rank runs before it builds anything: load and validate the
+config, read every data row (no tokenizer), compare the data with the batch size, and look at
+the checkpoint a resume names. Each failure is a ``UserInputError`` (one ``error:`` line on the
+command line). The reward, distillation and memory checks follow there (the memory plan lives
+in the planner, a layer above this one).
 """
 
 from __future__ import annotations
