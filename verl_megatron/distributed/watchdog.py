@@ -156,6 +156,11 @@ class Watchdog:
             with contextlib.suppress(OSError):
                 self._wake[1].send(_POKE)
 
+    def alive(self) -> None:
+        """The watched thread waits within a bound of its own (an agent rollout's deadline):
+        progress, the stage unchanged. Counted at the next look; nothing published now."""
+        self._marks += 1
+
     def start(self) -> Watchdog:
         now = time.monotonic()
         self._watched = threading.get_ident()

@@ -41,6 +41,7 @@ import time
 import urllib.error
 import urllib.request
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -193,6 +194,9 @@ class AgentRollout(WrappedRollout):
         stop_ids: the ids that end a turn (EOS and ``rollout.stop_token_ids``).
         versions: the engine's weight versions on a separate rollout rank (module docstring);
             None when colocated (no version columns).
+        progress: called about once a second while the conversations run within the deadline
+            (the stall watchdog's ``alive``: harnesses waiting on slow tools leave this thread
+            polling, which the watchdog would take for a hang); None: nobody to tell.
     """
 
     def __init__(
@@ -203,6 +207,7 @@ class AgentRollout(WrappedRollout):
         harness: Harness,
         stop_ids: list[int],
         versions: WeightVersions | None = None,
+        progress: Callable[[], None] | None = None,
     ) -> None:
         self.engine = engine
         self.config = config
@@ -212,7 +217,7 @@ class AgentRollout(WrappedRollout):
         limits = (config.prompt_length, config.response_length, agent.max_turns, agent.tool_call_format)
         settings = EndpointSettings(*limits, agent.host, agent.port, agent.batch_wait_s)
         self.endpoint = PolicyEndpoint(engine, tokenizer, settings, stop_ids, versions)
-        self.versions = versions
+        self.versions, self.progress = versions, progress
         self._batches = itertools.count()
         self._warned = False  # the first harness exception of the run is shown, then counted only
 
@@ -281,7 +286,9 @@ class AgentRollout(WrappedRollout):
 
         greedy = (True, 1.0, 1.0, -1) if validate else None
         version = prompts.meta_info.get("weights_version")  # the trainer's, for the whole call
-        self.endpoint.serve(lambda: live() == 0, live, deadline, sampling=greedy, weights_version=version)
+        self.endpoint.serve(
+            lambda: live() == 0, live, deadline, sampling=greedy, weights_version=version, alive=self.progress
+        )
         with lock:  # a thread that ends from now on writes into a copy nobody reads
             finished = [_Slot(s.task, s.done, s.outcome, s.failure, _env_seconds(s)) for s in slots]
         for slot in finished:

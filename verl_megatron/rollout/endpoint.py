@@ -1,23 +1,22 @@
 """An OpenAI-compatible HTTP endpoint over a rollout engine, for agent harnesses.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``, each also
-under ``/trajectories/<id>/`` (a harness that only lets you set ``base_url`` names its
-trajectory that way); else the ``X-Trajectory-Id`` header or a ``trajectory_id`` body field; else
-each request is its own trajectory. Per request: ``temperature``, ``top_p``, ``top_k``,
-``max_tokens`` (capped by the trajectory's remaining token budget), ``stop`` (strings), ``n`` (at
-most ``max_turns``: each choice is filed as a model call of the trajectory),
-``logprobs``; chat requests take ``tools`` and return ``tool_calls`` parsed from the model's
-text in its chat template's format (``chat_format.py``). Every choice carries the sampled
-``token_ids`` (and the response ``prompt_token_ids``): what the trainer will train on, filed in
-the :class:`~verl_megatron.rollout.trajectory.TrajectoryLedger` under the trajectory id.
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``, each also under
+``/trajectories/<id>/`` (a harness that only lets you set ``base_url`` names its trajectory that way);
+else the ``X-Trajectory-Id`` header or a ``trajectory_id`` body field; else each request is its own
+trajectory. Per request: ``temperature``, ``top_p``, ``top_k``, ``max_tokens`` (capped by the trajectory's
+remaining token budget), ``stop`` (strings), ``n`` (at most ``max_turns``: each choice is filed as a model
+call of the trajectory), ``logprobs``; chat requests take ``tools`` and return ``tool_calls`` parsed from
+the model's text in its chat template's format (``chat_format.py``). Every choice carries the sampled
+``token_ids`` (and the response ``prompt_token_ids``): what the trainer will train on, filed in the
+:class:`~verl_megatron.rollout.trajectory.TrajectoryLedger` under the trajectory id.
 
-Requests are answered by the thread that owns the engine (:meth:`PolicyEndpoint.serve`): it
-waits for the live conversations' requests, groups them by sampling settings and makes one engine
-call per group (the native engine); vLLM and SGLang take every request with its own settings
-(``n``, ``max_tokens``, sampling, the rollout's stop tokens) in one call of their generate API
-(``ExternalRollout.generate_requests``), token ids in, the engine's ids and log-probs out. Stop
-strings are cut by the endpoint on the returned ids (the engines run without a tokenizer). The server is stdlib ``ThreadingHTTPServer``: no web framework is part of the
-default install, a handful of local clients is its whole load (the engine is the bottleneck),
+Requests are answered by the thread that owns the engine (:meth:`PolicyEndpoint.serve`): it waits for the
+live conversations' requests, groups them by sampling settings and makes one engine call per group (the
+native engine); vLLM and SGLang take every request with its own settings (``n``, ``max_tokens``, sampling,
+the rollout's stop tokens) in one call of their generate API (``ExternalRollout.generate_requests``),
+token ids in, the engine's ids and log-probs out. Stop strings are cut by the endpoint on the returned ids
+(the engines run without a tokenizer). The server is stdlib ``ThreadingHTTPServer``: no web framework is
+part of the default install, a handful of local clients is its whole load (the engine is the bottleneck),
 and ``shutdown()`` + ``server_close()`` end its thread and socket deterministically.
 
 With :class:`WeightVersions` (the rollout rank of ``rollout.placement=separate``), the serving
@@ -108,8 +107,7 @@ class PolicyEndpoint:
         settings: limits and formats.
         stop_ids: token ids that end a turn (a choice ending otherwise at ``max_tokens`` finishes
             with ``length``); stripped from the returned text.
-        versions: the engine's weight versions when they change during a rollout (module
-            docstring); None: not tracked (colocated).
+        versions: the engine's weight versions when they change during a rollout; None: colocated.
     """
 
     def __init__(
@@ -187,21 +185,26 @@ class PolicyEndpoint:
         deadline: float,
         sampling: tuple[bool, float, float, int] | None = None,
         weights_version: int | None = None,
+        alive: Callable[[], None] | None = None,
     ) -> None:
         """Answer requests until ``finished()`` or ``deadline`` (``time.monotonic``).
 
-        After the first request of a round, waits up to ``settings.batch_wait_s`` for
-        ``waiting()`` requests (the conversations not busy elsewhere) so one engine call serves
-        them. ``sampling`` (validation): these settings replace every request's.
-        ``weights_version``: the version of the weights, fixed while serving, that the engine
-        calls name (the native engine then reuses its packed weights); ignored when ``versions``
-        tracks them.
+        After the first request of a round, waits up to ``settings.batch_wait_s`` for ``waiting()``
+        requests (the conversations not busy elsewhere) so one engine call serves them. ``sampling``
+        (validation): these settings replace every request's. ``weights_version``: the weights'
+        version, fixed while serving, that engine calls name (the native engine reuses its packed
+        weights); ignored when ``versions`` tracks them. ``alive``: called once a second before
+        ``deadline`` (the stall watchdog's progress: a wait for conversations is bounded).
         """
         self._deadline, self._override, self._weights_version = deadline, sampling, weights_version
+        next_alive = 0.0  # when ``alive`` is due (the watchdog looks once a second)
         try:
             while not finished() and time.monotonic() < deadline:
+                if alive is not None and time.monotonic() >= next_alive:
+                    alive()
+                    next_alive = time.monotonic() + 1.0
                 try:
-                    first = self._queue.get(timeout=0.005)
+                    first = self._queue.get(timeout=0.05)  # 5 ms cost ~18 ms CPU/s idle; a put wakes it
                 except queue.Empty:
                     continue
                 batch = [first]

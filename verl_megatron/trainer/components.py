@@ -293,11 +293,14 @@ def _agent_harness(config: PPOConfig) -> Any:
     return build_harness(config.rollout.agent)
 
 
-def build_components(config: PPOConfig, runtime: Runtime) -> tuple[PPOConfig, Components]:
+def build_components(
+    config: PPOConfig, runtime: Runtime, progress: Callable[[], None] | None = None
+) -> tuple[PPOConfig, Components]:
     """Tokenizer, data loaders, actor (+ reference, critic), rollout engine and reward functions.
 
     Returns the config with the worker fields the trainer fills in (rollout_n,
-    total_training_steps) and the components.
+    total_training_steps) and the components. ``progress``: the stall watchdog's ``alive``, which
+    an agent rollout calls while its conversations wait within the deadline; None: no watchdog.
     """
     from verl_megatron.models.config import load_hf_config
     from verl_megatron.reward.model_rewards import build_model_rewards
@@ -338,7 +341,7 @@ def build_components(config: PPOConfig, runtime: Runtime) -> tuple[PPOConfig, Co
         from verl_megatron.rollout.base import stop_token_ids
 
         stops = stop_token_ids(config.rollout, {}, tokenizer, hf_config)
-        rollout = AgentRollout(rollout, config.rollout, tokenizer, harness, stops)
+        rollout = AgentRollout(rollout, config.rollout, tokenizer, harness, stops, progress=progress)
     reward_fn, val_reward_fn = reward_fns(config, tokenizer)
     model_rewards = build_model_rewards(config, runtime, tokenizer)
     return config, Components(

@@ -1,0 +1,110 @@
+"""An agent rollout whose conversations all wait on slow tools is a bounded wait, not a stall.
+
+While every harness sleeps (a slow tool, an external API) the trainer's thread only polls the
+endpoint's queue: no CPU, no stage mark, no change of stack. The rollout calls its ``progress``
+(the stall watchdog's ``alive``) about once a second until ``rollout.agent.deadline_s``, so a
+wait longer than ``trainer.stall_timeout_s`` but within the deadline no longer ends the job
+(before: a stall, exit status 4), and a conversation past the deadline still fails as ``timeout``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.test_agent_endpoint import ScriptedEngine, _config, _ids, _prompts
+from verl_megatron.rollout.agent import AgentOutcome, AgentRollout
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _char_tokenizer(path: str):
+    from verl_megatron.data.lookup_task import AGENT_CHAT_TEMPLATE, TOOL_TOKENS
+    from verl_megatron.utils.local_assets import build_char_tokenizer
+
+    return build_char_tokenizer(path, extra_tokens=TOOL_TOKENS, chat_template=AGENT_CHAT_TEMPLATE)
+
+
+@pytest.fixture
+def char_tokenizer(tmp_path):
+    return _char_tokenizer(str(tmp_path / "tok"))
+
+
+class SlowTool:
+    """One model call, then a tool that sleeps the prompt's number of seconds (no CPU)."""
+
+    def run(self, task, client):
+        client.chat(task.messages)
+        time.sleep(float(task.messages[0]["content"]))
+        return AgentOutcome(reward=1.0)
+
+
+def _rollout(tokenizer, deadline_s: float, progress=None) -> AgentRollout:
+    eos = tokenizer.eos_token_id
+    engine = ScriptedEngine(lambda p: [*_ids(tokenizer, "5"), eos], [eos])
+    config = _config(deadline_s=deadline_s, failure_score=-1.0)
+    return AgentRollout(engine, config, tokenizer, SlowTool(), [eos], progress=progress)
+
+
+def test_progress_is_called_once_a_second_until_the_deadline(char_tokenizer):
+    calls: list[float] = []
+    rollout = _rollout(char_tokenizer, 3.0, progress=lambda: calls.append(time.monotonic()))
+    start = time.monotonic()
+    out = rollout.generate_sequences(_prompts(char_tokenizer, ["0", "30"]))
+    end = time.monotonic()
+    assert list(out.non_tensor_batch["agent_failure"]) == ["", "timeout"]
+    assert list(out.non_tensor_batch["agent_reward"]) == [1.0, -1.0]
+    # At 0, 1 and 2 s (on a loaded machine the third may miss the deadline), never after it.
+    assert 2 <= len(calls) <= 3, [c - start for c in calls]
+    assert all(b - a >= 1.0 for a, b in itertools.pairwise(calls)), [c - start for c in calls]
+    assert calls[0] - start < 0.5 and calls[-1] < start + 3.0 <= end, [c - start for c in calls]
+
+
+# One rank over an in-process store with a 2 s stall timeout: the conversations sleep 5 s (done
+# within the 8 s deadline) and 600 s (failed as timeout at the deadline); prints the failures.
+# Without the watchdog's ``alive`` the same wait is a stall (the endpoint's idle polling costs
+# ~4 ms CPU/s, under the watchdog's 10 ms a look).
+SLOW_TOOLS = """
+import json, sys, time
+import torch.distributed as dist
+from tests.test_agent_endpoint import _prompts
+from tests.test_agent_stall import _char_tokenizer, _rollout
+from verl_megatron.distributed.watchdog import Watchdog, WatchdogSettings
+
+run_dir = sys.argv[1]
+tokenizer = _char_tokenizer(run_dir + "/tok")
+watchdog = Watchdog(WatchdogSettings({timeout_s}, run_dir), 0, 1, dist.HashStore()).start()
+watchdog.mark("gen", 1)
+start = time.monotonic()
+out = _rollout(tokenizer, {deadline_s}, progress=watchdog.alive if {alive} else None).generate_sequences(_prompts(tokenizer, ["5", "600"]))
+elapsed = time.monotonic() - start
+watchdog.stop()
+cols = out.non_tensor_batch
+print(json.dumps([list(cols["agent_failure"]), list(cols["agent_reward"]), elapsed]))
+"""
+
+
+@pytest.mark.parametrize("alive", [True, False])
+def test_conversations_waiting_longer_than_the_stall_timeout_are_not_a_stall(tmp_path, alive):
+    timeout_s, deadline_s = 2, 8
+    script = SLOW_TOOLS.format(timeout_s=timeout_s, deadline_s=deadline_s, alive=alive)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    command = [sys.executable, "-c", script, str(tmp_path)]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    if not alive:  # what every such wait did before: the job ended within the deadline
+        lines = [line for line in done.stderr.splitlines() if line.startswith("stall: ")]
+        assert done.returncode == 4 and len(lines) == 1, (done.returncode, done.stderr[-2000:])
+        assert "no rank made progress" in lines[0] and "in stage gen" in lines[0], lines[0]
+        assert done.stdout == ""  # ended inside generate_sequences
+        return
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert not (tmp_path / "stall").exists()
+    failures, rewards, elapsed = json.loads(done.stdout.strip().splitlines()[-1])
+    assert failures == ["", "timeout"] and rewards == [1.0, -1.0], (failures, rewards)
+    assert deadline_s <= elapsed < 60, elapsed  # the deadline ended the 600 s sleep
