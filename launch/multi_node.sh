@@ -34,8 +34,8 @@ CMD=("$PYTHON" -m torch.distributed.run
   --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" --max-restarts="$MAX_RESTARTS"
   -m verl_megatron.train "$@" trainer.nnodes="$NNODES" trainer.n_gpus_per_node="$NPROC_PER_NODE")
 if (( DRY_RUN )); then printf '%q ' "${CMD[@]}"; echo; exit 0; fi
-# The start-up checks every rank runs (config, data, reward, distillation, memory) once, before
-# torchrun: a bad input is one line and exit status 2, not a failed job restarted MAX_RESTARTS times.
+# Before torchrun, the start-up checks every rank runs (config, data, reward, distillation, memory),
+# once: a bad input is one line and exit status 2, not a failed job restarted MAX_RESTARTS times.
 "$PYTHON" -m verl_megatron.cli check --world-size="$((NNODES * NPROC_PER_NODE))" "$@" \
   trainer.nnodes="$NNODES" trainer.n_gpus_per_node="$NPROC_PER_NODE" || exit $?
 exec "${CMD[@]}"

@@ -25,7 +25,7 @@ CMD=("$PYTHON" -m torch.distributed.run --standalone --nnodes=1 --nproc-per-node
   --max-restarts="$MAX_RESTARTS"
   -m verl_megatron.train "$@")
 if (( DRY_RUN )); then printf '%q ' "${CMD[@]}"; echo; exit 0; fi
-# The start-up checks every rank runs (config, data, reward, distillation, memory) once, before
-# torchrun: a bad input is one line and exit status 2, not a failed job restarted MAX_RESTARTS times.
+# Before torchrun, the start-up checks every rank runs (config, data, reward, distillation, memory),
+# once: a bad input is one line and exit status 2, not a failed job restarted MAX_RESTARTS times.
 "$PYTHON" -m verl_megatron.cli check --world-size="$NPROC" "$@" || exit $?
 exec "${CMD[@]}"
