@@ -95,14 +95,7 @@ class GenerateBenchConfig:
     static_cache: bool = True
     """also time HF with a static KV cache, eager and under torch.compile (inductor on CPU)"""
     large_batch: int | None = None
-    """also time one call per side at this batch (same models and prompt lengths)"""
-    large_new_tokens: int | None = None
-    """tokens generated per row at ``large_batch`` (None: ``new_tokens``); a rollout's responses
-    run several times its prompts' length, which a short call's prefill does not show"""
-
-    @property
-    def large_tokens(self) -> int:
-        return self.large_new_tokens or self.new_tokens
+    """also time one call per side at this batch (same models, prompt lengths and new tokens)"""
 
 
 FULL = GenerateBenchConfig(replace(MEDIUM_SHAPE, intermediate_size=1376))
@@ -292,7 +285,7 @@ def measure(cfg: GenerateBenchConfig, model_dir: str, tokenizer: Any) -> Section
     )
     large = {at_batch(impl, cfg.large_batch) for impl in (NATIVE, HF)} if cfg.large_batch else set()
     for name, timing in timings.items():
-        tokens = cfg.large_batch * cfg.large_tokens if name in large else cfg.batch * cfg.new_tokens
+        tokens = (cfg.large_batch if name in large else cfg.batch) * cfg.new_tokens
         section.rows.append(
             {
                 "impl": name,
@@ -354,11 +347,11 @@ def measure(cfg: GenerateBenchConfig, model_dir: str, tokenizer: Any) -> Section
 
 def _time_large_batch(cfg: GenerateBenchConfig, engine, hf, pad: int, timings: dict, flops: dict) -> None:
     """One call per side (interleaved) at ``cfg.large_batch``, into ``timings`` / ``flops``."""
-    big = replace(cfg, batch=cfg.large_batch, new_tokens=cfg.large_tokens)
+    big = replace(cfg, batch=cfg.large_batch)
     ids, mask = make_prompts(big, pad)
     fns = {
-        NATIVE: lambda: _native_call(engine, ids, mask, big.new_tokens, version=1),
-        HF: lambda: _hf_call(hf, ids, mask, big.new_tokens, pad),
+        NATIVE: lambda: _native_call(engine, ids, mask, cfg.new_tokens, version=1),
+        HF: lambda: _hf_call(hf, ids, mask, cfg.new_tokens, pad),
     }
     big_flops = side_flops(big, mask)
     for impl, timing in time_interleaved(fns, repeats=1, warmup=0).items():

@@ -9,8 +9,7 @@ minutes on 2 cores:
 - generation: ``bench_generate`` (native engine vs HF ``generate``, same weights, sampling, EOS
   ignored; our timed calls name one weights version, so they reuse the packed weights, and a cold
   call that packs them is reported beside them), plus a one-token call of ours that times its
-  prefill alone, and one call per side at a larger batch with responses 4-8x the prompts
-  (``large_batch`` x ``large_new_tokens``, a rollout's proportions) on the same models;
+  prefill alone, and one call per side at a larger batch (``large_batch``) on the same models;
 - update: ``bench_update``'s two PPO updates (ours vs plain PyTorch + AdamW with
   ``logits_to_keep``) under ``bench_profile``'s stage clock, one side after the other (both at
   once would hold ~16 GB of weights, gradients and Adam moments);
@@ -115,7 +114,7 @@ class RealShapeConfig:
 FULL = RealShapeConfig(
     generation=GenerateBenchConfig(
         QWEN25_05B_SHAPE, batch=16, prompt_len=32, new_tokens=32, repeats=2, check=GreedyCheck(2, 8),
-        static_cache=False, large_batch=64, large_new_tokens=128,
+        static_cache=False, large_batch=64,
     ),
     update=UpdateBenchConfig(
         shape=QWEN25_05B_SHAPE, batch=4, prompt_len=32, response_len=96, micro_batch=2, repeats=2
@@ -150,11 +149,7 @@ def _generation(cfg: RealShapeConfig, model_dir: str, tokenizer: Any, section: S
         for impl in (bench_generate.NATIVE, bench_generate.HF, bench_generate.NATIVE_COLD)
     ]
     stages += [
-        (
-            f"generation, batch {g.large_batch} x {g.large_tokens} tokens",
-            impl,
-            bench_generate.at_batch(impl, g.large_batch),
-        )
+        (f"generation, batch {g.large_batch}", impl, bench_generate.at_batch(impl, g.large_batch))
         for impl in (bench_generate.NATIVE, bench_generate.HF)
     ]
     for stage, impl, name in stages:
@@ -186,13 +181,13 @@ def _generation_note(
     weights_gb = 4 * shape.matmul_params / 1e9
     read_ms = 1000 * weights_gb / bandwidth
 
-    def bound(batch: int, new_tokens: int) -> str:
+    def bound(batch: int) -> str:
         matmul_ms = 2e3 * shape.matmul_params * batch / peak / 1e9
         # The whole call with every step at its floor and the prefill as measured (scaled by rows).
-        call_s = prefill_s * batch / g.batch + (new_tokens - 1) * max(matmul_ms, read_ms) / 1000
-        call_mfu = 2 * shape.matmul_params * batch * new_tokens / (peak * 1e9 * call_s)
+        call_s = prefill_s * batch / g.batch + (g.new_tokens - 1) * max(matmul_ms, read_ms) / 1000
+        call_mfu = 2 * shape.matmul_params * batch * g.new_tokens / (peak * 1e9 * call_s)
         return (
-            f"at batch {batch} and {new_tokens} new tokens its matmuls take >= {matmul_ms:.0f} ms at the matmul peak, against >= "
+            f"at batch {batch} its matmuls take >= {matmul_ms:.0f} ms at the matmul peak, against >= "
             f"{read_ms:.0f} ms to read the weights, so a step's MFU is at most "
             f"{matmul_ms / max(matmul_ms, read_ms):.2f} and a call's, with every step at that floor, "
             f"{call_mfu:.2f}"
@@ -200,8 +195,7 @@ def _generation_note(
 
     large = bench_generate.at_batch(bench_generate.NATIVE, g.large_batch) if g.large_batch else None
     large_text = (
-        f"; {bound(g.large_batch, g.large_tokens)} (measured: {rows[large]['seconds (best)']:.2f} s for "
-        f"{g.large_batch} rows of {g.large_tokens} tokens, "
+        f"; {bound(g.large_batch)} (measured: {rows[large]['seconds (best)']:.2f} s for {g.large_batch} rows, "
         f"MFU {rows[large][MFU_MODEL] / 100:.3f})"
         if large in rows
         else ""
@@ -216,7 +210,7 @@ def _generation_note(
         f"first: {extra['native_cold_s']:.2f} s (the first rollout after each update pays it). "
         f"What bounds it: a step reads every weight once ({weights_gb:.2f} GB float32; at the measured copy "
         f"bandwidth {bandwidth:.1f} GB/s >= {read_ms:.0f} ms) and does 2 x rows FLOPs per weight; "
-        f"{bound(g.batch, g.new_tokens)}{large_text}. The prefill is compute-bound, so a whole call's MFU can exceed a step's"
+        f"{bound(g.batch)}{large_text}. The prefill is compute-bound, so a whole call's MFU can exceed a step's"
     )
 
 
@@ -357,8 +351,7 @@ def run(cfg: RealShapeConfig, workdir: Path) -> Section:
             "model": shape_text(cfg.shape),
             "params": cfg.shape.matmul_params,
             "generation": f"batch {cfg.generation.batch}, prompts {cfg.generation.prompt_len // 2}-"
-            f"{cfg.generation.prompt_len}, {cfg.generation.new_tokens} new tokens; large batch "
-            f"{cfg.generation.large_batch} x {cfg.generation.large_tokens} new tokens",
+            f"{cfg.generation.prompt_len}, {cfg.generation.new_tokens} new tokens",
             "update": f"batch {cfg.update.batch} x {cfg.update.prompt_len}+{cfg.update.response_len}, micro-batch {cfg.update.micro_batch}",
             "GRPO": f"{cfg.grpo.prompts} prompts x {cfg.grpo.group}, {cfg.grpo.prompt_len}+{cfg.grpo.response_len}, micro-batch {cfg.grpo.micro_batch}",
             "memory": f"B={cfg.memory.batch}, T={cfg.memory.seq_len}, micro-batch {cfg.memory.micro_batch}",

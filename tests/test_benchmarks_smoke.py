@@ -379,7 +379,7 @@ def test_real_shape_section(quick_run):
     assert sorted(rows) == sorted([
         ("generation", "verl-megatron native engine"), ("generation", "HF generate"),
         ("generation", "verl-megatron native engine, cold call (packs every weight)"),
-        ("generation, batch 8 x 8 tokens", "verl-megatron native engine"), ("generation, batch 8 x 8 tokens", "HF generate"),
+        ("generation, batch 8", "verl-megatron native engine"), ("generation, batch 8", "HF generate"),
         ("update", "verl-megatron"), ("update", "HF + torch.optim.AdamW"),
         ("GRPO step", "verl-megatron, on-policy"), ("GRPO step", "TRL GRPOTrainer"),
         ("log-prob memory", "verl-megatron compute_log_prob"),
@@ -402,8 +402,7 @@ def test_real_shape_section(quick_run):
         cold["seconds (best)"] / rows[gen]["seconds (best)"], rel=1e-12
     )
     big = {
-        impl: rows[("generation, batch 8 x 8 tokens", impl)]
-        for impl in ("verl-megatron native engine", "HF generate")
+        impl: rows[("generation, batch 8", impl)] for impl in ("verl-megatron native engine", "HF generate")
     }
     assert ratios[
         "generation tokens/s native / HF generate, large batch (one call each; batch in config)"
