@@ -23,8 +23,8 @@ import pickle
 import time
 from typing import Any
 
-from verl_megatron.reward.agents.worker import CallWorker
 from verl_megatron.rollout.agent import AgentOutcome, AgentTask, ChatClient
+from verl_megatron.utils.call_worker import CallWorker
 
 __all__ = ["ContainedHarness"]
 

@@ -26,8 +26,8 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
-from verl_megatron.reward.agents.worker import CallWorker
-from verl_megatron.reward.agents.worker import WorkerCallError as EnvCallError
+from verl_megatron.utils.call_worker import CallWorker
+from verl_megatron.utils.call_worker import WorkerCallError as EnvCallError
 
 __all__ = [
     "EnvCallError",

@@ -1,7 +1,5 @@
-"""The agents' worker process (:class:`~verl_megatron.utils.call_worker.CallWorker`, kept under this
-name for the agents' modules) and their ``isolation`` setting.
-
-The worker itself lives in ``verl_megatron/utils/call_worker.py``, below the rollout layer, so that
+"""The agents' ``isolation`` setting. Their worker process is
+:class:`~verl_megatron.utils.call_worker.CallWorker`, below the rollout layer, so that
 ``rollout/multiturn.py`` runs its environment in one as well.
 """
 
@@ -10,9 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 from verl_megatron.errors import ConfigError
-from verl_megatron.utils.call_worker import ISOLATION_MODES, CallWorker, WorkerCallError
+from verl_megatron.utils.call_worker import ISOLATION_MODES
 
-__all__ = ["ISOLATION_MODES", "CallWorker", "WorkerCallError", "check_isolation"]
+__all__ = ["check_isolation"]
 
 
 def check_isolation(isolation: Any) -> str:
