@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import resource
 import signal
-import subprocess
-import sys
 
 import pytest
 
 from tests.test_checkpoint_storage import _save
-from tests.test_durability import QUICKSTART, TINY, _copy, _env, _error_lines, _steps, two_steps  # noqa: F401
+from tests.test_durability import _copy, _error_lines, _steps, _train, two_steps  # noqa: F401
 from verl_megatron.checkpoint import storage
 from verl_megatron.checkpoint.collectives import describe_failure
 from verl_megatron.checkpoint.resume import load_newest_intact
@@ -20,12 +18,6 @@ from verl_megatron.checkpoint.storage import CheckpointNotFoundError
 
 # Larger than every file of the tiny quickstart but its checkpoint shards (about 640 kB each).
 _FILE_LIMIT = 500_000
-
-
-def _limit_file_size() -> None:
-    """In the child: writes past the limit fail with EFBIG instead of killing it with SIGXFSZ."""
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (_FILE_LIMIT, _FILE_LIMIT))
 
 
 def test_torch_writer_error_names_its_os_cause(tmp_path):
@@ -48,14 +40,14 @@ def test_torch_writer_error_names_its_os_cause(tmp_path):
     )
 
 
-def test_a_save_past_the_file_size_limit_names_the_cause_and_keeps_the_previous_step(two_steps, tmp_path):  # noqa: F811
+def test_a_save_past_the_file_size_limit_names_the_cause_and_keeps_the_previous_step(
+    pool1,
+    two_steps,  # noqa: F811
+    tmp_path,
+):
     out = _copy(two_steps, tmp_path)
     before = storage.read_part_meta(out / "global_step_2" / "actor")
-    command = [sys.executable, "-m", "verl_megatron.train", "--config", QUICKSTART, *TINY]
-    command += [f"trainer.default_local_dir={out}", "trainer.total_training_steps=3"]
-    proc = subprocess.run(
-        command, env=_env(), capture_output=True, text=True, timeout=600, preexec_fn=_limit_file_size
-    )
+    proc = _train(pool1, out, "trainer.total_training_steps=3", file_limit=_FILE_LIMIT)
     assert proc.returncode == 2, proc.stderr[-3000:]
     (line,) = _error_lines(proc)
     assert "failed: rank 0: RuntimeError: [enforce fail at inline_container.cc" in line, line
@@ -86,12 +78,10 @@ def test_a_newest_step_without_its_part_marker_is_named_when_skipped(tmp_path):
     assert storage.damaged_steps(tmp_path / "nothing") == {}
 
 
-def test_a_run_resumes_past_a_step_without_its_part_marker_with_a_warning(two_steps, tmp_path):  # noqa: F811
+def test_a_run_resumes_past_a_step_without_its_part_marker_with_a_warning(pool1, two_steps, tmp_path):  # noqa: F811
     out = _copy(two_steps, tmp_path)
     (out / "global_step_2" / "actor" / storage.PART_MARKER).unlink()
-    command = [sys.executable, "-m", "verl_megatron.train", "--config", QUICKSTART, *TINY]
-    command += [f"trainer.default_local_dir={out}", "trainer.total_training_steps=3"]
-    proc = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=600)
+    proc = _train(pool1, out, "trainer.total_training_steps=3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning: damaged checkpoint")]
     assert warnings == [

@@ -108,10 +108,35 @@ TINY = [
 ]
 
 
-def _train(out_dir, *overrides: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "verl_megatron.train", "--config", QUICKSTART, *TINY]
-    command += [f"trainer.default_local_dir={out_dir}", *overrides]
-    return subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=600)
+def train_job(argv: list[str], file_limit: int | None = None) -> subprocess.CompletedProcess:
+    """Runs in a pool worker: ``python -m verl_megatron.train ARGV`` in-process, its exit status and
+    output as a subprocess's (a fresh interpreter would import megatron again for every run).
+    ``file_limit``: ``ulimit -f`` in bytes for the run (writes past it fail with EFBIG)."""
+    import contextlib
+    import io
+    import resource
+    import signal
+
+    from verl_megatron.train import main
+
+    out, err = io.StringIO(), io.StringIO()
+    old_limit, old_handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.getsignal(signal.SIGXFSZ)
+    try:
+        if file_limit is not None:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (file_limit, old_limit[1]))
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(argv)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+
+def _train(pool, out_dir, *overrides: str, file_limit: int | None = None) -> subprocess.CompletedProcess:
+    argv = ["--config", QUICKSTART, *TINY, f"trainer.default_local_dir={out_dir}", *overrides]
+    (proc,) = pool.run(f"{__name__}:train_job", argv=argv, file_limit=file_limit)
+    return proc
 
 
 def _steps(out_dir) -> list[int]:
@@ -123,10 +148,10 @@ def _error_lines(proc: subprocess.CompletedProcess) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def two_steps(tmp_path_factory):
+def two_steps(pool1, tmp_path_factory):
     """A finished run: 2 steps, a checkpoint after each."""
     out = tmp_path_factory.mktemp("two_steps") / "run"
-    proc = _train(out, "trainer.total_training_steps=2")
+    proc = _train(pool1, out, "trainer.total_training_steps=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
@@ -139,12 +164,12 @@ def _copy(src, tmp_path):
     return dst
 
 
-def _rerun(two_steps, tmp_path, total_steps: int, *overrides: str) -> tuple:
+def _rerun(pool1, two_steps, tmp_path, total_steps: int, *overrides: str) -> tuple:
     """(copy of the two-step run, its metrics file as it was, the process of training the copy
     again to ``total_steps`` with ``overrides``)."""
     out = _copy(two_steps, tmp_path)
     before = (out / "metrics.jsonl").read_text()
-    return out, before, _train(out, f"trainer.total_training_steps={total_steps}", *overrides)
+    return out, before, _train(pool1, out, f"trainer.total_training_steps={total_steps}", *overrides)
 
 
 def _flip_a_byte(part) -> str:
@@ -160,10 +185,10 @@ def _flip_a_byte(part) -> str:
     return shard
 
 
-def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_resumed(two_steps, tmp_path):
+def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_resumed(pool1, two_steps, tmp_path):
     out = _copy(two_steps, tmp_path)
     shard = _flip_a_byte(out / "global_step_2" / "actor")
-    proc = _train(out, "trainer.total_training_steps=3")
+    proc = _train(pool1, out, "trainer.total_training_steps=3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning: damaged checkpoint")]
     assert len(warnings) == 1, proc.stderr[-3000:]
@@ -176,7 +201,7 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_resumed(two_s
     for step in (1, 2, 3):  # 2 was saved again by the resumed run
         _flip_a_byte(out / f"global_step_{step}" / "actor")
     before = (out / "metrics.jsonl").read_text()
-    proc = _train(out, "trainer.total_training_steps=4")
+    proc = _train(pool1, out, "trainer.total_training_steps=4")
     assert proc.returncode == 2, proc.stderr[-3000:]
     (line,) = _error_lines(proc)
     assert line.startswith(f"error: no intact checkpoint under {out}: global_step_3 (")
@@ -184,8 +209,8 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_resumed(two_s
     assert (out / "metrics.jsonl").read_text() == before
 
 
-def test_a_changed_learning_rate_is_applied_and_said_a_changed_batch_size_refused(two_steps, tmp_path):
-    out, before, proc = _rerun(two_steps, tmp_path, 3, "data.train_batch_size=16")
+def test_a_changed_learning_rate_is_applied_and_said_a_changed_batch_size_refused(pool1, two_steps, tmp_path):
+    out, before, proc = _rerun(pool1, two_steps, tmp_path, 3, "data.train_batch_size=16")
     assert proc.returncode == 2, proc.stderr[-3000:]
     (line,) = _error_lines(proc)
     assert line.startswith(
@@ -195,7 +220,7 @@ def test_a_changed_learning_rate_is_applied_and_said_a_changed_batch_size_refuse
     assert "trainer.resume_allow_changes=true" in line
     assert (out / "metrics.jsonl").read_text() == before and not (out / "global_step_3").exists()
 
-    proc = _train(out, "trainer.total_training_steps=3", "actor.optim.lr=2e-3")
+    proc = _train(pool1, out, "trainer.total_training_steps=3", "actor.optim.lr=2e-3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resume: actor.optim.lr 0.001 -> 0.002 (applied)" in proc.stdout.splitlines()
     rows = read_jsonl_metrics(out / "metrics.jsonl")
@@ -208,21 +233,24 @@ def test_a_changed_learning_rate_is_applied_and_said_a_changed_batch_size_refuse
     )
 
 
-def test_a_changed_fixed_kl_coefficient_is_applied_on_resume(tmp_path):
+def test_a_changed_fixed_kl_coefficient_is_applied_on_resume(pool1, tmp_path):
     out = tmp_path / "run"
     kl = ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=fixed"]
     assert (
-        _train(out, "trainer.total_training_steps=1", *kl, "algorithm.kl_ctrl.kl_coef=0.001").returncode == 0
+        _train(
+            pool1, out, "trainer.total_training_steps=1", *kl, "algorithm.kl_ctrl.kl_coef=0.001"
+        ).returncode
+        == 0
     )
-    proc = _train(out, "trainer.total_training_steps=2", *kl, "algorithm.kl_ctrl.kl_coef=0.01")
+    proc = _train(pool1, out, "trainer.total_training_steps=2", *kl, "algorithm.kl_ctrl.kl_coef=0.01")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resume: algorithm.kl_ctrl.kl_coef 0.001 -> 0.01 (applied)" in proc.stdout.splitlines()
     rows = read_jsonl_metrics(out / "metrics.jsonl")
     assert [(r["step"], r["actor/reward_kl_penalty_coeff"]) for r in rows] == [(1, 0.001), (2, 0.01)]
 
 
-def test_a_rerun_never_overwrites_an_earlier_run(two_steps, tmp_path):
-    out, before, proc = _rerun(two_steps, tmp_path, 2, "trainer.resume_mode=disable")
+def test_a_rerun_never_overwrites_an_earlier_run(pool1, two_steps, tmp_path):
+    out, before, proc = _rerun(pool1, two_steps, tmp_path, 2, "trainer.resume_mode=disable")
     assert proc.returncode == 2, proc.stderr[-3000:]
     (line,) = _error_lines(proc)
     assert line.startswith(f"error: trainer.default_local_dir={out} holds checkpoints up to global_step_2")
@@ -234,7 +262,7 @@ def test_a_rerun_never_overwrites_an_earlier_run(two_steps, tmp_path):
     for step in (1, 2):
         shutil.rmtree(out / f"global_step_{step}")
     for mode in ("auto", "disable"):
-        proc = _train(out, "trainer.total_training_steps=2", f"trainer.resume_mode={mode}")
+        proc = _train(pool1, out, "trainer.total_training_steps=2", f"trainer.resume_mode={mode}")
         assert proc.returncode == 2, proc.stderr[-3000:]
         (line,) = _error_lines(proc)
         assert line.startswith(
@@ -247,14 +275,14 @@ def test_a_rerun_never_overwrites_an_earlier_run(two_steps, tmp_path):
 # ------------------------------------------------------------------ the output-dir lock
 
 
-def test_a_second_run_in_a_locked_directory_is_refused(tmp_path):
+def test_a_second_run_in_a_locked_directory_is_refused(pool1, tmp_path):
     from verl_megatron.trainer.config import load_config
     from verl_megatron.trainer.run_dir import LOCK_FILE, OutputDirError, claim_output_dir
 
     out = tmp_path / "run"
     config = load_config(QUICKSTART, [*TINY, f"trainer.default_local_dir={out}"])
     with claim_output_dir(config, rank=0):
-        proc = _train(out, "trainer.total_training_steps=1")
+        proc = _train(pool1, out, "trainer.total_training_steps=1")
         assert proc.returncode == 2, proc.stderr[-3000:]
         (line,) = _error_lines(proc)
         assert line.startswith(
@@ -316,12 +344,12 @@ def test_every_rank_of_a_distributed_run_refuses_a_locked_directory(pool2, tmp_p
 # ------------------------------------------------------------------ the divergence guard
 
 
-def test_a_blown_up_run_stops_with_a_message_and_keeps_the_last_good_checkpoint(two_steps, tmp_path):
+def test_a_blown_up_run_stops_with_a_message_and_keeps_the_last_good_checkpoint(pool1, two_steps, tmp_path):
     from verl_megatron.checkpoint import find_latest_checkpoint
     from verl_megatron.checkpoint.storage import read_part_meta
 
     out = _copy(two_steps, tmp_path)
-    proc = _train(out, "trainer.total_training_steps=4", "actor.optim.lr=1e6")
+    proc = _train(pool1, out, "trainer.total_training_steps=4", "actor.optim.lr=1e6")
     assert proc.returncode == 3, proc.stderr[-3000:]
     (line,) = _error_lines(proc)
     assert line.startswith("error: training diverged at step 3: the actor's weight norm grew ")
@@ -333,6 +361,7 @@ def test_a_blown_up_run_stops_with_a_message_and_keeps_the_last_good_checkpoint(
 
     # Off: the same run "succeeds" with a destroyed model (what every run did before the guard).
     proc = _train(
+        pool1,
         tmp_path / "unguarded",
         "trainer.total_training_steps=1",
         "actor.optim.lr=1e6",
