@@ -2,11 +2,11 @@
 
 ``rollout.bitwise_parity`` makes the native engine's log-probs the actor's ``old_log_probs`` bit
 for bit. A defect that only shows after the weights (or any state shared by training and
-rollout) change cannot be seen in one step, so every run here trains 6 steps with two optimizer
-updates a step and asserts ``rollout/logprob_diff/max == 0.0`` (and no token differing) at each:
+rollout) change cannot be seen in one step, so every run here trains 4 steps with two optimizer
+updates a step (steps 2-4 roll out with weights moved by 2, 4 and 6 updates) and asserts ``rollout/logprob_diff/max == 0.0`` (and no token differing) at each:
 1 process in float32 with padded rows and with packed rows + dynamic micro-batches, bf16, LoRA,
 tp=2, pp=2, dp=2, MoE with routing replay at ep=2 and LoRA at tp=2 (two processes, gloo), and across a resume
-(3 steps, stop, resume to 6: the same numbers as the uninterrupted run).
+(2 steps, stop, resume to 4: the same numbers as the uninterrupted run).
 
 With parity, ``algorithm.rollout_correction.bypass_mode=true`` (rollout log-probs used as
 ``old_log_probs``, the recomputation skipped) must learn like the plain quickstart: the
@@ -21,23 +21,23 @@ import pytest
 
 from tests.test_rollout_parity import trainer_job
 
-STEPS = 6
-SIX_STEPS = [f"trainer.total_training_steps={STEPS}"]
+STEPS = 4
+ALL_STEPS = [f"trainer.total_training_steps={STEPS}"]
 PADDED = ["actor.use_remove_padding=false", "actor.use_dynamic_bsz=false"]
 
 
 def layouts_job(out_root: str, runs: dict[str, list[str]]) -> dict:
     """Several short quickstart runs in one job (one pool start for all); rank 0's rows per run."""
     return {
-        name: trainer_job(os.path.join(out_root, name), [*SIX_STEPS, *overrides]).get("rows")
+        name: trainer_job(os.path.join(out_root, name), [*ALL_STEPS, *overrides]).get("rows")
         for name, overrides in runs.items()
     }
 
 
 def resume_job(out_dir: str) -> dict:
-    """3 steps with a checkpoint at step 3, then the same run resumed up to step 6."""
-    first = trainer_job(out_dir, ["trainer.total_training_steps=3", "trainer.save_freq=3"])
-    second = trainer_job(out_dir, [*SIX_STEPS, "trainer.save_freq=3", "trainer.resume_mode=auto"])
+    """2 steps with a checkpoint at step 2, then the same run resumed up to step STEPS."""
+    first = trainer_job(out_dir, ["trainer.total_training_steps=2", "trainer.save_freq=2"])
+    second = trainer_job(out_dir, [*ALL_STEPS, "trainer.save_freq=2", "trainer.resume_mode=auto"])
     return {"first": first.get("rows"), "resumed": second.get("rows")}
 
 
@@ -92,11 +92,12 @@ def test_parity_holds_at_every_step_two_processes(pool2, tmp_path):
 
 def test_parity_holds_across_a_resume(pool1, tmp_path, one_process_rows):
     out = pool1.run(f"{__name__}:resume_job", out_dir=str(tmp_path / "run"))[0]
-    _assert_zero_every_step(out["first"], [1, 2, 3], "before the resume")
-    resumed = [r for r in out["resumed"] if r["step"] > 3]
-    _assert_zero_every_step(resumed, [4, 5, 6], "after the resume")
-    # The resumed steps are the uninterrupted run's steps 4-6 (same config but the checkpoint).
-    whole = one_process_rows["packed_dynamic"][3:]
+    _assert_zero_every_step(out["first"], [1, 2], "before the resume")
+    resumed = [r for r in out["resumed"] if r["step"] > 2]
+    _assert_zero_every_step(resumed, [3, 4], "after the resume")
+    # The resumed steps are the uninterrupted run's steps 3-4 (same config but the checkpoint).
+    whole = one_process_rows["packed_dynamic"][2:]
+    assert len(whole) == len(resumed) == 2
     for row_whole, row_resumed in zip(whole, resumed):
         for key in ("actor/grad_norm", "actor/pg_loss", "critic/score/mean", "response_length/mean"):
             assert row_resumed[key] == row_whole[key], (row_whole["step"], key)
