@@ -1,5 +1,8 @@
 """Resume: a run killed with SIGKILL and restarted with trainer.resume_mode=auto continues from
-its latest complete checkpoint and logs exactly the metrics of an uninterrupted run."""
+its latest complete checkpoint and logs exactly the metrics of an uninterrupted run.
+
+Only the killed run is a process of its own (the SIGKILL is the subject); the uninterrupted and
+the resumed runs run in a pool worker, sparing each an interpreter that imports megatron."""
 
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ def _overrides(out_dir: str, scorer: str, delay: float, resume_mode: str) -> lis
     return [
         *TINY,
         f"trainer.default_local_dir={out_dir}",
-        "trainer.total_training_steps=6",
+        "trainer.total_training_steps=4",
         "trainer.save_freq=2",
         "trainer.export_hf=false",
         f"trainer.resume_mode={resume_mode}",
@@ -93,14 +96,11 @@ def test_sigkilled_run_resumes_to_the_uninterrupted_metrics(pool1, tmp_path):
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
     saved = int(find_latest_checkpoint(out).name.rsplit("_", 1)[1])
-    assert saved in (2, 4), "the kill should land before the last checkpoint"
+    assert saved == 2, "the kill should land before the last checkpoint"
 
-    resumed = subprocess.run(
-        _command(_overrides(str(out), str(scorer), 0.0, "auto")),
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
+    (resumed,) = pool1.run(
+        "tests.test_durability:train_job",
+        argv=["--config", QUICKSTART, *_overrides(str(out), str(scorer), 0.0, "auto")],
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from step {saved}" in resumed.stdout
@@ -109,8 +109,9 @@ def test_sigkilled_run_resumes_to_the_uninterrupted_metrics(pool1, tmp_path):
 
     rows = read_jsonl_metrics(out / "metrics.jsonl")
     # One line per step (validation shares its step's line): the file is one history.
-    assert [r["step"] for r in rows] == [r["step"] for r in reference] == [0, 1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in rows] == [r["step"] for r in reference] == [0, 1, 2, 3, 4]
     ref_steps, steps = _by_step(reference), _by_step(rows)
-    for step in range(saved + 1, 7):
+    assert "val/test_score/synthetic/reverse" in steps[3]  # validated (test_freq=3) after the resume
+    for step in range(saved + 1, 5):
         assert _comparable(steps[step]) == _comparable(ref_steps[step]), step
-    assert {"global_step_2", "global_step_4", "global_step_6"} <= set(os.listdir(out))
+    assert {"global_step_2", "global_step_4"} <= set(os.listdir(out))
