@@ -66,10 +66,12 @@ def test_progress_is_called_once_a_second_until_the_deadline(char_tokenizer):
     assert calls[0] - start < 0.5 and calls[-1] < start + 3.0 <= end, [c - start for c in calls]
 
 
-# One rank over an in-process store with a 2 s stall timeout: the conversations sleep 5 s (done
-# within the 8 s deadline) and 600 s (failed as timeout at the deadline); prints the failures.
-# Without the watchdog's ``alive`` the same wait is a stall (the endpoint's idle polling costs
-# ~4 ms CPU/s, under the watchdog's 10 ms a look).
+# One rank over an in-process store with a 2 s stall timeout, twice in one process (the imports,
+# megatron's included, cost seconds of CPU each time): first with the watchdog's ``alive`` as the
+# rollout's progress, the conversations sleeping 5 s (done within the 8 s deadline) and 600 s
+# (failed as timeout at the deadline), which prints the failures; then the same wait without it,
+# which is a stall (the endpoint's idle polling costs ~4 ms CPU/s, under the watchdog's 10 ms a
+# look) and ends the process inside generate_sequences.
 SLOW_TOOLS = """
 import json, sys, time
 import torch.distributed as dist
@@ -77,34 +79,50 @@ from tests.test_agent_endpoint import _prompts
 from tests.test_agent_stall import _char_tokenizer, _rollout
 from verl_megatron.distributed.watchdog import Watchdog, WatchdogSettings
 
-run_dir = sys.argv[1]
-tokenizer = _char_tokenizer(run_dir + "/tok")
-watchdog = Watchdog(WatchdogSettings({timeout_s}, run_dir), 0, 1, dist.HashStore()).start()
-watchdog.mark("gen", 1)
-start = time.monotonic()
-out = _rollout(tokenizer, {deadline_s}, progress=watchdog.alive if {alive} else None).generate_sequences(_prompts(tokenizer, ["5", "600"]))
-elapsed = time.monotonic() - start
-watchdog.stop()
-cols = out.non_tensor_batch
-print(json.dumps([list(cols["agent_failure"]), list(cols["agent_reward"]), elapsed]))
+out_dir = sys.argv[1]
+tokenizer = _char_tokenizer(out_dir + "/tok")
+for alive in (True, False):
+    run_dir = f"{{out_dir}}/{{'alive' if alive else 'silent'}}"
+    watchdog = Watchdog(WatchdogSettings({timeout_s}, run_dir), 0, 1, dist.HashStore()).start()
+    watchdog.mark("gen", 1)
+    start = time.monotonic()
+    rollout = _rollout(tokenizer, {deadline_s}, progress=watchdog.alive if alive else None)
+    out = rollout.generate_sequences(_prompts(tokenizer, ["5", "600"]))
+    elapsed = time.monotonic() - start
+    watchdog.stop()
+    cols = out.non_tensor_batch
+    print(json.dumps([alive, list(cols["agent_failure"]), list(cols["agent_reward"]), elapsed]), flush=True)
 """
+TIMEOUT_S, DEADLINE_S = 2, 8
 
 
-@pytest.mark.parametrize("alive", [True, False])
-def test_conversations_waiting_longer_than_the_stall_timeout_are_not_a_stall(tmp_path, alive):
-    timeout_s, deadline_s = 2, 8
-    script = SLOW_TOOLS.format(timeout_s=timeout_s, deadline_s=deadline_s, alive=alive)
+@pytest.fixture(scope="module")
+def slow_tools(tmp_path_factory):
+    """(the finished process, its output directory): both waits, with and without ``alive``."""
+    out = tmp_path_factory.mktemp("slow_tools")
+    script = SLOW_TOOLS.format(timeout_s=TIMEOUT_S, deadline_s=DEADLINE_S)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    command = [sys.executable, "-c", script, str(tmp_path)]
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    if not alive:  # what every such wait did before: the job ended within the deadline
-        lines = [line for line in done.stderr.splitlines() if line.startswith("stall: ")]
-        assert done.returncode == 4 and len(lines) == 1, (done.returncode, done.stderr[-2000:])
-        assert "no rank made progress" in lines[0] and "in stage gen" in lines[0], lines[0]
-        assert done.stdout == ""  # ended inside generate_sequences
-        return
-    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
-    assert not (tmp_path / "stall").exists()
-    failures, rewards, elapsed = json.loads(done.stdout.strip().splitlines()[-1])
+    command = [sys.executable, "-c", script, str(out)]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300), out
+
+
+def test_conversations_waiting_longer_than_the_stall_timeout_are_not_a_stall(slow_tools):
+    done, out = slow_tools
+    printed = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
+    assert len(printed) == 1, (done.returncode, done.stdout, done.stderr[-2000:])
+    alive, failures, rewards, elapsed = printed[0]
+    assert alive is True and not (out / "alive" / "stall").exists()
     assert failures == ["", "timeout"] and rewards == [1.0, -1.0], (failures, rewards)
-    assert deadline_s <= elapsed < 60, elapsed  # the deadline ended the 600 s sleep
+    assert DEADLINE_S <= elapsed < 60, elapsed  # the deadline ended the 600 s sleep
+
+
+def test_the_same_wait_without_progress_is_a_stall(slow_tools):
+    """What every such wait did before: the job ended within the deadline."""
+    done, out = slow_tools
+    lines = [line for line in done.stderr.splitlines() if line.startswith("stall: ")]
+    assert done.returncode == 4 and len(lines) == 1, (done.returncode, done.stderr[-2000:])
+    assert "no rank made progress" in lines[0] and "in stage gen" in lines[0], lines[0]
+    assert f"(trainer.stall_timeout_s={TIMEOUT_S})" in lines[0], lines[0]
+    assert (out / "silent" / "stall" / "rank0.txt").read_text().startswith(lines[0])
+    # ended inside the second generate_sequences: the first wait's line only
+    assert [json.loads(line)[0] for line in done.stdout.splitlines() if line.startswith("[")] == [True]
