@@ -209,6 +209,43 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_resumed(pool1
     assert (out / "metrics.jsonl").read_text() == before
 
 
+# Larger than every file of the tiny quickstart but its checkpoint shards (about 640 kB each).
+_FILE_LIMIT = 500_000
+
+
+def test_a_save_past_the_file_size_limit_names_the_cause_and_keeps_the_previous_step(
+    pool1, two_steps, tmp_path
+):
+    from verl_megatron.checkpoint import storage
+
+    out = _copy(two_steps, tmp_path)
+    before = storage.read_part_meta(out / "global_step_2" / "actor")
+    proc = _train(pool1, out, "trainer.total_training_steps=3", file_limit=_FILE_LIMIT)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    (line,) = _error_lines(proc)
+    assert "failed: rank 0: RuntimeError: [enforce fail at inline_container.cc" in line, line
+    assert "(caused by OSError: [Errno 27] File too large)" in line, line
+    assert f"file size limit (ulimit -f) {_FILE_LIMIT} bytes" in line, line
+    assert storage.find_latest_checkpoint(out) == out / "global_step_2"
+    assert storage.read_part_meta(out / "global_step_2" / "actor") == before
+
+
+def test_a_run_resumes_past_a_step_without_its_part_marker_with_a_warning(pool1, two_steps, tmp_path):
+    from verl_megatron.checkpoint import storage
+
+    out = _copy(two_steps, tmp_path)
+    (out / "global_step_2" / "actor" / storage.PART_MARKER).unlink()
+    proc = _train(pool1, out, "trainer.total_training_steps=3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning: damaged checkpoint")]
+    assert warnings == [
+        f"warning: damaged checkpoint(s) skipped: global_step_2 (checkpoint {out / 'global_step_2'} is damaged: "
+        f"actor/{storage.PART_MARKER} is missing); resuming from {out / 'global_step_1'} instead"
+    ], proc.stderr[-3000:]
+    assert "resumed from step 1" in proc.stdout
+    assert _steps(out) == [1, 2, 3]
+
+
 def test_a_changed_learning_rate_is_applied_and_said_a_changed_batch_size_refused(pool1, two_steps, tmp_path):
     out, before, proc = _rerun(pool1, two_steps, tmp_path, 3, "data.train_batch_size=16")
     assert proc.returncode == 2, proc.stderr[-3000:]
