@@ -167,9 +167,11 @@ def test_rollout_log_prob_micro_batch_is_read_by_the_actor():
     assert "set rollout.log_prob_micro_batch_size_per_gpu" in error(["rollout.log_prob_micro_batch_size=64"])
 
 
-# fit() of a trainer (class {trainer} of the script) whose second step fails, and the threads
-# before and after.
+# fit() of a trainer (class {trainer} of the script) whose second step fails, writing under {out},
+# and the threads before and after; the marker starts this trainer's part of the output.
 FIT_AND_REPORT = """
+OUT = {out!r}
+print("TRAINER {trainer}", flush=True)
 before = sorted(t.name for t in threading.enumerate())
 try:
     {trainer}().fit()
@@ -190,7 +192,7 @@ class FailingTrainer(PPOTrainer):
         self.tracker = Tracking("", "", [], "", enabled=False)
 
     def _fit(self):
-        self.tracker = Tracking("p", "e", ["console", "tensorboard"], sys.argv[1], total_steps=3)
+        self.tracker = Tracking("p", "e", ["console", "tensorboard"], OUT, total_steps=3)
         self.tracker.log({"critic/score/mean": 0.5}, step=1)
         raise RuntimeError("step 2 failed")
 """
@@ -208,7 +210,7 @@ class FailingSFT(sft_trainer.SFTTrainer):
     def __init__(self):  # no model: only what fit() touches
         trainer = SimpleNamespace(
             project_name="p", experiment_name="e", logger=["console", "tensorboard"],
-            default_local_dir=sys.argv[1], val_before_train=False,
+            default_local_dir=OUT, val_before_train=False,
         )
         self.config = SimpleNamespace(trainer=trainer)
         self.runtime = SimpleNamespace(is_main=True)
@@ -253,15 +255,30 @@ def _on_a_terminal(argv: list[str], timeout_s: float) -> str:
     return b"".join(chunks).decode(errors="replace")
 
 
-@pytest.mark.parametrize("script", [FAILING_RUN, FAILING_SFT_RUN], ids=["ppo", "sft"])
-def test_a_failed_run_on_a_terminal_shows_the_cursor_and_closes_the_writers(tmp_path, script):
-    trainer = "FailingTrainer" if script is FAILING_RUN else "FailingSFT"
-    script += FIT_AND_REPORT.format(trainer=trainer)
-    output = _on_a_terminal([sys.executable, "-c", script, str(tmp_path)], timeout_s=120)
-    assert "ERROR step 2 failed" in output, output[-2000:]
+TRAINERS = {"ppo": "FailingTrainer", "sft": "FailingSFT"}
+
+
+@pytest.fixture(scope="module")
+def failed_runs(tmp_path_factory) -> dict[str, tuple[str, str]]:
+    """Both trainers' failing fit() one after the other in one process on a terminal (one Python
+    start and one import of the trainers for both): each one's output and TensorBoard folder."""
+    root = tmp_path_factory.mktemp("failed_runs")
+    script = FAILING_RUN + FAILING_SFT_RUN
+    for name, trainer in TRAINERS.items():
+        script += FIT_AND_REPORT.format(trainer=trainer, out=str(root / name))
+    output = _on_a_terminal([sys.executable, "-c", script], timeout_s=240)
+    parts = output.split("TRAINER ")[1:]
+    assert len(parts) == len(TRAINERS), output[-2000:]
+    return {name: (part, str(root / name)) for name, part in zip(TRAINERS, parts)}
+
+
+@pytest.mark.parametrize("name", list(TRAINERS))
+def test_a_failed_run_on_a_terminal_shows_the_cursor_and_closes_the_writers(failed_runs, name):
+    output, out_dir = failed_runs[name]
+    assert output.startswith(TRAINERS[name]) and "ERROR step 2 failed" in output, output[-2000:]
     bar = output.index("\x1b[?25l")  # the bar hides the cursor ...
     error = output.index("ERROR step 2 failed")
     assert output.count("\x1b[?25h", bar, error) == 1, repr(output[-2000:])  # ... and shows it again
     before, after = output.split("THREADS ", 1)[1].splitlines()[0].split(" -> ")
     assert before == after, (before, after)  # no writer thread left behind
-    assert os.listdir(tmp_path / "tensorboard" / "p" / "e")  # TensorBoard did write: its thread ran
+    assert os.listdir(os.path.join(out_dir, "tensorboard", "p", "e"))  # TensorBoard did write: its thread ran
