@@ -84,11 +84,12 @@ def header_commands() -> dict[str, list[str]]:
     }
 
 
-# Routing replay's flags as the README gives them, on the recipe that builds an MoE model.
+# Routing replay's flags as the README gives them (checked on the recipe that builds an MoE model).
 ROUTING_FLAGS = "rollout.enable_rollout_routing_replay=true actor.megatron.router_replay.mode=R3"
-ROUTING_COMMAND = f"verl-megatron train --config configs/quickstart_moe.yaml {ROUTING_FLAGS}"
 
-# Run to the end of step 1 on this CPU (the quickstart's two header lines are one run).
+# Run to the end of step 1 on this CPU (the quickstart's two header lines are one run). The single-node
+# script runs as a user starts it (its start-up check, then torchrun); the multi-node one through
+# --dry-run, whose printed torchrun command is run (its check is the single-node script's).
 RUN = [
     "verl-megatron train",
     "verl-megatron train --config configs/quickstart_moe.yaml",
@@ -97,10 +98,10 @@ RUN = [
     "torchrun --nproc_per_node=2 -m verl_megatron.train --config configs/quickstart.yaml "
     "rollout.placement=separate rollout.world_size=1 async_training.max_staleness=1 "
     "algorithm.rollout_correction.rollout_is=token",
-    ROUTING_COMMAND,
     "NPROC=2 launch/single_node.sh",
     "NNODES=1 NODE_RANK=0 MASTER_ADDR=127.0.0.1 NPROC_PER_NODE=2 launch/multi_node.sh",
 ]
+SINGLE_NODE = RUN[6]
 # GPU-scale: placeholders -> tiny stand-ins, every start-up check at the command's world size.
 TEMPLATE_ASSETS = {
     "/path/to/hf/checkpoint": "dense",
@@ -212,7 +213,9 @@ def _dry_run(env: dict[str, str], words: list[str]) -> list[str]:
 
 def _run_step1(command: str, out_dir: str) -> tuple[subprocess.CompletedProcess, float]:
     env, words = _split(command)
-    if words[0].startswith("launch/"):
+    if command == SINGLE_NODE:
+        words = ["bash", *words]
+    elif words[0].startswith("launch/"):
         (words,) = _dry_run(env, words)
         assert words[:3] == [sys.executable, "-m", "torch.distributed.run"], words
     args = [*words, *STEP1, f"trainer.default_local_dir={out_dir}"]
@@ -241,10 +244,39 @@ def test_cpu_commands_run_to_step_1(tmp_path):
         dp = 1 if "placement=separate" in command else 2
         assert f"derived actor.ppo_micro_batch_size_per_gpu={256 // dp}" in startup[command], startup[command]
     assert "derived actor.ppo_micro_batch_size_per_gpu=256" in startup["verl-megatron train"]
-    assert "model quickstart tiny qwen3_moe (2 layers" in startup[ROUTING_COMMAND]
-    # Routing replay ran: routes were recorded in the rollout and replayed in the update.
-    rows = _metrics(outs[RUN.index(ROUTING_COMMAND)])
-    assert rows[-1]["actor/router_replay/hit_rate_log_prob"] == 1.0
+    assert "model quickstart tiny qwen3_moe (2 layers" in startup[RUN[1]]
+    _check_launch_script_run(results[RUN.index(SINGLE_NODE)][0], outs[RUN.index(SINGLE_NODE)])
+
+
+def _check_launch_script_run(done: subprocess.CompletedProcess, out_dir: str) -> None:
+    """launch/single_node.sh ran its start-up check, then the job at two processes, with the
+    arguments after the script reaching the ranks."""
+    assert "verl-megatron check: the start-up checks pass for 2 process(es)" in done.stdout, done.stdout
+    step1 = {}
+    for row in _metrics(out_dir):
+        if row.get("step") == 1:
+            step1.update(row)
+    # Throughput is per device: the run had two processes.
+    throughput = step1["perf/total_num_tokens"] / (step1["timing_s/step"] * 2)
+    assert step1["perf/throughput"] == pytest.approx(throughput)
+    config = json.loads(_read(os.path.join(out_dir, "config.json")))
+    assert (
+        config["trainer"]["total_training_steps"] == 1 and config["trainer"]["default_local_dir"] == out_dir
+    )
+
+
+def test_readme_routing_flags_pass_start_up_checks_on_the_moe_recipe():
+    """The README's routing replay flags, on the recipe that builds an MoE model, pass every start-up
+    check. The trainer with these two flags on the quickstart task's tiny Qwen3-MoE (replayed routes,
+    hit rate 1.0) is run by tests/test_routing_replay.py::test_trainer_replays_and_reports_hit_rates."""
+    from verl_megatron.trainer.preflight import prepare_run
+
+    assert ROUTING_FLAGS in " ".join(_read(os.path.join(ROOT, "README.md")).split())
+    config, layout, _ = prepare_run(
+        os.path.join(ROOT, "configs/quickstart_moe.yaml"), ROUTING_FLAGS.split(), 1
+    )
+    assert config.rollout.enable_rollout_routing_replay and config.actor.megatron.router_replay.mode == "R3"
+    assert config.quickstart.family == "qwen3_moe" and layout.dp == 1
 
 
 def _gsm8k_rows(n: int, offset: int) -> str:

@@ -1,5 +1,6 @@
 """The user's entry points: ``verl-megatron train`` (re-launching itself under torchrun when the
-config asks for several processes), ``launch/single_node.sh``, config errors, ``check-hf``."""
+config asks for several processes), config errors, ``check-hf``. (``launch/single_node.sh`` runs a
+job at two processes in tests/test_commands.py, its start-up check included.)"""
 
 from __future__ import annotations
 
@@ -57,20 +58,6 @@ def test_train_relaunches_under_torchrun_for_several_processes(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     _check_two_process_run(tmp_path, "tp", 2)
-
-
-@pytest.mark.multiproc
-def test_single_node_launch_script(tmp_path):
-    overrides = [*ONE_STEP, f"trainer.default_local_dir={tmp_path}", "parallel.pp=2"]
-    result = subprocess.run(
-        [os.path.join(ROOT, "launch", "single_node.sh"), "--config", QUICKSTART, *overrides],
-        env={**_env(), "NPROC": "2", "PYTHON": sys.executable},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    _check_two_process_run(tmp_path, "pp", 2)
 
 
 def test_config_errors_exit_2_naming_the_key(capsys, monkeypatch):
