@@ -161,6 +161,18 @@ def test_flags_of_each_target(monkeypatch):
     assert not any(f.startswith("-march") for f in cpu_kernels._flags("generic"))
 
 
+def test_the_sources_parse_only_the_torch_headers_they_use():
+    """A fresh machine compiles both sources for both targets. torch/extension.h parses the
+    whole C++ frontend (nn, optim, data): 32 s of compiler CPU for an empty file at -O3, against
+    14 s for torch/types.h and 12 s for the pybind11 glue; only the file that binds the module
+    needs the glue."""
+    texts = {source.name: source.read_text() for source in cpu_kernels._SOURCES}
+    assert not [name for name, text in texts.items() if "<torch/extension.h>" in text]
+    binders = [name for name, text in texts.items() if "PYBIND11_MODULE" in text]
+    glue = [name for name, text in texts.items() if "<torch/csrc/utils/pybind.h>" in text]
+    assert binders == glue == ["decode_kernels.cpp"], (binders, glue)
+
+
 # Each input of the build's name, and a changed value for it: the name must change with each.
 _KEY_INPUTS = {
     "_cpu_tag": lambda: "model name : Another CPU\nflags : fpu sse2",

@@ -18,7 +18,9 @@
 // accumulated in order within chunks of kChunk steps, the chunks' sums
 // added in order; then the bias, then the epilogue. tests/test_panel_linear.py checks it against
 // the rounding bound of exactly this order.
-#include <torch/extension.h>
+// ATen and the torch:: names only (the module is bound in decode_kernels.cpp): a lighter parse
+// than torch/extension.h, which would cost this file twice the compile time.
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
