@@ -317,6 +317,10 @@ def destroy_megatron_groups() -> None:
             dist.destroy_process_group(group)
     _megatron_groups.clear()
     _megatron_groups_key = None
+    # The destroyed groups' threads end only when their objects go, and the job's models and
+    # optimizers hold them in reference cycles; a gloo loop left over after its peer closed its
+    # side spins (a full suite's pool workers held ~250 of them). Free them now, on every rank.
+    gc.collect()
 
 
 def build_megatron_groups(layout: ParallelLayout, timeout_minutes: float = 30) -> None:
