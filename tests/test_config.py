@@ -226,3 +226,16 @@ def test_greedy_training_rollouts_with_several_samples_a_prompt_are_refused():
         ),
         1,
     )
+
+
+def test_loads_share_no_state():
+    """The schema is built once per process: a load with overrides, or a change to a loaded config,
+    must not reach the next load."""
+    from verl_megatron.trainer.config import default_config_path, load_config, to_dict
+
+    before = to_dict(load_config(None, []))
+    changed = load_config(default_config_path(), ["actor.optim.lr=0.5", "trainer.logger=[jsonl]"])
+    changed.actor.optim.lr = 7.0
+    changed.trainer.logger.append("tensorboard")
+    assert to_dict(load_config(None, [])) == before
+    assert load_config(default_config_path(), []).actor.optim.lr != 7.0

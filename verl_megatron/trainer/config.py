@@ -16,6 +16,7 @@ trainer/validate.py; both are re-exported here, the one import path callers use.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import typing
@@ -83,8 +84,11 @@ def default_config_path() -> str:
 # ---------------------------------------------------------------- loading
 
 
+@functools.cache
 def _schema() -> Any:
-    """The structured DictConfig of PPOConfig with every section at its class's field defaults."""
+    """The structured DictConfig of PPOConfig with every section at its class's field defaults.
+    Built once per process (about half of a ``load_config`` call): nothing writes to it, since
+    ``OmegaConf.merge`` returns a new config and ``to_object`` only reads."""
     from omegaconf import OmegaConf
 
     schema = OmegaConf.structured(PPOConfig)
