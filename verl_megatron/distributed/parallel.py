@@ -312,15 +312,20 @@ def destroy_megatron_groups() -> None:
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     live = _registered_groups() if dist.is_initialized() else set()
+    real = False  # a group with threads and sockets (the planner's "fake" ones have none)
     for group in _megatron_groups:
         if group in live:
+            real = real or dist.get_backend(group) != "fake"
             dist.destroy_process_group(group)
     _megatron_groups.clear()
     _megatron_groups_key = None
     # The destroyed groups' threads end only when their objects go, and the job's models and
     # optimizers hold them in reference cycles; a gloo loop left over after its peer closed its
     # side spins (a full suite's pool workers held ~250 of them). Free them now, on every rank.
-    gc.collect()
+    # Not for fake groups: the planner rebuilds them per layout, and a collection each time
+    # made `plan` several times slower.
+    if real:
+        gc.collect()
 
 
 def build_megatron_groups(layout: ParallelLayout, timeout_minutes: float = 30) -> None:
