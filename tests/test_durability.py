@@ -108,34 +108,9 @@ TINY = [
 ]
 
 
-def train_job(argv: list[str], file_limit: int | None = None) -> subprocess.CompletedProcess:
-    """Runs in a pool worker: ``python -m verl_megatron.train ARGV`` in-process, its exit status and
-    output as a subprocess's (a fresh interpreter would import megatron again for every run).
-    ``file_limit``: ``ulimit -f`` in bytes for the run (writes past it fail with EFBIG)."""
-    import contextlib
-    import io
-    import resource
-    import signal
-
-    from verl_megatron.train import main
-
-    out, err = io.StringIO(), io.StringIO()
-    old_limit, old_handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.getsignal(signal.SIGXFSZ)
-    try:
-        if file_limit is not None:
-            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-            resource.setrlimit(resource.RLIMIT_FSIZE, (file_limit, old_limit[1]))
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main(argv)
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
-        signal.signal(signal.SIGXFSZ, old_handler)
-    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
-
-
 def _train(pool, out_dir, *overrides: str, file_limit: int | None = None) -> subprocess.CompletedProcess:
     argv = ["--config", QUICKSTART, *TINY, f"trainer.default_local_dir={out_dir}", *overrides]
-    (proc,) = pool.run(f"{__name__}:train_job", argv=argv, file_limit=file_limit)
+    (proc,) = pool.run("tests.helpers:cli_train_job", argv=argv, file_limit=file_limit)
     return proc
 
 

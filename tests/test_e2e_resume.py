@@ -99,7 +99,7 @@ def test_sigkilled_run_resumes_to_the_uninterrupted_metrics(pool1, tmp_path):
     assert saved == 2, "the kill should land before the last checkpoint"
 
     (resumed,) = pool1.run(
-        "tests.test_durability:train_job",
+        "tests.helpers:cli_train_job",
         argv=["--config", QUICKSTART, *_overrides(str(out), str(scorer), 0.0, "auto")],
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
