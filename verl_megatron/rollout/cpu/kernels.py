@@ -164,7 +164,7 @@ def _build(arch: str) -> ModuleType:
     with _build_flock(name):
         return load(
             name=name,
-            sources=[str(source) for source in _SOURCES],
+            sources=[str(_SOURCES[0])],  # it includes the other source: one translation unit
             extra_cflags=_flags(arch),
             extra_ldflags=["-fopenmp"],
             verbose=False,

@@ -18,7 +18,7 @@
 // accumulated in order within chunks of kChunk steps, the chunks' sums
 // added in order; then the bias, then the epilogue. tests/test_panel_linear.py checks it against
 // the rounding bound of exactly this order.
-// ATen and the torch:: names only (the module is bound in decode_kernels.cpp): a lighter parse
+// ATen and the torch:: names only (decode_kernels.cpp includes this file and binds the module): a lighter parse
 // than torch/extension.h, which would cost this file twice the compile time.
 #include <torch/types.h>
 #include <ATen/Parallel.h>
