@@ -2,8 +2,9 @@
 
 Each point is a fresh ``torchrun`` job on this machine running ``bench_grpo_step.run_ours``
 (rollout, reward, old log-probs, advantages, update; gloo on CPU) for the warm-up and timed
-steps; rank 0 reports the step times. The machine's thread budget (``--threads``, 2 in the
-headline run) is split over the processes, so both points use the same cores: dp=2 runs two
+steps; rank 0 reports the step times (``--quick`` runs dp=1 in the harness's own process).
+The machine's thread budget (``--threads``, 2 in the headline run) is split over the
+processes, so both points use the same cores: dp=2 runs two
 processes of threads / 2 threads each. Reported: step time, tokens per second in total and per
 process (tokens = prompts x group x (prompt_len + response_len); responses always run to full
 length), and the scaling efficiency (total tokens/s at dp=2 over dp=1).
@@ -44,10 +45,13 @@ class DPScalingConfig:
 
     grpo: grpo.GRPOBenchConfig
     world_sizes: tuple[int, ...] = (1, 2)
+    single_in_process: bool = False
+    """dp=1 in this process instead of a torchrun job of its own: the smoke run's saving (a job's
+    start-up is ~10 CPU s, more than its step); the full run keeps every point a fresh job"""
 
 
 FULL = DPScalingConfig(grpo=grpo.FULL)
-QUICK = DPScalingConfig(grpo=dataclasses.replace(grpo.QUICK, prompts=2, group=2))
+QUICK = DPScalingConfig(grpo=dataclasses.replace(grpo.QUICK, prompts=2, group=2), single_in_process=True)
 
 
 def _tokens_per_step(cfg: grpo.GRPOBenchConfig) -> int:
@@ -64,6 +68,12 @@ def _launch(world: int, threads: int, model_dir: str, cfg_file: Path, out: Path,
         tail = [line for line in proc.stderr.strip().splitlines() if line.strip()][-3:]
         raise RuntimeError(f"dp={world} exited with {proc.returncode}: {' | '.join(tail)}")
     return json.loads(out.read_text())
+
+
+def _in_process(model_dir: str, cfg: grpo.GRPOBenchConfig, workdir: Path) -> dict:
+    """The dp=1 point in this process, on all of its threads (a one-process job's budget)."""
+    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+        return grpo.run_ours(model_dir, None, cfg, tmp, world_size=1)
 
 
 def run(cfg: DPScalingConfig, workdir: Path) -> Section:
@@ -101,7 +111,10 @@ def run(cfg: DPScalingConfig, workdir: Path) -> Section:
     for world in cfg.world_sizes:
         threads = max(1, budget // world)
         try:
-            raw = _launch(world, threads, model_dir, cfg_file, workdir / f"dp{world}.json", workdir)
+            if world == 1 and cfg.single_in_process:
+                raw = _in_process(model_dir, g, workdir)
+            else:
+                raw = _launch(world, threads, model_dir, cfg_file, workdir / f"dp{world}.json", workdir)
         except Exception as exc:
             section.errors[f"dp={world}"] = error_text(exc)
             continue
