@@ -27,13 +27,16 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, dela
 """
 
 # The e2e tests' tiny job (tests/test_e2e.py TINY) at 2 processes: 4 prompts x 4 samples a rank.
+# No validation: what these tests compare is training (metrics, checkpoints, restarts), and each
+# validation pass generates for the whole validation set.
 TINY2 = [
     "quickstart.num_digits=2",
     "data.train_batch_size=8",
     "data.max_response_length=3",
     "rollout.n=4",
     "actor.ppo_mini_batch_size=4",
-    "trainer.test_freq=3",
+    "trainer.val_before_train=false",
+    "trainer.test_freq=-1",
     "trainer.export_hf=false",
     "trainer.logger=[console]",
 ]

@@ -27,11 +27,7 @@ def test_a_killed_node_ends_the_other_within_the_deadline(tmp_path):
     scorer.write_text(job.SLOW_SCORER)
     out, port = tmp_path / "run", job.free_port()
     # Both nodes are training once the first step's checkpoint is out (no validation before it).
-    overrides = [
-        *job.job_overrides(out, scorer, 0.05, steps=6),
-        "trainer.save_freq=1",
-        "trainer.val_before_train=false",
-    ]
+    overrides = [*job.job_overrides(out, scorer, 0.05, steps=6), "trainer.save_freq=1"]
     nodes = [job.two_nodes(port, overrides, node) for node in (0, 1)]
     try:
         job.wait_for_checkpoint(out, 1, nodes)
