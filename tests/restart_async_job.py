@@ -3,11 +3,12 @@
     torchrun --nproc_per_node=2 tests/restart_async_job.py OUT_DIR
 
 One-step off-policy (max_staleness=1, whole responses: the weight version of every batch is fixed
-by the step), 4 steps, a checkpoint every 2. Runs in the same processes:
+by the step), 3 steps, a checkpoint every 2 (the fewest that resume from a checkpoint before the
+last step and run a step after it). Runs in the same processes:
 1. ``resumed``: the trainer fails at the start of step 3, after the rollout generated ahead;
 2. ``resumed`` again, from its checkpoint of step 2, to the end;
 3. ``extended``: a run of 2 steps (its checkpoint of step 2 is its last step's), then the same
-   directory continued to 4 steps;
+   directory continued to 3 steps;
 4. ``straight``: the same run uninterrupted.
 """
 
@@ -18,7 +19,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-ONE_STEP_OFF = ["trainer.total_training_steps=4", "trainer.save_freq=2", "async_training.max_staleness=1"]
+ONE_STEP_OFF = ["trainer.total_training_steps=3", "trainer.save_freq=2", "async_training.max_staleness=1"]
 
 
 def run_interrupted(out: str, step: int) -> None:
