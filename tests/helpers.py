@@ -63,17 +63,19 @@ def run_per_variant(pool: Any, job: str, folder: Callable[[], Path], variants: d
     }
 
 
-def cli_train_job(argv: list[str], file_limit: int | None = None) -> Any:
+def cli_train_job(argv: list[str], file_limit: int | None = None, entry: str = "verl_megatron.train") -> Any:
     """Runs in a pool worker: ``python -m verl_megatron.train ARGV`` in-process, its exit status and
     output as a subprocess's (a fresh interpreter would import megatron again for every run).
-    ``file_limit``: ``ulimit -f`` in bytes for the run (writes past it fail with EFBIG)."""
+    ``file_limit``: ``ulimit -f`` in bytes for the run (writes past it fail with EFBIG).
+    ``entry``: the module whose ``main(ARGV)`` runs (``verl_megatron.cli``: ``verl-megatron ARGV``)."""
     import contextlib
+    import importlib
     import io
     import resource
     import signal
     import subprocess
 
-    from verl_megatron.train import main
+    main = importlib.import_module(entry).main
 
     out, err = io.StringIO(), io.StringIO()
     old_limit, old_handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.getsignal(signal.SIGXFSZ)

@@ -3,8 +3,10 @@
 Every command printed in the README (the two set-up lines excluded: they install), in a recipe's
 header (configs/*.yaml) and in launch/ is collected here, and the inventory is asserted, so a new
 command cannot slip in untested. Commands that run on this CPU run to the end of step 1 with only
-``trainer.total_training_steps=1`` and a temporary output dir added (the launch scripts through
-``--dry-run``, whose printed torchrun command is run). GPU-scale templates (a real checkpoint
+``trainer.total_training_steps=1`` and a temporary output dir added: the console script, the
+single-node script and a torchrun as processes (``REAL``); those that differ from them only in their
+arguments (the multi-node script's through ``--dry-run``, whose printed torchrun command is run)
+through the same entry point in a pool worker of their world size. GPU-scale templates (a real checkpoint
 path, 8+ processes) get tiny stand-ins for their placeholders and pass every start-up check at
 their own world size (tests/test_recipes.py runs each recipe a step at small sizes).
 """
@@ -211,25 +213,78 @@ def _dry_run(env: dict[str, str], words: list[str]) -> list[str]:
     return [shlex.split(line) for line in out.stdout.splitlines() if line.strip()]
 
 
-def _run_step1(command: str, out_dir: str) -> tuple[subprocess.CompletedProcess, float]:
+# Launched as a user launches them: the plain console script, the single-node script (its start-up
+# check, then torchrun --standalone) and a bare torchrun (rollout.placement=separate starts
+# torch.distributed itself, so it cannot join a pool's group). The others differ from these only in
+# their config and overrides (the multi-node script in its printed torchrun command's arguments):
+# their command line, split as written, goes to the same entry point in a pool worker of their world
+# size (tests/helpers.py cli_train_job), which saves a fresh interpreter's imports per process.
+REAL = (RUN[0], RUN[4], SINGLE_NODE)
+
+
+def _step1_args(words: list[str], out_dir: str) -> list[str]:
+    return [*words, *STEP1, f"trainer.default_local_dir={out_dir}"]
+
+
+def _run_real(command: str, out_dir: str) -> tuple[subprocess.CompletedProcess, float]:
     env, words = _split(command)
     if command == SINGLE_NODE:
         words = ["bash", *words]
-    elif words[0].startswith("launch/"):
-        (words,) = _dry_run(env, words)
-        assert words[:3] == [sys.executable, "-m", "torch.distributed.run"], words
-    args = [*words, *STEP1, f"trainer.default_local_dir={out_dir}"]
     start = time.monotonic()
+    args = _step1_args(words, out_dir)
     done = subprocess.run(args, cwd=ROOT, env=_env(env), capture_output=True, text=True, timeout=600)
     return done, time.monotonic() - start
 
 
-def test_cpu_commands_run_to_step_1(tmp_path):
+def command_job(argv: list[str], cwd: str, entry: str) -> subprocess.CompletedProcess:
+    """Runs in a pool worker: ``entry``'s main on ``argv`` in ``cwd`` (the commands' relative paths)."""
+    from tests.helpers import cli_train_job
+
+    previous = os.getcwd()
+    os.chdir(cwd)
+    try:
+        return cli_train_job(argv, entry=entry)
+    finally:
+        os.chdir(previous)
+
+
+def _in_pool(pool, argv: list[str], entry: str, cwd: str = ROOT) -> subprocess.CompletedProcess:
+    """``entry``'s main on ``argv`` on every rank of ``pool``: the ranks' output joined in rank
+    order (as torchrun prints it), the first failing rank's exit status."""
+    ranks = pool.run(f"{__name__}:command_job", argv=argv, cwd=cwd, entry=entry)
+    code = next((r.returncode for r in ranks if r.returncode), 0)
+    out, err = "".join(r.stdout for r in ranks), "".join(r.stderr for r in ranks)
+    return subprocess.CompletedProcess(argv, code, out, err)
+
+
+def _run_in_pool(pools: dict, command: str, out_dir: str) -> tuple[subprocess.CompletedProcess, float]:
+    """A ``verl-megatron train`` command (one process: a pool worker is a torchrun worker, so the
+    console script's main runs train's), or a torchrun one, the launch scripts' as printed."""
+    env, words = _split(command)
+    if words[0].startswith("launch/"):
+        (words,) = _dry_run(env, words)
+        assert words[:3] == [sys.executable, "-m", "torch.distributed.run"], words
+    start = time.monotonic()
+    if words[0] == "verl-megatron":
+        done = _in_pool(pools[1], _step1_args(words[1:], out_dir), "verl_megatron.cli")
+    else:
+        world, argv = _world_and_args(words)
+        done = _in_pool(pools[world], _step1_args(argv, out_dir), "verl_megatron.train")
+    return done, time.monotonic() - start
+
+
+def test_cpu_commands_run_to_step_1(tmp_path, pool1, pool2):
     """Each runs as written to the end of step 1; at 2 processes the unset micro-batch is derived."""
-    outs = [str(tmp_path / f"run{i}") for i in range(len(RUN))]
+    outs = dict(zip(RUN, (str(tmp_path / f"run{i}") for i in range(len(RUN))), strict=True))
+    pooled = [c for c in RUN if c not in REAL]
+    assert len(pooled) == 4
+    # The real processes two at a time while the pools run the rest, one command at a time each.
     with ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(_run_step1, RUN, outs))
-    for command, out_dir, (done, seconds) in zip(RUN, outs, results, strict=True):
+        real = pool.map(_run_real, REAL, [outs[c] for c in REAL])
+        in_pool = [_run_in_pool({1: pool1, 2: pool2}, c, outs[c]) for c in pooled]
+        by_command = {**dict(zip(REAL, real, strict=True)), **dict(zip(pooled, in_pool, strict=True))}
+    results = [by_command[c] for c in RUN]
+    for command, out_dir, (done, seconds) in zip(RUN, outs.values(), results, strict=True):
         assert done.returncode == 0, f"{command}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
         rows = _metrics(out_dir)
         step1 = [r for r in rows if r.get("step") == 1 or r.get("training/global_step") == 1]
@@ -245,7 +300,7 @@ def test_cpu_commands_run_to_step_1(tmp_path):
         assert f"derived actor.ppo_micro_batch_size_per_gpu={256 // dp}" in startup[command], startup[command]
     assert "derived actor.ppo_micro_batch_size_per_gpu=256" in startup["verl-megatron train"]
     assert "model quickstart tiny qwen3_moe (2 layers" in startup[RUN[1]]
-    _check_launch_script_run(results[RUN.index(SINGLE_NODE)][0], outs[RUN.index(SINGLE_NODE)])
+    _check_launch_script_run(by_command[SINGLE_NODE][0], outs[SINGLE_NODE])
 
 
 def _check_launch_script_run(done: subprocess.CompletedProcess, out_dir: str) -> None:
@@ -308,11 +363,23 @@ def stand_ins(tmp_path_factory) -> dict[str, str]:
     (work / "gsm8k_train.jsonl").write_text(_gsm8k_rows(1600, 0))
     (work / "gsm8k_test.jsonl").write_text(_gsm8k_rows(8, 5000))
     converts = [c for c in readme_commands() + header_commands()["configs/ppo.yaml"] if "gsm8k_format" in c]
-    assert len(converts) == 3  # the README's and ppo.yaml's two
-    for command in converts:
-        _, words = _split(command)
-        done = subprocess.run(words, cwd=work, env=_env(), capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr
+    assert len(converts) == 3 and converts[0] == converts[1]  # the README's is ppo.yaml's first
+    # The train split's as a process; the test split's differs in its arguments only: its command
+    # line, split as written, goes to the same main here (the module imports torch: ~4 CPU s a process).
+    train, test = converts[1:]
+    _, words = _split(train)
+    done = subprocess.run(words, cwd=work, env=_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    _, words = _split(test)
+    assert words[:3] == [sys.executable, "-m", "verl_megatron.data.gsm8k_format"], words
+    from verl_megatron.data.gsm8k_format import main as convert
+
+    previous = os.getcwd()
+    os.chdir(work)
+    try:
+        assert convert(words[3:]) == 0
+    finally:
+        os.chdir(previous)
     import pyarrow.parquet as pq
 
     assert pq.read_metadata(work / "data/gsm8k/train.parquet").num_rows == 1600
@@ -439,14 +506,20 @@ def test_mini_batch_larger_than_the_batch_reads_the_right_way_round():
     assert (config.actor.ppo_micro_batch_size_per_gpu, config.critic.ppo_micro_batch_size_per_gpu) == (32, 32)
 
 
-def test_readme_check_hf_and_version_commands_run(stand_ins):
-    """The README's two check-hf lines on tiny stand-ins (dense at tp=2, MoE at ep=2), and --version."""
+def test_readme_check_hf_and_version_commands_run(stand_ins, pool2):
+    """The README's two check-hf lines on tiny stand-ins (dense at tp=2, MoE at ep=2), and --version.
+    The dense check runs as a user runs it (it starts torchrun itself); the MoE one differs in its
+    arguments only: its command line, split as written, goes to the console script's main in the
+    two-process pool (a torchrun worker's environment: the check runs there)."""
     readme = readme_commands()
     commands = [c for c in readme if c.startswith(("verl-megatron check-hf", "verl-megatron --version"))]
-    assert len(commands) == 3
+    assert len(commands) == 3 and "--ep 2" in commands[2]
     for command in commands:
         env, words = _split(_substitute(command, stand_ins))
-        done = subprocess.run(words, cwd=ROOT, env=_env(env), capture_output=True, text=True, timeout=600)
+        if "--ep" in words:
+            done = _in_pool(pool2, words[1:], "verl_megatron.cli")
+        else:
+            done = subprocess.run(words, cwd=ROOT, env=_env(env), capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, f"{command}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
         if "--version" in command:
             assert re.fullmatch(r"verl-megatron \S+\n", done.stdout), done.stdout
