@@ -9,7 +9,7 @@ import json
 import os
 import subprocess
 
-from tests.test_commands import _env, _metrics, _split
+from tests.test_commands import _env, _in_pool, _metrics, _split
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SFT = "verl-megatron sft"
@@ -17,13 +17,17 @@ DISTILL = "verl-megatron train --config configs/distill_quickstart.yaml"
 SMALL = ["trainer.total_training_steps=1", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8"]
 
 
-def _run(command: str, out_dir: str, cwd: str) -> subprocess.CompletedProcess:
+def _args(command: str, out_dir: str) -> tuple[dict[str, str], list[str]]:
     env, words = _split(command)
-    args = [*words, *SMALL, "quickstart.num_digits=2", f"trainer.default_local_dir={out_dir}"]
+    return env, [*words, *SMALL, "quickstart.num_digits=2", f"trainer.default_local_dir={out_dir}"]
+
+
+def _run(command: str, out_dir: str, cwd: str) -> subprocess.CompletedProcess:
+    env, args = _args(command, out_dir)
     return subprocess.run(args, cwd=cwd, env=_env(env), capture_output=True, text=True, timeout=900)
 
 
-def test_sft_then_distill_commands_run_to_step_1(tmp_path):
+def test_sft_then_distill_commands_run_to_step_1(tmp_path, pool1):
     from verl_megatron.trainer.quickstart import DIGITS
     from verl_megatron.utils.local_assets import build_char_tokenizer, build_tiny_hf_model
 
@@ -37,7 +41,10 @@ def test_sft_then_distill_commands_run_to_step_1(tmp_path):
     build_tiny_hf_model(teacher, "llama", hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
                         intermediate_size=64, tokenizer=build_char_tokenizer(teacher, alphabet=DIGITS))  # fmt: skip
     os.symlink(os.path.join(ROOT, "configs"), work / "configs")
-    done = _run(DISTILL, str(tmp_path / "distill"), str(work))
+    # `verl-megatron train` with a config: the console script's main in a one-process pool worker
+    # (tests/test_commands.py runs `verl-megatron train` itself as a process), from the same folder.
+    _, args = _args(DISTILL, str(tmp_path / "distill"))
+    done = _in_pool(pool1, args[1:], "verl_megatron.cli", cwd=str(work))
     assert done.returncode == 0, done.stderr[-3000:]
     assert any(r.get("step") == 1 and "distill/reverse_kl" in r for r in _metrics(str(tmp_path / "distill")))
 
