@@ -103,7 +103,7 @@ RUN = [
     "NPROC=2 launch/single_node.sh",
     "NNODES=1 NODE_RANK=0 MASTER_ADDR=127.0.0.1 NPROC_PER_NODE=2 launch/multi_node.sh",
 ]
-SINGLE_NODE = RUN[6]
+SINGLE_NODE = RUN[5]
 # GPU-scale: placeholders -> tiny stand-ins, every start-up check at the command's world size.
 TEMPLATE_ASSETS = {
     "/path/to/hf/checkpoint": "dense",
