@@ -77,7 +77,8 @@ def _in_process(model_dir: str, cfg: grpo.GRPOBenchConfig, workdir: Path) -> dic
 
 
 def run(cfg: DPScalingConfig, workdir: Path) -> Section:
-    """One torchrun job per world size; a failed point records its error."""
+    """One torchrun job per world size (in --quick, dp=1 runs in this process: a smoke run checks
+    the harness, and its ratio does not compare like with like); a failed point records its error."""
     g = cfg.grpo
     model_dir, _ = build_assets(workdir / "dp_model", g.shape, g.seed)
     cfg_file = workdir / "dp_cfg.json"

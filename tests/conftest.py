@@ -41,7 +41,8 @@ _LONG_FILES = {
 
 
 def pytest_configure(config):
-    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order set below
+    # pytest-xdist >= 3.8 (pyproject's test extra): keep the order set below under --dist loadfile
+    if hasattr(config.option, "loadscopereorder"):  # absent when run with -p no:xdist
         config.option.loadscopereorder = False
 
 

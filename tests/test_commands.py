@@ -269,6 +269,13 @@ def _run_in_pool(pools: dict, command: str, out_dir: str) -> tuple[subprocess.Co
         done = _in_pool(pools[1], _step1_args(words[1:], out_dir), "verl_megatron.cli")
     else:
         world, argv = _world_and_args(words)
+        # The launcher's own flags (--nnodes, --node-rank, --master-addr ...) are not run here:
+        # torchrun's parser must accept them and agree on the world size the pool provides.
+        from torch.distributed.run import get_args_parser
+
+        launcher = get_args_parser().parse_args(words[3:])
+        nodes = int(launcher.nnodes.split(":")[-1])  # "N" or "MIN:MAX" (default "1:1")
+        assert int(launcher.nproc_per_node) * nodes == world, (words, launcher)
         done = _in_pool(pools[world], _step1_args(argv, out_dir), "verl_megatron.train")
     return done, time.monotonic() - start
 

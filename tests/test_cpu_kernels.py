@@ -12,6 +12,7 @@ show as a large error. Every check runs on the native build and on the generic (
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from pathlib import Path
 
@@ -176,6 +177,7 @@ def test_the_sources_parse_only_the_torch_headers_they_use(monkeypatch):
     assert '#include "panel_linear.cpp"' in texts["decode_kernels.cpp"]
     # What the loader is given: the one unit, under the name that hashes both files.
     calls = []
+    monkeypatch.setenv("PATH", os.environ["PATH"])  # _build may add ninja's folder: undone after
     monkeypatch.setattr(cpu_kernels, "_build_flock", lambda name: contextlib.nullcontext())
     monkeypatch.setattr("torch.utils.cpp_extension.load", lambda **kwargs: calls.append(kwargs))
     cpu_kernels._build("generic")

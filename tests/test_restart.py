@@ -39,7 +39,9 @@ def test_torchrun_restarts_a_killed_rank_and_the_run_resumes_exactly(tmp_path):
 
     out = tmp_path / "restarted"
     launcher_args = ["--nproc_per_node=2", "--max-restarts=1", f"--master-port={job.free_port()}"]
-    overrides = [*job.job_overrides(out, scorer, 0.05, steps), "trainer.resume_mode=disable"]
+    # 0.2 s a reward call (a sleep: no CPU): step 3, the last, lasts over 3 s after checkpoint 2, a
+    # window the 0.02 s checkpoint poll and the kill reach on a loaded machine.
+    overrides = [*job.job_overrides(out, scorer, 0.2, steps), "trainer.resume_mode=disable"]
     proc = subprocess.Popen(
         job.torchrun(launcher_args, overrides), cwd=job.ROOT, env=job.env(), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True,
@@ -47,7 +49,7 @@ def test_torchrun_restarts_a_killed_rank_and_the_run_resumes_exactly(tmp_path):
     try:
         rank1 = job.worker(proc, rank=1)
         job.wait_for_checkpoint(out, 2, [proc])
-        os.kill(rank1, signal.SIGKILL)  # step 3 is running: its reward calls take 0.05 s each
+        os.kill(rank1, signal.SIGKILL)  # step 3 is running: its reward calls take 0.2 s each
         killed = time.monotonic()
         output, _ = proc.communicate(timeout=600)
     finally:

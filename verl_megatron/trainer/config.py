@@ -89,7 +89,7 @@ def default_config_path() -> str:
 def _schema() -> Any:
     """The structured DictConfig of PPOConfig with every section at its class's field defaults.
     Built once per process (about half of a ``load_config`` call): nothing writes to it, since
-    ``OmegaConf.merge`` returns a new config and ``to_object`` only reads."""
+    ``load_config`` merges into its own deep copy and ``to_object`` only reads."""
     from omegaconf import OmegaConf
 
     schema = OmegaConf.structured(PPOConfig)
