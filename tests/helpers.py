@@ -63,11 +63,14 @@ def run_per_variant(pool: Any, job: str, folder: Callable[[], Path], variants: d
     }
 
 
-def cli_train_job(argv: list[str], file_limit: int | None = None, entry: str = "verl_megatron.train") -> Any:
+def cli_train_job(
+    argv: list[str], file_limit: int | None = None, entry: str = "verl_megatron.train", cwd: str | None = None
+) -> Any:
     """Runs in a pool worker: ``python -m verl_megatron.train ARGV`` in-process, its exit status and
     output as a subprocess's (a fresh interpreter would import megatron again for every run).
     ``file_limit``: ``ulimit -f`` in bytes for the run (writes past it fail with EFBIG).
-    ``entry``: the module whose ``main(ARGV)`` runs (``verl_megatron.cli``: ``verl-megatron ARGV``)."""
+    ``entry``: the module whose ``main(ARGV)`` runs (``verl_megatron.cli``: ``verl-megatron ARGV``).
+    ``cwd``: the folder it runs in (a command's relative paths), the worker's own restored after."""
     import contextlib
     import importlib
     import io
@@ -83,7 +86,8 @@ def cli_train_job(argv: list[str], file_limit: int | None = None, entry: str = "
         if file_limit is not None:
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
             resource.setrlimit(resource.RLIMIT_FSIZE, (file_limit, old_limit[1]))
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        folder = contextlib.chdir(cwd) if cwd is not None else contextlib.nullcontext()
+        with folder, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = main(argv)
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)

@@ -13,6 +13,7 @@ their own world size (tests/test_recipes.py runs each recipe a step at small siz
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -236,22 +237,10 @@ def _run_real(command: str, out_dir: str) -> tuple[subprocess.CompletedProcess, 
     return done, time.monotonic() - start
 
 
-def command_job(argv: list[str], cwd: str, entry: str) -> subprocess.CompletedProcess:
-    """Runs in a pool worker: ``entry``'s main on ``argv`` in ``cwd`` (the commands' relative paths)."""
-    from tests.helpers import cli_train_job
-
-    previous = os.getcwd()
-    os.chdir(cwd)
-    try:
-        return cli_train_job(argv, entry=entry)
-    finally:
-        os.chdir(previous)
-
-
 def _in_pool(pool, argv: list[str], entry: str, cwd: str = ROOT) -> subprocess.CompletedProcess:
     """``entry``'s main on ``argv`` on every rank of ``pool``: the ranks' output joined in rank
     order (as torchrun prints it), the first failing rank's exit status."""
-    ranks = pool.run(f"{__name__}:command_job", argv=argv, cwd=cwd, entry=entry)
+    ranks = pool.run("tests.helpers:cli_train_job", argv=argv, cwd=cwd, entry=entry)
     code = next((r.returncode for r in ranks if r.returncode), 0)
     out, err = "".join(r.stdout for r in ranks), "".join(r.stderr for r in ranks)
     return subprocess.CompletedProcess(argv, code, out, err)
@@ -381,12 +370,8 @@ def stand_ins(tmp_path_factory) -> dict[str, str]:
     assert words[:3] == [sys.executable, "-m", "verl_megatron.data.gsm8k_format"], words
     from verl_megatron.data.gsm8k_format import main as convert
 
-    previous = os.getcwd()
-    os.chdir(work)
-    try:
+    with contextlib.chdir(work):
         assert convert(words[3:]) == 0
-    finally:
-        os.chdir(previous)
     import pyarrow.parquet as pq
 
     assert pq.read_metadata(work / "data/gsm8k/train.parquet").num_rows == 1600
