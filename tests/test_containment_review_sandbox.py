@@ -41,6 +41,24 @@ def _wait_for(predicate, timeout: float) -> bool:
     return predicate()
 
 
+def _kill_and_expect_nothing_left(caller, marker: str, workdir: str, label: str) -> None:
+    """SIGKILL the caller; within 15 s no sandbox process of ``marker`` runs and ``workdir`` is gone."""
+    os.kill(caller.pid, signal.SIGKILL)
+    caller.join()
+    gone = _wait_for(lambda: not _sandbox_processes(marker) and not os.path.exists(workdir), 15.0)
+    left = [(p.pid, p.cmdline()[-1][-60:]) for p in _sandbox_processes(marker)]
+    assert gone, f"{label}: processes left {left}, working dir left: {os.path.exists(workdir)}"
+
+
+def _end(caller, marker: str) -> None:
+    """Whatever a failed test left: the caller and every process of ``marker``."""
+    if caller.is_alive():
+        caller.kill()
+        caller.join()
+    for proc in _sandbox_processes(marker):
+        proc.kill()
+
+
 @pytest.mark.parametrize("mode", ["namespaces", "basic"])
 def test_sandbox_dies_with_its_killed_caller(mode: str) -> None:
     if mode == "namespaces" and sandbox.detect_isolation() != "namespaces":
@@ -57,18 +75,43 @@ def test_sandbox_dies_with_its_killed_caller(mode: str) -> None:
         boot = next(p for p in _sandbox_processes(marker) if "workdir=" in " ".join(p.cmdline()))
         workdir = next(a[len("workdir=") :] for a in boot.cmdline() if a.startswith("workdir="))
         assert os.path.isdir(workdir)
-        os.kill(caller.pid, signal.SIGKILL)
-        caller.join()
         # wall_s 5 s (+0.5 s grace): generous bound, not a timing measurement
-        gone = _wait_for(lambda: not _sandbox_processes(marker) and not os.path.exists(workdir), 15.0)
-        left = [(p.pid, p.cmdline()[-1][-60:]) for p in _sandbox_processes(marker)]
-        assert gone, f"{mode}: processes left {left}, working dir left: {os.path.exists(workdir)}"
+        _kill_and_expect_nothing_left(caller, marker, workdir, mode)
     finally:
-        if caller.is_alive():
-            caller.kill()
-            caller.join()
-        for proc in _sandbox_processes(marker):
-            proc.kill()
+        _end(caller, marker)
+
+
+def test_a_caller_dead_before_the_boot_starts_leaves_nothing(tmp_path, monkeypatch) -> None:
+    """The caller dies after starting the boot process but before the boot's own code runs (a
+    loaded machine takes a while to start an interpreter): the boot then has a reaper for a
+    parent and gets no death signal, so it must know the caller by the pid it was given. It runs
+    no program and removes the working directory; before, the program ran to the wall limit and
+    the directory stayed for good."""
+    from verl_megatron.reward import sandbox_boot
+
+    wrapper = tmp_path / "boot_after_its_caller_died.py"
+    wrapper.write_text(
+        "import importlib.util, os, time\n"
+        f"spec = importlib.util.spec_from_file_location('boot', {sandbox_boot.__file__!r})\n"
+        "boot = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(boot)\n"
+        "caller = os.getppid()\n"
+        "while os.getppid() == caller:\n"
+        "    time.sleep(0.01)\n"
+        "boot.main()\n"
+    )
+    monkeypatch.setattr(sandbox_boot, "__file__", str(wrapper))
+    marker = uuid.uuid4().hex
+    # wall_s 60 s: far past the wait below, so only the caller's death can end the program
+    caller = multiprocessing.get_context("fork").Process(target=_run_forever, args=(marker, "basic", 60.0))
+    caller.start()
+    try:
+        assert _wait_for(lambda: len(_sandbox_processes(marker)) >= 1, 30.0), "the boot did not start"
+        boot = _sandbox_processes(marker)[0]
+        workdir = next(a[len("workdir=") :] for a in boot.cmdline() if a.startswith("workdir="))
+        _kill_and_expect_nothing_left(caller, marker, workdir, "basic, caller dead before the boot")
+    finally:
+        _end(caller, marker)
 
 
 def test_sandbox_boot_enforces_the_wall_limit_of_a_stalled_caller() -> None:

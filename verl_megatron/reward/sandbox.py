@@ -323,6 +323,7 @@ def _run(
         f"wall_s={limits.wall_s}",
         f"tmpfs_bytes={4 * (limits.file_size_mb << 20)}",
         f"status_fd={status_write}",
+        f"caller={os.getpid()}",
         *(f"rlimit:{name}={soft},{hard}" for name, (soft, hard) in _rlimits(limits, mode).items()),
         *(f"env:{name}={value}" for name, value in _program_env(workdir).items()),
         *(f"hide={os.path.realpath(path)}" for path in hidden),

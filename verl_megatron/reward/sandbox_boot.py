@@ -3,7 +3,7 @@
 Run by :mod:`verl_megatron.reward.sandbox` as ``python -I -S -B sandbox_boot.py KEY=VALUE...
 -- PROGRAM_ARGV...`` (keys: ``namespaces``, ``workdir``, ``tmpfs_bytes``, ``status_fd``,
 ``no_fork``, ``wall_s``, ``hide``, ``bind`` (a path), ``link`` (``PATH\nTARGET``) (these three repeated),
-``env:NAME``, ``rlimit:RLIMIT_X`` = ``soft,hard``, ``code_fd``) with an empty environment, in
+``env:NAME``, ``rlimit:RLIMIT_X`` = ``soft,hard``, ``code_fd``, ``caller``) with an empty environment, in
 a fresh temporary directory, with a status pipe on ``status_fd``; or from its bytecode, compiled
 once by the caller, as ``/proc/self/fd/N`` with ``code_fd=N`` (closed first). Standard library only and
 few imports (it runs for every sample): it must not import project code.
@@ -31,7 +31,9 @@ the parent sees it, so the parent can kill the whole namespace) and ``exit STATU
 Nothing outlives the caller: the boot gets SIGTERM when its parent dies and the program
 SIGKILL when the boot dies (parent-death signals, each checked once set); the boot kills the
 program once ``wall_s`` (plus a grace: the caller's limit acts first) is up or its parent is
-gone, and then removes the working directory itself if the parent is gone.
+gone, and then removes the working directory itself if the parent is gone. The caller passes
+its pid (``caller``): a caller that died before the boot started is told apart from one alive
+(the boot's parent is then already a reaper, and no death signal would come).
 """
 
 from __future__ import annotations
@@ -377,7 +379,7 @@ def parse_args(args: list[str]) -> tuple[dict, list[str]]:
             config["link"][path] = target
         elif key in ("namespaces", "no_fork"):
             config[key] = value == "1"
-        elif key in ("tmpfs_bytes", "status_fd", "code_fd"):
+        elif key in ("tmpfs_bytes", "status_fd", "code_fd", "caller"):
             config[key] = int(value)
         elif key == "wall_s":
             config[key] = float(value)
@@ -387,8 +389,10 @@ def parse_args(args: list[str]) -> tuple[dict, list[str]]:
 
 
 def main() -> None:
-    parent = os.getppid()
     config, argv = parse_args(sys.argv[1:])
+    # The caller's pid, not getppid() read here: if the caller died while this interpreter started,
+    # getppid() is already the reaper's and the checks below would never see the caller gone.
+    parent = config.get("caller", os.getppid())
     if "code_fd" in config:
         os.close(config["code_fd"])  # the boot's own bytecode, already read: not the program's
     status_fd = config["status_fd"]
