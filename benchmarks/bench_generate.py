@@ -17,7 +17,8 @@ and the engine reuses its packed weights (panels / oneDNN) from the warm-up on (
 between two updates do: validation, several calls of n samples, multi-turn turns). A cold call,
 at a new version and so packing every weight, is timed once after the interleaved repeats and
 reported beside them (``extra['native_cold_s']``): the first rollout after each update pays it.
-With ``large_batch`` both sides also run once at that batch on the same models.
+With ``large_batch`` both sides also run once at that batch on the same models (generating
+``large_new_tokens`` per row where set).
 
     python benchmarks/bench_generate.py                  # full size
     python benchmarks/bench_generate.py --quick          # smoke sizes (numbers mean nothing)
@@ -95,7 +96,16 @@ class GenerateBenchConfig:
     static_cache: bool = True
     """also time HF with a static KV cache, eager and under torch.compile (inductor on CPU)"""
     large_batch: int | None = None
-    """also time one call per side at this batch (same models, prompt lengths and new tokens)"""
+    """also time one call per side at this batch (same models and prompt lengths)"""
+    large_new_tokens: int | None = None
+    """tokens generated per row in the large-batch call (default ``new_tokens``)"""
+
+    @property
+    def large_call(self) -> GenerateBenchConfig | None:
+        """The large-batch call's sizes, or None without one."""
+        if not self.large_batch:
+            return None
+        return replace(self, batch=self.large_batch, new_tokens=self.large_new_tokens or self.new_tokens)
 
 
 FULL = GenerateBenchConfig(replace(MEDIUM_SHAPE, intermediate_size=1376))
@@ -280,12 +290,18 @@ def measure(cfg: GenerateBenchConfig, model_dir: str, tokenizer: Any) -> Section
             "dtype": "float32",
             "threads": torch.get_num_threads(),
             "repeats": cfg.repeats,
+            **(
+                {"large call": f"batch {cfg.large_batch}, {cfg.large_call.new_tokens} new tokens, once"}
+                if cfg.large_batch
+                else {}
+            ),
         },
         extra={"settings": asdict(cfg), "timings": {k: t.as_dict() for k, t in timings.items()}},
     )
     large = {at_batch(impl, cfg.large_batch) for impl in (NATIVE, HF)} if cfg.large_batch else set()
     for name, timing in timings.items():
-        tokens = (cfg.large_batch if name in large else cfg.batch) * cfg.new_tokens
+        call = cfg.large_call if name in large else cfg
+        tokens = call.batch * call.new_tokens
         section.rows.append(
             {
                 "impl": name,
@@ -347,11 +363,11 @@ def measure(cfg: GenerateBenchConfig, model_dir: str, tokenizer: Any) -> Section
 
 def _time_large_batch(cfg: GenerateBenchConfig, engine, hf, pad: int, timings: dict, flops: dict) -> None:
     """One call per side (interleaved) at ``cfg.large_batch``, into ``timings`` / ``flops``."""
-    big = replace(cfg, batch=cfg.large_batch)
+    big = cfg.large_call
     ids, mask = make_prompts(big, pad)
     fns = {
-        NATIVE: lambda: _native_call(engine, ids, mask, cfg.new_tokens, version=1),
-        HF: lambda: _hf_call(hf, ids, mask, cfg.new_tokens, pad),
+        NATIVE: lambda: _native_call(engine, ids, mask, big.new_tokens, version=1),
+        HF: lambda: _hf_call(hf, ids, mask, big.new_tokens, pad),
     }
     big_flops = side_flops(big, mask)
     for impl, timing in time_interleaved(fns, repeats=1, warmup=0).items():

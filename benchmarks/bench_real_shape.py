@@ -114,7 +114,7 @@ class RealShapeConfig:
 FULL = RealShapeConfig(
     generation=GenerateBenchConfig(
         QWEN25_05B_SHAPE, batch=16, prompt_len=32, new_tokens=32, repeats=2, check=GreedyCheck(2, 8),
-        static_cache=False, large_batch=64,
+        static_cache=False, large_batch=64, large_new_tokens=128,
     ),
     update=UpdateBenchConfig(
         shape=QWEN25_05B_SHAPE, batch=4, prompt_len=32, response_len=96, micro_batch=2, repeats=2
@@ -130,7 +130,7 @@ FULL = RealShapeConfig(
 )  # fmt: skip
 _TINY = replace(QUICK_SHAPE, tie_word_embeddings=True)
 QUICK = RealShapeConfig(
-    generation=replace(bench_generate.QUICK, shape=_TINY, large_batch=8),
+    generation=replace(bench_generate.QUICK, shape=_TINY, large_batch=8, large_new_tokens=12),
     update=replace(bench_update.QUICK, shape=_TINY),
     grpo=replace(bench_grpo_step.QUICK, shape=_TINY),
     memory=replace(bench_memory.QUICK, shape=_TINY),  # one checkpoint for all stages: V 512
@@ -170,6 +170,11 @@ def _generation(cfg: RealShapeConfig, model_dir: str, tokenizer: Any, section: S
     return part
 
 
+def _large_call_text(g: GenerateBenchConfig) -> str:
+    big = g.large_call
+    return f"; large batch: {big.batch} rows, {big.new_tokens} new tokens" if big else ""
+
+
 def _generation_note(
     cfg: RealShapeConfig, rows: dict[str, dict[str, Any]], extra: dict, bandwidth: float
 ) -> str:
@@ -181,13 +186,14 @@ def _generation_note(
     weights_gb = 4 * shape.matmul_params / 1e9
     read_ms = 1000 * weights_gb / bandwidth
 
-    def bound(batch: int) -> str:
+    def bound(call: GenerateBenchConfig) -> str:
+        batch, new_tokens = call.batch, call.new_tokens
         matmul_ms = 2e3 * shape.matmul_params * batch / peak / 1e9
         # The whole call with every step at its floor and the prefill as measured (scaled by rows).
-        call_s = prefill_s * batch / g.batch + (g.new_tokens - 1) * max(matmul_ms, read_ms) / 1000
-        call_mfu = 2 * shape.matmul_params * batch * g.new_tokens / (peak * 1e9 * call_s)
+        call_s = prefill_s * batch / g.batch + (new_tokens - 1) * max(matmul_ms, read_ms) / 1000
+        call_mfu = 2 * shape.matmul_params * batch * new_tokens / (peak * 1e9 * call_s)
         return (
-            f"at batch {batch} its matmuls take >= {matmul_ms:.0f} ms at the matmul peak, against >= "
+            f"at batch {batch} ({new_tokens} new tokens) its matmuls take >= {matmul_ms:.0f} ms at the matmul peak, against >= "
             f"{read_ms:.0f} ms to read the weights, so a step's MFU is at most "
             f"{matmul_ms / max(matmul_ms, read_ms):.2f} and a call's, with every step at that floor, "
             f"{call_mfu:.2f}"
@@ -195,7 +201,7 @@ def _generation_note(
 
     large = bench_generate.at_batch(bench_generate.NATIVE, g.large_batch) if g.large_batch else None
     large_text = (
-        f"; {bound(g.large_batch)} (measured: {rows[large]['seconds (best)']:.2f} s for {g.large_batch} rows, "
+        f"; {bound(g.large_call)} (measured: {rows[large]['seconds (best)']:.2f} s for {g.large_batch} rows, "
         f"MFU {rows[large][MFU_MODEL] / 100:.3f})"
         if large in rows
         else ""
@@ -210,7 +216,7 @@ def _generation_note(
         f"first: {extra['native_cold_s']:.2f} s (the first rollout after each update pays it). "
         f"What bounds it: a step reads every weight once ({weights_gb:.2f} GB float32; at the measured copy "
         f"bandwidth {bandwidth:.1f} GB/s >= {read_ms:.0f} ms) and does 2 x rows FLOPs per weight; "
-        f"{bound(g.batch)}{large_text}. The prefill is compute-bound, so a whole call's MFU can exceed a step's"
+        f"{bound(g)}{large_text}. The prefill is compute-bound, so a whole call's MFU can exceed a step's"
     )
 
 
@@ -351,7 +357,8 @@ def run(cfg: RealShapeConfig, workdir: Path) -> Section:
             "model": shape_text(cfg.shape),
             "params": cfg.shape.matmul_params,
             "generation": f"batch {cfg.generation.batch}, prompts {cfg.generation.prompt_len // 2}-"
-            f"{cfg.generation.prompt_len}, {cfg.generation.new_tokens} new tokens",
+            f"{cfg.generation.prompt_len}, {cfg.generation.new_tokens} new tokens"
+            + _large_call_text(cfg.generation),
             "update": f"batch {cfg.update.batch} x {cfg.update.prompt_len}+{cfg.update.response_len}, micro-batch {cfg.update.micro_batch}",
             "GRPO": f"{cfg.grpo.prompts} prompts x {cfg.grpo.group}, {cfg.grpo.prompt_len}+{cfg.grpo.response_len}, micro-batch {cfg.grpo.micro_batch}",
             "memory": f"B={cfg.memory.batch}, T={cfg.memory.seq_len}, micro-batch {cfg.memory.micro_batch}",

@@ -410,6 +410,8 @@ def test_real_shape_section(quick_run):
         big["verl-megatron native engine"]["tokens/s (best)"] / big["HF generate"]["tokens/s (best)"],
         rel=1e-12,
     )
+    for row in big.values():  # the large call's own new tokens (12), not the headline call's (8)
+        assert row["tokens/s (best)"] * row["seconds (best)"] == pytest.approx(8 * 12, rel=1e-12), row
     assert any(
         note.startswith("generation, where the time goes") and "cold call" in note
         for note in section["notes"]
