@@ -129,6 +129,28 @@ def test_train_input_errors_are_one_line_before_the_runtime(
     assert expected in line, line
 
 
+@pytest.mark.parametrize("value", ["two", "0", "-1", ""])
+def test_a_bad_omp_num_threads_is_one_line_and_an_empty_one_means_one(
+    value, assets, capsys, no_runtime, monkeypatch
+):
+    """A typo in OMP_NUM_THREADS was an int() traceback from every rank; empty (``OMP_NUM_THREADS=``
+    on a command line) crashed the same way although it means "unset"."""
+    import torch
+
+    monkeypatch.setenv("OMP_NUM_THREADS", value)
+    threads = torch.get_num_threads()
+    try:
+        if value:
+            line = _one_error_line(cli.main(["train", *_base(assets)]), capsys)
+            assert f"OMP_NUM_THREADS={value!r} in the environment is not a positive number" in line, line
+        else:  # no error of its own: the run goes on to start the runtime, which the fixture refuses
+            with pytest.raises(AssertionError, match="init_runtime reached"):
+                cli.main(["train", *_base(assets)])
+            assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize(
     ("name", "expected"),
     [

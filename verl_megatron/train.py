@@ -50,7 +50,24 @@ def _set_threads() -> None:
     import torch
 
     if not torch.cuda.is_available():
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        torch.set_num_threads(_omp_threads(os.environ.get("OMP_NUM_THREADS", "")))
+
+
+def _omp_threads(raw: str) -> int:
+    """OMP_NUM_THREADS as torch takes it: unset or empty means 1; OpenMP's nested form "4,2"
+    names the outer level first. Anything else is a user's typo, stopped here in one line
+    instead of a bare int() traceback from every rank."""
+    from verl_megatron.errors import UserInputError
+
+    first = raw.split(",")[0].strip()
+    if not first:
+        return 1
+    if first.isdigit() and int(first) > 0:
+        return int(first)
+    raise UserInputError(
+        f"OMP_NUM_THREADS={raw!r} in the environment is not a positive number of threads "
+        "(unset it for one thread per process)"
+    )
 
 
 def quiet_warnings() -> None:
