@@ -337,50 +337,6 @@ def test_timeouts_that_cannot_work_are_named_at_start_up(override, message):
     assert str(err.value) == message
 
 
-# Rank 0 alone over an in-process store: its main thread sleeps (a hang) while another thread of
-# the process works 4 ms every 0.2 s, ~20 ms a second, as a progress bar's refresh thread does.
-BACKGROUND_WORK = """
-import sys, threading, time
-import torch.distributed as dist
-from verl_megatron.distributed.watchdog import Watchdog, WatchdogSettings
-
-def refresh():
-    while True:
-        end = time.thread_time() + 0.004
-        while time.thread_time() < end:
-            pass
-        time.sleep(0.2)
-
-threading.Thread(target=refresh, daemon=True).start()
-Watchdog(WatchdogSettings({timeout_s}, sys.argv[1]), 0, 1, dist.HashStore()).start()
-time.sleep({hang_s})
-print("not stopped")
-"""
-
-
-def test_a_busy_background_thread_does_not_hide_a_stall_of_the_main_thread(tmp_path):
-    timeout_s, hang_s = 3, 30
-    script = BACKGROUND_WORK.format(timeout_s=timeout_s, hang_s=hang_s)
-    start = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path)],
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=hang_s + 60,
-    )
-    elapsed = time.monotonic() - start
-    print(f"stall declared after {elapsed:.1f} s (timeout {timeout_s} s)")
-    assert done.returncode == 4, (done.returncode, done.stdout, done.stderr[-2000:])
-    lines = [line for line in done.stderr.splitlines() if line.startswith("stall: ")]
-    assert len(lines) == 1 and "no rank made progress for" in lines[0], done.stderr[-2000:]
-    assert "in stage start" in lines[0] and "(trainer.stall_timeout_s=3)" in lines[0], lines[0]
-    assert elapsed < hang_s, elapsed
-    with open(tmp_path / "stall" / "rank0.txt") as f:
-        assert f.read().startswith(lines[0])
-
-
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -407,9 +363,14 @@ def test_scorer_timeouts_the_watchdog_outlasts_are_accepted(overrides):
     assert config.trainer.stall_timeout_s in (0, 60)
 
 
-# The main thread waits for a worker thread that computes for seconds (a blocking scorer, an
-# in-process agent harness): sustained work of another thread is progress, not a stall.
-WORKER_THREAD = """
+# One process (a fresh interpreter costs ~3 CPU s; both tests below read its run): rank 0 alone
+# over an in-process store, one watchdog, two phases.
+# 1. The main thread waits for a worker thread that computes for twice the timeout (a blocking
+#    scorer, an in-process agent harness): sustained work of another thread is progress, so the
+#    process goes on and prints "finished" (a watchdog blind to the thread ends it at ~3 s).
+# 2. The main thread sleeps (a hang) while another thread works 4 ms every 0.2 s, ~20 ms a second,
+#    as a progress bar's refresh thread does: no progress, so the watchdog ends the process.
+THREADS_SCRIPT = """
 import sys, threading, time
 import torch.distributed as dist
 from verl_megatron.distributed.watchdog import Watchdog, WatchdogSettings
@@ -419,22 +380,60 @@ def work():
     while time.thread_time() < end:
         pass
 
+def refresh():
+    while True:
+        end = time.thread_time() + 0.004
+        while time.thread_time() < end:
+            pass
+        time.sleep(0.2)
+
 Watchdog(WatchdogSettings({timeout_s}, sys.argv[1]), 0, 1, dist.HashStore()).start()
 worker = threading.Thread(target=work, daemon=True)
 worker.start()
 worker.join()
-print("finished")
+print("finished", flush=True)
+threading.Thread(target=refresh, daemon=True).start()
+time.sleep({hang_s})
+print("not stopped")
 """
+THREADS_TIMEOUT_S, WORK_S, HANG_S = 2, 4, 30
 
 
-def test_a_thread_the_main_thread_waits_for_is_progress(tmp_path):
-    timeout_s, work_s = 2, 4  # twice the timeout: a watchdog blind to the thread ends it at ~3 s
+@pytest.fixture(scope="module")
+def threads_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, float, str]:
+    """The two-phase process: its result, seconds from start to exit, and its run dir."""
+    run_dir = str(tmp_path_factory.mktemp("watchdog_threads"))
+    script = THREADS_SCRIPT.format(timeout_s=THREADS_TIMEOUT_S, work_s=WORK_S, hang_s=HANG_S)
+    start = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-c", WORKER_THREAD.format(timeout_s=timeout_s, work_s=work_s), str(tmp_path)],
+        [sys.executable, "-c", script, run_dir],
         cwd=ROOT,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
-        timeout=work_s * 10 + 60,
+        timeout=WORK_S * 10 + HANG_S + 60,
     )
-    assert done.returncode == 0 and done.stdout.strip() == "finished", (done.returncode, done.stderr[-2000:])
+    return done, time.monotonic() - start, run_dir
+
+
+def test_a_thread_the_main_thread_waits_for_is_progress(threads_run):
+    done, _, _ = threads_run
+    assert done.stdout.splitlines()[:1] == ["finished"], (done.returncode, done.stderr[-2000:])
+
+
+def test_a_busy_background_thread_does_not_hide_a_stall_of_the_main_thread(threads_run):
+    done, elapsed, run_dir = threads_run
+    print(f"stall declared {elapsed:.1f} s after the start (work {WORK_S} s, timeout {THREADS_TIMEOUT_S} s)")
+    assert done.returncode == 4 and done.stdout.strip() == "finished", (
+        done.returncode,
+        done.stdout,
+        done.stderr[-2000:],
+    )
+    lines = [line for line in done.stderr.splitlines() if line.startswith("stall: ")]
+    assert len(lines) == 1 and "no rank made progress for" in lines[0], done.stderr[-2000:]
+    assert "in stage start" in lines[0] and f"(trainer.stall_timeout_s={THREADS_TIMEOUT_S})" in lines[0], (
+        lines[0]
+    )
+    assert elapsed < WORK_S + HANG_S, elapsed
+    with open(os.path.join(run_dir, "stall", "rank0.txt")) as f:
+        assert f.read().startswith(lines[0])
