@@ -3,12 +3,14 @@
 Every command printed in the README (the two set-up lines excluded: they install), in a recipe's
 header (configs/*.yaml) and in launch/ is collected here, and the inventory is asserted, so a new
 command cannot slip in untested. Commands that run on this CPU run to the end of step 1 with only
-``trainer.total_training_steps=1`` and a temporary output dir added: the console script, the
-single-node script and a torchrun as processes (``REAL``); those that differ from them only in their
-arguments (the multi-node script's through ``--dry-run``, whose printed torchrun command is run)
-through the same entry point in a pool worker of their world size. GPU-scale templates (a real checkpoint
-path, 8+ processes) get tiny stand-ins for their placeholders and pass every start-up check at
-their own world size (tests/test_recipes.py runs each recipe a step at small sizes).
+``trainer.total_training_steps=1`` and a temporary output dir added: the single-node script and a
+torchrun as processes (``REAL``); those that differ from them only in their arguments (the
+multi-node script's through ``--dry-run``, whose printed torchrun command is run) through the same
+entry point in a pool worker of their world size. So do the ``verl-megatron train`` commands: the
+default one runs as a process in tests/test_quickstart.py (its whole run, as written), and the
+console script itself runs as a process below (check-hf, --version). GPU-scale templates (a real
+checkpoint path, 8+ processes) get tiny stand-ins for their placeholders and pass every start-up
+check at their own world size (tests/test_recipes.py runs each recipe a step at small sizes).
 """
 
 from __future__ import annotations
@@ -214,13 +216,14 @@ def _dry_run(env: dict[str, str], words: list[str]) -> list[str]:
     return [shlex.split(line) for line in out.stdout.splitlines() if line.strip()]
 
 
-# Launched as a user launches them: the plain console script, the single-node script (its start-up
-# check, then torchrun --standalone) and a bare torchrun (rollout.placement=separate starts
-# torch.distributed itself, so it cannot join a pool's group). The others differ from these only in
-# their config and overrides (the multi-node script in its printed torchrun command's arguments):
-# their command line, split as written, goes to the same entry point in a pool worker of their world
-# size (tests/helpers.py cli_train_job), which saves a fresh interpreter's imports per process.
-REAL = (RUN[0], RUN[4], SINGLE_NODE)
+# Launched as a user launches them: the single-node script (its start-up check, then torchrun
+# --standalone) and a bare torchrun (rollout.placement=separate starts torch.distributed itself, so
+# it cannot join a pool's group). The others differ from these, or from the plain `verl-megatron
+# train` that tests/test_quickstart.py runs as a process, only in their config and overrides (the
+# multi-node script in its printed torchrun command's arguments): their command line, split as
+# written, goes to the same entry point in a pool worker of their world size (tests/helpers.py
+# cli_train_job), which saves a fresh interpreter's imports per process (~6 CPU s each).
+REAL = (RUN[4], SINGLE_NODE)
 
 
 def _step1_args(words: list[str], out_dir: str) -> list[str]:
@@ -273,7 +276,7 @@ def test_cpu_commands_run_to_step_1(tmp_path, pool1, pool2):
     """Each runs as written to the end of step 1; at 2 processes the unset micro-batch is derived."""
     outs = dict(zip(RUN, (str(tmp_path / f"run{i}") for i in range(len(RUN))), strict=True))
     pooled = [c for c in RUN if c not in REAL]
-    assert len(pooled) == 4
+    assert len(pooled) == 5
     # The real processes two at a time while the pools run the rest, one command at a time each.
     with ThreadPoolExecutor(2) as pool:
         real = pool.map(_run_real, REAL, [outs[c] for c in REAL])
