@@ -24,10 +24,10 @@ sys.dont_write_bytecode = False
 # ``-n 2 --dist loadfile`` a worker takes whole files; xdist's default order (most tests first)
 # leaves these few-test files for the end, where one worker runs the last of them alone.
 _LONG_FILES = {
-    "test_commands.py": 205,
+    "test_commands.py": 93,
     "test_benchmarks_smoke.py": 119,
-    "test_stall_watchdog.py": 107,
-    "test_restart.py": 100,
+    "test_stall_watchdog.py": 93,
+    "test_restart.py": 114,
     "test_quickstart.py": 71,
     "test_torchrun_errors.py": 64,
     "test_panel_linear.py": 52,
@@ -36,7 +36,6 @@ _LONG_FILES = {
     "test_rollout_native.py": 46,
     "test_async_training.py": 41,
     "test_user_errors.py": 41,
-    "test_runtime_threads.py": 41,
 }
 
 
