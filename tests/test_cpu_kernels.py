@@ -346,3 +346,57 @@ def test_a_lock_left_by_a_killed_build_is_removed_and_builds_are_serialized(tmp_
             thread.join()
     assert results == [name, name]
     assert overlaps == [0, 0], f"builds overlapped: {overlaps}"
+
+
+@pytest.mark.parametrize("rows, width", [(16, 896), (3, 5), (130, 64)], ids=["step", "narrow", "prefill"])
+def test_rms_norm_matches_float64_within_torchs_error(kernels, rows, width):
+    """The compiled rms_norm computes torch.nn.RMSNorm's forward: against float64 within twice
+    torch's own float32 error on the same inputs (rows of very different sizes, one all zero);
+    bad input is refused."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, width, generator=g) * torch.logspace(-3, 3, rows)[:, None]
+    x[0] = 0.0
+    norm = torch.nn.RMSNorm(width, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(width, generator=g))
+        theirs = norm(x)
+    weight = norm.weight.detach()
+    ours = kernels.rms_norm(x, weight, 1e-6)
+    exact = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6) * weight.double()
+    floor = float((theirs.double() - exact).abs().max())
+    gap = float((ours.double() - exact).abs().max())
+    assert floor > 0 and gap <= 2 * floor, f"rms_norm vs float64 {gap:.3g}; torch vs float64 {floor:.3g}"
+    assert torch.equal(ours[0], torch.zeros(width))
+    with pytest.raises(RuntimeError, match="weight \\[H\\]"):
+        kernels.rms_norm(x, weight[:-1], 1e-6)
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels.rms_norm(x.double(), weight, 1e-6)
+
+
+def test_lean_layers_norm_through_the_kernel_where_it_applies(kernels):
+    """lean_layer._norm: an RMSNorm with a float32 weight runs the compiled kernel on any leading
+    shape (its default eps is float32's, as torch's), within twice torch's error of float64; a
+    LayerNorm, or no kernels, keeps the module."""
+    from verl_megatron.rollout.cpu import lean_layer
+
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(4, 3, 40, generator=g)
+    for eps in (1e-5, None):
+        norm = torch.nn.RMSNorm(40, eps=eps)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(40, generator=g))
+            theirs = norm(x)
+        fn = lean_layer._norm(norm, kernels)
+        assert fn is not norm
+        ours = fn(x)
+        e = torch.finfo(torch.float32).eps if eps is None else eps
+        exact = (
+            x.double()
+            * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + e)
+            * norm.weight.detach().double()
+        )
+        floor = float((theirs.double() - exact).abs().max())
+        assert ours.shape == x.shape and float((ours.double() - exact).abs().max()) <= 2 * floor
+    layer_norm = torch.nn.LayerNorm(40)
+    assert lean_layer._norm(layer_norm, kernels) is layer_norm
+    assert lean_layer._norm(norm, None) is norm

@@ -57,9 +57,13 @@ def _where(diff: torch.Tensor) -> str:
     return f"max diff {float(diff.max()):.3e} at row {row}, column {col}"
 
 
-# (M, N, K): up to 16 rows one panel at a time, more rows two panels at a time (8 rows a tile);
-# odd panel counts, partial row tiles and a zero-padded last panel in both.
-SHAPES = [(1, 1, 1), (5, 37, 7), (16, 16, 300), (17, 64, 600), (20, 37, 300), (33, 21, 513), (64, 48, 96)]
+# (M, N, K): tiles of 8 rows x 3 panels (a stretch's last 1 or 2 panels in a narrower one): row
+# counts around whole tiles (7, 8, 9, 16, 17, 32 rows) and partial ones, panel counts that leave
+# 0, 1 and 2 over, and a zero-padded last panel.
+SHAPES = [
+    (1, 1, 1), (5, 37, 7), (7, 48, 40), (8, 48, 300), (9, 64, 300), (12, 100, 513), (16, 16, 300),
+    (16, 80, 600), (17, 64, 600), (20, 37, 300), (32, 96, 257), (33, 21, 513), (64, 48, 96),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("epilogue", ["none", "mul", "add"])
@@ -98,6 +102,24 @@ def test_random_inputs_within_the_rounding_bound_of_its_order(kernels, m, n, k, 
     assert float(ratio.max()) <= 1.0, f"{epilogue}: error / bound {float(ratio.max()):.3f}; {_where(ratio)}"
     # and the bound is tight enough to mean something: far below the result's own size
     assert float((bound / (exact.abs() + 1)).max()) < 1e-3
+
+
+@pytest.mark.parametrize("m", [5, 16])
+def test_the_split_across_threads_changes_no_number(kernels, m):
+    """Each thread tiles its own stretch of panels (3 at a time, the rest narrower): at 1, 2 and 3
+    threads the product is the same, bit for bit, and exact on integer inputs."""
+    g = torch.Generator().manual_seed(m)
+    x = torch.randint(-4, 5, (m, 700), generator=g).float()
+    w = torch.randint(-4, 5, (16 * 7 + 5, 700), generator=g).float()  # 8 panels, the last padded
+    threads, outs = torch.get_num_threads(), []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(_run(kernels, x, w, None, "none", None))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
+    assert torch.equal(outs[0].double(), _float64(x, w, None, "none", None))
 
 
 def test_streaming_tile_is_the_avx512_build_and_bad_input_is_refused(kernels):

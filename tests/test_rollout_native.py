@@ -539,7 +539,7 @@ def _modules_only():
     from verl_megatron.rollout import decode
 
     real = decode.lean_layer
-    decode.lean_layer = lambda layer, group, store: (None, "switched off")
+    decode.lean_layer = lambda layer, group, store, kernels: (None, "switched off")
     try:
         yield
     finally:
@@ -659,14 +659,16 @@ def attention_kernel_job(model_dir: str) -> dict:
     with decode.inference_mode_for(chunks) as bare:
         decoder, kernel = _prefill_and_step(bare, runtime)
         used = decoder.kernels is not None
-    real = decode.decode_kernels
+    real, real_lean = decode.decode_kernels, decode.lean_layer
     decode.decode_kernels = lambda: None
+    # The lean layers' norms keep the compiled kernel: only attention changes path.
+    decode.lean_layer = lambda layer, group, store, kernels: real_lean(layer, group, store, real())
     try:
         with decode.inference_mode_for(chunks) as bare:
             decoder, matmul = _prefill_and_step(bare, runtime)
             fallback_used = decoder.kernels is not None
     finally:
-        decode.decode_kernels = real
+        decode.decode_kernels, decode.lean_layer = real, real_lean
     exact = _float64_two_steps(chunks, kernel)
     return {"kernel": kernel, "matmul": matmul, "exact": exact, "used": used,
             "fallback_used": fallback_used}  # fmt: skip

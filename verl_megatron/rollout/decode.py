@@ -213,7 +213,7 @@ class ChunkDecoder:
             store = PackedWeights(keep=False) if packed is None else packed
             for plans, chunk in zip(self.lean, chunks):
                 for i, layer in enumerate(chunk.decoder.layers):
-                    plans[i], reason = lean_layer(layer, tp_group, store)
+                    plans[i], reason = lean_layer(layer, tp_group, store, self.kernels)
                     if reason is not None:
                         self.lean_skipped.append(reason)
 

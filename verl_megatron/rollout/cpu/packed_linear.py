@@ -32,6 +32,7 @@ running) over every linear of the Qwen2.5-0.5B shape (1.98 GB, far past the 300 
 decoding step: 16 rows 86 vs 113-117 ms (oneDNN), 8 rows 76 vs 92 ms, 32 rows 137 vs 162 ms; at
 64 rows the two tie (239 vs 235 ms). At 1 thread, with the two-panel tile past 16 rows (interleaved,
 best of 5): 8 rows 163 vs 182 ms, 16 rows 188 vs 238, 32 rows 267 vs 301, 64 rows 473 vs 474.
+(The tile is now 8 rows x 3 panels at every row count; its numbers are in csrc/panel_linear.cpp.)
 Up to 64 rows the panels are used all the same: a prefill of
 up to 64 rows (GRPO's few prompts) then needs no oneDNN copy, and the first call after an update
 repacks one layout instead of two (in place, 0.44 s for the 1.98 GB at 1 thread, against 0.69 s
