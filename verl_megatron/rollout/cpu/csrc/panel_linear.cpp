@@ -19,9 +19,11 @@
 // shape (1.98 GB, streamed from memory), best of 5 interleaved, ms per decoding step, this tile
 // vs one panel under up to 16 rows (vs 8 rows x 2 panels, the tile past 16 rows before): 1 row
 // 85 vs 89, 4 rows 104 vs 114, 8 rows 106 vs 126, 9 rows 133 vs 140, 12 rows 153 vs 170 (163),
-// 16 rows 189 vs 212 (194), 32 rows 326 (334), 64 rows 1271 (1282). The one-panel tile up to
-// 16 rows had been chosen on an Intel Xeon, where a 16-row step was memory-bound at 2 threads;
-// that machine could not be measured again.
+// 16 rows 189 vs 212 (194), 32 rows 326 (334), 64 rows 1271 (1282, a loaded hour). At 2 threads,
+// quiet, with the prefetch distance below against the kernel before: 4 rows 62 vs 71 ms, 16 rows
+// 94.5 vs 107.8, 64 rows 329 vs 329 (both at the matmul peak). The one-panel tile up to 16 rows
+// had been chosen on an Intel Xeon, where a 16-row step was memory-bound at 2 threads; that
+// machine could not be measured again.
 //
 // Summation order (the same for every target): each output is a sum over k of x[m, k] * w[k, n],
 // accumulated in order within chunks of kChunk steps, the chunks' sums
@@ -48,7 +50,9 @@ constexpr int64_t kLanes = 16;    // columns of a panel (one AVX-512 register)
 constexpr int kTileRows = 8;      // rows of a register tile
 constexpr int kTilePanels = 3;    // panels of a register tile (a stretch's last 1 or 2: fewer)
 constexpr int64_t kChunk = 256;   // k steps summed in registers before joining the running sum
-constexpr int64_t kAhead = 2048;  // prefetch distance in floats (8 KiB) along the panel
+// Prefetch distance in floats along each panel: 4 KiB, 12 KiB for a tile's 3 streams (8 KiB a
+// stream was 2% slower at 16 rows, 2 threads; 3 streams x 8 KiB ahead nearly fill the 32 KiB L1).
+constexpr int64_t kAhead = 1024;
 
 enum Epilogue : int64_t { kNone = 0, kSwish = 1, kMul = 2, kAdd = 3 };
 
