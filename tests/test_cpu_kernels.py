@@ -348,6 +348,12 @@ def test_a_lock_left_by_a_killed_build_is_removed_and_builds_are_serialized(tmp_
     assert overlaps == [0, 0], f"builds overlapped: {overlaps}"
 
 
+def _rms_norm64(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """torch.nn.RMSNorm's forward in float64: the reference both norm tests measure errors from."""
+    x = x.double()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.detach().double()
+
+
 @pytest.mark.parametrize("rows, width", [(16, 896), (3, 5), (130, 64)], ids=["step", "narrow", "prefill"])
 def test_rms_norm_matches_float64_within_torchs_error(kernels, rows, width):
     """The compiled rms_norm computes torch.nn.RMSNorm's forward: against float64 within twice
@@ -362,7 +368,7 @@ def test_rms_norm_matches_float64_within_torchs_error(kernels, rows, width):
         theirs = norm(x)
     weight = norm.weight.detach()
     ours = kernels.rms_norm(x, weight, 1e-6)
-    exact = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6) * weight.double()
+    exact = _rms_norm64(x, weight, 1e-6)
     floor = float((theirs.double() - exact).abs().max())
     gap = float((ours.double() - exact).abs().max())
     assert floor > 0 and gap <= 2 * floor, f"rms_norm vs float64 {gap:.3g}; torch vs float64 {floor:.3g}"
@@ -390,11 +396,7 @@ def test_lean_layers_norm_through_the_kernel_where_it_applies(kernels):
         assert fn is not norm
         ours = fn(x)
         e = torch.finfo(torch.float32).eps if eps is None else eps
-        exact = (
-            x.double()
-            * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + e)
-            * norm.weight.detach().double()
-        )
+        exact = _rms_norm64(x, norm.weight, e)
         floor = float((theirs.double() - exact).abs().max())
         assert ours.shape == x.shape and float((ours.double() - exact).abs().max()) <= 2 * floor
     layer_norm = torch.nn.LayerNorm(40)
