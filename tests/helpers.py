@@ -93,3 +93,18 @@ def cli_train_job(
         resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
         signal.signal(signal.SIGXFSZ, old_handler)
     return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+
+def advised_huge_pages(address: int) -> bool:
+    """Whether the mapping that holds ``address`` carries ``madvise(MADV_HUGEPAGE)``: the ``hg``
+    flag of its ``VmFlags`` line in /proc/self/smaps."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(part, 16) for part in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                return "hg" in line.split()[1:]
+    raise AssertionError(f"address {address:#x} is in no mapping of /proc/self/smaps")

@@ -1,6 +1,7 @@
 """utils/cpu_heap.py: with ``keep_freed_memory`` a step that allocates and frees the same tensors
-stops page-faulting them in again; a user's own malloc settings are left alone. Each case runs in
-a fresh interpreter, since the setting is for the whole process."""
+stops page-faulting them in again; a user's own malloc settings are left alone (each case in a
+fresh interpreter, since the setting is for the whole process). ``empty_on_huge_pages`` gives a
+2 MiB-aligned buffer whose mapping carries the huge-page advice."""
 
 from __future__ import annotations
 
@@ -8,6 +9,12 @@ import json
 import os
 import subprocess
 import sys
+
+import pytest
+import torch
+
+from tests.helpers import advised_huge_pages
+from verl_megatron.utils.cpu_heap import empty_on_huge_pages
 
 _SCRIPT = """
 import json, resource, torch
@@ -46,3 +53,21 @@ def test_user_malloc_settings_win():
     # is what the test above would see without the setting.
     out = _run({"MALLOC_TRIM_THRESHOLD_": "131072", "MALLOC_MMAP_THRESHOLD_": "131072"})
     assert not out["applied"] and min(out["faults"]) >= _PAGES * 9 // 10, f"page faults per round: {out}"
+
+
+@pytest.mark.parametrize("shape", [(3, 1 << 20), (56, 896, 16)])
+def test_a_large_buffer_is_aligned_to_huge_pages_and_advised(shape):
+    buffer = empty_on_huge_pages(shape, torch.float32)
+    assert buffer.shape == shape and buffer.dtype == torch.float32 and buffer.is_contiguous()
+    assert buffer.data_ptr() % (2 << 20) == 0, f"data at {buffer.data_ptr():#x}, not 2 MiB-aligned"
+    assert advised_huge_pages(buffer.data_ptr())
+    # All of it is usable memory of its own: written and read back whole.
+    values = torch.arange(buffer.numel(), dtype=torch.float32).view(shape)
+    buffer.copy_(values)
+    assert torch.equal(buffer, values)
+
+
+def test_a_small_buffer_is_a_plain_empty_tensor():
+    buffer = empty_on_huge_pages((4, 16), torch.float64)
+    assert buffer.shape == (4, 16) and buffer.dtype == torch.float64
+    assert buffer.untyped_storage().nbytes() == 4 * 16 * 8  # no slack: under one huge page

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import advised_huge_pages
 from verl_megatron.rollout.cpu import kernels as cpu_kernels
 from verl_megatron.rollout.cpu import packed_linear
 
@@ -216,3 +217,10 @@ def test_a_new_version_repacks_the_panels_in_place():
     assert where_again == where and store.packs == 2
     assert torch.equal(second, expected), f"max diff {float((second - expected).abs().max()):.3e}"
     assert torch.allclose(second, first * -0.5, atol=1e-5)
+
+
+def test_new_panels_are_allocated_on_huge_pages():
+    # A decoding step streams every panel once; huge pages spare that sweep a TLB miss every 4 KiB.
+    panels = packed_linear.pack_panels(torch.randn(1000, 896))
+    assert panels.shape == (63, 896, 16)
+    assert advised_huge_pages(panels.data_ptr()), "the panels' memory has no huge-page advice"

@@ -19,9 +19,19 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import math
 import os
 
-__all__ = ["M_MMAP_THRESHOLD", "M_TRIM_THRESHOLD", "glibc", "keep_freed_memory"]
+import torch
+
+__all__ = [
+    "MADV_HUGEPAGE",
+    "M_MMAP_THRESHOLD",
+    "M_TRIM_THRESHOLD",
+    "empty_on_huge_pages",
+    "glibc",
+    "keep_freed_memory",
+]
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers
 _TRIM = 1 << 30  # free heap kept before returning any to the OS
@@ -48,3 +58,34 @@ def keep_freed_memory() -> bool:
     if libc is None:
         return False
     return bool(libc.mallopt(M_TRIM_THRESHOLD, _TRIM)) and bool(libc.mallopt(M_MMAP_THRESHOLD, _MMAP))
+
+
+# Linux's madvise advice asking that a range be backed by transparent huge pages (2 MiB on x86-64).
+MADV_HUGEPAGE = 14
+_HUGE_PAGE = 2 << 20
+
+
+def empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty(shape, dtype=dtype)`` on the CPU, its memory advised to the kernel as huge-page
+    backed (``madvise(MADV_HUGEPAGE)`` before anything touches it), so that reading it sweeps 2 MiB
+    pages instead of 4 KiB ones.
+
+    For large buffers read end to end again and again: the decoding weights, which every step
+    streams once. With 4 KiB pages such a sweep misses the TLB every 4 KiB. On this project's 2-core
+    CI machine (AMD EPYC, transparent huge pages in ``madvise`` mode, the common default) summing
+    2 GiB of float32 took 74-79 ms (27-29 GB/s) on 4 KiB pages and 33-61 ms (35-64 GB/s) on huge
+    pages (2 threads). Where the kernel offers no huge pages (THP ``never``, not Linux, glibc absent)
+    the advice is refused or ignored and this is ``torch.empty``. Buffers under one huge page are
+    plain ``torch.empty``.
+
+    The tensor is a 2 MiB-aligned view into an allocation up to 2 MiB larger; the slack is never
+    touched, so it takes no memory.
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    libc = glibc()
+    if nbytes < _HUGE_PAGE or libc is None or not hasattr(libc, "madvise"):
+        return torch.empty(shape, dtype=dtype)
+    base = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
+    offset = -base.data_ptr() % _HUGE_PAGE
+    libc.madvise(ctypes.c_void_p(base.data_ptr() + offset), ctypes.c_size_t(nbytes), MADV_HUGEPAGE)
+    return base[offset : offset + nbytes].view(dtype).view(shape)

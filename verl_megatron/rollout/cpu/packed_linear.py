@@ -39,6 +39,9 @@ repacks one layout instead of two (in place, 0.44 s for the 1.98 GB at 1 thread,
 for oneDNN's copy of the layers alone). Summing 1.98 GB takes
 82 ms (24 GB/s): that is the floor. Whole generate calls at that shape (prompts of 32, 32 new
 tokens, warm store, best of 3 interleaved, loaded): 16 rows 4.10 vs 5.00 s, 8 rows 3.47 vs 3.90 s.
+New panel buffers are advised onto 2 MiB pages (utils/cpu_heap.empty_on_huge_pages): sweeping
+every panel of that shape once, interleaved with the same panels on 4 KiB pages (AMD EPYC, 2
+threads), 16 rows 81.8 vs 88.8 ms, 8 rows 46.8 vs 53.4 ms (best of 6).
 
 Memory: the packed copies double the weights' memory for the duration of the call, and with a
 kept store (``rollout.keep_packed_weights``) from the call until a call with another version,
@@ -54,6 +57,8 @@ import functools
 from collections.abc import Iterator, Sequence
 
 import torch
+
+from verl_megatron.utils.cpu_heap import empty_on_huge_pages
 
 __all__ = [
     "PANEL_MAX_ROWS",
@@ -102,7 +107,8 @@ def pack_panels(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.
     n, k = weight.shape
     full, tail = divmod(n, 16)
     if out is None:
-        out = torch.empty(full + (tail > 0), k, 16, dtype=weight.dtype)
+        # Huge pages: a decoding step streams every panel once (cpu_heap.empty_on_huge_pages).
+        out = empty_on_huge_pages((full + (tail > 0), k, 16), weight.dtype)
     out[:full].copy_(weight[: full * 16].view(full, 16, k).transpose(1, 2))
     if tail:
         out[full].zero_()[:, :tail].copy_(weight[full * 16 :].t())
