@@ -79,7 +79,7 @@ def empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     plain ``torch.empty``.
 
     The tensor is a 2 MiB-aligned view into an allocation up to 2 MiB larger; the slack is never
-    touched, so it takes no memory.
+    written, so it adds no resident memory.
     """
     nbytes = math.prod(shape) * dtype.itemsize
     libc = glibc()
