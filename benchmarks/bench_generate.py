@@ -253,10 +253,10 @@ def measure(cfg: GenerateBenchConfig, model_dir: str, tokenizer: Any) -> Section
                 errors[name] = error_text(exc)
                 continue
             fns[name] = fn
-    # One untimed call of the timed size per side first: the first call at a batch's size pays
-    # one-time costs on both sides (oneDNN sets up its kernels, buffers are first touched); at
-    # Qwen2.5-0.5B's shape it took 5.3-5.7 s of ours against 4.7-4.9 s for the calls after it,
-    # and a warm-up on a 2-row batch did not cover it (AMD EPYC, 2 threads).
+    # One untimed call of the timed size per side first: the first call at a batch's size pays a
+    # one-time cost. At Qwen2.5-0.5B's shape ours took 5.3-5.7 s against 4.7-4.9 s for the calls
+    # after it, most of it in the prefill (2.0 s the first time, 1.35-1.47 s after, at any prompt
+    # lengths), and a warm-up on a 2-row batch did not cover it (AMD EPYC, 2 threads).
     timings = time_interleaved(fns, repeats=cfg.repeats, warmup=1)
     flops = side_flops(cfg, mask)
     # A new weights version: the call packs every weight again, as the first after an update.
