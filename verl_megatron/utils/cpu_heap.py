@@ -25,7 +25,6 @@ import os
 import torch
 
 __all__ = [
-    "MADV_HUGEPAGE",
     "M_MMAP_THRESHOLD",
     "M_TRIM_THRESHOLD",
     "empty_on_huge_pages",
@@ -61,7 +60,7 @@ def keep_freed_memory() -> bool:
 
 
 # Linux's madvise advice asking that a range be backed by transparent huge pages (2 MiB on x86-64).
-MADV_HUGEPAGE = 14
+_MADV_HUGEPAGE = 14
 _HUGE_PAGE = 2 << 20
 
 
@@ -83,9 +82,9 @@ def empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     """
     nbytes = math.prod(shape) * dtype.itemsize
     libc = glibc()
-    if nbytes < _HUGE_PAGE or libc is None or not hasattr(libc, "madvise"):
+    if nbytes < _HUGE_PAGE or libc is None:
         return torch.empty(shape, dtype=dtype)
     base = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
     offset = -base.data_ptr() % _HUGE_PAGE
-    libc.madvise(ctypes.c_void_p(base.data_ptr() + offset), ctypes.c_size_t(nbytes), MADV_HUGEPAGE)
+    libc.madvise(ctypes.c_void_p(base.data_ptr() + offset), ctypes.c_size_t(nbytes), _MADV_HUGEPAGE)
     return base[offset : offset + nbytes].view(dtype).view(shape)
