@@ -17,21 +17,22 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from tests.warm_workers import SOCKET_VAR, zygote
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LINE = "error: parallel: tp*pp*cp = 3*1*1 = 3 does not divide the world size 2"
 # Installed as ``sitecustomize`` in every process of the job: the worker of local rank
-# VM_TEST_SECOND imports the slow part of the start-up, then goes on only once the other one has
-# failed its start-up check (its torchelastic error file exists) and 10 s more: time for a rank
-# that does not wait for its peer to exit and for torchrun to stop this one (a loaded machine
-# took over 3 s), well inside the 30 s (train.PEER_GRACE_S) a waiting rank gives its peer. Each
-# run takes the order asked for instead of the one the scheduler picks.
+# VM_TEST_SECOND goes on only once the other one has failed its start-up check (its torchelastic
+# error file exists) and 10 s more: time for a rank that does not wait for its peer to exit and for
+# torchrun to stop this one (a loaded machine took over 3 s), well inside the 30 s
+# (train.PEER_GRACE_S) a waiting rank gives its peer. Each run takes the order asked for instead of
+# the one the scheduler picks. The ranks are forked from a process that imported the trainer once
+# (tests/warm_workers.py; a fresh rank's imports cost ~6 CPU s): the hook runs in torchrun's worker
+# process before it hands over to its rank.
 ORDER_HOOK = """
-import os, time, warnings
+import os, time
 _file = os.environ.get("TORCHELASTIC_ERROR_FILE")
 if _file and os.environ.get("LOCAL_RANK") == os.environ.get("VM_TEST_SECOND"):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        import verl_megatron.trainer.config
     _peer = os.path.join(os.path.dirname(os.path.dirname(_file)), os.environ["VM_TEST_FIRST"], "error.json")
     _deadline = time.monotonic() + 120
     while not os.path.exists(_peer) and time.monotonic() < _deadline:
@@ -50,11 +51,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _torchrun(order: tuple[int, int], hooks: str) -> subprocess.CompletedProcess:
-    first, second = order
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PET_MASTER_PORT": str(_free_port())}
+def _env() -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR"):
         env.pop(key, None)
+    return env
+
+
+def _torchrun(order: tuple[int, int], hooks: str, socket_path: str) -> subprocess.CompletedProcess:
+    first, second = order
+    env = {**_env(), "PET_MASTER_PORT": str(_free_port()), SOCKET_VAR: socket_path}
     path = os.pathsep.join(p for p in (hooks, ROOT, env.get("PYTHONPATH")) if p)
     env.update(PYTHONPATH=path, VM_TEST_FIRST=str(first), VM_TEST_SECOND=str(second))
     command = [
@@ -63,7 +69,7 @@ def _torchrun(order: tuple[int, int], hooks: str) -> subprocess.CompletedProcess
         "torch.distributed.run",
         "--nproc_per_node=2",
         "-m",
-        "verl_megatron.train",
+        "tests.warm_workers",  # each rank runs verl_megatron.train as its main
     ]
     return subprocess.run(
         [*command, "parallel.tp=3"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
@@ -72,8 +78,8 @@ def _torchrun(order: tuple[int, int], hooks: str) -> subprocess.CompletedProcess
 
 def test_start_up_error_reaches_the_user_every_time(tmp_path):
     (tmp_path / "sitecustomize.py").write_text(ORDER_HOOK)
-    with ThreadPoolExecutor(2) as pool:
-        runs = list(pool.map(lambda order: _torchrun(order, str(tmp_path)), ORDERS))
+    with zygote(_env(), ROOT) as socket_path, ThreadPoolExecutor(2) as pool:
+        runs = list(pool.map(lambda order: _torchrun(order, str(tmp_path), socket_path), ORDERS))
     printed = 0
     for run in runs:
         output = run.stdout + run.stderr
