@@ -77,6 +77,9 @@ class MemoryBenchConfig(BatchSizes):
     peak (32 MiB) repeats exactly."""
 
     peak_repeats: int = 3
+    in_process: bool = False
+    """each side measured in the calling process instead of fresh children: only for a smoke run
+    that already checks the children elsewhere (its peaks then include the caller's leftovers)"""
 
     def logits_bytes(self, rows: int) -> int:
         """float32 logits [rows, T, V]."""
@@ -331,7 +334,11 @@ def measure(
     results = {}
     for impl, label in ((impl, IMPLS[impl]) for impl in impls):
         try:
-            results[impl] = _median_child(impl, model_dir, cfg_file, workdir, cfg.peak_repeats)
+            if cfg.in_process:
+                one = child_main(impl, model_dir, cfg)
+                results[impl] = {**one, "stage_peaks_mib": [one["stage_peak_mib"]]}
+            else:
+                results[impl] = _median_child(impl, model_dir, cfg_file, workdir, cfg.peak_repeats)
         except Exception as exc:
             section.errors[label] = error_text(exc)
             continue
@@ -367,7 +374,11 @@ def measure(
     )
     section.notes.append(
         f"one micro-batch of logits [{cfg.micro_batch}, T, V] float32 is {micro_mib:.0f} MiB; "
-        "each side runs in its own fresh process"
+        + (
+            "each side ran in the harness's process"
+            if cfg.in_process
+            else "each side runs in its own fresh process"
+        )
     )
     section.extra = {"raw": results, "config": asdict(cfg)}
     return section
