@@ -77,9 +77,10 @@ class MemoryBenchConfig(BatchSizes):
     peak (32 MiB) repeats exactly."""
 
     peak_repeats: int = 3
-    in_process: bool = False
-    """each side measured in the calling process instead of fresh children: only for a smoke run
-    that already checks the children elsewhere (its peaks then include the caller's leftovers)"""
+    in_process: tuple[str, ...] = ()
+    """sides (keys of ``IMPLS``) measured in the calling process instead of fresh children: only
+    for a smoke run that checks the children with another side (these peaks include the caller's
+    leftovers)"""
 
     def logits_bytes(self, rows: int) -> int:
         """float32 logits [rows, T, V]."""
@@ -99,7 +100,7 @@ FULL = MemoryBenchConfig(
 # The quick model's sizes with a larger vocabulary, so the logits still dominate.
 QUICK = MemoryBenchConfig(
     shape=replace(QUICK_SHAPE, vocab_size=8192), batch=4, prompt_len=8, response_len=56, micro_batch=2,
-    peak_repeats=1,
+    peak_repeats=1, in_process=("hf", "hf_whole_batch"),  # the ours child checks the children's protocol
 )  # fmt: skip
 
 
@@ -334,7 +335,7 @@ def measure(
     results = {}
     for impl, label in ((impl, IMPLS[impl]) for impl in impls):
         try:
-            if cfg.in_process:
+            if impl in cfg.in_process:
                 one = child_main(impl, model_dir, cfg)
                 results[impl] = {**one, "stage_peaks_mib": [one["stage_peak_mib"]]}
             else:
@@ -375,7 +376,7 @@ def measure(
     section.notes.append(
         f"one micro-batch of logits [{cfg.micro_batch}, T, V] float32 is {micro_mib:.0f} MiB; "
         + (
-            "each side ran in the harness's process"
+            f"in the harness's process: {', '.join(cfg.in_process)}; any other side in a fresh process"
             if cfg.in_process
             else "each side runs in its own fresh process"
         )

@@ -134,8 +134,8 @@ QUICK = RealShapeConfig(
     update=replace(bench_update.QUICK, shape=_TINY),
     grpo=replace(bench_grpo_step.QUICK, shape=_TINY),
     # one checkpoint for all stages: V 512. In-process: the memory section's quick run already
-    # runs the children, and the two here cost ~14 CPU s, most of a quick run's section.
-    memory=replace(bench_memory.QUICK, shape=_TINY, in_process=True),
+    # runs a child, and the two here cost ~14 CPU s, most of a quick run's section.
+    memory=replace(bench_memory.QUICK, shape=_TINY, in_process=("ours", "hf_whole_batch")),
 )
 
 
