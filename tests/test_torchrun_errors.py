@@ -13,11 +13,12 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.warm_workers import SOCKET_VAR, zygote
+from tests.warm_workers import SOCKET_VAR, python_wrapper, zygote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LINE = "error: parallel: tp*pp*cp = 3*1*1 = 3 does not divide the world size 2"
@@ -76,9 +77,16 @@ def _torchrun(order: tuple[int, int], hooks: str, socket_path: str) -> subproces
     )
 
 
-def test_start_up_error_reaches_the_user_every_time(tmp_path):
+@pytest.fixture(scope="module")
+def socket_path() -> Iterator[str]:
+    """The zygote of this module's ranks and config checks (one: ~6 CPU s of imports)."""
+    with zygote(_env(), ROOT) as path:
+        yield path
+
+
+def test_start_up_error_reaches_the_user_every_time(tmp_path, socket_path):
     (tmp_path / "sitecustomize.py").write_text(ORDER_HOOK)
-    with zygote(_env(), ROOT) as socket_path, ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(2) as pool:
         runs = list(pool.map(lambda order: _torchrun(order, str(tmp_path), socket_path), ORDERS))
     printed = 0
     for run in runs:
@@ -130,13 +138,15 @@ TYPO_LINE = "error: unknown config key 'actor.optim.lrr' (from override 'actor.o
         ),
     ],
 )
-def test_launch_script_config_error_is_one_line_and_exit_2(script, env):
+def test_launch_script_config_error_is_one_line_and_exit_2(script, env, socket_path, tmp_path):
     """The scripts check the config once before torchrun, which would restart the failed job
-    MAX_RESTARTS (3) times: four attempts, five error lines and exit status 1."""
+    MAX_RESTARTS (3) times: four attempts, five error lines and exit status 1. The scripts' python
+    (``$PYTHON``) runs its ``-m MODULE`` in a process forked from the warm one."""
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
-        "PYTHON": sys.executable,
+        "PYTHON": python_wrapper(str(tmp_path)),
+        SOCKET_VAR: socket_path,
         "MASTER_PORT": str(_free_port()),
         **env,
     }

@@ -9,6 +9,8 @@ do (not how an interpreter starts) run this module as torchrun's worker script i
 Each worker is a small client (standard library only) that hands its command line, environment,
 working folder and stdin/stdout/stderr to a *zygote*, a process that imported the trainer once,
 which forks the rank; the rank then runs ``python -m verl_megatron.train ARGS`` as ``__main__``.
+``python -m tests.warm_workers -m MODULE ARGS`` runs ``python -m MODULE ARGS`` so (a launch
+script's ``$PYTHON``, see ``python_wrapper``).
 The client stands for the rank towards torchrun: it forwards the launcher's signals to the rank
 and ends as the rank ended (the same exit status, or the same signal). The rank's own pid is what
 the job publishes (watchdog records), so a test stops or kills the real process.
@@ -24,6 +26,7 @@ import contextlib
 import json
 import os
 import select
+import shlex
 import signal
 import socket
 import subprocess
@@ -37,6 +40,7 @@ ENTRY = "verl_megatron.train"
 # checkpoint, watchdog): imported once by the zygote, shared by every rank it forks.
 PRELOAD = (
     "verl_megatron.train",
+    "verl_megatron.cli",
     "verl_megatron.trainer.preflight",
     "verl_megatron.trainer.ppo_trainer",
     "verl_megatron.trainer.async_trainer",
@@ -79,6 +83,16 @@ def zygote(env: dict[str, str], cwd: str) -> Iterator[str]:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
             proc.stdout.close()
+
+
+def python_wrapper(folder: str) -> str:
+    """An executable ``python`` in ``folder`` whose ``-m MODULE ARGS`` runs in a rank forked by the
+    zygote named by VM_WARM_SOCKET (started in the repository root); its path."""
+    path = os.path.join(folder, "python")
+    with open(path, "w") as f:
+        f.write(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m tests.warm_workers "$@"\n')
+    os.chmod(path, 0o755)
+    return path
 
 
 def _zygote(path: str) -> None:
@@ -179,10 +193,11 @@ def _rank(request: dict, fds: list[int]) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        sys.argv = [ENTRY, *request["argv"]]
-        sys.modules.pop(ENTRY, None)  # preloaded as a module; runs afresh as __main__, as with -m
+        module = request["module"]
+        sys.argv = [module, *request["argv"]]
+        sys.modules.pop(module, None)  # preloaded as a module; runs afresh as __main__, as with -m
         try:
-            runpy.run_module(ENTRY, run_name="__main__", alter_sys=True)
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
             code = 0
         except SystemExit as stop:
             code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
@@ -205,7 +220,9 @@ def _client(argv: list[str]) -> int:
     """torchrun's worker: the rank forked by the zygote, ended as it ends."""
     conn = socket.socket(socket.AF_UNIX)
     conn.connect(os.environ[SOCKET_VAR])
-    body = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+    module, argv = (argv[1], argv[2:]) if argv[:1] == ["-m"] else (ENTRY, argv)
+    request = {"module": module, "argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}
+    body = json.dumps(request).encode()
     socket.send_fds(conn, [f"{len(body)}\n".encode()], [0, 1, 2])
     conn.sendall(body)
     replies = conn.makefile("rb")
