@@ -15,23 +15,46 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
 from tests import restart_job as job
 
+# Holds the run in the step after a checkpoint so that a kill lands there: the first reward call
+# made once a checkpoint is out under ``checkpoints`` leaves a marker file beside that folder (the
+# test kills on seeing it) and sleeps (no CPU); later calls, on any rank or restarted attempt, find
+# the marker and do not. The sleep is shorter than the 30 s per-call limit of scorers. Every score
+# is the default scorer's.
+HOLDING_SCORER = """
+import os
+import time
+
+from verl_megatron.checkpoint import find_latest_checkpoint
+from verl_megatron.utils.reward_score import default_compute_score
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, checkpoints=None):
+    if checkpoints is not None and find_latest_checkpoint(checkpoints) is not None:
+        try:
+            os.close(os.open(f"{checkpoints}.held", os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            pass
+        else:
+            time.sleep(20)
+    return default_compute_score(data_source, solution_str, ground_truth, extra_info)
+"""
+
 
 def test_torchrun_restarts_a_killed_rank_and_the_run_resumes_exactly(tmp_path):
     from verl_megatron.trainer.tracking import read_jsonl_metrics
 
-    scorer = tmp_path / "slow_scorer.py"
-    scorer.write_text(job.SLOW_SCORER)
+    scorer = tmp_path / "holding_scorer.py"
+    scorer.write_text(HOLDING_SCORER)
     # The fewest steps that show it: checkpoint 2 published, the kill in step 3, and the resumed
     # attempt's step 3 equal to the uninterrupted run's (weights, optimizer, data and RNG restored).
     steps, port = 3, job.free_port()
-    nodes = [
-        job.two_nodes(port, job.job_overrides(tmp_path / "two_nodes", scorer, 0.0, steps), n) for n in (0, 1)
-    ]
+    nodes = [job.two_nodes(port, overrides(tmp_path / "two_nodes", scorer, steps), n) for n in (0, 1)]
     outputs = job.finish(nodes, timeout=600)
     assert [proc.returncode for proc in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     reference = read_jsonl_metrics(tmp_path / "two_nodes" / "metrics.jsonl")
@@ -39,17 +62,22 @@ def test_torchrun_restarts_a_killed_rank_and_the_run_resumes_exactly(tmp_path):
 
     out = tmp_path / "restarted"
     launcher_args = ["--nproc_per_node=2", "--max-restarts=1", f"--master-port={job.free_port()}"]
-    # 0.2 s a reward call (a sleep: no CPU): step 3, the last, lasts over 3 s after checkpoint 2, a
-    # window the 0.02 s checkpoint poll and the kill reach on a loaded machine.
-    overrides = [*job.job_overrides(out, scorer, 0.2, steps), "trainer.resume_mode=disable"]
+    # Step 3, the last, is held 20 s by its first reward call (the scorer): a window the 0.02 s
+    # poll of the marker and the kill reach on a loaded machine, while the other steps run at full
+    # speed.
+    held = [
+        *overrides(out, scorer, steps), f"custom_reward_function.reward_kwargs.checkpoints={out}",
+        "trainer.resume_mode=disable",
+    ]  # fmt: skip
     proc = subprocess.Popen(
-        job.torchrun(launcher_args, overrides), cwd=job.ROOT, env=job.env(), stdout=subprocess.PIPE,
+        job.torchrun(launcher_args, held), cwd=job.ROOT, env=job.env(), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
         rank1 = job.worker(proc, rank=1)
         job.wait_for_checkpoint(out, 2, [proc])
-        os.kill(rank1, signal.SIGKILL)  # step 3 is running: its reward calls take 0.2 s each
+        wait_for_hold(out, proc)
+        os.kill(rank1, signal.SIGKILL)  # step 3 is running (held by the scorer)
         killed = time.monotonic()
         output, _ = proc.communicate(timeout=600)
     finally:
@@ -62,6 +90,20 @@ def test_torchrun_restarts_a_killed_rank_and_the_run_resumes_exactly(tmp_path):
     assert "resumed from step 2" in output, output[-4000:]
     job.assert_same_metrics(read_jsonl_metrics(out / "metrics.jsonl"), reference)
     print(f"rank 1 killed -> restarted run finished after {took:.1f} s")
+
+
+def wait_for_hold(out: Path, launcher: subprocess.Popen, deadline_s: float = 300) -> None:
+    """Return once the scorer holds the run (its marker beside ``out``); fail if it ended first."""
+    end = time.monotonic() + deadline_s
+    while not Path(f"{out}.held").exists():
+        assert launcher.poll() is None, f"the run ended before the hold:\n{launcher.stdout.read()[-3000:]}"
+        assert time.monotonic() < end, f"no hold within {deadline_s} s"
+        time.sleep(0.02)
+
+
+def overrides(out, scorer, steps: int) -> list[str]:
+    """The restart helpers' tiny job with ``scorer``, its reward kwargs (a delay) dropped."""
+    return [arg for arg in job.job_overrides(out, scorer, 0.0, steps) if ".reward_kwargs.delay=" not in arg]
 
 
 def test_a_restart_after_the_guard_stopped_the_run_stops_too(tmp_path, monkeypatch):
