@@ -1,8 +1,9 @@
 """Asynchronous, off-policy training with the rollout on its own ranks (rollout.placement=separate):
-start-up errors, the weight wire, partial rollout's per-token versions, and one 2-process
-torchrun job (tests/async_job.py) whose runs several tests read: staleness bound and metrics,
-rollout correction of stale samples, weights arriving intact, and a resume that loses and
-repeats no sample."""
+start-up errors, the weight wire, partial rollout's per-token versions, and one 2-process job
+(tests/async_job.py, a torchrun script run on the ranks of the ``pool2`` fixture:
+tests/separate_in_pool.py) whose runs several tests read: staleness bound and metrics, rollout
+correction of stale samples, weights arriving intact, and a resume that loses and repeats no
+sample."""
 
 from __future__ import annotations
 
@@ -346,7 +347,7 @@ def test_partial_rollout_continues_with_new_weights_and_records_versions() -> No
     assert out.batch["input_ids"][2].tolist() == [3, 6, *expected_row2]
 
 
-# ------------------------------------------------------------------ the torchrun job
+# ------------------------------------------------------------------ the 2-process job
 
 
 def _free_port() -> int:
@@ -361,9 +362,9 @@ def _rows(path: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory) -> str:
+def job(tmp_path_factory, pool2) -> str:
     out = str(tmp_path_factory.mktemp("async"))
-    torchrun_job("async_job.py", out)
+    pool2.run("tests.separate_in_pool:run_main", timeout_s=600, module="tests.async_job", out=out)
     return out
 
 

@@ -9,30 +9,21 @@ continued with more steps from the checkpoint of its last step (which kept none 
 
 from __future__ import annotations
 
-import os
-import sys
-
 from tests import restart_job as job
 
 # Wall-clock times of the rollout rank, logged as async/* metrics.
 TIMES = ("async/rollout_wait_weights_s", "async/rollout_gen_s", "async/rollout_reward_s")
 
 
-def test_async_resume_regenerates_with_the_uninterrupted_runs_weights(tmp_path) -> None:
+def test_async_resume_regenerates_with_the_uninterrupted_runs_weights(tmp_path, pool2) -> None:
     from verl_megatron.trainer.tracking import read_jsonl_metrics
 
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master-port={job.free_port()}",
-    ]
-    result = job.run_group(
-        [*torchrun, os.path.join(job.ROOT, "tests", "restart_async_job.py"), str(tmp_path)], 600
+    # The torchrun script tests/restart_async_job.py on the pool's 2 ranks (tests/separate_in_pool.py).
+    ranks = pool2.run(
+        "tests.separate_in_pool:run_main", timeout_s=600, module="tests.restart_async_job", out=str(tmp_path)
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    assert "resumed from step 2" in result.stdout, result.stdout[-3000:]
+    stdout = "".join(out for out, _ in ranks)
+    assert "resumed from step 2" in stdout, stdout[-3000:]
 
     def rows(name: str) -> list[dict]:
         found = read_jsonl_metrics(tmp_path / name / "metrics.jsonl")
