@@ -81,13 +81,13 @@ def _start(train_path: str, val_path: str) -> None:
 
 
 def test_start_up_reads_each_data_file_once(tmp_path, monkeypatch):
-    import verl_megatron.trainer.distill_stage as distill_stage
+    import verl_megatron.trainer.distill_checks as distill_checks
 
     paths = _files(
         tmp_path, _rows(["synthetic/copy"] * 4, ["1"] * 4), _rows(["synthetic/copy"] * 2, ["2"] * 2)
     )
     reads = _count_reads(monkeypatch, paths)
-    monkeypatch.setattr(distill_stage, "check_distill", _stop)
+    monkeypatch.setattr(distill_checks, "check_distill", _stop)
     _start(*paths)
     assert reads == dict.fromkeys(paths, 1), reads
 

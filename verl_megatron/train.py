@@ -144,7 +144,7 @@ def startup_checks(
     before the memory plan, which builds every role's model on the meta device (``run`` prints its
     start-up line there). An SFT run: its own checks (``prepare_sft``, as ``run_sft`` runs them)."""
     from verl_megatron.reward.loading import RewardColumns, check_reward_config
-    from verl_megatron.trainer.distill_stage import check_distill
+    from verl_megatron.trainer.distill_checks import check_distill
     from verl_megatron.trainer.preflight import prepare_run
 
     if run_mode(config_path, overrides) == "sft":

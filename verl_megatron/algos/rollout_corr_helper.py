@@ -14,7 +14,7 @@ With log_ratio = log pi_train - log pi_rollout per token [B, T]:
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from omegaconf import DictConfig, open_dict
@@ -25,8 +25,12 @@ from verl_megatron.algos.rollout_corr_metrics import (
     compute_offpolicy_metrics,
     compute_rs_metrics,
 )
-from verl_megatron.protocol import DataProto
 from verl_megatron.utils.torch_functional import masked_mean, masked_sum
+
+# The config check reads this module's levels and threshold parsers: the protocol (tensordict,
+# torch._dynamo) loads where a batch is built, not whenever a config is validated.
+if TYPE_CHECKING:
+    from verl_megatron.protocol import DataProto
 
 __all__ = [
     "SAFETY_BOUND",
@@ -360,6 +364,8 @@ def compute_rollout_correction_and_rejection_mask(
     prefixed = {
         f"rollout_corr/{k}": (v.item() if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()
     }
+    from verl_megatron.protocol import DataProto
+
     proto = None if weights is None else DataProto.from_dict(tensors={"rollout_is_weights": weights})
     return proto, mask, prefixed
 

@@ -23,14 +23,18 @@ import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from verl_megatron.data.config import TRUNCATION_MODES, DataConfig
 from verl_megatron.errors import UserInputError
-from verl_megatron.protocol import DataProto
+
+# ``verl-megatron check`` reads the data files with this module before torchrun starts the ranks:
+# the protocol (tensordict, torch._dynamo) loads where a batch is collated.
+if TYPE_CHECKING:
+    from verl_megatron.protocol import DataProto
 
 logger = logging.getLogger(__name__)
 
@@ -423,6 +427,8 @@ def collate_prompts(
         position_ids = batch_position_ids(
             [item.mrope_positions for item in items], lengths, max_prompt_length
         )
+    from verl_megatron.protocol import DataProto
+
     return DataProto.from_dict(
         tensors={"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids},
         non_tensors=non_tensors,

@@ -201,7 +201,9 @@ class ModelConfig:
                 "model.sequence_parallel=True needs the Transformer Engine layer spec (megatron's local "
                 "spec uses torch norms, which do not support it); that needs CUDA and transformer_engine"
             )
-        unknown = sorted(set(self.override_transformer_config) - _transformer_config_fields())
+        # megatron (seconds to import) only when there are keys to check against its TransformerConfig.
+        overrides = set(self.override_transformer_config)
+        unknown = sorted(overrides - _transformer_config_fields()) if overrides else []
         if unknown:
             raise ModelConfigError(
                 f"model.override_transformer_config has keys that are not TransformerConfig fields: {unknown}"

@@ -31,7 +31,7 @@ from verl_megatron.models.families.qwen2_vl import check_vl_attention, check_vl_
 from verl_megatron.models.families.qwen3_next import check_linear_features
 from verl_megatron.models.moe import MOE_MODEL_TYPES, check_trainable
 from verl_megatron.reward.loading import resolve_reward_manager_cls
-from verl_megatron.reward.model_rewards import check_model_rewards
+from verl_megatron.reward.model_rewards_check import check_model_rewards
 from verl_megatron.rollout.config import (
     check_agent_port,
     check_engine_installed,
@@ -39,9 +39,9 @@ from verl_megatron.rollout.config import (
 )
 from verl_megatron.rollout.lora_sync import check_rollout_lora
 from verl_megatron.trainer.config_schema import RESUME_MODES, PPOConfig
-from verl_megatron.trainer.distill_stage import check_teacher_layout
+from verl_megatron.trainer.distill_checks import check_teacher_layout
 from verl_megatron.trainer.placement_check import check_placement
-from verl_megatron.trainer.ppo.rollout_correction import check_rollout_correction
+from verl_megatron.trainer.ppo.rollout_correction_config import check_rollout_correction
 from verl_megatron.trainer.stall_checks import check_stall_timeouts
 from verl_megatron.trainer.tracking import TRACKING_BACKENDS
 

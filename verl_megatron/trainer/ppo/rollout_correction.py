@@ -9,13 +9,11 @@ neither in the advantages nor in the loss). Metrics are verl's ``rollout_corr/*`
 
 from __future__ import annotations
 
-from typing import Any
-
 from verl_megatron.algos.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
 from verl_megatron.protocol import DataProto
 from verl_megatron.trainer.ppo.rollout_correction_config import (
     RolloutCorrectionConfig,
-    RolloutCorrectionConfigError,
+    check_rollout_correction,
 )
 
 __all__ = ["apply_rollout_correction", "check_rollout_correction"]
@@ -47,13 +45,3 @@ def apply_rollout_correction(batch: DataProto, config: RolloutCorrectionConfig) 
     if weights is not None:
         tensors["rollout_is_weights"] = weights.batch["rollout_is_weights"]
     return metrics
-
-
-def check_rollout_correction(config: Any) -> None:
-    """Start-up check of a PPOConfig: rollout correction needs the rollout's log-probs."""
-    corr = config.algorithm.rollout_correction
-    if corr.enabled and config.rollout.name != "native" and not config.rollout.calculate_log_probs:
-        raise RolloutCorrectionConfigError(
-            f"algorithm.rollout_correction needs the rollout's log-probs: set rollout.calculate_log_probs=true "
-            f"(rollout.name={config.rollout.name!r} does not return them otherwise)"
-        )

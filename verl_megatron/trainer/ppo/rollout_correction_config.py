@@ -15,10 +15,16 @@ not when the object is built); the trainer's config keeps the checks at load.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from verl_megatron.errors import UserInputError
 
-__all__ = ["RolloutCorrectionConfig", "RolloutCorrectionConfigError", "VerlRolloutCorrectionConfig"]
+__all__ = [
+    "RolloutCorrectionConfig",
+    "RolloutCorrectionConfigError",
+    "VerlRolloutCorrectionConfig",
+    "check_rollout_correction",
+]
 
 _WHERE = "algorithm.rollout_correction"
 _LOSS_TYPES = ("ppo_clip", "reinforce")
@@ -231,3 +237,14 @@ class VerlRolloutCorrectionConfig(RolloutCorrectionConfig):
 
     def __post_init__(self) -> None:
         self.validate(require_rs_threshold=False)
+
+
+def check_rollout_correction(config: Any) -> None:
+    """Start-up check of a PPOConfig: rollout correction needs the rollout's log-probs. Here, not in
+    ``rollout_correction.py``, so that validating a config does not import the protocol (tensordict)."""
+    corr = config.algorithm.rollout_correction
+    if corr.enabled and config.rollout.name != "native" and not config.rollout.calculate_log_probs:
+        raise RolloutCorrectionConfigError(
+            f"algorithm.rollout_correction needs the rollout's log-probs: set rollout.calculate_log_probs=true "
+            f"(rollout.name={config.rollout.name!r} does not return them otherwise)"
+        )
