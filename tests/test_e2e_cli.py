@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
+from tests.inprocess_launch import run_cli, warm_ranks
 from tests.test_e2e import QUICKSTART, TINY
 from verl_megatron import cli
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ONE_STEP = [
     *TINY,
     "trainer.total_training_steps=1",
@@ -23,13 +21,6 @@ ONE_STEP = [
     "trainer.save_freq=-1",
     "trainer.export_hf=false",
 ]
-
-
-def _env() -> dict[str, str]:
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")
-    }
-    return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
 
 
 def _check_two_process_run(out_dir, key: str, value: int) -> None:
@@ -42,20 +33,17 @@ def _check_two_process_run(out_dir, key: str, value: int) -> None:
 
 
 @pytest.mark.multiproc
-def test_train_relaunches_under_torchrun_for_several_processes(tmp_path):
+def test_train_relaunches_under_torchrun_for_several_processes(tmp_path, monkeypatch, capfd):
+    """The ranks torch's launcher starts are forked from a warm process (what they run is the
+    same ``-m verl_megatron.train`` command line the CLI hands the launcher)."""
     overrides = [
         *ONE_STEP,
         f"trainer.default_local_dir={tmp_path}",
         "trainer.n_gpus_per_node=2",
         "parallel.tp=2",
     ]
-    result = subprocess.run(
-        [sys.executable, "-m", "verl_megatron.cli", "train", "--config", QUICKSTART, *overrides],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    with warm_ranks(str(tmp_path)) as env:
+        result = run_cli(["train", "--config", QUICKSTART, *overrides], monkeypatch, capfd, env)
     assert result.returncode == 0, result.stderr[-3000:]
     _check_two_process_run(tmp_path, "tp", 2)
 

@@ -4,15 +4,11 @@ process group or model exists; the same under torchrun (one line for the whole j
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
+from tests.inprocess_launch import run_cli, warm_ranks
 from verl_megatron import cli
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -251,25 +247,14 @@ def test_check_hf_arguments_checked_before_launching(args, expected, assets, cap
     assert expected in line, line
 
 
-def _env() -> dict[str, str]:
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")
-    }
-    return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-
-
 @pytest.mark.multiproc
-def test_error_inside_torchrun_workers_is_one_line(assets, tmp_path):
-    """The tokenizer is loaded by the workers: each fails, the launcher prints one line."""
+def test_error_inside_torchrun_workers_is_one_line(assets, tmp_path, monkeypatch, capfd):
+    """The tokenizer is loaded by the workers: each fails, the launcher prints one line. (The
+    launcher's ranks are forked from a warm process: what they run is the CLI's command line.)"""
     overrides = [*_base(assets), f"model.path={assets['no_template']}", "trainer.n_gpus_per_node=2",
                  f"trainer.default_local_dir={tmp_path}"]  # fmt: skip
-    result = subprocess.run(
-        [sys.executable, "-m", "verl_megatron.cli", "train", *overrides],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    with warm_ranks(str(tmp_path)) as env:
+        result = run_cli(["train", *overrides], monkeypatch, capfd, env)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr, result.stderr[-3000:]
