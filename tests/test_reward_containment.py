@@ -266,7 +266,9 @@ EXITING_SCORER = textwrap.dedent(
 )
 
 
-def test_training_survives_a_scorer_that_exits(tmp_path):
+def test_training_survives_a_scorer_that_exits(tmp_path, pool1):
+    """The run goes through ``verl_megatron.cli train`` in a warm pool process (how the trainer
+    starts is not the subject here; a fresh interpreter would import megatron again)."""
     scorer = tmp_path / "exiting_scorer.py"
     scorer.write_text(EXITING_SCORER)
     out_dir = tmp_path / "out"
@@ -279,13 +281,10 @@ def test_training_survives_a_scorer_that_exits(tmp_path):
         "trainer.save_freq=-1",
         "trainer.export_hf=false",
     ]
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    result = subprocess.run(
-        [sys.executable, "-m", "verl_megatron.cli", "train", "--config", QUICKSTART, *overrides],
-        env={**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT},
-        capture_output=True,
-        text=True,
-        timeout=900,
+    (result,) = pool1.run(
+        "tests.helpers:cli_train_job",
+        argv=["train", "--config", QUICKSTART, *overrides],
+        entry="verl_megatron.cli",
     )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {}
