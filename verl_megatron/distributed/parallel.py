@@ -15,6 +15,7 @@ import gc
 import os
 import random
 import socket
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, cast
@@ -306,10 +307,11 @@ def _registered_groups() -> set:
 
 def destroy_megatron_groups() -> None:
     """Tear down megatron's parallel state and destroy every process group it created."""
-    from megatron.core import parallel_state as ps
-
     global _megatron_groups_key
-    if ps.model_parallel_is_initialized():
+    # A process that never loaded megatron's parallel state has none to tear down: importing
+    # megatron (seconds) only to find that out made closing an idle worker pool take 12-16 s.
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is not None and ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     live = _registered_groups() if dist.is_initialized() else set()
     real = False  # a group with threads and sockets (the planner's "fake" ones have none)
