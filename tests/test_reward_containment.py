@@ -123,8 +123,9 @@ def test_each_failure_scores_zero_and_is_counted(tok, bad_scorer, case, counter)
 
 @pytest.mark.parametrize("manager_name", ["naive", "parallel"])
 def test_hung_calls_are_cut_off_side_by_side(tok, bad_scorer, manager_name):
-    # 50 samples, 10 of them hang; limit 2 s. One after another they would cost >= 20 s.
-    timeout, hung = 2.0, 10
+    # 50 samples, 10 of them hang; limit 1 s (the other calls return in microseconds, and the
+    # failure cases above use 1 s too). One after another they would cost >= 10 s.
+    timeout, hung = 1.0, 10
     texts = ["sleep" if i % 5 == 2 else "x" * (1 + i % 7) for i in range(50)]
     kwargs = {"compute_score_timeout": timeout}
     if manager_name == "parallel":
