@@ -13,6 +13,7 @@ parallel state for the layout they need on the shared process group.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib
 import multiprocessing as mp
@@ -80,6 +81,23 @@ def _worker(rank: int, world_size: int, port: int, conn, env: dict[str, str]) ->
     from verl_megatron.distributed.parallel import shutdown
 
     shutdown()
+    _exit_without_teardown()
+
+
+def _exit_without_teardown() -> None:
+    """End the worker once its groups are destroyed, skipping the interpreter's teardown.
+
+    Tearing down an interpreter that loaded torch and megatron and ran a session's jobs (freeing
+    every module and object one by one) took ~3 s of CPU per worker, and about 14 s of closing
+    pool1 and pool2 on a loaded 2-core machine, to free memory the OS reclaims at exit anyway.
+    The exit handlers still run: multiprocessing joins the worker's own child processes, logging
+    flushes.
+    """
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
 
 
 class DistPool:
