@@ -9,15 +9,13 @@ Also covers ``verl-megatron check-hf`` (launching itself under torchrun, and its
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from tests.helpers import hf_reference_logits, save_tiny_models
+from tests.inprocess_launch import run_cli, warm_ranks
 
 LLAMA3_ROPE = {
     "rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0,
@@ -166,13 +164,12 @@ def test_check_hf_fails_on_a_nan_logit(pool1, tiny_models):
     assert status == 1
 
 
-def test_check_hf_command_launches_tp_times_pp_processes(tiny_models):
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")
-    }
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    cmd = [sys.executable, "-m", "verl_megatron.tools.check_hf", tiny_models["qwen2_tied"], "--tp", "2"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+def test_check_hf_command_launches_tp_times_pp_processes(tiny_models, tmp_path, monkeypatch, capfd):
+    """``verl-megatron check-hf DIR --tp 2`` outside torchrun starts torch's launcher with 2 ranks.
+    The command runs in this process and the ranks are forked from a warm process: the launch is
+    the subject, not how an interpreter imports torch (each fresh one costs ~6 CPU s)."""
+    with warm_ranks(str(tmp_path)) as env:
+        proc = run_cli(["check-hf", tiny_models["qwen2_tied"], "--tp", "2"], monkeypatch, capfd, env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     match = re.search(r"tp=2 pp=1 .*max \|logit diff\| = (\S+) over 3 prompts .*: OK", proc.stdout)
     assert match, proc.stdout + proc.stderr
