@@ -125,15 +125,26 @@ def test_cpu_fallback_runs_every_stage(dp1_run):
 
 def test_under_torchrun_each_rank_is_a_dp_rank_and_the_update_is_the_same(dp1_run, tmp_path):
     """dp=2 (gloo here, NCCL on 2 GPUs): the distributed optimizer sharded over two ranks, the
-    prompts generated half per rank with per-prompt seeds: the same batch and the same update."""
+    prompts generated half per rank with per-prompt seeds: the same batch and the same update.
+    torch's launcher is real; its ranks are forked from a warm process (tests/warm_script.py) and
+    run the script as ``python SCRIPT`` would, starting their own process group."""
     import os
     import subprocess
     import sys
 
+    from tests.warm_script import script_python
+    from tests.warm_workers import SOCKET_VAR, zygote
+
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(SCRIPT),
                *SMALL, "--workdir", str(tmp_path / "work"), "--out", str(tmp_path / "summary.json")]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    root = str(SCRIPT.parents[2])
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")
+    }
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=root)
+    with zygote(env, root) as socket_path:
+        env.update({"PYTHON_EXEC": script_python(str(tmp_path)), SOCKET_VAR: socket_path})
+        result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     dp2, dp1 = json.loads((tmp_path / "summary.json").read_text()), dp1_run[1]
     assert dp2["dp"] == 2 and dp2["optimizer"] == ["DistributedOptimizer"] and all(dp2["checks"].values())
