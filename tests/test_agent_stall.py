@@ -15,13 +15,13 @@ import os
 import subprocess
 import sys
 import time
+import traceback
 
 import pytest
+import torch.distributed as dist
 
 from tests.test_agent_endpoint import ScriptedEngine, _config, _ids, _prompts
 from verl_megatron.rollout.agent import AgentOutcome, AgentRollout
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _char_tokenizer(path: str):
@@ -66,44 +66,71 @@ def test_progress_is_called_once_a_second_until_the_deadline(char_tokenizer):
     assert calls[0] - start < 0.5 and calls[-1] < start + 3.0 <= end, [c - start for c in calls]
 
 
-# One rank over an in-process store with a 2 s stall timeout, twice in one process (the imports,
-# megatron's included, cost seconds of CPU each time): first with the watchdog's ``alive`` as the
-# rollout's progress, the conversations sleeping 5 s (done within the 8 s deadline) and 600 s
-# (failed as timeout at the deadline), which prints the failures; then the same wait without it,
-# which is a stall (the endpoint's idle polling costs ~4 ms CPU/s, under the watchdog's 10 ms a
-# look) and ends the process inside generate_sequences.
-SLOW_TOOLS = """
-import json, sys, time
-import torch.distributed as dist
-from tests.test_agent_endpoint import _prompts
-from tests.test_agent_stall import _char_tokenizer, _rollout
-from verl_megatron.distributed.watchdog import Watchdog, WatchdogSettings
+# One rank over an in-process store with a 2 s stall timeout, twice in one process: first with the
+# watchdog's ``alive`` as the rollout's progress, the conversations sleeping 3 s (done within the
+# 5 s deadline) and 600 s (failed as timeout at the deadline), which prints the failures; then the
+# same wait without it, which is a stall (the endpoint's idle polling costs ~4 ms CPU/s, under the
+# watchdog's 10 ms a look) and ends the process inside generate_sequences. The process is a fork
+# of the test's own, which imported the rollout (megatron's included, ~6 CPU s) already.
+TIMEOUT_S, SLEEP_S, DEADLINE_S = 2, 3, 5
 
-out_dir = sys.argv[1]
-tokenizer = _char_tokenizer(out_dir + "/tok")
-for alive in (True, False):
-    run_dir = f"{{out_dir}}/{{'alive' if alive else 'silent'}}"
-    watchdog = Watchdog(WatchdogSettings({timeout_s}, run_dir), 0, 1, dist.HashStore()).start()
-    watchdog.mark("gen", 1)
-    start = time.monotonic()
-    rollout = _rollout(tokenizer, {deadline_s}, progress=watchdog.alive if alive else None)
-    out = rollout.generate_sequences(_prompts(tokenizer, ["5", "600"]))
-    elapsed = time.monotonic() - start
-    watchdog.stop()
-    cols = out.non_tensor_batch
-    print(json.dumps([alive, list(cols["agent_failure"]), list(cols["agent_reward"]), elapsed]), flush=True)
-"""
-TIMEOUT_S, DEADLINE_S = 2, 8
+
+def _slow_tools(out_dir: str) -> None:
+    from verl_megatron.distributed.watchdog import Watchdog, WatchdogSettings
+
+    tokenizer = _char_tokenizer(out_dir + "/tok")
+    for alive in (True, False):
+        run_dir = f"{out_dir}/{'alive' if alive else 'silent'}"
+        watchdog = Watchdog(WatchdogSettings(TIMEOUT_S, run_dir), 0, 1, dist.HashStore()).start()
+        watchdog.mark("gen", 1)
+        start = time.monotonic()
+        rollout = _rollout(tokenizer, DEADLINE_S, progress=watchdog.alive if alive else None)
+        out = rollout.generate_sequences(_prompts(tokenizer, [str(SLEEP_S), "600"]))
+        elapsed = time.monotonic() - start
+        watchdog.stop()
+        cols = out.non_tensor_batch
+        print(
+            json.dumps([alive, list(cols["agent_failure"]), list(cols["agent_reward"]), elapsed]), flush=True
+        )
+
+
+def _forked(function, out_dir: str) -> subprocess.CompletedProcess:
+    """``function(out_dir)`` in a child forked from this process, as a process of its own would run
+    it: its exit status (the watchdog's ``os._exit``) and what it wrote to stdout and stderr."""
+    paths = [os.path.join(out_dir, name) for name in ("stdout", "stderr")]
+    pid = os.fork()
+    if pid == 0:  # the child never returns into pytest
+        os._exit(_child(function, out_dir, paths))
+    _, status = os.waitpid(pid, 0)
+    out, err = (_read(path) for path in paths)
+    return subprocess.CompletedProcess([function.__name__], os.waitstatus_to_exitcode(status), out, err)
+
+
+def _child(function, out_dir: str, paths: list[str]) -> int:
+    """The forked child's exit status, with stdout and stderr in ``paths`` (line-buffered: open
+    until ``os._exit``, the watchdog writes its line from another thread)."""
+    try:
+        for fd, path in zip((1, 2), paths, strict=True):
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+        function(out_dir)
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
 
 
 @pytest.fixture(scope="module")
 def slow_tools(tmp_path_factory):
     """(the finished process, its output directory): both waits, with and without ``alive``."""
     out = tmp_path_factory.mktemp("slow_tools")
-    script = SLOW_TOOLS.format(timeout_s=TIMEOUT_S, deadline_s=DEADLINE_S)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    command = [sys.executable, "-c", script, str(out)]
-    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300), out
+    return _forked(_slow_tools, str(out)), out
 
 
 def test_conversations_waiting_longer_than_the_stall_timeout_are_not_a_stall(slow_tools):
