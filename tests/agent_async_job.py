@@ -118,6 +118,13 @@ def main(out: str) -> None:
             open(os.path.join(out, "weights-1"), "w").close()
 
     AsyncRolloutLink.next_batch, AsyncRolloutLink.after_update = saving_next_batch, ordered_after_update
+    try:  # a pool rank (tests/separate_in_pool.py) runs later jobs with the class as it was
+        _run(run, out)
+    finally:
+        AsyncRolloutLink.next_batch, AsyncRolloutLink.after_update = next_batch, after_update
+
+
+def _run(run: Any, out: str) -> None:
     run(RECIPE, [
         f"trainer.default_local_dir={out}/run", f"quickstart.assets_dir={out}/assets",
         "trainer.total_training_steps=2", "data.train_batch_size=2", "rollout.n=4",

@@ -1,7 +1,8 @@
 """Agent rollouts on the rollout rank of ``rollout.placement=separate`` (async training).
 
 In-process: a conversation whose two turns straddle a weight update records both versions,
-token by token (scripted engine and versions). Two processes (torchrun, tests/agent_async_job.py):
+token by token (scripted engine and versions). Two processes (tests/agent_async_job.py, written
+for torchrun, on the ``pool2`` ranks: tests/separate_in_pool.py):
 two async GRPO steps of the agent quickstart with the tools harness, the endpoint served by the
 rollout rank's engine. The engine's calls are grouped by the harness threads' timing, so the run
 is not compared with a colocated one token for token; instead every sample the trainer received
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from tests.test_agent_endpoint import ScriptedEngine, _config, _ids, _prompts, char_tokenizer  # noqa: F401
-from tests.test_async_training import _rows, torchrun_job
+from tests.test_async_training import _rows
 from verl_megatron.rollout.agent import AgentOutcome, AgentRollout
 from verl_megatron.rollout.endpoint import WeightVersions
 
@@ -76,9 +77,9 @@ def test_turns_across_a_weight_update_record_both_versions(char_tokenizer):  # n
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory) -> str:
+def job(tmp_path_factory, pool2) -> str:
     out = str(tmp_path_factory.mktemp("agent_async"))
-    torchrun_job("agent_async_job.py", out)
+    pool2.run("tests.separate_in_pool:run_main", timeout_s=600, module="tests.agent_async_job", out=out)
     return out
 
 
