@@ -103,8 +103,10 @@ def _exit_without_teardown() -> None:
 class DistPool:
     """``world_size`` processes in one gloo group, running jobs on request."""
 
-    def __init__(self, world_size: int, threads_per_rank: int = 1) -> None:
-        ctx = mp.get_context("spawn")
+    def __init__(self, world_size: int, threads_per_rank: int = 1, start_method: str = "spawn") -> None:
+        # "fork": the workers start with the caller's imports (megatron's cost seconds of CPU
+        # each); only for a caller with no process group and no threads that hold locks.
+        ctx = mp.get_context(start_method)
         port = _free_port()
         env = {
             "OMP_NUM_THREADS": str(threads_per_rank),
