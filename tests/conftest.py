@@ -20,22 +20,22 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
 
-# Files that take a minute or more (seconds summed over their tests on a 2-core machine). Under
+# Files that take the longest (seconds summed over their tests on a 2-core machine). Under
 # ``-n 2 --dist loadfile`` a worker takes whole files; xdist's default order (most tests first)
 # leaves these few-test files for the end, where one worker runs the last of them alone.
 _LONG_FILES = {
-    "test_commands.py": 93,
-    "test_benchmarks_smoke.py": 119,
-    "test_stall_watchdog.py": 93,
-    "test_restart.py": 114,
-    "test_quickstart.py": 71,
-    "test_torchrun_errors.py": 64,
-    "test_panel_linear.py": 52,
-    "test_restart_async.py": 50,
-    "test_family_deepseek.py": 47,
-    "test_rollout_native.py": 46,
-    "test_async_training.py": 41,
-    "test_user_errors.py": 41,
+    "test_benchmarks_smoke.py": 85,
+    "test_restart.py": 78,
+    "test_quickstart.py": 75,
+    "test_commands.py": 71,
+    "test_stall_watchdog.py": 65,
+    "test_panel_linear.py": 45,
+    "test_parity_steps.py": 31,
+    "test_family_deepseek.py": 28,
+    "test_restart_async.py": 27,
+    "test_multinode.py": 25,
+    "test_gpu_check_script.py": 25,
+    "test_rollout_native.py": 20,
 }
 
 
