@@ -177,7 +177,7 @@ def test_the_teacher_is_checked_without_this_machines_checks(config_only):
     teacher's model check). The trainer's teacher check (this_machine=True) still refuses it here."""
     from verl_megatron.planner.command import _checked
     from verl_megatron.trainer.config import load_config, validate_config
-    from verl_megatron.trainer.distill_stage import check_teacher_layout
+    from verl_megatron.trainer.distill_checks import check_teacher_layout
     from verl_megatron.workers.teacher_config import TeacherConfigError
 
     overrides = [

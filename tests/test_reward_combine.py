@@ -143,7 +143,7 @@ def test_start_up_check_runs_in_validate_config(checkpoints):
     ],
 )  # fmt: skip
 def test_bad_model_reward_config_is_one_named_line(base_config, checkpoints, overrides, needle):
-    from verl_megatron.reward.model_rewards import check_model_rewards
+    from verl_megatron.reward.model_rewards_check import check_model_rewards
 
     for name, path in checkpoints.items():
         overrides = [o.replace("{" + name + "}", path) for o in overrides]

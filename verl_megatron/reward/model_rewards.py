@@ -7,7 +7,7 @@ and ``reward_model.combine`` turns ``rule``, ``rm`` and ``judge`` into one score
 placed at its last valid token. Per-sample ``rm_score`` / ``judge_score`` go to the extra info
 (so to ``non_tensor_batch``), and judge failures to ``reward/judge/<cause>_count``.
 
-:func:`check_model_rewards` (``reward/model_rewards_check.py``) is the start-up check, re-exported here.
+:func:`check_model_rewards` (``reward/model_rewards_check.py``) is the start-up check.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import torch.distributed as dist
 from verl_megatron.protocol import DataProto
 from verl_megatron.reward.combine import compile_formula, place_at_last_token
 from verl_megatron.reward.judge import CAUSES, RewardJudge
-from verl_megatron.reward.model_rewards_check import check_model_rewards, formula_text
+from verl_megatron.reward.model_rewards_check import formula_text
 
-__all__ = ["ModelRewards", "build_model_rewards", "check_model_rewards", "judge_count_key"]
+__all__ = ["ModelRewards", "build_model_rewards", "judge_count_key"]
 
 
 def judge_count_key(cause: str) -> str:

@@ -1,5 +1,4 @@
-"""The start-up checks of ``algorithm.distill`` (before any model is built), re-exported by
-``trainer/distill_stage.py``.
+"""The start-up checks of ``algorithm.distill`` (before any model is built).
 
 Apart from the stage because every front-end process validates the config before torchrun starts
 the ranks: these checks must not import the stage's protocol and metrics (tensordict, torch._dynamo).

@@ -21,14 +21,12 @@ from verl_megatron.algos.distill import reverse_kl_advantages, reverse_kl_metric
 from verl_megatron.models.logprobs import vocab_parallel_log_probs
 from verl_megatron.protocol import DataProto
 from verl_megatron.trainer import metrics as M
-from verl_megatron.trainer.distill_checks import check_distill, check_teacher_layout, check_teacher_pair
+from verl_megatron.trainer.distill_checks import check_teacher_pair
 from verl_megatron.workers.teacher_config import DistillConfig
 
 __all__ = [
     "DistillTeacher",
     "build_teacher",
-    "check_distill",
-    "check_teacher_layout",
     "distill_advantages",
     "teacher_log_probs",
 ]

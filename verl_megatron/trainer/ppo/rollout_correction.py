@@ -11,12 +11,9 @@ from __future__ import annotations
 
 from verl_megatron.algos.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
 from verl_megatron.protocol import DataProto
-from verl_megatron.trainer.ppo.rollout_correction_config import (
-    RolloutCorrectionConfig,
-    check_rollout_correction,
-)
+from verl_megatron.trainer.ppo.rollout_correction_config import RolloutCorrectionConfig
 
-__all__ = ["apply_rollout_correction", "check_rollout_correction"]
+__all__ = ["apply_rollout_correction"]
 
 
 def apply_rollout_correction(batch: DataProto, config: RolloutCorrectionConfig) -> dict[str, float]:
