@@ -13,13 +13,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
 
-from tests.warm_workers import SOCKET_VAR, zygote
+from tests.warm_workers import SOCKET_VAR, python_wrapper, zygote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The launcher installs handlers for these and leaves them installed.
@@ -32,10 +31,7 @@ def warm_ranks(folder: str) -> Iterator[dict[str, str]]:
     runs ``$PYTHON_EXEC -u -m verl_megatron.train ARGS``, and ``PYTHON_EXEC`` is a script that
     hands ``-m verl_megatron.train ARGS`` to the zygote's client (which takes no ``-u``: the forked
     rank's output is unbuffered already)."""
-    path = os.path.join(folder, "python")
-    with open(path, "w") as f:
-        f.write(f'#!/bin/sh\n[ "$1" = -u ] && shift\nexec {sys.executable} -m tests.warm_workers "$@"\n')
-    os.chmod(path, 0o755)
+    path = python_wrapper(folder)
     env = {
         k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")
     }

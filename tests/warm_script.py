@@ -1,9 +1,9 @@
 """torchrun ranks of a *script* forked from a warm process (tests/warm_workers.py runs modules).
 
-torch's launcher starts a script's ranks as ``$PYTHON_EXEC -u SCRIPT ARGS``. ``script_python``
-writes a ``python`` for PYTHON_EXEC that hands ``-m tests.warm_script SCRIPT ARGS`` to the zygote
-named by VM_WARM_SOCKET; the forked rank then runs SCRIPT as ``__main__`` with ``sys.argv`` and
-``sys.path[0]`` as ``python SCRIPT ARGS`` sets them. What the ranks do is the test's subject, not
+torch's launcher starts a script's ranks as ``$PYTHON_EXEC -u SCRIPT ARGS``; with PYTHON_EXEC
+``tests.warm_workers.python_wrapper(folder, "-m", "tests.warm_script")``, ``-m tests.warm_script
+SCRIPT ARGS`` goes to the zygote named by VM_WARM_SOCKET; the forked rank then runs SCRIPT as
+``__main__`` with ``sys.argv`` and ``sys.path[0]`` as ``python SCRIPT ARGS`` sets them. What the ranks do is the test's subject, not
 how a fresh interpreter imports torch and megatron (~8 CPU s a rank).
 """
 
@@ -11,22 +11,7 @@ from __future__ import annotations
 
 import os
 import runpy
-import shlex
 import sys
-
-
-def script_python(folder: str) -> str:
-    """An executable ``python`` in ``folder`` for torchrun's PYTHON_EXEC (it drops the launcher's
-    ``-u``: the forked rank's output is unbuffered already); its path."""
-    path = os.path.join(folder, "python")
-    with open(path, "w") as f:
-        f.write(
-            f'#!/bin/sh\n[ "$1" = -u ] && shift\nexec {shlex.quote(sys.executable)} -m tests.warm_workers '
-            '-m tests.warm_script "$@"\n'
-        )
-    os.chmod(path, 0o755)
-    return path
-
 
 if __name__ == "__main__":
     script = os.path.abspath(sys.argv[1])

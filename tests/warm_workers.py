@@ -96,12 +96,16 @@ def zygote(env: dict[str, str], cwd: str) -> Iterator[str]:
             proc.stdout.close()
 
 
-def python_wrapper(folder: str) -> str:
-    """An executable ``python`` in ``folder`` whose ``-m MODULE ARGS`` runs in a rank forked by the
-    zygote named by VM_WARM_SOCKET (started in the repository root); its path."""
+def python_wrapper(folder: str, *prefix: str) -> str:
+    """An executable ``python`` in ``folder`` whose ``[-u] [PREFIX] -m MODULE ARGS`` runs in a rank
+    forked by the zygote named by VM_WARM_SOCKET (started in the repository root); its path. It
+    serves a launch script's ``$PYTHON`` and torch's launcher's PYTHON_EXEC, which adds ``-u`` (dropped:
+    the forked rank's output is unbuffered already). ``prefix``: arguments put before the caller's
+    (``-m tests.warm_script``: the caller's ``SCRIPT ARGS`` run as a script)."""
     path = os.path.join(folder, "python")
+    head = " ".join(shlex.quote(arg) for arg in (sys.executable, "-m", "tests.warm_workers", *prefix))
     with open(path, "w") as f:
-        f.write(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m tests.warm_workers "$@"\n')
+        f.write(f'#!/bin/sh\n[ "$1" = -u ] && shift\nexec {head} "$@"\n')
     os.chmod(path, 0o755)
     return path
 
