@@ -59,3 +59,20 @@ def test_errors_of_every_rank_are_reported_and_the_pool_stays_usable():
         pool.close()
     with pytest.raises(RuntimeError, match="the pool is closed"):
         pool.run(f"{__name__}:rank_job")
+
+
+def fork_a_pool_job() -> str:
+    from verl_megatron.distributed.dist_pool import DistPool
+
+    try:
+        DistPool(1, start_method="fork").close()
+    except ValueError as err:
+        return str(err)
+    return "forked"
+
+
+def test_a_pool_is_not_forked_from_a_process_that_has_a_process_group(pool1):
+    """Each forked worker would inherit the caller's group and then form its own over it."""
+    assert pool1.run(f"{__name__}:fork_a_pool_job") == [
+        "DistPool(start_method='fork') from a process that has a process group: use 'spawn'"
+    ]

@@ -198,13 +198,11 @@ _JOB_IMPORTS = (
 def pool4():
     """pp=2 x vpp=2 x dp=2 needs 4 ranks. They are forked from this process once it has imported
     what the job needs: 4 fresh interpreters importing megatron cost ~24 CPU s, the jobs ~1 s."""
-    import torch.distributed as dist
-
     from verl_megatron.distributed.dist_pool import DistPool
 
     for module in _JOB_IMPORTS:
         importlib.import_module(module)
-    pool = DistPool(4, start_method="spawn" if dist.is_initialized() else "fork")
+    pool = DistPool(4, start_method="fork")
     yield pool
     pool.close()
 

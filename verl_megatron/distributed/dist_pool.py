@@ -105,7 +105,15 @@ class DistPool:
 
     def __init__(self, world_size: int, threads_per_rank: int = 1, start_method: str = "spawn") -> None:
         # "fork": the workers start with the caller's imports (megatron's cost seconds of CPU
-        # each); only for a caller with no process group and no threads that hold locks.
+        # each); only for a caller with no threads that hold locks, and no process group (each
+        # worker would inherit the caller's and form its own over it).
+        if start_method == "fork":
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                raise ValueError(
+                    "DistPool(start_method='fork') from a process that has a process group: use 'spawn'"
+                )
         ctx = mp.get_context(start_method)
         port = _free_port()
         env = {
