@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -108,3 +112,36 @@ def advised_huge_pages(address: int) -> bool:
             elif inside and head == "VmFlags:":
                 return "hg" in line.split()[1:]
     raise AssertionError(f"address {address:#x} is in no mapping of /proc/self/smaps")
+
+
+def run_forked(function: Callable[[str], Any], out_dir: str) -> subprocess.CompletedProcess:
+    """``function(out_dir)`` in a child forked from this process, as a process of its own would run
+    it (with this process's imports: megatron's ~6 CPU s a fresh interpreter pays again): its exit
+    status (``os._exit`` included) and what it wrote to stdout and stderr (files in ``out_dir``)."""
+    paths = [os.path.join(out_dir, name) for name in ("stdout", "stderr")]
+    pid = os.fork()
+    if pid == 0:  # the child never returns into pytest
+        os._exit(_child(function, out_dir, paths))
+    _, status = os.waitpid(pid, 0)
+    out, err = (_read(path) for path in paths)
+    return subprocess.CompletedProcess([function.__name__], os.waitstatus_to_exitcode(status), out, err)
+
+
+def _child(function, out_dir: str, paths: list[str]) -> int:
+    """The forked child's exit status, with stdout and stderr in ``paths`` (line-buffered: open
+    until ``os._exit``, the watchdog writes its line from another thread)."""
+    try:
+        for fd, path in zip((1, 2), paths, strict=True):
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+        function(out_dir)
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()

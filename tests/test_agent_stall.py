@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import subprocess
-import sys
 import time
-import traceback
 
 import pytest
 import torch.distributed as dist
 
+from tests.helpers import run_forked
 from tests.test_agent_endpoint import ScriptedEngine, _config, _ids, _prompts
 from verl_megatron.rollout.agent import AgentOutcome, AgentRollout
 
@@ -94,43 +91,11 @@ def _slow_tools(out_dir: str) -> None:
         )
 
 
-def _forked(function, out_dir: str) -> subprocess.CompletedProcess:
-    """``function(out_dir)`` in a child forked from this process, as a process of its own would run
-    it: its exit status (the watchdog's ``os._exit``) and what it wrote to stdout and stderr."""
-    paths = [os.path.join(out_dir, name) for name in ("stdout", "stderr")]
-    pid = os.fork()
-    if pid == 0:  # the child never returns into pytest
-        os._exit(_child(function, out_dir, paths))
-    _, status = os.waitpid(pid, 0)
-    out, err = (_read(path) for path in paths)
-    return subprocess.CompletedProcess([function.__name__], os.waitstatus_to_exitcode(status), out, err)
-
-
-def _child(function, out_dir: str, paths: list[str]) -> int:
-    """The forked child's exit status, with stdout and stderr in ``paths`` (line-buffered: open
-    until ``os._exit``, the watchdog writes its line from another thread)."""
-    try:
-        for fd, path in zip((1, 2), paths, strict=True):
-            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
-        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-        function(out_dir)
-    except BaseException:
-        traceback.print_exc()
-        return 1
-    return 0
-
-
-def _read(path: str) -> str:
-    with open(path) as f:
-        return f.read()
-
-
 @pytest.fixture(scope="module")
 def slow_tools(tmp_path_factory):
     """(the finished process, its output directory): both waits, with and without ``alive``."""
     out = tmp_path_factory.mktemp("slow_tools")
-    return _forked(_slow_tools, str(out)), out
+    return run_forked(_slow_tools, str(out)), out
 
 
 def test_conversations_waiting_longer_than_the_stall_timeout_are_not_a_stall(slow_tools):

@@ -14,10 +14,12 @@ rebuilds of either part. Asking for the layout already built reuses its groups.
 
 from __future__ import annotations
 
-import multiprocessing
+import json
 import os
 
 import pytest
+
+from tests.helpers import run_forked
 
 LAYOUTS = [{}, {"tp": 2}, {"pp": 2}, {"pp": 2, "vpp": 2}, {"ep": 2}]
 
@@ -135,21 +137,15 @@ def failed_init_job() -> dict:
     return out
 
 
-def _failed_init_in_forked_child(send) -> None:
-    """failed_init_job in a child forked from the test process, its result sent back: the child
-    starts with the parent's imports (megatron's ~6 CPU s a fresh interpreter pays again) and,
-    like a fresh interpreter, without a process group (tests build theirs in pool workers)."""
+def _print_failed_init(out_dir: str) -> None:
+    """failed_init_job's result on stdout, as a fresh interpreter without a process group runs it
+    (tests build theirs in pool workers)."""
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT"):
         os.environ.pop(key, None)
-    try:
-        send.send(("ok", failed_init_job()))
-    except BaseException:
-        import traceback
-
-        send.send(("error", traceback.format_exc()))
+    print(json.dumps(failed_init_job()))
 
 
-def test_a_failed_init_runtime_leaves_no_process_group_behind():
+def test_a_failed_init_runtime_leaves_no_process_group_behind(tmp_path):
     """A layout error used to be found after the process group had started, and nothing destroyed
     it: the next init_runtime found a group it did not own (train's shutdown never ran)."""
     import torch.distributed as dist
@@ -157,17 +153,9 @@ def test_a_failed_init_runtime_leaves_no_process_group_behind():
     import verl_megatron.distributed.parallel  # noqa: F401  imported once, here, for the child
 
     assert not dist.is_initialized(), "the test process holds a process group: the child would inherit it"
-    context = multiprocessing.get_context("fork")
-    receive, send = context.Pipe(duplex=False)
-    child = context.Process(target=_failed_init_in_forked_child, args=(send,))
-    child.start()
-    send.close()
-    try:
-        assert receive.poll(300), "the child sent nothing in 300 s"
-        status, out = receive.recv()
-    finally:
-        child.join(60)
-    assert status == "ok", out
+    done = run_forked(_print_failed_init, str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.splitlines()[-1])
     # The layout is checked against WORLD_SIZE before any group starts.
     assert out["layout"] == {
         "error": "tp*pp*cp = 2*1*1 = 2 does not divide the world size 1",
