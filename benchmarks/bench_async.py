@@ -34,8 +34,9 @@ Two parts:
    policy, up to 128 tokens: the random-init policy stops at EOS with a small probability per
    token, so lengths are roughly geometric, most responses short and the longest of a batch of
    512 about 6x the mean; the table gives the mean and the longest per step, measured, not
-   assumed). ``steps`` training steps without validation; steps per minute from the trainer's
-   step times (the first step, which pays start-up costs, is left out), and what each rank spent
+   assumed). ``steps`` training steps without validation, ``repeats`` runs of each mode taken in
+   turn; steps per minute from the trainer's step times (the first step, which pays start-up
+   costs, is left out), the ratio the median over the repeats, and what each rank spent
    waiting per step: in sync mode a rank never waits for the other role, it does both in turn
    (generation and training time are given); in async mode the trainer waits for the rollout's
    batch (``timing_s/wait_rollout``) and the rollout for weights (``async/rollout_wait_weights_s``).
@@ -90,6 +91,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import socket
 import statistics
 import subprocess
@@ -146,6 +148,13 @@ class AsyncBenchConfig:
     """Sizes of the benchmarked runs."""
 
     steps: int = 12
+    repeats: int = 3
+    """Throughput runs of each mode per workload, the modes alternating (sync, async, async, sync,
+    ...). One run's mean step moves a lot between runs of the same code on a quiet machine: on the
+    long tail, sync 0.43-0.64 s over 13 runs within an hour, async 0.36-0.41 s over 7 (the same
+    sampled lengths each time; pinning each rank to its own core did not narrow sync's spread), so
+    one run of each mode gave ratios from 1.14 to 1.67. Each row is the mode's median run and the
+    ratio the median of the ratios of the runs made one after the other."""
     learning: bool = True
     learning_steps: int = 150
     test_freq: int = 5
@@ -160,7 +169,7 @@ class AsyncBenchConfig:
 
 
 FULL = AsyncBenchConfig()
-QUICK = AsyncBenchConfig(steps=4, learning=False, timeout_s=600)
+QUICK = AsyncBenchConfig(steps=4, repeats=1, learning=False, timeout_s=600)
 
 
 def _free_port() -> int:
@@ -227,6 +236,43 @@ def throughput_row(workload: str, mode: str, rows: list[dict[str, Any]]) -> dict
         "response length (max)": _mean(steps, "response_length/max"),
     }
     return row
+
+
+def run_order(repeats: int) -> list[tuple[str, ...]]:
+    """The order of the modes in each repeat: sync first, then async first, and so on, so that a
+    machine drifting faster or slower over the runs does not favour one mode."""
+    modes = tuple(MODES)
+    return [modes if r % 2 == 0 else modes[::-1] for r in range(repeats)]
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median steps/min (the lower of the middle two for an even count): a real
+    run's row, so its columns stay consistent with each other."""
+    ranked = sorted(runs, key=lambda r: r["steps/min"] if r["steps/min"] is not None else -math.inf)
+    return ranked[(len(ranked) - 1) // 2]
+
+
+def paired_ratios(runs: dict[str, list[dict[str, Any]]]) -> list[float | None]:
+    """async / sync steps/min of the runs of each repeat (made one after the other)."""
+    return [ratio(a["steps/min"], s["steps/min"]) for s, a in zip(runs["sync"], runs["async"], strict=True)]
+
+
+def median_or_none(values: list[float | None]) -> float | None:
+    """The median, or None when any value is missing (a run without step times)."""
+    return None if not values or None in values else statistics.median(values)
+
+
+def _repeats_note(workload: str, runs: dict[str, list[dict[str, Any]]], pairs: list[float | None]) -> str:
+    def spread(mode: str) -> str:
+        values = [r["steps/min"] for r in runs[mode] if r["steps/min"] is not None]
+        return f"{min(values):.1f}-{max(values):.1f}" if values else "n/a"
+
+    shown = ", ".join("n/a" if p is None else f"{p:.3f}" for p in pairs)
+    return (
+        f"{workload}: {len(pairs)} runs of each mode, alternating; steps/min sync {spread('sync')}, "
+        f"async {spread('async')}; async / sync of each repeat {shown} (the ratio: their median; "
+        "the rows: each mode's median run)"
+    )
 
 
 def _ceiling_note(workload: str, by_mode: dict[str, dict[str, Any]]) -> str:
@@ -318,15 +364,19 @@ def run(config: AsyncBenchConfig, workdir: Path) -> Section:
             "trainer.val_before_train=false",
         ]
         for workload in config.workloads:
-            by_mode = {}
-            for mode in MODES:
-                out_dir = Path(tmp) / f"{workload}_{mode}"
-                rows = train(mode, [*plain, *WORKLOADS[workload]], out_dir, config.timeout_s, config.options)
-                by_mode[mode] = throughput_row(workload, mode, rows)
-                section.rows.append(by_mode[mode])
-            section.ratios[f"steps/min async / sync ({workload})"] = ratio(
-                by_mode["async"]["steps/min"], by_mode["sync"]["steps/min"]
-            )
+            runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
+            for repeat, order in enumerate(run_order(config.repeats)):
+                for mode in order:
+                    out_dir = Path(tmp) / f"{workload}_{mode}_{repeat}"
+                    rows = train(
+                        mode, [*plain, *WORKLOADS[workload]], out_dir, config.timeout_s, config.options
+                    )
+                    runs[mode].append(throughput_row(workload, mode, rows))
+            by_mode, pairs = {mode: median_run(runs[mode]) for mode in MODES}, paired_ratios(runs)
+            section.rows.extend(by_mode.values())
+            section.ratios[f"steps/min async / sync ({workload})"] = median_or_none(pairs)
+            if config.repeats > 1:
+                section.notes.append(_repeats_note(workload, runs, pairs))
             section.notes.append(_ceiling_note(workload, by_mode))
         if config.learning:
             _learning(config, Path(tmp), section)
@@ -372,6 +422,10 @@ def config_from_args(args: argparse.Namespace) -> AsyncBenchConfig:
     config = dataclasses.replace(config, workloads=workloads, learning=config.learning or args.learning_only)
     if args.options is not None:
         config = dataclasses.replace(config, options=tuple(args.options.split()))
+    if args.repeats is not None:
+        if args.repeats < 1:
+            raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+        config = dataclasses.replace(config, repeats=args.repeats)
     return config
 
 
@@ -389,6 +443,9 @@ def parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--workloads", default=",".join(WORKLOADS), help="comma-separated subset of the workloads"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=None, help=f"throughput runs of each mode (default: {FULL.repeats})"
     )
     parser.add_argument(
         "--options",

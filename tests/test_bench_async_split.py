@@ -61,3 +61,40 @@ def test_learning_is_judged_on_the_median_of_several_seeds():
     assert bench.median_steps([80, None]) is None  # a seed that never reached the target: no number
     # async computes half of the old log-probs on its rollout rank, a throughput option only
     assert "async_training.old_log_probs_on_rollout=true" in bench.MODES["async"]
+
+
+def test_throughput_repeats_alternate_and_report_medians():
+    bench = _bench_async()
+    assert bench.FULL.repeats >= 3 and bench.QUICK.repeats == 1
+    assert bench.run_order(4) == [("sync", "async"), ("async", "sync"), ("sync", "async"), ("async", "sync")]
+
+    def row(mode, steps_min, step_s):
+        return {**bench.throughput_row("w", mode, []), "steps/min": steps_min, "step_s": step_s}
+
+    runs = {
+        "sync": [row("sync", 100.0, 0.6), row("sync", 130.0, 0.46), row("sync", 120.0, 0.5)],
+        "async": [row("async", 150.0, 0.4), row("async", 156.0, 0.385), row("async", 160.0, 0.375)],
+    }
+    # the median run is a real run's row (its step_s goes with its steps/min), not a mix
+    assert bench.median_run(runs["sync"])["step_s"] == 0.5
+    assert bench.median_run(runs["sync"][:2])["step_s"] == 0.6  # even count: the lower middle
+    pairs = bench.paired_ratios(runs)
+    assert pairs == [1.5, 1.2, 160.0 / 120.0]
+    # the ratio is the median of the pairs (1.333), not the ratio of the medians (156 / 120 = 1.3)
+    assert bench.median_or_none(pairs) == 160.0 / 120.0
+    assert bench.median_or_none([1.2, None]) is None
+    note = bench._repeats_note("long-tail", runs, pairs)
+    assert "3 runs of each mode" in note and "sync 100.0-130.0" in note and "1.500, 1.200, 1.333" in note
+
+
+def test_repeats_from_the_command_line():
+    bench = _bench_async()
+    args = bench.parser().parse_args(["--no-learning", "--repeats", "5"])
+    assert bench.config_from_args(args).repeats == 5
+    assert bench.config_from_args(bench.parser().parse_args(["--quick"])).repeats == 1
+    try:
+        bench.config_from_args(bench.parser().parse_args(["--repeats", "0"]))
+    except ValueError as e:
+        assert "--repeats must be >= 1, got 0" in str(e)
+    else:
+        raise AssertionError("--repeats 0 was accepted")
