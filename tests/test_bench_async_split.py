@@ -58,7 +58,9 @@ def test_learning_is_judged_on_the_median_of_several_seeds():
     assert bench.FULL.test_freq == 5 and len(set(bench.FULL.seeds)) >= 2
     assert bench.median_steps([80, 95]) == 87.5
     assert bench.median_steps([80, 95, 120]) == 95.0
-    assert bench.median_steps([80, None]) is None  # a seed that never reached the target: no number
+    assert bench.median_steps([80, None]) is None  # the median is a seed that never reached it
+    assert bench.median_steps([80, None, 95]) == 95.0  # one such seed counts as the latest, not as no number
+    assert bench.median_steps([]) is None
     # async computes half of the old log-probs on its rollout rank, a throughput option only
     assert "async_training.old_log_probs_on_rollout=true" in bench.MODES["async"]
 
