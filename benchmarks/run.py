@@ -1,6 +1,6 @@
 """Run every benchmark in one go, on one machine, and write the results.
 
-    python benchmarks/run.py                      # full run (about 15-20 minutes on 2 CPU cores)
+    python benchmarks/run.py                      # full run (about 42 minutes on 2 CPU cores)
     python benchmarks/run.py --quick              # smoke run: tiny sizes, one repeat (about a minute)
     python benchmarks/run.py --out DIR            # results folder (default benchmarks/results)
     python benchmarks/run.py --only update,memory # a subset of sections
