@@ -46,10 +46,16 @@ Two parts:
    its median per mode (one seed's curve moves the first crossing by tens of steps).
    Minutes on 2 CPU cores; ``--quick`` and ``benchmarks/run.py --quick`` skip it.
 
-   What one step of staleness costs here (``--learning-only --seeds 1,...,12``, loaded 2-core
-   machine, 22-35 s a run): steps to 0.8 on seeds 1..12, sync 80 90 90 95 100 85 95 80 90 90 85 95
+   What one step of staleness costs here (``--learning-only --seeds 1,...,12`` on 5c1f4b4, Dec 6,
+   loaded 2-core machine, 22-35 s a run): steps to 0.8 on seeds 1..12, sync 80 90 90 95 100 85 95 80 90 90 85 95
    (median 90), async 100 130 100 105 120 85 95 115 100 85 95 110 (median 100): ratio 1.11; per
    seed async - sync +20 +40 +10 +10 +20 0 0 +35 +10 -5 +10 +15 (median +10, mean +14, sd 14).
+   The first full run with 12 seeds (4259a0e, on f6ccb88: later code, the same options) gave sync
+   75 90 85 90 105 90 105 85 85 85 80 90 (median 87.5), async 95 135 95 115 120 80 120 110 110 95
+   90 115 (median 110): ratio 1.26, per seed +20 +45 +10 +25 +15 -10 +15 +25 +25 +10 +10 +25
+   (median +17.5). Changes since (e.g. stopping on the model's whole EOS list) draw other samples
+   from the same seeds; with a per-seed spread of 14 steps a 12-seed median moves by about 5
+   steps, so the two runs differ by about what chance allows, and both miss the 1.1 target.
    The correction is not what is lost: the IS weights (old / behaviour log-probs, token TIS at 2)
    average 0.99 over the async steps of the 12 runs, with an effective sample size of 0.97 of the
    batch in the median step and 0.92 at the 5th percentile, and the old log-probs computed on the
