@@ -67,7 +67,7 @@ Two parts:
    150 steps): sequence IS 90 115 110 None 135 85, token TIS at 5 100 110 100 None 115 None,
    IcePop [0.5, 5] 105 None 90 None 140 90, token TIS at 1.5 130 None 125 None 125 80; so the
    async mode keeps token TIS at 2 (verl's ``decoupled_token_is``). ``seeds`` is these 12 (about
-   25 s a run on a quiet machine, 10 minutes in all): a 3-seed ratio of medians resampled from them
+   32 s a run in the full run of 4259a0e, 13 minutes for both modes): a 3-seed ratio of medians resampled from them
    spans 1.00-1.33 (5-95%), so 3 seeds, as before, could not tell 1.1 from 1.2.
 
    Would less lag do? A temporary patch (not kept) made sync's ranks generate each batch with the
