@@ -396,8 +396,6 @@ def test_scorer_timeouts_the_watchdog_outlasts_are_accepted(overrides):
 THREADS_SCRIPT = """
 import sys, threading, time
 import torch.distributed as dist
-
-from tests.warm_workers import SOCKET_VAR, zygote
 from verl_megatron.distributed.watchdog import Watchdog, WatchdogSettings
 
 def work():
