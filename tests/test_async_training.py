@@ -10,9 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -350,12 +347,6 @@ def test_partial_rollout_continues_with_new_weights_and_records_versions() -> No
 # ------------------------------------------------------------------ the 2-process job
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rows(path: str) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -366,23 +357,6 @@ def job(tmp_path_factory, pool2) -> str:
     out = str(tmp_path_factory.mktemp("async"))
     pool2.run("tests.separate_in_pool:run_main", timeout_s=600, module="tests.async_job", out=out)
     return out
-
-
-def torchrun_job(script: str, out: str) -> None:
-    """Run ``tests/<script> out`` on 2 processes under torchrun, in ``out``; assert it succeeded."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={_free_port()}",
-    ]
-    result = subprocess.run(
-        [*torchrun, os.path.join(ROOT, "tests", script), out],
-        capture_output=True, text=True, timeout=600, env=env, cwd=out,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
 
 
 def test_off_policy_batches_are_one_version_stale_and_corrected(job) -> None:
