@@ -56,15 +56,18 @@ def env() -> dict[str, str]:
 
 
 def job_overrides(
-    out_dir: str | os.PathLike, scorer: str | os.PathLike, delay: float, steps: int
+    out_dir: str | os.PathLike, scorer: str | os.PathLike, delay: float | None, steps: int
 ) -> list[str]:
+    """The tiny job scored by ``scorer``, with ``reward_kwargs.delay`` unless ``delay`` is None (a
+    scorer that takes no delay)."""
+    delay_kwarg = [] if delay is None else [f"custom_reward_function.reward_kwargs.delay={delay}"]
     return [
         *TINY2,
         f"trainer.default_local_dir={out_dir}",
         f"trainer.total_training_steps={steps}",
         "trainer.save_freq=2",
         f"custom_reward_function.path={scorer}",
-        f"custom_reward_function.reward_kwargs.delay={delay}",
+        *delay_kwarg,
     ]
 
 
@@ -88,22 +91,6 @@ def kill_tree(proc: subprocess.Popen) -> None:
         with contextlib.suppress(psutil.NoSuchProcess):
             member.kill()
     proc.communicate()
-
-
-def run_group(
-    command: list[str], timeout: float, cwd: str | os.PathLike = ROOT
-) -> subprocess.CompletedProcess:
-    """Run a launcher; on timeout it and its workers go (none left running)."""
-    proc = subprocess.Popen(
-        command, cwd=cwd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )  # fmt: skip
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc)
-        out, err = "", ""
-        raise AssertionError(f"{command[:6]} ran over {timeout} s:\n{out[-3000:]}\n{err[-5000:]}") from None
-    return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
 def two_nodes(port: int, overrides: list[str], node: int, restarts: int = 0) -> subprocess.Popen:

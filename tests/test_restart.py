@@ -54,7 +54,9 @@ def test_torchrun_restarts_a_killed_rank_and_the_run_resumes_exactly(tmp_path):
     # The fewest steps that show it: checkpoint 2 published, the kill in step 3, and the resumed
     # attempt's step 3 equal to the uninterrupted run's (weights, optimizer, data and RNG restored).
     steps, port = 3, job.free_port()
-    nodes = [job.two_nodes(port, overrides(tmp_path / "two_nodes", scorer, steps), n) for n in (0, 1)]
+    nodes = [
+        job.two_nodes(port, job.job_overrides(tmp_path / "two_nodes", scorer, None, steps), n) for n in (0, 1)
+    ]
     outputs = job.finish(nodes, timeout=600)
     assert [proc.returncode for proc in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     reference = read_jsonl_metrics(tmp_path / "two_nodes" / "metrics.jsonl")
@@ -66,7 +68,7 @@ def test_torchrun_restarts_a_killed_rank_and_the_run_resumes_exactly(tmp_path):
     # poll of the marker and the kill reach on a loaded machine, while the other steps run at full
     # speed.
     held = [
-        *overrides(out, scorer, steps), f"custom_reward_function.reward_kwargs.checkpoints={out}",
+        *job.job_overrides(out, scorer, None, steps), f"custom_reward_function.reward_kwargs.checkpoints={out}",
         "trainer.resume_mode=disable",
     ]  # fmt: skip
     proc = subprocess.Popen(
@@ -99,11 +101,6 @@ def wait_for_hold(out: Path, launcher: subprocess.Popen, deadline_s: float = 300
         assert launcher.poll() is None, f"the run ended before the hold:\n{launcher.stdout.read()[-3000:]}"
         assert time.monotonic() < end, f"no hold within {deadline_s} s"
         time.sleep(0.02)
-
-
-def overrides(out, scorer, steps: int) -> list[str]:
-    """The restart helpers' tiny job with ``scorer``, its reward kwargs (a delay) dropped."""
-    return [arg for arg in job.job_overrides(out, scorer, 0.0, steps) if ".reward_kwargs.delay=" not in arg]
 
 
 def test_a_restart_after_the_guard_stopped_the_run_stops_too(tmp_path, monkeypatch):
