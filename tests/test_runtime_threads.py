@@ -28,12 +28,19 @@ def os_threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def _rebuild_each_layout(hold_in_cycle: bool) -> list[int]:
-    """init_runtime for every layout in turn; the OS threads after each. ``hold_in_cycle``: each
-    layout's groups are then held in a reference cycle (a model and its optimizer make one) and
-    the cyclic collector is off, as it mostly is for long-lived objects: a destroyed group's
-    threads end only when its object goes, and a leftover gloo loop whose peer closed its side
-    spins (in a full suite the pool workers held ~250 such threads, ~790 s of system CPU)."""
+def process_groups() -> int:
+    import torch.distributed as dist
+
+    return len(dist.distributed_c10d._world.pg_map)
+
+
+def _rebuild_each_layout(hold_in_cycle: bool) -> tuple[list[int], list[int]]:
+    """init_runtime for every layout in turn; the OS threads and process groups after each.
+    ``hold_in_cycle``: each layout's groups are then held in a reference cycle (a model and its
+    optimizer make one) and the cyclic collector is off, as it mostly is for long-lived objects: a
+    destroyed group's threads end only when its object goes, and a leftover gloo loop whose peer
+    closed its side spins (in a full suite the pool workers held ~250 such threads, ~790 s of
+    system CPU)."""
     from megatron.core import parallel_state as ps
 
     from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
@@ -41,7 +48,7 @@ def _rebuild_each_layout(hold_in_cycle: bool) -> list[int]:
     class Model:
         pass
 
-    threads = []
+    threads, groups = [], []
     for kwargs in LAYOUTS:
         init_runtime(ParallelLayout(**kwargs))
         if hold_in_cycle:
@@ -50,35 +57,28 @@ def _rebuild_each_layout(hold_in_cycle: bool) -> list[int]:
             model.optimizer = {"model": model}  # the cycle
             del model
         threads.append(os_threads())
-    return threads
+        groups.append(process_groups())
+    return threads, groups
 
 
 def switching_job() -> dict:
     import gc
 
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from verl_megatron.distributed.parallel import ParallelLayout, init_runtime
 
-    def process_groups() -> int:
-        return len(dist.distributed_c10d._world.pg_map)
-
     # One pass first: a layout's first use may start threads that stay (e.g. torch's pools).
     _rebuild_each_layout(hold_in_cycle=False)
     start = {"threads": os_threads(), "groups": process_groups()}
-    threads, groups = [], []
-    for kwargs in LAYOUTS:
-        init_runtime(ParallelLayout(**kwargs))
-        threads.append(os_threads())
-        groups.append(process_groups())
+    threads, groups = _rebuild_each_layout(hold_in_cycle=False)
     first = ps.get_tensor_model_parallel_group()
     init_runtime(ParallelLayout(**LAYOUTS[-1]))
     reused = ps.get_tensor_model_parallel_group() is first
     plain = {"start": start, "threads": threads, "groups": groups, "reused": reused}
     gc.disable()
     try:
-        held = {"start": os_threads(), "threads": _rebuild_each_layout(hold_in_cycle=True)}
+        held = {"start": os_threads(), "threads": _rebuild_each_layout(hold_in_cycle=True)[0]}
     finally:
         gc.enable()
     init_runtime(ParallelLayout())
