@@ -26,12 +26,13 @@ _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
 @contextmanager
-def warm_ranks(folder: str) -> Iterator[dict[str, str]]:
+def warm_ranks(folder: str, *prefix: str) -> Iterator[dict[str, str]]:
     """The environment under which the launcher's ranks are forked by a zygote: torch's launcher
     runs ``$PYTHON_EXEC -u -m verl_megatron.train ARGS``, and ``PYTHON_EXEC`` is a script that
     hands ``-m verl_megatron.train ARGS`` to the zygote's client (which takes no ``-u``: the forked
-    rank's output is unbuffered already)."""
-    path = python_wrapper(folder)
+    rank's output is unbuffered already). ``prefix``: see ``python_wrapper`` (``-m
+    tests.warm_script`` for a launcher that runs a script)."""
+    path = python_wrapper(folder, *prefix)
     env = {
         k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")
     }

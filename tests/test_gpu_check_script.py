@@ -132,19 +132,12 @@ def test_under_torchrun_each_rank_is_a_dp_rank_and_the_update_is_the_same(dp1_ru
     import subprocess
     import sys
 
-    from tests.warm_workers import SOCKET_VAR, python_wrapper, zygote
+    from tests.inprocess_launch import ROOT, warm_ranks
 
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(SCRIPT),
                *SMALL, "--workdir", str(tmp_path / "work"), "--out", str(tmp_path / "summary.json")]  # fmt: skip
-    root = str(SCRIPT.parents[2])
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")
-    }
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=root)
-    with zygote(env, root) as socket_path:
-        env.update(
-            {"PYTHON_EXEC": python_wrapper(str(tmp_path), "-m", "tests.warm_script"), SOCKET_VAR: socket_path}
-        )
+    with warm_ranks(str(tmp_path), "-m", "tests.warm_script") as warm:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, **warm}
         result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     dp2, dp1 = json.loads((tmp_path / "summary.json").read_text()), dp1_run[1]
